@@ -1,0 +1,177 @@
+"""Cache surgery on the real ``transformers`` ``DynamicCache`` (transformers 5.x, DESIGN.md §4).
+
+Layout: ``cache.layers[i].keys/values`` are ``[batch, kv_heads, slots, head_dim]``, keys post-RoPE,
+GQA not expanded. Caches are built with ``config=`` so sliding-window layers keep their window: once
+a window has filled, a sliding layer holds only the last ``window - 1`` positions and slot ``j`` is
+position ``cumulative_length - n_slots + j``, not ``j``. Every forward on a cache passes explicit
+``position_ids`` (RoPE) and, when batching, a full-length attention mask.
+
+A *patch mask* is a bool tensor ``[V, n_layers, T]`` over the prefix positions ``[0, T)``: variant
+``v`` takes layer ``l``'s key/value at position ``p`` from the source ("new") cache where the mask
+is true and from the base ("old") cache elsewhere. Variant caches are built per chunk with one
+``torch.where`` per layer from the two source caches (no per-variant clone of a whole cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from transformers import DynamicCache
+
+DEFAULT_BUDGET_BYTES = 1 << 30
+
+
+def slot_positions(layer) -> torch.Tensor:
+    """Absolute positions held by a cache layer's slots, shape ``[n_slots]`` (long).
+
+    Full layers hold ``0..n-1``; a filled sliding layer holds ``cumulative_length - n .. cumulative_length - 1``.
+    """
+    n = layer.keys.shape[-2]
+    end = getattr(layer, "cumulative_length", n) if getattr(layer, "is_sliding", False) else n
+    return torch.arange(end - n, end, device=layer.keys.device)
+
+
+def seq_length(cache: DynamicCache) -> int:
+    """Number of positions the cache has seen (not slots held)."""
+    return max(int(slot_positions(layer)[-1]) + 1 if layer.keys.shape[-2] else 0 for layer in cache.layers)
+
+
+def cache_from_tensors(config, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                       seen: int) -> DynamicCache:
+    """A ``DynamicCache`` (built with ``config=``) whose layers reference the given tensors.
+
+    No copy is made: a forward on the new cache concatenates into fresh tensors, so the inputs are
+    never modified. ``seen`` is the number of positions the tensors represent (sliding layers may
+    hold fewer slots than that).
+
+    Args:
+        keys, values: per layer ``[batch, kv_heads, slots, head_dim]``.
+    """
+    cache = DynamicCache(config=config)
+    for layer, k, v in zip(cache.layers, keys, values, strict=True):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+        if getattr(layer, "is_sliding", False):
+            layer.cumulative_length = seen
+    return cache
+
+
+def view(cache: DynamicCache, config) -> DynamicCache:
+    """A new cache object over the same tensors (forwards on it leave ``cache`` unchanged)."""
+    return cache_from_tensors(config, [l.keys for l in cache.layers], [l.values for l in cache.layers],
+                              seq_length(cache))
+
+
+@torch.no_grad()
+def prefill(model, ids: torch.Tensor) -> DynamicCache:
+    """Run the prompt prefix ``ids`` (``[T]`` or ``[1, T]``) and return its cache.
+
+    Positions are ``0..T-1`` passed explicitly; only the last position's logits are computed.
+    """
+    ids = ids.view(1, -1).to(model.device)
+    cache = DynamicCache(config=model.config)
+    pos = torch.arange(ids.shape[1], device=model.device).unsqueeze(0)
+    model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+@torch.no_grad()
+def continuation_logprobs(model, cache: DynamicCache, tokens: torch.Tensor, start: int) -> torch.Tensor:
+    """Log-probabilities (fp32) after feeding ``tokens`` at positions ``start..`` on top of ``cache``.
+
+    Args:
+        cache: batch ``V`` cache holding positions ``[0, start)``; it is extended in place, so pass a
+            :func:`view` if it must be reused.
+        tokens: ``[V, n]`` or ``[n]`` token ids fed at positions ``start .. start + n - 1``.
+
+    Returns:
+        ``[V, n, vocab]`` log-softmax in fp32.
+    """
+    V = cache.layers[0].keys.shape[0]
+    tokens = tokens.to(model.device)
+    if tokens.dim() == 1:
+        tokens = tokens.unsqueeze(0).expand(V, -1)
+    n = tokens.shape[1]
+    pos = torch.arange(start, start + n, device=model.device).unsqueeze(0).expand(V, -1)
+    mask = torch.ones(V, start + n, dtype=torch.long, device=model.device)
+    out = model(input_ids=tokens, position_ids=pos, attention_mask=mask, past_key_values=cache, use_cache=True)
+    return torch.log_softmax(out.logits.float(), dim=-1)
+
+
+def variant_bytes(cache: DynamicCache) -> int:
+    """Bytes of K and V one variant of ``cache`` occupies."""
+    return sum(2 * l.keys[0].numel() * l.keys.element_size() for l in cache.layers)
+
+
+def chunks(n: int, per_item: int, budget_bytes: int) -> Iterator[slice]:
+    """Slices of ``range(n)`` with at most ``budget_bytes // per_item`` items (at least one)."""
+    size = max(1, budget_bytes // max(per_item, 1))
+    for s in range(0, n, size):
+        yield slice(s, min(n, s + size))
+
+
+def build_variants(config, base: DynamicCache, source: DynamicCache, masks: torch.Tensor) -> DynamicCache:
+    """Variant caches: layer ``l``, position ``p`` from ``source`` where ``masks[v, l, p]``, else ``base``.
+
+    Args:
+        base, source: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
+        masks: bool ``[V, n_layers, T]``.
+
+    Returns:
+        A batch-``V`` ``DynamicCache``.
+
+    Raises:
+        ValueError: the mask's layer or position count does not match the caches.
+    """
+    T = seq_length(base)
+    if masks.shape[1] != len(base.layers) or masks.shape[2] != T or seq_length(source) != T:
+        raise ValueError(f"mask {tuple(masks.shape)} does not fit caches of {len(base.layers)} layers x {T} positions")
+    keys, values = [], []
+    masks = masks.to(base.layers[0].keys.device)
+    for l, (lb, ls) in enumerate(zip(base.layers, source.layers)):
+        m = masks[:, l, slot_positions(lb)][:, None, :, None]
+        keys.append(torch.where(m, ls.keys, lb.keys))
+        values.append(torch.where(m, ls.values, lb.values))
+    return cache_from_tensors(config, keys, values, T)
+
+
+@torch.no_grad()
+def patched_logprobs(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor,
+                     tokens: torch.Tensor, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> torch.Tensor:
+    """Batched activation patching on the KV cache: log-probs of every patch variant.
+
+    For each variant, builds the patched prefix cache (see :func:`build_variants`) and feeds
+    ``tokens`` from position ``T`` (the first token is the decision token ``d = T``; further tokens
+    teacher-force a multi-token continuation). Variants are processed in chunks whose variant caches
+    fit ``budget_bytes``.
+
+    Args:
+        masks: bool ``[V, n_layers, T]``.
+        tokens: ``[n]`` token ids fed after the prefix.
+
+    Returns:
+        ``[V, n, vocab]`` fp32 log-probabilities.
+    """
+    T = seq_length(base)
+    out = []
+    for sl in chunks(masks.shape[0], variant_bytes(base), budget_bytes):
+        cache = build_variants(model.config, base, source, masks[sl])
+        out.append(continuation_logprobs(model, cache, tokens, T))
+    return torch.cat(out)
+
+
+def position_masks(n_layers: int, T: int, position_sets: Sequence[Sequence[int]],
+                   layers: Sequence[int] | None = None) -> torch.Tensor:
+    """Patch masks for sets of positions, each patched in ``layers`` (default: every layer).
+
+    Returns:
+        bool ``[len(position_sets), n_layers, T]``.
+    """
+    masks = torch.zeros(len(position_sets), n_layers, T, dtype=torch.bool)
+    layer_idx = torch.arange(n_layers) if layers is None else torch.as_tensor(list(layers), dtype=torch.long)
+    for v, positions in enumerate(position_sets):
+        if len(positions):
+            pos = torch.as_tensor(list(positions), dtype=torch.long)
+            masks[v, layer_idx[:, None], pos[None, :]] = True
+    return masks

@@ -1,0 +1,9 @@
+"""The one error type the command line turns into a one-line message and exit status 2."""
+
+
+class KvnotesError(Exception):
+    """Bad input or an unavailable resource, reported to the user as one line.
+
+    Raised for: unknown model/probe/scenario names, a field slot missing from its template, a model
+    that is neither embedded nor available offline, scenarios whose values do not change the tokens.
+    """

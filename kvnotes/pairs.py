@@ -1,0 +1,74 @@
+"""From a scenario config to token-aligned pairs, with exclusions counted by reason.
+
+This is the step ``run.py`` performs before any probe: load the suite, draw instances, render and
+tokenise every old/new pair, and set aside those that cannot be compared position by position.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvnotes.tokens import TokenizedPair, tokenize_pair
+from scenarios import build_pairs, load_suite
+
+
+@dataclass
+class PairSet:
+    """The pairs a probe works on.
+
+    Attributes:
+        pairs: token-aligned pairs, in suite order.
+        excluded: rows ``{pair, scenario, family, reason}`` for pairs set aside at tokenisation.
+        scenarios: the loaded scenarios (for per-family reporting of empty families).
+    """
+
+    pairs: list[TokenizedPair]
+    excluded: list[dict] = field(default_factory=list)
+    scenarios: list = field(default_factory=list)
+
+    def exclusion_counts(self) -> dict[str, int]:
+        return dict(Counter(r["reason"] for r in self.excluded))
+
+
+def prepare_pairs(tokenizer, scenario_cfg: Any, polarity: str = "normal",
+                  template_kwargs: dict | None = None) -> PairSet:
+    """Build the :class:`PairSet` described by a ``conf/scenario/*.yaml`` config.
+
+    Args:
+        scenario_cfg: mapping with ``paths``, ``families``, ``ids``, ``n_instances``, ``seed``,
+            ``variant`` and ``chat_template``.
+        polarity: ``"normal"`` or ``"inverted"`` rule trigger (see :mod:`scenarios.schema`).
+        template_kwargs: extra chat-template arguments from the model config.
+
+    Raises:
+        KvnotesError: invalid scenario files, an empty selection, or values that do not change tokens.
+    """
+    scenarios = load_suite(list(scenario_cfg.paths), scenario_cfg.get("families"), scenario_cfg.get("ids"))
+    specs = build_pairs(scenarios, int(scenario_cfg.n_instances), int(scenario_cfg.seed),
+                        scenario_cfg.get("variant", "direct"), polarity)
+    out = PairSet([], [], scenarios)
+    for spec in specs:
+        tp = tokenize_pair(tokenizer, spec, bool(scenario_cfg.get("chat_template", True)), template_kwargs)
+        if isinstance(tp, str):
+            out.excluded.append(pair_meta(spec) | {"reason": tp})
+        else:
+            out.pairs.append(tp)
+    return out
+
+
+def pair_meta(spec) -> dict:
+    """Identifying columns of a pair row."""
+    inst = spec.instance
+    return {"pair": spec.id, "scenario": inst.scenario.id, "family": inst.scenario.family,
+            "domain": inst.scenario.domain, "instance": inst.id, "old": spec.old, "new": spec.new,
+            "expect_flip": spec.expect_flip}
+
+
+def pair_row(pair: TokenizedPair) -> dict:
+    """Identifying columns plus spans and candidate tokens of a token-aligned pair."""
+    return pair_meta(pair.spec) | {
+        "field": list(pair.field), "decision": pair.decision, "n_tokens": len(pair.old.ids),
+        "cand_old": list(pair.cand_old), "cand_new": list(pair.cand_new),
+    }

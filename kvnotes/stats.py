@@ -1,0 +1,154 @@
+"""Statistics that keep the probes honest (DESIGN.md §8).
+
+- :func:`cluster_bootstrap_ci`: percentile bootstrap that resamples scenarios (clusters) with
+  replacement, then instances within each drawn scenario, keeping all pairs of a drawn instance
+  together; seeded ``numpy.random.Generator`` (never ``hash()`` or a fixed permutation).
+- :func:`wilson`: Wilson score interval for a proportion (``scipy.stats.binomtest``).
+- :func:`summarize`: n, n_scenarios, mean, median, CIs, in the form every aggregate uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from scipy.stats import binomtest
+
+
+def _instance_index(scenarios: Sequence, instances: Sequence) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Map rows to a global instance index and list each scenario's instance indices."""
+    inst_of: dict = {}
+    per_scen: dict = {}
+    row_inst = np.empty(len(scenarios), dtype=np.int64)
+    for i, (s, inst) in enumerate(zip(scenarios, instances, strict=True)):
+        key = (s, inst)
+        if key not in inst_of:
+            inst_of[key] = len(inst_of)
+            per_scen.setdefault(s, []).append(inst_of[key])
+        row_inst[i] = inst_of[key]
+    return row_inst, [np.asarray(v) for v in per_scen.values()]
+
+
+def bootstrap_weights(scenarios: Sequence, instances: Sequence, n_boot: int = 2000, seed: int = 0) -> np.ndarray:
+    """Row weights of two-stage cluster bootstrap replicates.
+
+    Each replicate draws ``n_scenarios`` scenarios with replacement and, inside each drawn scenario,
+    as many instances as it has, with replacement; every row (pair) of a drawn instance enters with
+    the number of times its instance was drawn.
+
+    Returns:
+        ``[n_boot, n_rows]`` integer weights.
+    """
+    row_inst, scen = _instance_index(scenarios, instances)
+    rng = np.random.default_rng(seed)
+    n_inst = np.array([len(v) for v in scen])
+    max_inst = int(n_inst.max())
+    padded = np.full((len(scen), max_inst), -1)
+    for i, v in enumerate(scen):
+        padded[i, : len(v)] = v
+    drawn_scen = rng.integers(len(scen), size=(n_boot, len(scen)))                  # [B, S]
+    u = rng.random((n_boot, len(scen), max_inst))                                   # [B, S, I]
+    k = np.floor(u * n_inst[drawn_scen][:, :, None]).astype(np.int64)               # instance slot
+    valid = np.arange(max_inst)[None, None, :] < n_inst[drawn_scen][:, :, None]
+    chosen = padded[drawn_scen[:, :, None], k]                                      # global instance ids
+    counts = np.zeros((n_boot, len(row_inst) and row_inst.max() + 1), dtype=np.int64)
+    b_idx = np.broadcast_to(np.arange(n_boot)[:, None, None], chosen.shape)
+    np.add.at(counts, (b_idx[valid], chosen[valid]), 1)
+    return counts[:, row_inst]
+
+
+def _weighted_median(vals: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    order = np.argsort(vals, kind="stable")
+    v, w = vals[order], weights[:, order]
+    cum = np.cumsum(w, axis=1)
+    half = cum[:, -1:] / 2.0
+    lo = np.argmax(cum >= half, axis=1)                       # first index reaching half the weight
+    hi = np.argmax(cum > half, axis=1)                        # even-total ties: average the two middles
+    return (v[lo] + v[hi]) / 2.0
+
+
+def cluster_bootstrap(values: Sequence[float], scenarios: Sequence, instances: Sequence, stat: str = "mean",
+                      n_boot: int = 2000, seed: int = 0) -> np.ndarray:
+    """Bootstrap distribution of the mean or median under two-stage cluster resampling
+    (:func:`bootstrap_weights`).
+
+    Args:
+        values: one value per pair.
+        scenarios, instances: the pair's scenario id and instance id (cluster labels).
+        stat: ``"mean"`` or ``"median"`` of the pooled resampled values.
+        n_boot: number of bootstrap replicates.
+        seed: seed of the ``numpy.random.Generator``.
+
+    Returns:
+        ``[n_boot]`` replicate statistics (empty when there are no values).
+    """
+    vals = np.asarray(values, dtype=float)
+    if len(vals) == 0:
+        return np.empty(0)
+    w = bootstrap_weights(scenarios, instances, n_boot, seed).astype(float)
+    if stat == "mean":
+        return (w @ vals) / w.sum(axis=1)
+    if stat == "median":
+        return _weighted_median(vals, w)
+    raise ValueError(f"stat must be 'mean' or 'median', got {stat!r}")
+
+
+def cluster_bootstrap_ci(values, scenarios, instances, stat: str = "mean", n_boot: int = 2000, level: float = 0.95,
+                         seed: int = 0) -> tuple[float, float] | None:
+    """Percentile CI of ``stat`` from :func:`cluster_bootstrap`; None without values."""
+    reps = cluster_bootstrap(values, scenarios, instances, stat, n_boot, seed)
+    if len(reps) == 0:
+        return None
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(reps, [alpha, 1 - alpha])
+    return float(lo), float(hi)
+
+
+def wilson(k: int, n: int, level: float = 0.95) -> tuple[float, float] | None:
+    """Wilson score interval for ``k`` successes out of ``n``; None when ``n == 0``."""
+    if n == 0:
+        return None
+    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=level, method="wilson")
+    return float(ci.low), float(ci.high)
+
+
+def proportion(k: int, n: int, level: float = 0.95) -> dict:
+    """``{k, n, p, ci}`` for a share, with a Wilson interval."""
+    return {"k": int(k), "n": int(n), "p": (k / n) if n else None, "ci": wilson(k, n, level)}
+
+
+def summarize(values: Sequence[float], scenarios: Sequence, instances: Sequence, n_boot: int = 2000,
+              seed: int = 0, level: float = 0.95) -> dict:
+    """The standard aggregate: n, n_scenarios, mean and median with cluster-bootstrap CIs.
+
+    Non-finite values are dropped and counted in ``n_nonfinite``.
+    """
+    vals = np.asarray(values, dtype=float)
+    finite = np.isfinite(vals)
+    vals = vals[finite]
+    scen = [s for s, f in zip(scenarios, finite) if f]
+    inst = [i for i, f in zip(instances, finite) if f]
+    out = {"n": int(len(vals)), "n_scenarios": len(set(scen)), "n_nonfinite": int((~finite).sum()),
+           "mean": None, "median": None, "ci_mean": None, "ci_median": None, "ci_level": level}
+    if len(vals):
+        out.update(mean=float(vals.mean()), median=float(np.median(vals)),
+                   ci_mean=cluster_bootstrap_ci(vals, scen, inst, "mean", n_boot, level, seed),
+                   ci_median=cluster_bootstrap_ci(vals, scen, inst, "median", n_boot, level, seed))
+    return out
+
+
+def summarize_rows(rows: Sequence[dict], key: str, group: str | None = "family", n_boot: int = 2000,
+                   seed: int = 0) -> dict:
+    """:func:`summarize` of ``row[key]`` over all rows (``"all"``) and per value of ``row[group]``.
+
+    Rows need ``scenario`` and ``instance`` columns (the bootstrap clusters).
+    """
+    def one(rs):
+        return summarize([r[key] for r in rs], [r["scenario"] for r in rs], [r["instance"] for r in rs],
+                         n_boot, seed)
+
+    out = {"all": one(rows)}
+    if group:
+        for g in sorted({r[group] for r in rows}):
+            out[g] = one([r for r in rows if r[group] == g])
+    return out

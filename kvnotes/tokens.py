@@ -1,0 +1,189 @@
+"""Prompt rendering, tokenisation and span location (DESIGN.md §3-4).
+
+A prompt is rendered once as text (through the model's chat template when it has one), tokenised
+once with ``return_offsets_mapping``, and the field span is located from character offsets, never
+by searching for re-tokenised sub-lists. Special tokens appear exactly once: when the rendered text
+already starts with the BOS string the tokenizer is told not to add another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvnotes.errors import KvnotesError
+from scenarios.instances import PairSpec, render_user_text
+
+# Exclusion reasons for pairs that cannot be compared token by token.
+UNEQUAL_FIELD_LENGTH = "unequal_field_length"
+MISALIGNED_TOKENS = "misaligned_tokens"
+SAME_FIRST_TOKEN = "same_candidate_first_token"
+CANDIDATE_MERGES = "candidate_merges_with_prompt"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A rendered, tokenised prompt.
+
+    Attributes:
+        text: the full rendered text (chat template + answer prefix).
+        ids: token ids, shape ``[T]`` (long).
+        offsets: ``[T, 2]`` character offsets of each token in ``text``.
+        field_chars: character span of the field value in ``text``.
+        field: token span ``(a, b)`` of the field: tokens overlapping ``field_chars``.
+    """
+
+    text: str
+    ids: torch.Tensor
+    offsets: torch.Tensor
+    field_chars: tuple[int, int]
+    field: tuple[int, int]
+
+    @property
+    def decision(self) -> int:
+        """Decision position ``d``: the last prompt token, whose next-token distribution is read."""
+        return len(self.ids) - 1
+
+
+@dataclass(frozen=True)
+class TokenizedPair:
+    """A token-aligned old/new pair: identical outside the field span ``[a, b)``.
+
+    Attributes:
+        spec: the rendered pair (instance, values, candidates).
+        old, new: the two prompts (same length ``T``; ``decision == T - 1``).
+        cand_old, cand_new: continuation token ids of each candidate, tokenised in context.
+    """
+
+    spec: PairSpec
+    old: Prompt
+    new: Prompt
+    cand_old: tuple[int, ...]
+    cand_new: tuple[int, ...]
+
+    @property
+    def field(self) -> tuple[int, int]:
+        return self.old.field
+
+    @property
+    def decision(self) -> int:
+        return self.old.decision
+
+    @property
+    def downstream(self) -> tuple[int, int]:
+        """Downstream positions ``[b, d)``: after the field, before the decision position."""
+        return self.field[1], self.decision
+
+
+def render_text(tokenizer, user_text: str, answer_prefix: str, chat_template: bool = True,
+                system: str | None = None, template_kwargs: dict | None = None) -> tuple[str, int]:
+    """Render a prompt and return ``(text, char offset of user_text inside it)``.
+
+    With ``chat_template`` and a tokenizer that has one, the user message goes through
+    ``tokenizer.apply_chat_template(..., add_generation_prompt=True)`` and the answer prefix is
+    appended as the start of the assistant turn (``template_kwargs`` go to the template, e.g.
+    ``enable_thinking=False`` for Qwen3); otherwise the plain text is
+    ``user_text + "\\n" + answer_prefix``.
+
+    Raises:
+        KvnotesError: the chat template altered the user message so it cannot be located.
+    """
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **(template_kwargs or {}))
+        text = text + answer_prefix
+    else:
+        text = user_text + "\n" + answer_prefix
+    start = text.find(user_text)
+    if start < 0 or text.find(user_text, start + 1) >= 0:
+        raise KvnotesError("the chat template changed the user message; cannot locate the field (set scenario.chat_template=false)")
+    return text, start
+
+
+def tokenize(tokenizer, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenise ``text`` once with offsets, adding the BOS token only if the text lacks it.
+
+    Returns:
+        (ids ``[T]``, offsets ``[T, 2]``).
+
+    Raises:
+        KvnotesError: the result starts with two BOS tokens.
+    """
+    bos = tokenizer.bos_token
+    add_special = not (bos and text.startswith(bos))
+    enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
+    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+    offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long)
+    bos_id = tokenizer.bos_token_id
+    if bos_id is not None and len(ids) > 1 and ids[0] == bos_id and ids[1] == bos_id:
+        raise KvnotesError("tokenisation produced BOS twice; check the chat template and add_special_tokens")
+    return ids, offsets
+
+
+def char_span_to_tokens(offsets: torch.Tensor, start: int, end: int) -> tuple[int, int]:
+    """Token span ``[a, b)`` of the tokens whose character offsets overlap ``[start, end)``.
+
+    Tokens with empty offsets (special tokens) never overlap.
+
+    Raises:
+        KvnotesError: no token overlaps the span.
+    """
+    s, e = offsets[:, 0], offsets[:, 1]
+    hit = ((s < end) & (e > start) & (e > s)).nonzero().flatten()
+    if len(hit) == 0:
+        raise KvnotesError(f"no token covers characters [{start}, {end})")
+    return int(hit[0]), int(hit[-1]) + 1
+
+
+def build_prompt(tokenizer, user_text: str, field_chars: tuple[int, int], answer_prefix: str,
+                 chat_template: bool = True, system: str | None = None,
+                 template_kwargs: dict | None = None) -> Prompt:
+    """Render, tokenise and locate the field span of one prompt."""
+    text, start = render_text(tokenizer, user_text, answer_prefix, chat_template, system, template_kwargs)
+    chars = (start + field_chars[0], start + field_chars[1])
+    ids, offsets = tokenize(tokenizer, text)
+    return Prompt(text, ids, offsets, chars, char_span_to_tokens(offsets, *chars))
+
+
+def continuation_ids(tokenizer, prompt: Prompt, continuation: str) -> tuple[int, ...] | None:
+    """Token ids of ``continuation`` tokenised in context: tokenise prompt+continuation and take the
+    tokens after the prompt's. Returns None when the continuation merges with the prompt's last
+    token (the prompt's tokens are not a prefix)."""
+    ids, _ = tokenize(tokenizer, prompt.text + continuation)
+    n = len(prompt.ids)
+    if len(ids) <= n or not torch.equal(ids[:n], prompt.ids):
+        return None
+    return tuple(int(t) for t in ids[n:])
+
+
+def tokenize_pair(tokenizer, spec: PairSpec, chat_template: bool = True,
+                  template_kwargs: dict | None = None) -> TokenizedPair | str:
+    """Tokenise a pair and check alignment.
+
+    Returns:
+        a :class:`TokenizedPair`, or an exclusion reason string: ``unequal_field_length`` (the two
+        values tokenise to different lengths), ``misaligned_tokens`` (tokens outside the field span
+        differ), ``candidate_merges_with_prompt`` or ``same_candidate_first_token``.
+    """
+    system = spec.instance.scenario.system
+    prompts = []
+    for value in (spec.old, spec.new):
+        user, chars, prefix = render_user_text(spec.instance, value, spec.variant)
+        prompts.append(build_prompt(tokenizer, user, chars, prefix, chat_template, system, template_kwargs))
+    old, new = prompts
+    if torch.equal(old.ids, new.ids):
+        raise KvnotesError(f"{spec.instance.scenario.source}: field values '{spec.old}' and '{spec.new}' "
+                           f"give identical tokens; the pair cannot change anything")
+    (a0, b0), (a1, b1) = old.field, new.field
+    if len(old.ids) != len(new.ids) or (b0 - a0) != (b1 - a1):
+        return UNEQUAL_FIELD_LENGTH
+    if a0 != a1 or not torch.equal(old.ids[:a0], new.ids[:a0]) or not torch.equal(old.ids[b0:], new.ids[b1:]):
+        return MISALIGNED_TOKENS
+    c_old, c_new = continuation_ids(tokenizer, old, spec.cand_old), continuation_ids(tokenizer, old, spec.cand_new)
+    if c_old is None or c_new is None:
+        return CANDIDATE_MERGES
+    if c_old[0] == c_new[0]:
+        return SAME_FIRST_TOKEN
+    return TokenizedPair(spec, old, new, c_old, c_new)

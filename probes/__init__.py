@@ -1,0 +1,65 @@
+"""Causal probes on the KV cache, registered by name.
+
+A probe is a module of this package exposing ``run(ctx: ProbeContext) -> dict``; its name is the
+module name and its parameters live in ``conf/probe/<name>.yaml``. Probes never load models or
+write files: ``run.py`` hands them a loaded model and token-aligned pairs and serialises the
+returned result (``rows``, ``aggregates``, ``exclusions`` and probe-specific keys) into a record.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvnotes.errors import KvnotesError
+from kvnotes.models import ModelBundle
+from kvnotes.pairs import PairSet
+from kvnotes.records import Timer
+
+
+@dataclass
+class ProbeContext:
+    """What a probe gets: the model, the pairs, its config, the readout definition (mode and
+    ``min_effect`` of the flip rule, DESIGN.md §3), a seed and a stage timer."""
+
+    bundle: ModelBundle
+    pairs: PairSet
+    cfg: Any
+    readout: str = "first_token"
+    min_effect: float = 1.0
+    seed: int = 0
+    timer: Timer = field(default_factory=Timer)
+    scenario_cfg: Any = None
+
+
+def names() -> list[str]:
+    """Registered probe names (modules of the ``probes`` and ``circuits`` packages with ``run``)."""
+    import circuits
+
+    found = []
+    for pkg in (__import__(__name__), circuits):
+        for info in pkgutil.iter_modules(pkg.__path__):
+            if not info.name.startswith("_"):
+                found.append(info.name)
+    return sorted(found)
+
+
+def get(name: str) -> Callable[[ProbeContext], dict]:
+    """The ``run`` function of probe ``name``.
+
+    Raises:
+        KvnotesError: no probe of that name.
+    """
+    for pkg in ("probes", "circuits"):
+        try:
+            module = importlib.import_module(f"{pkg}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{pkg}.{name}":
+                raise
+            continue
+        if hasattr(module, "run"):
+            return module.run
+    raise KvnotesError(f"unknown probe '{name}' (known: {', '.join(names())})")

@@ -1,0 +1,131 @@
+"""``blast_radius``: how far a field change spreads through the KV cache (DESIGN.md §5).
+
+For each token-aligned pair, per layer x position:
+
+- ``k_cos``/``v_cos``: cosine distance ``1 - cos(x_old, x_new)`` of keys/values, averaged over KV
+  heads; ``k_rel``/``v_rel``: relative L2 ``||x_new - x_old|| / ||x_old||``, averaged over KV heads.
+  Keys are post-RoPE as cached; captured from a full forward, so sliding layers are complete.
+- ``attn_rel``: attention-output deviation for the new run's queries when only the field's KV is
+  refreshed: ``||A(q_new, KV_fr) - A(q_new, KV_new)|| / ||A(q_new, KV_new)||`` over all heads,
+  where ``KV_fr`` is the old KV with the field positions taken from the new run, and ``A`` is the
+  model's own attention implementation (mask, scaling, soft-capping).
+
+Summaries over the downstream ``[b, d)``: p50/p95/max over layer x position cells, and the share of
+downstream positions whose layer-mean deviation reaches each threshold. Aggregated per family with
+cluster-bootstrap CIs, over all aligned pairs and over flipping pairs. Positions before the field
+must not move at all; the largest prefix deviation is recorded as a check.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvnotes.capture import capture_attention
+from kvnotes.pairs import pair_row
+from kvnotes.readout import screen_pair
+from kvnotes.stats import summarize_rows
+
+METRICS = ("k_cos", "k_rel", "v_cos", "v_rel", "attn_rel")
+EPS = 1e-12
+
+
+def _kv_deviation(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosine distance and relative L2 per position, averaged over heads.
+
+    Args:
+        a, b: ``[kv_heads, T, head_dim]`` (old, new).
+
+    Returns:
+        two ``[T]`` tensors.
+    """
+    a, b = a.float(), b.float()
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=EPS)
+    rel = (b - a).norm(dim=-1) / a.norm(dim=-1).clamp_min(EPS)
+    return (1 - cos).mean(0), rel.mean(0)
+
+
+@torch.no_grad()
+def deviation_maps(model, pair) -> dict[str, torch.Tensor]:
+    """The five layer x position maps of one pair, each ``[n_layers, T]`` with ``T = d + 1``."""
+    old = capture_attention(model, pair.old.ids)
+    new = capture_attention(model, pair.new.ids)
+    a, b = pair.field
+    maps = {m: [] for m in METRICS}
+    for lo, ln in zip(old, new, strict=True):
+        k_cos, k_rel = _kv_deviation(lo.key[0], ln.key[0])
+        v_cos, v_rel = _kv_deviation(lo.value[0], ln.value[0])
+        k_fr, v_fr = lo.key.clone(), lo.value.clone()
+        k_fr[:, :, a:b], v_fr[:, :, a:b] = ln.key[:, :, a:b], ln.value[:, :, a:b]
+        ref = ln.output[0].flatten(1).float()
+        fr = ln.recompute(key=k_fr, value=v_fr)[0].flatten(1).float()
+        attn = (fr - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(EPS)
+        for m, v in zip(METRICS, (k_cos, k_rel, v_cos, v_rel, attn)):
+            maps[m].append(v.cpu())
+    return {m: torch.stack(v) for m, v in maps.items()}
+
+
+def summarize_pair(maps: dict[str, torch.Tensor], field: tuple[int, int], decision: int,
+                   thresholds: list[float]) -> dict:
+    """Per-pair scalars and per-layer profiles over the downstream ``[b, d)``."""
+    a, b = field
+    out: dict = {"prefix_max_dev": max(float(maps[m][:, :a].max()) if a else 0.0 for m in METRICS)}
+    for m in METRICS:
+        cells = maps[m][:, b:decision]
+        if cells.numel() == 0:
+            continue
+        flat = cells.flatten().numpy()
+        pos_dev = cells.mean(0).numpy()
+        out[f"{m}_p50"], out[f"{m}_p95"], out[f"{m}_max"] = np.quantile(flat, [0.5, 0.95]).tolist() + [float(flat.max())]
+        out[f"{m}_share"] = [float((pos_dev >= t).mean()) for t in thresholds]
+        out[f"{m}_layer_profile"] = cells.mean(1).tolist()
+        out[f"{m}_field_mean"] = float(maps[m][:, a:b].mean())
+    out["attn_rel_decision"] = maps["attn_rel"][:, decision].tolist()
+    return out
+
+
+def _share_aggregates(rows: list[dict], thresholds: list[float], seed: int) -> dict:
+    """Per metric and threshold: per-family mean share of downstream positions above it, with CIs."""
+    out = {}
+    for m in METRICS:
+        key = f"{m}_share"
+        usable = [r for r in rows if key in r]
+        out[m] = [summarize_rows([r | {"_v": r[key][i]} for r in usable], "_v", seed=seed)
+                  for i in range(len(thresholds))]
+    return out
+
+
+def run(ctx) -> dict:
+    """Measure the blast radius of every aligned pair; see the module docstring."""
+    cfg = ctx.cfg
+    thresholds = [float(t) for t in cfg.thresholds]
+    model = ctx.bundle.model
+    rows, examples = [], {}
+    for pair in tqdm(ctx.pairs.pairs, desc="blast_radius", disable=not cfg.get("progress", True)):
+        with ctx.timer("readout"):
+            _, status = screen_pair(model, pair, ctx.readout, ctx.min_effect)
+        with ctx.timer("deviation"):
+            maps = deviation_maps(model, pair)
+        row = pair_row(pair) | status | summarize_pair(maps, pair.field, pair.decision, thresholds)
+        rows.append(row)
+        fam = row["family"]
+        # One example map per family for figures: its first flipping pair, else its first pair.
+        if fam not in examples or (row["flips"] and not examples[fam]["flips"]):
+            examples[fam] = {"pair": row["pair"], "flips": row["flips"], "field": list(pair.field),
+                             "decision": pair.decision,
+                             "tokens": ctx.bundle.tokenizer.convert_ids_to_tokens(pair.new.ids.tolist()),
+                             "maps": {m: v.tolist() for m, v in maps.items()}}
+    scalar_keys = [f"{m}_{s}" for m in METRICS for s in ("p50", "p95", "max")]
+    flipping = [r for r in rows if r["flips"]]
+    with ctx.timer("statistics"):
+        aggregates = {
+            "n_pairs": len(rows), "n_flip": len(flipping),
+            "prefix_max_dev": max((r["prefix_max_dev"] for r in rows), default=None),
+            "all": {k: summarize_rows(rows, k, seed=ctx.seed) for k in scalar_keys},
+            "flipping": {k: summarize_rows(flipping, k, seed=ctx.seed) for k in scalar_keys} if flipping else {},
+            "share_all": _share_aggregates(rows, thresholds, ctx.seed),
+            "share_flipping": _share_aggregates(flipping, thresholds, ctx.seed) if flipping else {},
+        }
+    return {"rows": rows, "exclusions": ctx.pairs.exclusion_counts(), "excluded": ctx.pairs.excluded,
+            "thresholds": thresholds, "metrics": list(METRICS), "examples": examples, "aggregates": aggregates}

@@ -1,0 +1,65 @@
+"""``screen``: which pairs flip, per model, family and scenario (DESIGN.md §3, issue #2).
+
+For every token-aligned pair: the clean scores ``s_old``/``s_new``, the flip rule
+(decision differs AND ``|s_new - s_old| >= min_effect``), and whether a flip was expected (the two
+field values imply different outcomes). Control scenarios must not flip; a flip there is reported
+as ``unexpected_flips``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from tqdm import tqdm
+
+from kvnotes.pairs import pair_row
+from kvnotes.readout import screen_pair
+from kvnotes.stats import proportion, summarize_rows
+
+
+def table(rows: list[dict], excluded: list[dict], key: str) -> dict:
+    """Counts per value of ``key``: pairs, flips, expected flips, unexpected flips, exclusions."""
+    out = {}
+    for g in sorted({r[key] for r in rows} | {r[key] for r in excluded}):
+        rs = [r for r in rows if r[key] == g]
+        ex = [r for r in excluded if r[key] == g]
+        flips = [r for r in rs if r["flips"]]
+        expected = [r for r in rs if r["expect_flip"]]
+        out[g] = {
+            "n_pairs": len(rs),
+            "n_flip": len(flips),
+            "flip_rate": proportion(len(flips), len(rs)),
+            "n_expected_flip": len(expected),
+            "n_flip_when_expected": sum(r["flips"] for r in expected),
+            "unexpected_flips": sum(r["flips"] and not r["expect_flip"] for r in rs),
+            "n_correct_direction": sum(r["flips"] and r["correct_direction"] for r in rs),
+            "n_scenarios": len({r["scenario"] for r in rs}),
+            "excluded": dict(Counter(r["reason"] for r in ex)),
+            "not_flipping": dict(Counter(r["reason"] for r in rs if not r["flips"])),
+        }
+    return out
+
+
+def run(ctx) -> dict:
+    """Screen every pair; see the module docstring."""
+    cfg = ctx.cfg
+    rows = []
+    with ctx.timer("screen"):
+        for pair in tqdm(ctx.pairs.pairs, desc="screen", disable=not cfg.get("progress", True)):
+            _, status = screen_pair(ctx.bundle.model, pair, ctx.readout, ctx.min_effect)
+            rows.append(pair_row(pair) | status)
+    excluded = ctx.pairs.excluded
+    flipping = [r for r in rows if r["flips"]]
+    return {
+        "rows": rows,
+        "exclusions": ctx.pairs.exclusion_counts(),
+        "excluded": excluded,
+        "aggregates": {
+            "by_family": table(rows, excluded, "family"),
+            "by_scenario": table(rows, excluded, "scenario"),
+            "n_pairs": len(rows),
+            "n_flip": len(flipping),
+            "flip_families": sorted({r["family"] for r in flipping}),
+            "effect_flipping": summarize_rows(flipping, "effect", seed=ctx.seed),
+        },
+    }

@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""kvnotes entry point: compose config -> load model -> build pairs -> run probe -> write record.
+
+    python run.py                                   # blast_radius on the embedded SmolLM2-135M
+    python run.py model=qwen3-8b probe=screen       # a hub model (GPU)
+    python run.py -m model=smollm2-135m probe=blast_radius,screen   # one record per job
+
+Bad input (unknown model/probe/scenario, invalid scenario file, model unavailable offline) is
+reported as one line on stderr with exit status 2, and no record is written.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+
+CONF = Path(__file__).resolve().parent / "conf"
+GROUPS = ("model", "probe", "scenario")
+
+
+def fail(msg: str) -> None:
+    print(f"kvnotes: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_choices(argv: list[str]) -> None:
+    """Reject unknown config-group choices with one line before Hydra prints its own page."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if not sep or key not in GROUPS:
+            continue
+        known = sorted(p.stem for p in (CONF / key).glob("*.yaml"))
+        for choice in value.split(","):
+            if choice and choice not in known:
+                fail(f"unknown {key} '{choice}' (known: {', '.join(known)})")
+
+
+def main() -> None:
+    check_choices(sys.argv[1:])
+    import hydra
+
+    hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")(job)()
+
+
+def job(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    import probes
+    from kvnotes.errors import KvnotesError
+    from kvnotes.records import RECORD_NAME, Timer, is_complete, new_record, write_atomic
+
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    record_path = out_dir / RECORD_NAME
+    if is_complete(record_path) and not cfg.force:
+        print(f"kvnotes: {record_path} is complete; skipping (force=true to re-run)")
+        return
+    timer = Timer()
+    t0 = time.perf_counter()
+    try:
+        probe_run = probes.get(cfg.probe.name)
+        with timer("load_model"):
+            from kvnotes.models import load_model
+
+            bundle = load_model(cfg.model, cfg.device)
+        with timer("pairs"):
+            from kvnotes.pairs import prepare_pairs
+
+            template_kwargs = OmegaConf.to_container(cfg.model.chat_template_kwargs) if cfg.model.get("chat_template_kwargs") else {}
+            pairs = prepare_pairs(bundle.tokenizer, cfg.scenario, template_kwargs=template_kwargs)
+        if not pairs.pairs:
+            raise KvnotesError(f"no token-aligned pairs in scenario '{cfg.scenario.name}' "
+                               f"(excluded: {pairs.exclusion_counts()})")
+        ctx = probes.ProbeContext(bundle=bundle, pairs=pairs, cfg=cfg.probe, readout=cfg.readout,
+                                  min_effect=float(cfg.min_effect), seed=int(cfg.seed), timer=timer,
+                                  scenario_cfg=cfg.scenario)
+        with timer("probe"):
+            result = probe_run(ctx)
+    except KvnotesError as exc:
+        if out_dir.is_dir() and not any(out_dir.iterdir()):
+            shutil.rmtree(out_dir)
+        fail(str(exc))
+    hydra_info = {"choices": dict(hc.runtime.choices), "overrides": list(hc.overrides.task),
+                  "output_dir": str(out_dir), "mode": str(hc.mode)}
+    record = new_record(cfg.probe.name, OmegaConf.to_container(cfg, resolve=True), hydra_info, bundle.info,
+                        int(cfg.seed))
+    record["scenario"] = {"name": cfg.scenario.name, "n_scenarios": len(pairs.scenarios),
+                          "n_pairs_aligned": len(pairs.pairs), "n_excluded": len(pairs.excluded),
+                          "families": sorted({s.family for s in pairs.scenarios})}
+    record["result"] = result
+    record["timing"] = timer.stages | {"total": time.perf_counter() - t0}
+    record["status"] = "complete"
+    write_atomic(record_path, record)
+    print(f"kvnotes: wrote {record_path}")
+    if cfg.plot:
+        from kvnotes.plots import plot_record
+
+        for path in plot_record(record, out_dir):
+            print(f"kvnotes: wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""The scenario schema and its validation (DESIGN.md §3).
+
+A scenario file is YAML with these keys (see ``scenarios/suites/*/*.yaml`` for examples)::
+
+    id: account_role                 # optional, defaults to the file name
+    family: policy_gate              # policy_gate | recall | lookup | language | control | ...
+    domain: account role
+    field:
+      slot: role                     # the slot in `context` that holds the field
+      values: {admin: allow, viewer: deny}   # value -> outcome (a key of `candidates`);
+                                             # a list means each value is its own outcome
+      pairs: [[viewer, admin]]       # optional (old, new) pairs; default: every unordered pair
+    candidates: {allow: " Yes", deny: " No"}   # outcome -> continuation compared at the decision
+    slots: {name: [Ana Ruiz, ...], account_id: "AC-#####"}   # surface details; '#' = random digit
+    context: "Account {account_id} ... Role: {role}."   # must hold the field slot exactly once
+    filler: [sentence, ...]          # n_filler of them, in a random order, after the context
+    n_filler: 3
+    rule: "Only admins may ..."      # the gate; placed after the field, must not hold the field
+    request: "{name} asks to ..."
+    variants:
+      direct: {decision: "Answer Yes or No.", answer_prefix: "Answer:"}
+      cot: {decision: "Think step by step, then answer.", answer_prefix: "Reasoning:"}
+    polarity:                        # optional: the rule's trigger word flipped, field fixed
+      slot: gate                     # a slot used in `rule`
+      values: {normal: "only", inverted: "never"}   # inverted swaps the two outcomes
+
+Pairs whose two values have different outcomes are expected to flip; a scenario whose values all
+share one outcome (family ``control``) is expected not to.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvnotes.errors import KvnotesError
+
+TEXT_KEYS = ("context", "rule", "request")
+ROOT = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How the decision is asked: the last user line and the assistant's answer prefix."""
+
+    decision: str
+    answer_prefix: str
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A validated scenario (see the module docstring for the meaning of each field)."""
+
+    id: str
+    family: str
+    domain: str
+    source: str
+    field_slot: str
+    values: dict[str, str]
+    pairs: tuple[tuple[str, str], ...]
+    candidates: dict[str, str]
+    slots: dict[str, Any]
+    context: str
+    filler: tuple[str, ...]
+    n_filler: int
+    rule: str
+    request: str
+    variants: dict[str, Variant]
+    polarity_slot: str | None = None
+    polarity_values: dict[str, str] = field(default_factory=dict)
+    system: str | None = None
+
+    def outcome(self, value: str, polarity: str = "normal") -> str:
+        """The outcome (candidate key) the scenario's gate implies for ``value``."""
+        out = self.values[value]
+        if polarity == "inverted":
+            a, b = sorted(set(self.values.values()))
+            out = b if out == a else a
+        return out
+
+    def expect_flip(self, old: str, new: str) -> bool:
+        """True when the two values imply different outcomes."""
+        return self.values[old] != self.values[new]
+
+
+def _placeholders(text: str) -> list[str]:
+    try:
+        return [name for _, name, _, _ in string.Formatter().parse(text) if name is not None]
+    except ValueError as exc:
+        raise ValueError(f"malformed braces ({exc})") from None
+
+
+def _fail(source: str, key: str, msg: str) -> None:
+    raise KvnotesError(f"{source}: key '{key}': {msg}")
+
+
+def validate(raw: Any, source: str) -> Scenario:
+    """Validate a parsed scenario mapping and return a :class:`Scenario`.
+
+    Raises:
+        KvnotesError: naming the file and the key at fault.
+    """
+    if not isinstance(raw, dict):
+        raise KvnotesError(f"{source}: a scenario file must be a mapping")
+    for key in ("family", "domain", "field", "candidates", "context", "rule", "request", "variants"):
+        if key not in raw:
+            _fail(source, key, "missing")
+    known = {"id", "family", "domain", "description", "field", "candidates", "slots", "context", "filler",
+             "n_filler", "rule", "request", "variants", "polarity", "system"}
+    for key in raw:
+        if key not in known:
+            _fail(source, key, f"unknown key (known: {', '.join(sorted(known))})")
+    fld = raw["field"]
+    if not isinstance(fld, dict) or "slot" not in fld or "values" not in fld:
+        _fail(source, "field", "needs 'slot' and 'values'")
+    slot = fld["slot"]
+    values = fld["values"]
+    if isinstance(values, list):
+        values = {str(v): str(v) for v in values}
+    if not isinstance(values, dict) or len(values) < 2:
+        _fail(source, "field.values", "needs at least two values")
+    values = {str(k): str(v) for k, v in values.items()}
+    candidates = raw["candidates"]
+    if not isinstance(candidates, dict) or len(candidates) < 2:
+        _fail(source, "candidates", "needs at least two outcome -> continuation entries")
+    candidates = {str(k): str(v) for k, v in candidates.items()}
+    for value, outcome in values.items():
+        if outcome not in candidates:
+            _fail(source, f"field.values.{value}", f"outcome '{outcome}' is not a key of 'candidates'")
+    if len(set(candidates.values())) != len(candidates):
+        _fail(source, "candidates", "two outcomes share one continuation")
+    pairs = fld.get("pairs")
+    if pairs is None:
+        keys = list(values)
+        pairs = [(keys[i], keys[j]) for i in range(len(keys)) for j in range(i + 1, len(keys))]
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(str(v) in values for v in pair)):
+            _fail(source, f"field.pairs[{i}]", f"must be [old, new] with both in field.values, got {pair!r}")
+    pairs = tuple((str(a), str(b)) for a, b in pairs)
+
+    slots = raw.get("slots") or {}
+    if not isinstance(slots, dict):
+        _fail(source, "slots", "must be a mapping of slot -> list of options or '#' pattern")
+    for name, opts in slots.items():
+        if not (isinstance(opts, str) or (isinstance(opts, list) and opts)):
+            _fail(source, f"slots.{name}", "must be a non-empty list or a pattern string")
+    polarity = raw.get("polarity")
+    pol_slot, pol_values = None, {}
+    if polarity is not None:
+        if not isinstance(polarity, dict) or set(polarity) != {"slot", "values"} or \
+                set(polarity["values"] or {}) != {"normal", "inverted"}:
+            _fail(source, "polarity", "needs slot and values {normal, inverted}")
+        if len(set(candidates)) != 2:
+            _fail(source, "polarity", "needs exactly two outcomes to invert")
+        pol_slot, pol_values = polarity["slot"], {k: str(v) for k, v in polarity["values"].items()}
+
+    variants = raw["variants"]
+    if not isinstance(variants, dict) or "direct" not in variants:
+        _fail(source, "variants", "needs at least a 'direct' variant")
+    parsed_variants = {}
+    for name, var in variants.items():
+        if not isinstance(var, dict) or set(var) != {"decision", "answer_prefix"}:
+            _fail(source, f"variants.{name}", "needs exactly 'decision' and 'answer_prefix'")
+        parsed_variants[name] = Variant(str(var["decision"]), str(var["answer_prefix"]))
+
+    texts = {k: raw[k] for k in TEXT_KEYS}
+    texts.update({f"variants.{n}.decision": v.decision for n, v in parsed_variants.items()})
+    filler = raw.get("filler") or []
+    texts.update({f"filler[{i}]": f for i, f in enumerate(filler)})
+    allowed = set(slots) | {slot} | ({pol_slot} if pol_slot else set())
+    field_uses = 0
+    for key, text in texts.items():
+        if not isinstance(text, str):
+            _fail(source, key, "must be a string")
+        try:
+            names = _placeholders(text)
+        except ValueError as exc:
+            _fail(source, key, str(exc))
+        for name in names:
+            if name not in allowed:
+                _fail(source, key, f"slot '{{{name}}}' is not declared in 'slots'")
+        field_uses += names.count(slot)
+        if key != "context" and slot in names:
+            _fail(source, key, f"the field slot '{{{slot}}}' may appear only in 'context' (the rule comes after the field)")
+    if field_uses != 1:
+        _fail(source, "context", f"must contain the field slot '{{{slot}}}' exactly once (found {field_uses})")
+    if pol_slot and pol_slot not in _placeholders(raw["rule"]):
+        _fail(source, "polarity.slot", f"slot '{{{pol_slot}}}' is not used in 'rule'")
+    n_filler = int(raw.get("n_filler", min(3, len(filler))))
+    if n_filler > len(filler):
+        _fail(source, "n_filler", f"{n_filler} exceeds the {len(filler)} filler sentences")
+    return Scenario(
+        id=str(raw.get("id") or Path(source).stem), family=str(raw["family"]), domain=str(raw["domain"]),
+        source=source, field_slot=slot, values=values, pairs=pairs, candidates=candidates, slots=slots,
+        context=raw["context"], filler=tuple(filler), n_filler=n_filler, rule=raw["rule"],
+        request=raw["request"], variants=parsed_variants, polarity_slot=pol_slot,
+        polarity_values=pol_values, system=raw.get("system"),
+    )
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate one scenario YAML file.
+
+    Raises:
+        KvnotesError: unreadable YAML or a schema violation (the message names file and key).
+    """
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise KvnotesError(f"{path}: cannot read scenario ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+    return validate(raw, str(path))
+
+
+def resolve_path(path: str | Path) -> Path:
+    """A suite path: absolute, relative to the working directory, or relative to the project root."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists():
+        return p
+    return ROOT.parent / p
+
+
+def load_suite(paths: list[str], families: list[str] | None = None, ids: list[str] | None = None) -> list[Scenario]:
+    """Load every ``*.yaml`` under the given files/directories, sorted by path, optionally filtered.
+
+    Raises:
+        KvnotesError: a path does not exist, a file is invalid, two files share an id, or the filter
+            leaves nothing.
+    """
+    files: list[Path] = []
+    for entry in paths:
+        p = resolve_path(entry)
+        if p.is_dir():
+            files.extend(sorted(p.rglob("*.yaml")))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise KvnotesError(f"scenario path not found: {entry}")
+    scenarios = [load_scenario(f) for f in files]
+    seen: dict[str, str] = {}
+    for s in scenarios:
+        if s.id in seen:
+            raise KvnotesError(f"{s.source}: key 'id': '{s.id}' already used by {seen[s.id]}")
+        seen[s.id] = s.source
+    if families:
+        scenarios = [s for s in scenarios if s.family in set(families)]
+    if ids:
+        scenarios = [s for s in scenarios if s.id in set(ids)]
+    if not scenarios:
+        raise KvnotesError(f"no scenarios selected from {paths} (families={families}, ids={ids})")
+    return scenarios

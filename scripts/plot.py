@@ -1,0 +1,35 @@
+#!/usr/bin/env python
+"""Draw the figures of one or more records: ``python scripts/plot.py runs/.../record.json [-o DIR]``.
+
+Figures are written next to each record unless ``-o`` is given. Numbers come only from records.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvnotes.plots import plot_record  # noqa: E402
+from kvnotes.records import load_record  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("records", nargs="+", help="record.json files or their directories")
+    ap.add_argument("-o", "--out", help="output directory (default: beside each record)")
+    args = ap.parse_args()
+    for r in args.records:
+        p = Path(r)
+        try:
+            rec = load_record(p)
+        except (OSError, ValueError) as exc:
+            sys.exit(f"kvnotes: error: cannot read record {p}: {exc}")
+        out = Path(args.out) if args.out else (p if p.is_dir() else p.parent)
+        out.mkdir(parents=True, exist_ok=True)
+        for path in plot_record(rec, out):
+            print(path)
+
+
+if __name__ == "__main__":
+    main()

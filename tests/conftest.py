@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random models built from configs (no downloads) and the embedded model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers as T
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+VOCAB = 96
+WINDOW = 8  # sliding window smaller than the test prompts, so windows fill
+
+
+def tiny_config(arch: str):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    if arch == "llama":
+        return T.LlamaConfig(num_hidden_layers=3, **common)
+    if arch == "qwen3":
+        return T.Qwen3Config(num_hidden_layers=3, head_dim=16, **common)
+    if arch == "mistral":
+        return T.MistralConfig(num_hidden_layers=3, sliding_window=WINDOW, **common)
+    if arch == "gemma2":
+        return T.Gemma2Config(num_hidden_layers=4, head_dim=16, sliding_window=WINDOW, **common)
+    if arch == "gemma3":
+        return T.Gemma3TextConfig(num_hidden_layers=4, head_dim=16, sliding_window=WINDOW,
+                                  layer_types=["sliding_attention", "full_attention"] * 2, **common)
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "qwen3", "mistral", "gemma2", "gemma3"]
+
+
+def build_tiny(arch: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+    model.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def tiny(request):
+    """A tiny random model of each architecture (fp32, CPU)."""
+    return build_tiny(request.param)
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The embedded SmolLM2-135M-Instruct bundle (materialised once into the kvnotes cache)."""
+    from omegaconf import OmegaConf
+
+    from kvnotes.models import load_model
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "model", "smollm2-135m.yaml"))
+    return load_model(cfg, "cpu")
