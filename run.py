@@ -11,7 +11,6 @@ reported as one line on stderr with exit status 2, and no record is written.
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,14 @@ GROUPS = ("model", "probe", "scenario")
 def fail(msg: str) -> None:
     print(f"kvnotes: error: {msg}", file=sys.stderr)
     sys.exit(2)
+
+
+def remove_empty_dirs(path: Path, stop: Path) -> None:
+    """Remove ``path`` and its parents while empty, up to (not including) ``stop``."""
+    path, stop = path.resolve(), stop.resolve()
+    while path != stop and stop in path.parents and path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+        path = path.parent
 
 
 def check_choices(argv: list[str]) -> None:
@@ -81,8 +88,7 @@ def job(cfg) -> None:
         with timer("probe"):
             result = probe_run(ctx)
     except KvnotesError as exc:
-        if out_dir.is_dir() and not any(out_dir.iterdir()):
-            shutil.rmtree(out_dir)
+        remove_empty_dirs(out_dir, Path(cfg.out_root))
         fail(str(exc))
     hydra_info = {"choices": dict(hc.runtime.choices), "overrides": list(hc.overrides.task),
                   "output_dir": str(out_dir), "mode": str(hc.mode)}

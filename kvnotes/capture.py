@@ -89,14 +89,15 @@ class LayerAttention:
 
 
 @torch.no_grad()
-def capture_attention(model, ids: torch.Tensor) -> list[LayerAttention]:
+def capture_attention(model, ids: torch.Tensor) -> tuple[list[LayerAttention], torch.Tensor]:
     """Run a full forward (no cache, positions ``0..T-1``) and capture every layer's attention call.
 
     Args:
         ids: ``[T]`` token ids.
 
     Returns:
-        one :class:`LayerAttention` per layer, in layer order.
+        (one :class:`LayerAttention` per layer in layer order, fp32 log-probs ``[vocab]`` of the
+        next token after the last position).
     """
     captured: dict[int, LayerAttention] = {}
 
@@ -108,5 +109,5 @@ def capture_attention(model, ids: torch.Tensor) -> list[LayerAttention]:
     ids = ids.view(1, -1).to(model.device)
     pos = torch.arange(ids.shape[1], device=model.device).unsqueeze(0)
     with attention_hook(model, fn):
-        model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1)
-    return [captured[i] for i in sorted(captured)]
+        out = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1)
+    return [captured[i] for i in sorted(captured)], torch.log_softmax(out.logits[0, -1].float(), -1)

@@ -115,15 +115,25 @@ def flip_status(s_old: float, s_new: float, min_effect: float = 1.0) -> str | No
     return None
 
 
+def pair_status(s_old: float, s_new: float, min_effect: float = 1.0) -> dict:
+    """Columns describing a pair's clean decision: ``s_old, s_new, effect, flips, reason,
+    correct_direction`` (``reason`` is None for flipping pairs; ``correct_direction`` says the old
+    run prefers the old candidate and the new run the new one)."""
+    reason = flip_status(s_old, s_new, min_effect)
+    return {"s_old": s_old, "s_new": s_new, "effect": s_new - s_old, "flips": reason is None,
+            "reason": reason, "correct_direction": s_old < 0 < s_new}
+
+
+def first_token_score(logprobs: torch.Tensor, pair: TokenizedPair) -> float:
+    """First-token score from decision-position log-probs ``[vocab]`` (e.g. of a full forward)."""
+    return float(logprobs[pair.cand_new[0]] - logprobs[pair.cand_old[0]])
+
+
 def screen_pair(model, pair: TokenizedPair, mode: str = "first_token", min_effect: float = 1.0) -> tuple[PairRun, dict]:
-    """Run a pair and describe its clean decision: scores, effect, flip status.
+    """Run a pair (prefix caches + clean scores) and describe its clean decision.
 
     Returns:
-        (the :class:`PairRun`, columns ``s_old, s_new, effect, flips, reason, correct_direction``)
-        where ``reason`` is None for flipping pairs, and ``correct_direction`` says the old run
-        prefers the old candidate and the new run the new one.
+        (the :class:`PairRun`, :func:`pair_status` columns).
     """
     run = run_pair(model, pair, mode)
-    reason = flip_status(run.s_old, run.s_new, min_effect)
-    return run, {"s_old": run.s_old, "s_new": run.s_new, "effect": run.effect, "flips": reason is None,
-                 "reason": reason, "correct_direction": run.s_old < 0 < run.s_new}
+    return run, pair_status(run.s_old, run.s_new, min_effect)

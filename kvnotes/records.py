@@ -143,3 +143,26 @@ def new_record(probe: str, config: dict, hydra: dict, model_info: dict, seed: in
         "host": {"platform": platform.platform(), "torch_threads": torch.get_num_threads(),
                  "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
     }
+
+
+def records_frame(root: str | Path):
+    """Every per-pair row of every complete record under ``root`` as one ``pandas.DataFrame``.
+
+    Columns: the row's own columns (list-valued columns kept as lists) plus ``probe``, ``model``,
+    ``suite`` and ``record`` (path) identifying where it came from.
+    """
+    import pandas as pd
+
+    frames = []
+    for path in find_records(root):
+        rec = json.loads(path.read_text())
+        rows = rec.get("result", {}).get("rows", [])
+        if not rows:
+            continue
+        df = pd.DataFrame(rows)
+        df.insert(0, "suite", rec["scenario"]["name"])
+        df.insert(0, "model", rec["model"]["name"])
+        df.insert(0, "probe", rec["probe"])
+        df["record"] = str(path)
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

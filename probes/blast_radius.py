@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from kvnotes.capture import capture_attention
 from kvnotes.pairs import pair_row
-from kvnotes.readout import screen_pair
+from kvnotes.readout import first_token_score, pair_status, screen_pair
 from kvnotes.stats import summarize_rows
 
 METRICS = ("k_cos", "k_rel", "v_cos", "v_rel", "attn_rel")
@@ -47,10 +47,11 @@ def _kv_deviation(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 @torch.no_grad()
-def deviation_maps(model, pair) -> dict[str, torch.Tensor]:
-    """The five layer x position maps of one pair, each ``[n_layers, T]`` with ``T = d + 1``."""
-    old = capture_attention(model, pair.old.ids)
-    new = capture_attention(model, pair.new.ids)
+def deviation_maps(model, pair) -> tuple[dict[str, torch.Tensor], tuple[float, float]]:
+    """The five layer x position maps of one pair, each ``[n_layers, T]`` with ``T = d + 1``, and
+    the clean first-token scores ``(s_old, s_new)`` read from the same forwards."""
+    old, lp_old = capture_attention(model, pair.old.ids)
+    new, lp_new = capture_attention(model, pair.new.ids)
     a, b = pair.field
     maps = {m: [] for m in METRICS}
     for lo, ln in zip(old, new, strict=True):
@@ -63,7 +64,8 @@ def deviation_maps(model, pair) -> dict[str, torch.Tensor]:
         attn = (fr - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(EPS)
         for m, v in zip(METRICS, (k_cos, k_rel, v_cos, v_rel, attn)):
             maps[m].append(v.cpu())
-    return {m: torch.stack(v) for m, v in maps.items()}
+    scores = (first_token_score(lp_old, pair), first_token_score(lp_new, pair))
+    return {m: torch.stack(v) for m, v in maps.items()}, scores
 
 
 def summarize_pair(maps: dict[str, torch.Tensor], field: tuple[int, int], decision: int,
@@ -103,10 +105,13 @@ def run(ctx) -> dict:
     model = ctx.bundle.model
     rows, examples = [], {}
     for pair in tqdm(ctx.pairs.pairs, desc="blast_radius", disable=not cfg.get("progress", True)):
-        with ctx.timer("readout"):
-            _, status = screen_pair(model, pair, ctx.readout, ctx.min_effect)
         with ctx.timer("deviation"):
-            maps = deviation_maps(model, pair)
+            maps, scores = deviation_maps(model, pair)
+        if ctx.readout == "first_token":       # the capture forwards already hold the clean scores
+            status = pair_status(*scores, ctx.min_effect)
+        else:
+            with ctx.timer("readout"):
+                _, status = screen_pair(model, pair, ctx.readout, ctx.min_effect)
         row = pair_row(pair) | status | summarize_pair(maps, pair.field, pair.decision, thresholds)
         rows.append(row)
         fam = row["family"]

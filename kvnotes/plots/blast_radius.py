@@ -1,40 +1,14 @@
-"""Figures drawn from records only (DESIGN.md §8): every number comes from a record's JSON.
-
-``plot_record(record, out_dir)`` dispatches on the record's probe name; ``scripts/plot.py`` is the
-command-line front end and the notebooks call the same functions.
-"""
+"""Figures of the ``blast_radius`` probe."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.colors import LogNorm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.colors import LogNorm  # noqa: E402
-
-PLOTTERS: dict[str, Callable[[dict, Path], list[Path]]] = {}
-
-
-def plotter(name: str):
-    def register(fn):
-        PLOTTERS[name] = fn
-        return fn
-    return register
-
-
-def plot_record(record: dict, out_dir: str | Path) -> list[Path]:
-    """Write the figures of a record into ``out_dir``; returns their paths (none for probes
-    without figures)."""
-    fn = PLOTTERS.get(record["probe"])
-    return fn(record, Path(out_dir)) if fn else []
-
-
-def _title(record: dict) -> str:
-    return f"{record['model']['name']} · {record['probe']} · {record['scenario']['name']}"
+from kvnotes.plots import plotter, save, title
 
 
 def _heatmap(ax, example: dict, metric: str, label: str) -> None:
@@ -89,33 +63,6 @@ def plot_blast_radius(record: dict, out_dir: Path) -> list[Path]:
     ax.set_ylabel("share of downstream positions above")
     ax.set_title("share of downstream positions that moved (95% cluster-bootstrap CI)", fontsize=9)
     ax.legend(fontsize=7)
-    fig.suptitle(_title(record))
+    fig.suptitle(title(record))
     fig.tight_layout()
-    path = out_dir / "blast_radius.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
-
-
-@plotter("screen")
-def plot_screen(record: dict, out_dir: Path) -> list[Path]:
-    """Pairs, flipping pairs and excluded pairs per family."""
-    table = record["result"]["aggregates"]["by_family"]
-    fams = list(table)
-    x = np.arange(len(fams))
-    fig, ax = plt.subplots(figsize=(1.4 * len(fams) + 3, 4))
-    n = [table[f]["n_pairs"] for f in fams]
-    k = [table[f]["n_flip"] for f in fams]
-    e = [sum(table[f]["excluded"].values()) for f in fams]
-    ax.bar(x - 0.27, n, 0.27, label="aligned pairs")
-    ax.bar(x, k, 0.27, label="flipping pairs")
-    ax.bar(x + 0.27, e, 0.27, label="excluded at tokenisation")
-    ax.set_xticks(x, fams)
-    ax.set_ylabel("pairs")
-    ax.legend()
-    ax.set_title(_title(record))
-    fig.tight_layout()
-    path = out_dir / "screen.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save(fig, out_dir, "blast_radius.png")]

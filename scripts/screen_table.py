@@ -1,0 +1,43 @@
+#!/usr/bin/env python
+"""Print the per-family screen table of a ``screen`` record as Markdown (for the README).
+
+    python scripts/screen_table.py runs/smollm2-135m/screen/default/record.json
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvnotes.records import load_record  # noqa: E402
+
+
+def fmt_counts(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("record")
+    args = ap.parse_args()
+    rec = load_record(args.record)
+    if rec["probe"] != "screen":
+        sys.exit(f"kvnotes: error: {args.record} is a '{rec['probe']}' record, not 'screen'")
+    table = rec["result"]["aggregates"]["by_family"]
+    print(f"Model `{rec['model']['name']}`, scenario `{rec['scenario']['name']}` "
+          f"({rec['config']['scenario']['n_instances']} instances per scenario, seed {rec['config']['scenario']['seed']}), "
+          f"readout `{rec['config']['readout']}`, min_effect {rec['config']['min_effect']} nats.\n")
+    print("| family | scenarios | aligned pairs | flipping (95% Wilson CI) | flips when expected | unexpected flips | not flipping | excluded |")
+    print("|---|---|---|---|---|---|---|---|")
+    for fam, t in table.items():
+        ci = t["flip_rate"]["ci"]
+        rate = f"{t['n_flip']} ({ci[0]:.2f}-{ci[1]:.2f})" if ci else str(t["n_flip"])
+        print(f"| {fam} | {t['n_scenarios']} | {t['n_pairs']} | {rate} | {t['n_flip_when_expected']}/{t['n_expected_flip']} "
+              f"| {t['unexpected_flips']} | {fmt_counts(t['not_flipping'])} | {fmt_counts(t['excluded'])} |")
+    agg = rec["result"]["aggregates"]
+    print(f"\nTotal: {agg['n_flip']} flipping of {agg['n_pairs']} aligned pairs, in families {', '.join(agg['flip_families']) or 'none'}.")
+
+
+if __name__ == "__main__":
+    main()

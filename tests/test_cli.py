@@ -1,0 +1,127 @@
+"""The command line as users meet it: one-line errors with exit 2, records, sweeps, skips."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.test_tokens import BASE
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args, env=None, timeout=600):
+    e = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, env=e, cwd=ROOT)
+
+
+def one_line_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [l for l in proc.stderr.strip().splitlines() if l.startswith("kvnotes: error:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_misspelt_model(tmp_path):
+    one_line_error(run("model=qwen3-9b", f"out_root={tmp_path}"), "unknown model 'qwen3-9b'", "qwen3-8b")
+    assert not any(tmp_path.iterdir())
+
+
+def test_unknown_probe(tmp_path):
+    one_line_error(run("probe=blastradius", f"out_root={tmp_path}"), "unknown probe 'blastradius'")
+
+
+def test_offline_hub_model_names_model_and_remedy(tmp_path):
+    proc = run("model=qwen3-0.6b", f"out_root={tmp_path}", env={"HF_HOME": str(tmp_path / "hf")})
+    one_line_error(proc, "qwen3-0.6b", "Qwen/Qwen3-0.6B", "hf download")
+    assert not (tmp_path / "qwen3-0.6b").exists()
+
+
+def test_field_missing_from_template(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**BASE, "context": "Profile of {name}."}))
+    one_line_error(run(f"scenario.paths=[{bad}]", f"out_root={tmp_path / 'runs'}"), str(bad), "key 'context'")
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("record.json"))
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A new scenario file (new domain, same schema) swept through both probes in one -m run."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    new = tmp / "fruit.yaml"
+    new.write_text(yaml.safe_dump({**BASE, "domain": "favourite fruit", "id": "favourite_fruit",
+                                   "field": {"slot": "colour", "values": ["apple", "grape"]},
+                                   "candidates": {"apple": " apple", "grape": " grape"},
+                                   "context": "Profile of {name}. Favourite fruit: {colour}.",
+                                   "request": "What is the favourite fruit?",
+                                   "variants": {"direct": {"decision": "Reply with the fruit only.",
+                                                           "answer_prefix": "The favourite fruit is"}}}))
+    out = tmp / "runs"
+    proc = run("-m", "probe=blast_radius,screen", f"scenario.paths=[{new}]", "scenario.n_instances=3",
+               f"out_root={out}", "probe.progress=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def test_sweep_writes_one_record_per_job(sweep):
+    out, _ = sweep
+    records = sorted(out.rglob("record.json"))
+    assert [r.relative_to(out).parts[:2] for r in records] == [("smollm2-135m", "blast_radius"), ("smollm2-135m", "screen")]
+    for r in records:
+        rec = json.loads(r.read_text())
+        assert rec["schema"] == "kvnotes.record" and rec["status"] == "complete"
+        assert rec["model"]["file_sha256"] and rec["model"]["dtype"] == "float32"
+        assert rec["model"]["attn_implementation"] == "sdpa"
+        assert rec["config"]["scenario"]["n_instances"] == 3 and rec["hydra"]["overrides"]
+        assert rec["packages"]["torch"] and "commit" in rec["git"] and rec["timing"]["total"] > 0
+        assert rec["scenario"]["n_pairs_aligned"] == 3
+        rows = rec["result"]["rows"]
+        assert len(rows) == 3 and all(row["scenario"] == "favourite_fruit" for row in rows)
+        assert (r.parent / f"{rec['probe']}.png").stat().st_size > 10_000
+
+
+def test_blast_radius_record_contents(sweep):
+    out, _ = sweep
+    rec = json.loads(next(out.rglob("blast_radius/*/record.json")).read_text())
+    res = rec["result"]
+    row = res["rows"][0]
+    assert row["prefix_max_dev"] < 1e-5
+    assert len(row["k_rel_share"]) == len(res["thresholds"]) and len(row["k_rel_layer_profile"]) == 30
+    agg = res["aggregates"]["all"]["k_rel_p95"]["all"]
+    assert agg["n"] == 3 and agg["n_scenarios"] == 1 and agg["ci_mean"][0] <= agg["mean"] <= agg["ci_mean"][1]
+    ex = next(iter(res["examples"].values()))
+    assert len(ex["maps"]["k_rel"]) == 30 and len(ex["tokens"]) == ex["decision"] + 1
+
+
+def test_rerun_skips_complete_record_unless_forced(sweep):
+    out, _ = sweep
+    rec_path = next(out.rglob("screen/*/record.json"))
+    before = rec_path.stat().st_mtime_ns
+    new = Path(json.loads(rec_path.read_text())["config"]["scenario"]["paths"][0])
+    proc = run("probe=screen", f"scenario.paths=[{new}]", "scenario.n_instances=3", f"out_root={out}")
+    assert proc.returncode == 0 and "skipping" in proc.stdout
+    assert rec_path.stat().st_mtime_ns == before
+
+
+def test_notebook_executes_on_sweep_records(sweep):
+    """The inspection notebook runs top to bottom on real records (so it cannot rot)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    out, _ = sweep
+    nb = nbformat.read(ROOT / "notebooks" / "inspect_records.ipynb", as_version=4)
+    os.environ["KVNOTES_RUNS"] = str(out)
+    try:
+        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    finally:
+        os.environ.pop("KVNOTES_RUNS")
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "6 rows from 2 records" in text and "2 figures" in text
