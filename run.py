@@ -84,7 +84,7 @@ def job(cfg) -> None:
                                f"(excluded: {pairs.exclusion_counts()})")
         ctx = probes.ProbeContext(bundle=bundle, pairs=pairs, cfg=cfg.probe, readout=cfg.readout,
                                   min_effect=float(cfg.min_effect), seed=int(cfg.seed), timer=timer,
-                                  scenario_cfg=cfg.scenario)
+                                  scenario_cfg=cfg.scenario, budget_bytes=int(float(cfg.budget_mb) * (1 << 20)))
         with timer("probe"):
             result = probe_run(ctx)
     except KvnotesError as exc:

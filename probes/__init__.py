@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvnotes.cache import DEFAULT_BUDGET_BYTES
 from kvnotes.errors import KvnotesError
 from kvnotes.models import ModelBundle
 from kvnotes.pairs import PairSet
@@ -23,7 +24,8 @@ from kvnotes.records import Timer
 @dataclass
 class ProbeContext:
     """What a probe gets: the model, the pairs, its config, the readout definition (mode and
-    ``min_effect`` of the flip rule, DESIGN.md §3), a seed and a stage timer."""
+    ``min_effect`` of the flip rule, DESIGN.md §3), a seed, a stage timer and the memory budget
+    (bytes) for one chunk of batched variant caches (``budget_mb`` of the run config)."""
 
     bundle: ModelBundle
     pairs: PairSet
@@ -33,6 +35,7 @@ class ProbeContext:
     seed: int = 0
     timer: Timer = field(default_factory=Timer)
     scenario_cfg: Any = None
+    budget_bytes: int = DEFAULT_BUDGET_BYTES
 
 
 def names() -> list[str]:

@@ -1,0 +1,290 @@
+"""``field_refresh``: how much of a field change the field's own KV carries (DESIGN.md §3, §5).
+
+For every flipping pair (flip rule of DESIGN.md §3; the rest are counted by reason) the old run's
+prefix cache ``[0, d)`` is patched from the new run's, all layers, at these position sets:
+
+- ``none`` (nothing; recovery 0 by definition) and ``all`` (``[0, d)``; recovery 1) — checks;
+- ``field``: the field span ``[a, b)`` only — the finding: recovery of refreshing only the field;
+- ``downstream``: ``[b, d)`` only;
+- ``field_downstream``: ``[a, d)``. The prefix ``[0, a)`` is identical in both runs (causal
+  attention over identical tokens), so this equals ``all``: recovery 1 **by construction**. It is
+  reported as a check (``checks.max_abs_field_downstream_minus_1``), not as a finding.
+
+Recovery ``r = (s_patched - s_old) / (s_new - s_old)`` (DESIGN.md §3), unclipped.
+
+**Exact refresh.** Copying the new run's field KV into the old cache is exact because the field
+only attends to ``[0, a)``, identical in both runs. The probe verifies that instead of assuming
+it: the new field tokens are run at positions ``a .. b-1`` on a view of the old cache truncated to
+``[0, a)`` (:func:`truncated_view`; for a sliding-window layer whose window already dropped part
+of ``[0, a)`` the prefix is prefilled instead, recorded as ``exact_method``), and the recomputed
+field KV (:func:`recompute_span`) is compared to the copied one (``k_max_abs_diff``,
+``v_max_abs_diff``: max over layers, KV heads, field positions and head dims) and patched into the
+old cache in its place (``r_field_exact``; ``score_abs_diff_exact`` is ``|s_exact - s_field|`` in
+nats).
+
+All variants of a pair are scored in one batched call of
+:func:`kvnotes.readout.variant_scores` (variant caches chunked to ``ctx.budget_bytes``).
+Aggregates per family (and ``all``) come from :func:`kvnotes.probing.recovery_summary`: mean,
+median, cluster-bootstrap CIs (scenarios, then instances) and the share of pairs whose decision the
+patch flipped (Wilson CI).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from kvnotes import cache as kvcache
+from kvnotes.probing import flipping_pairs, recovery_summary
+from kvnotes.readout import PairRun, variant_scores
+
+#: Position sets patched (all layers) from the new run into the old run, in scoring order.
+VARIANTS = ("none", "field", "downstream", "field_downstream", "all")
+#: Variants whose recovery is fixed by construction (reported as checks, not findings).
+CHECK_VARIANTS = ("none", "field_downstream", "all")
+
+
+def variant_positions(field: tuple[int, int], decision: int) -> dict[str, list[int]]:
+    """Positions of each variant in :data:`VARIANTS` for field ``[a, b)`` and decision ``d``.
+
+    Returns:
+        name -> sorted positions in ``[0, d)``.
+    """
+    a, b = field
+    d = decision
+    return {"none": [], "field": list(range(a, b)), "downstream": list(range(b, d)),
+            "field_downstream": list(range(a, d)), "all": list(range(d))}
+
+
+def truncated_view(cache: DynamicCache, config, a: int) -> DynamicCache | None:
+    """A cache over positions ``[0, a)`` sharing the tensors of ``cache`` (no copy).
+
+    Full layers keep slots ``[0, a)``. A sliding-window layer (window ``w``) keeps what it would
+    hold after seeing ``a`` positions: ``[max(0, a - w + 1), a)``.
+
+    Args:
+        cache: batch-1 cache over ``[0, T)`` with ``T >= a``.
+        a: number of positions to keep.
+
+    Returns:
+        the truncated cache, or None when a sliding layer has already dropped positions it would
+        need (its window filled past ``a``); then ``[0, a)`` must be prefilled instead.
+    """
+    if a == 0:
+        return DynamicCache(config=config)
+    keys, values = [], []
+    for layer in cache.layers:
+        pos = kvcache.slot_positions(layer)
+        lo = max(0, a - layer.sliding_window + 1) if getattr(layer, "is_sliding", False) else 0
+        if len(pos) == 0 or int(pos[0]) > lo or int(pos[-1]) < a - 1:
+            return None
+        keep = ((pos >= lo) & (pos < a)).nonzero().flatten()
+        keys.append(layer.keys[:, :, keep])
+        values.append(layer.values[:, :, keep])
+    return kvcache.cache_from_tensors(config, keys, values, a)
+
+
+@torch.no_grad()
+def recompute_span(model, prefix: DynamicCache, ids: torch.Tensor, start: int) -> DynamicCache:
+    """Run ``ids`` at positions ``start .. start + n - 1`` on top of ``prefix`` (extended in place).
+
+    This is the write-side resume of DESIGN.md §4: the prefill continues from ``start`` on a cache
+    of ``[0, start)`` instead of re-running the prefix. Explicit ``position_ids`` and a full-length
+    attention mask, as every forward on an edited cache.
+
+    Args:
+        prefix: batch-1 cache over ``[0, start)`` (pass a view if it must be reused).
+        ids: ``[n]`` token ids.
+
+    Returns:
+        ``prefix``, now over ``[0, start + n)``.
+    """
+    ids = ids.view(1, -1).to(model.device)
+    n = ids.shape[1]
+    pos = torch.arange(start, start + n, device=model.device).unsqueeze(0)
+    mask = torch.ones(1, start + n, dtype=torch.long, device=model.device)
+    model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=prefix, use_cache=True,
+          logits_to_keep=1)
+    return prefix
+
+
+def _span_slots(layer, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot indices, positions) of a layer's slots whose positions lie in ``[a, b)``."""
+    pos = kvcache.slot_positions(layer)
+    idx = ((pos >= a) & (pos < b)).nonzero().flatten()
+    return idx, pos[idx]
+
+
+@torch.no_grad()
+def exact_field_source(model, run: PairRun) -> tuple[DynamicCache, dict]:
+    """The old prefix cache with the field's KV recomputed from the new field tokens.
+
+    The new field tokens ``new.ids[a:b]`` are run at positions ``a .. b-1`` on the old cache
+    truncated to ``[0, a)`` (:func:`truncated_view`, else a prefill of ``old.ids[:a]``); the
+    resulting K/V of the field positions replace the old ones in a copy of the old cache.
+
+    Returns:
+        (the batch-1 source cache over ``[0, d)``, ``{k_max_abs_diff, v_max_abs_diff, method}``):
+        the largest absolute difference between recomputed and copied (new-run) field keys and
+        values over layers, KV heads, field positions and head dims; ``method`` is
+        ``"truncated_view"`` or ``"prefix_prefill"``.
+
+    Raises:
+        RuntimeError: a field position held by the old cache is missing from the recomputation
+            (cannot happen for caches built by :func:`kvnotes.cache.prefill`).
+    """
+    pair = run.pair
+    a, b = pair.field
+    config = model.config
+    prefix = truncated_view(run.old_cache, config, a)
+    method = "truncated_view"
+    if prefix is None:
+        prefix = kvcache.prefill(model, pair.old.ids[:a])
+        method = "prefix_prefill"
+    rec = recompute_span(model, prefix, pair.new.ids[a:b], a)
+    keys, values = [], []
+    k_diff = v_diff = 0.0
+    for lo, ln, lr in zip(run.old_cache.layers, run.new_cache.layers, rec.layers, strict=True):
+        k, v = lo.keys.clone(), lo.values.clone()
+        idx_o, pos_o = _span_slots(lo, a, b)
+        idx_r, pos_r = _span_slots(lr, a, b)
+        idx_n, pos_n = _span_slots(ln, a, b)
+        if not torch.equal(pos_o, pos_r[torch.isin(pos_r, pos_o)]) or not torch.isin(pos_o, pos_r).all():
+            raise RuntimeError(f"field positions {pos_o.tolist()} not all recomputed ({pos_r.tolist()})")
+        take = idx_r[torch.isin(pos_r, pos_o)]
+        k[:, :, idx_o] = lr.keys[:, :, take]
+        v[:, :, idx_o] = lr.values[:, :, take]
+        both = torch.isin(pos_r, pos_n)
+        match_n = idx_n[torch.isin(pos_n, pos_r)]
+        if len(match_n):
+            dk = lr.keys[:, :, idx_r[both]].float() - ln.keys[:, :, match_n].float()
+            dv = lr.values[:, :, idx_r[both]].float() - ln.values[:, :, match_n].float()
+            k_diff, v_diff = max(k_diff, float(dk.abs().max())), max(v_diff, float(dv.abs().max()))
+        keys.append(k)
+        values.append(v)
+    source = kvcache.cache_from_tensors(config, keys, values, kvcache.seq_length(run.old_cache))
+    return source, {"k_max_abs_diff": k_diff, "v_max_abs_diff": v_diff, "exact_method": method}
+
+
+@torch.no_grad()
+def refresh_pair(model, run: PairRun, mode: str = "first_token",
+                 budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES, exact: bool = True) -> dict:
+    """Recovery of every variant in :data:`VARIANTS` for one pair, plus the exact field refresh.
+
+    Args:
+        run: the pair's clean run with its prefix caches over ``[0, d)``.
+        mode: readout mode (``first_token`` or ``full``, DESIGN.md §3).
+        budget_bytes: memory budget for one chunk of variant caches.
+        exact: also recompute the field against the old prefix (:func:`exact_field_source`).
+
+    Returns:
+        ``r_<variant>`` (recovery), ``s_<variant>`` (score, nats) and ``flipped_<variant>`` (the
+        patched run takes the new run's decision) for each variant; with ``exact``, also
+        ``r_field_exact``, ``s_field_exact``, ``flipped_field_exact``, ``k_max_abs_diff``,
+        ``v_max_abs_diff``, ``score_abs_diff_exact`` (nats) and ``exact_method``.
+
+    Raises:
+        RuntimeError: from :func:`exact_field_source`.
+        ValueError: ``mode`` is not a readout mode.
+    """
+    pair = run.pair
+    d = pair.decision
+    n_layers = len(run.old_cache.layers)
+    sets = variant_positions(pair.field, d)
+    masks = kvcache.position_masks(n_layers, d, [sets[v] for v in VARIANTS])
+    s = variant_scores(model, pair, run.old_cache, run.new_cache, masks, mode, budget_bytes)
+    r, f = run.recovery(s), run.decision_flipped(s)
+    out: dict = {}
+    for i, v in enumerate(VARIANTS):
+        out |= {f"r_{v}": float(r[i]), f"s_{v}": float(s[i]), f"flipped_{v}": bool(f[i])}
+    if exact:
+        source, diffs = exact_field_source(model, run)
+        s_ex = variant_scores(model, pair, run.old_cache, source,
+                              kvcache.position_masks(n_layers, d, [sets["field"]]), mode, budget_bytes)
+        out |= diffs | {"r_field_exact": float(run.recovery(s_ex)[0]), "s_field_exact": float(s_ex[0]),
+                        "flipped_field_exact": bool(run.decision_flipped(s_ex)[0]),
+                        "score_abs_diff_exact": abs(float(s_ex[0]) - out["s_field"])}
+    return out
+
+
+def with_caches(model, run: PairRun) -> PairRun:
+    """``run`` with its prefix caches (re)computed: probes keep only scores for all pairs and
+    prefill each pair when it is processed, so memory holds one pair's caches at a time."""
+    if run.old_cache is not None:
+        return run
+    d = run.pair.decision
+    return PairRun(run.pair, kvcache.prefill(model, run.pair.old.ids[:d]), kvcache.prefill(model, run.pair.new.ids[:d]),
+                   run.s_old, run.s_new)
+
+
+def families_of(ctx, rows: list[dict]) -> list[str]:
+    """Every family of the loaded scenarios (also those without flipping pairs), sorted."""
+    return sorted({s.family for s in ctx.pairs.scenarios} | {r["family"] for r in rows})
+
+
+def summaries_by_family(rows: list[dict], value, flipped, families: list[str], n_boot: int = 2000,
+                        seed: int = 0) -> dict:
+    """:func:`kvnotes.probing.recovery_summary` over all rows (``"all"``) and per family.
+
+    Args:
+        value: ``row -> float | None``; rows giving None are left out (not counted as non-finite).
+        flipped: ``row -> bool``: the patched run took the new run's decision.
+
+    Returns:
+        ``{"all": summary, <family>: summary, ...}``; families without rows get ``n = 0``.
+    """
+    out = {}
+    for g in ["all", *families]:
+        rs = rows if g == "all" else [r for r in rows if r["family"] == g]
+        tmp = [{"scenario": r["scenario"], "instance": r["instance"], "_v": v, "_f": flipped(r)}
+               for r in rs if (v := value(r)) is not None]
+        out[g] = recovery_summary(tmp, "_v", "_f", n_boot, seed)
+    return out
+
+
+def exclusions_by_family(excluded: list[dict], families: list[str]) -> dict:
+    """``{family: {reason: count}}`` over excluded pair rows."""
+    return {f: dict(Counter(r["reason"] for r in excluded if r.get("family") == f)) for f in families}
+
+
+def run(ctx) -> dict:
+    """Field-only vs field+downstream refresh of every flipping pair; see the module docstring."""
+    cfg = ctx.cfg
+    model = ctx.bundle.model
+    n_boot = int(cfg.get("n_boot", 2000))
+    exact = bool(cfg.get("exact", True))
+    fs = flipping_pairs(ctx, keep_caches=bool(cfg.get("keep_caches", False)))
+    rows = []
+    for i, row in enumerate(tqdm(fs.rows, desc="field_refresh", disable=not cfg.get("progress", True))):
+        with ctx.timer("prefill"):
+            full = with_caches(model, fs.runs[i])
+        with ctx.timer("variants"):
+            rows.append(row | refresh_pair(model, full, ctx.readout, ctx.budget_bytes, exact))
+        fs.runs[i] = PairRun(full.pair, None, None, full.s_old, full.s_new)          # free the caches
+    families = families_of(ctx, rows + fs.excluded)
+    with ctx.timer("statistics"):
+        recovery = {v: summaries_by_family(rows, lambda r, v=v: r[f"r_{v}"], lambda r, v=v: r[f"flipped_{v}"],
+                                           families, n_boot, ctx.seed)
+                    for v in VARIANTS + (("field_exact",) if exact else ())}
+
+    def worst(key, ref=0.0):
+        return max((abs(r[key] - ref) for r in rows), default=None)
+
+    checks = {"max_abs_none": worst("r_none"), "max_abs_field_downstream_minus_1": worst("r_field_downstream", 1.0),
+              "max_abs_all_minus_1": worst("r_all", 1.0)}
+    if exact:
+        checks |= {"k_max_abs_diff": max((r["k_max_abs_diff"] for r in rows), default=None),
+                   "v_max_abs_diff": max((r["v_max_abs_diff"] for r in rows), default=None),
+                   "score_abs_diff_exact": max((r["score_abs_diff_exact"] for r in rows), default=None),
+                   "max_abs_r_field_exact_minus_copy": max((abs(r["r_field_exact"] - r["r_field"]) for r in rows),
+                                                           default=None),
+                   "exact_methods": dict(Counter(r["exact_method"] for r in rows))}
+    aggregates = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
+                  "families": families, "findings": ["field", "downstream"] + (["field_exact"] if exact else []),
+                  "checks_by_construction": list(CHECK_VARIANTS), "recovery": recovery, "checks": checks,
+                  "exclusions_by_family": exclusions_by_family(fs.excluded, families)}
+    return {"rows": rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "variants": list(VARIANTS),
+            "aggregates": aggregates}

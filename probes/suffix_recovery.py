@@ -1,0 +1,507 @@
+"""``suffix_recovery``: where in the downstream the notes live (DESIGN.md §3, §5).
+
+For every flipping pair (flip rule of DESIGN.md §3; the others are counted by reason) the old
+run's prefix cache ``[0, d)`` is patched from the new run's at sets of **downstream** positions
+``[b, d)``, every layer; the field ``[a, b)`` itself is **not** patched in these sets (they measure
+what the downstream KV carries on its own). Recovery ``r = (s_patched - s_old) / (s_new - s_old)``,
+unclipped.
+
+Position-set families, each on a grid of sizes ``k`` (``grid.fractions`` of the downstream length
+``n = d - b``, rounded up, and absolute ``grid.counts``; a count above ``n`` is skipped for that
+pair and counted):
+
+- ``suffix``: the last ``k`` downstream positions ``[d - k, d)``;
+- ``prefix``: the first ``k`` after the field ``[b, b + k)``;
+- ``topk``: the ``k`` positions ranked highest by single-position recovery — ranked on the
+  **selection** split and evaluated on **held-out** instances only (see below);
+- ``random``: ``random.n_draws`` sets of ``k`` distinct downstream positions drawn uniformly
+  without replacement by a ``numpy.random.Generator`` seeded with ``(ctx.seed, crc32(pair id))``;
+  a pair's value is the mean recovery over its draws, its ``decision_flipped`` is true when most
+  draws flipped the decision (``draw_flip_share`` keeps the mean share over draws).
+
+With ``with_field``, every set is also patched together with the field (``field+suffix``, ...), a
+secondary curve. Reference variants of every pair: ``none`` (nothing; 0 by definition),
+``field`` (the field only), ``downstream`` (all of ``[b, d)``) and ``field_downstream``
+(``[a, d)``: 1 by construction, a check).
+
+**Single-position map**: every downstream position alone, all layers, one batched sweep per pair.
+**Layer bands**: all downstream positions in one band of layers (``layer_bands``: a number of
+equal bands, or explicit ``[lo, hi)`` layer ranges).
+
+**Top-k selection and transfer.** Instances are split per scenario into selection and held-out
+sets (:func:`kvnotes.probing.split_instances`, ``selection_fraction``, ``ctx.seed``). Positions
+differ between instances, so a position is described by its offset from an anchor
+(``topk_anchor``): ``decision`` (default; offset ``d - p``, 1 = the last downstream position — the
+chat-template tail, request and answer prefix are shared text aligned from the end) or
+``field_end`` (offset ``p - b``). The ranking profile of a scenario is the mean single-position
+recovery per offset over its **selection** pairs only; a scenario without selection pairs uses its
+family's selection pairs. A held-out pair ranks its downstream positions by the profile value of
+their offsets, descending (offsets the profile lacks rank last; ties go to the smaller offset),
+and the top ``k`` form its set. Held-out maps never enter a profile: every held-out row records
+the pair ids its profile was built from (``topk_profile_pairs``).
+
+All variants of one pair are evaluated in one call of :func:`kvnotes.readout.variant_scores` on
+batched variant caches (chunked to ``ctx.budget_bytes``); identical masks are evaluated once.
+Aggregates per family (and ``all``) come from :func:`kvnotes.probing.recovery_summary`.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvnotes import cache as kvcache
+from kvnotes.probing import flipping_pairs, split_instances
+from kvnotes.readout import PairRun, variant_scores
+from probes.field_refresh import exclusions_by_family, families_of, summaries_by_family, with_caches
+
+SET_FAMILIES = ("suffix", "prefix", "topk", "random")
+REFERENCES = ("none", "field", "downstream", "field_downstream")
+ANCHORS = ("decision", "field_end")
+NO_DOWNSTREAM = "no_downstream"
+
+
+# ---------------------------------------------------------------------------------------------
+# position sets
+
+
+def grid_points(fractions: Sequence[float], counts: Sequence[int]) -> list[dict]:
+    """The k grid: ``{"kind": "fraction", "value": f}`` then ``{"kind": "count", "value": c}``.
+
+    Raises:
+        ValueError: a fraction outside ``(0, 1]`` or a count below 1.
+    """
+    pts = []
+    for f in fractions:
+        if not 0 < float(f) <= 1:
+            raise ValueError(f"grid fractions must lie in (0, 1], got {f}")
+        pts.append({"kind": "fraction", "value": float(f)})
+    for c in counts:
+        if int(c) < 1:
+            raise ValueError(f"grid counts must be >= 1, got {c}")
+        pts.append({"kind": "count", "value": int(c)})
+    return pts
+
+
+def k_for(point: dict, n_downstream: int) -> int | None:
+    """Set size of a grid point for a downstream of ``n_downstream`` positions.
+
+    Fractions give ``ceil(f * n)`` (at least 1); counts give ``c``, or None when ``c > n``.
+    """
+    if point["kind"] == "fraction":
+        return max(1, min(n_downstream, math.ceil(point["value"] * n_downstream - 1e-9)))
+    return point["value"] if point["value"] <= n_downstream else None
+
+
+def suffix_set(downstream: tuple[int, int], k: int) -> list[int]:
+    """The last ``k`` positions of ``[b, d)``."""
+    b, d = downstream
+    return list(range(d - k, d))
+
+
+def prefix_set(downstream: tuple[int, int], k: int) -> list[int]:
+    """The first ``k`` positions of ``[b, d)``."""
+    b, _ = downstream
+    return list(range(b, b + k))
+
+
+def pair_rng(seed: int, pair_id: str) -> np.random.Generator:
+    """The pair's generator for random sets: seeded with ``(seed, crc32(pair_id))`` (never ``hash()``)."""
+    return np.random.default_rng([int(seed), zlib.crc32(pair_id.encode())])
+
+
+def random_sets(rng: np.random.Generator, downstream: tuple[int, int], k: int, n_draws: int) -> list[list[int]]:
+    """``n_draws`` sets of ``k`` distinct positions drawn uniformly from ``[b, d)`` (sorted).
+
+    Raises:
+        ValueError: ``k`` exceeds the downstream length.
+    """
+    b, d = downstream
+    if not 0 <= k <= d - b:
+        raise ValueError(f"cannot draw {k} distinct positions from [{b}, {d})")
+    return [sorted(int(p) for p in rng.choice(np.arange(b, d), size=k, replace=False)) for _ in range(n_draws)]
+
+
+def layer_bands(n_layers: int, spec) -> list[list[int]]:
+    """Layer bands: ``spec`` is a number of (near-)equal contiguous bands or a list of ``[lo, hi)``.
+
+    Raises:
+        ValueError: bands outside ``[0, n_layers)``, empty, or more bands than layers.
+    """
+    if isinstance(spec, int | np.integer):
+        if not 1 <= spec <= n_layers:
+            raise ValueError(f"cannot split {n_layers} layers into {spec} bands")
+        return [a.tolist() for a in np.array_split(np.arange(n_layers), int(spec))]
+    bands = []
+    for lo, hi in spec:
+        if not 0 <= lo < hi <= n_layers:
+            raise ValueError(f"layer band [{lo}, {hi}) outside [0, {n_layers})")
+        bands.append(list(range(int(lo), int(hi))))
+    return bands
+
+
+def offsets(downstream: tuple[int, int], anchor: str) -> np.ndarray:
+    """Offset of each downstream position ``b .. d-1`` from the anchor, ``[n]`` ints.
+
+    ``decision``: ``d - p`` (``n .. 1``); ``field_end``: ``p - b`` (``0 .. n-1``).
+
+    Raises:
+        ValueError: unknown anchor.
+    """
+    b, d = downstream
+    pos = np.arange(b, d)
+    if anchor == "decision":
+        return d - pos
+    if anchor == "field_end":
+        return pos - b
+    raise ValueError(f"topk_anchor must be one of {ANCHORS}, got {anchor!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# top-k selection on the selection split
+
+
+def offset_profiles(selection_rows: list[dict], anchor: str) -> dict:
+    """Mean single-position recovery per anchor offset, per scenario and per family.
+
+    Args:
+        selection_rows: rows of **selection** pairs with ``single`` (recovery of each downstream
+            position alone, ``[n]``), ``downstream``, ``scenario``, ``family`` and ``pair``.
+
+    Returns:
+        ``{"scenario": {id: profile}, "family": {name: profile}}``; a profile is
+        ``{"offset": {offset: mean recovery}, "pairs": [pair ids used]}``.
+    """
+    out: dict = {"scenario": {}, "family": {}}
+    acc: dict = {}
+    for r in selection_rows:
+        offs = offsets(tuple(r["downstream"]), anchor)
+        for level in ("scenario", "family"):
+            sums, counts, pairs = acc.setdefault((level, r[level]), ({}, {}, []))
+            pairs.append(r["pair"])
+            for o, v in zip(offs.tolist(), r["single"], strict=True):
+                sums[o] = sums.get(o, 0.0) + v
+                counts[o] = counts.get(o, 0) + 1
+    for (level, key), (sums, counts, pairs) in acc.items():
+        out[level][key] = {"offset": {o: sums[o] / counts[o] for o in sums}, "pairs": pairs}
+    return out
+
+
+def profile_for(profiles: dict, scenario: str, family: str) -> tuple[dict | None, str | None]:
+    """The profile a held-out pair is ranked by: its scenario's, else its family's, else None.
+
+    Returns:
+        (profile, ``"scenario"`` / ``"family"`` / None).
+    """
+    if scenario in profiles["scenario"]:
+        return profiles["scenario"][scenario], "scenario"
+    if family in profiles["family"]:
+        return profiles["family"][family], "family"
+    return None, None
+
+
+def rank_positions(profile: dict, downstream: tuple[int, int], anchor: str) -> list[int]:
+    """Downstream positions ordered by the profile value of their offsets, highest first.
+
+    Offsets absent from the profile rank last; ties (and absent offsets) go to the smaller offset.
+    """
+    b, _ = downstream
+    offs = offsets(downstream, anchor)
+    vals = np.array([profile["offset"].get(int(o), -np.inf) for o in offs])
+    order = sorted(range(len(offs)), key=lambda i: (-vals[i], offs[i]))
+    return [b + i for i in order]
+
+
+# ---------------------------------------------------------------------------------------------
+# one pair
+
+
+class VariantPlan:
+    """Named patch variants of one pair, deduplicated by mask.
+
+    ``add(name, positions, layers)`` registers a variant (all layers when ``layers`` is None) and
+    returns its index into the unique masks; :meth:`masks` gives the bool ``[V, n_layers, d]``
+    tensor of unique masks.
+    """
+
+    def __init__(self, n_layers: int, d: int) -> None:
+        self.n_layers, self.d = n_layers, d
+        self.index: dict[tuple, int] = {}
+        self.specs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def add(self, positions: Sequence[int], layers: Sequence[int] | None = None) -> int:
+        layer_key = tuple(range(self.n_layers)) if layers is None else tuple(layers)
+        key = (tuple(sorted(int(p) for p in positions)), layer_key)
+        if key not in self.index:
+            self.index[key] = len(self.specs)
+            self.specs.append(key)
+        return self.index[key]
+
+    def masks(self) -> torch.Tensor:
+        m = torch.zeros(len(self.specs), self.n_layers, self.d, dtype=torch.bool)
+        for v, (pos, layers) in enumerate(self.specs):
+            if pos:
+                m[v, torch.tensor(layers)[:, None], torch.tensor(pos)[None, :]] = True
+        return m
+
+
+@torch.no_grad()
+def single_position_scores(model, run: PairRun, mode: str = "first_token",
+                           budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> torch.Tensor:
+    """The single-position map alone: scores of patching each downstream position ``p`` in
+    ``[b, d)`` by itself, every layer, in one batched sweep (:func:`kvnotes.readout.variant_scores`).
+
+    Returns:
+        ``[d - b]`` fp32 scores in nats (``run.recovery`` turns them into recoveries).
+    """
+    b, d = run.pair.downstream
+    masks = kvcache.position_masks(len(run.old_cache.layers), d, [[p] for p in range(b, d)])
+    return variant_scores(model, run.pair, run.old_cache, run.new_cache, masks, mode, budget_bytes)
+
+
+@torch.no_grad()
+def evaluate_pair(model, run: PairRun, grid: list[dict], bands: list[list[int]], rng: np.random.Generator,
+                  n_draws: int, topk_order: list[int] | None = None, with_field: bool = True,
+                  mode: str = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES,
+                  store_sets: bool = False) -> dict:
+    """Every variant of one pair in one batched :func:`kvnotes.readout.variant_scores` call.
+
+    Args:
+        run: the pair's clean run with prefix caches over ``[0, d)``.
+        grid: :func:`grid_points`.
+        bands: :func:`layer_bands`.
+        rng: the pair's generator for random sets (:func:`pair_rng`).
+        n_draws: random sets per grid point.
+        topk_order: downstream positions ranked by the selection profile (held-out pairs), or None.
+        with_field: also evaluate every set together with the field.
+        store_sets: keep the random sets in the result.
+
+    Returns:
+        ``r_<ref>``/``flipped_<ref>`` for :data:`REFERENCES`; ``single``/``single_flipped``
+        (``[n]``, downstream order); ``bands``/``bands_flipped``; ``k`` (per grid point, None when
+        skipped); ``curves``/``curves_flipped`` (family -> per grid point; ``random`` is the mean
+        over draws and its flip flag the majority); ``random_draws`` (per grid point, per draw),
+        ``random_flip_share``, ``random_sizes`` (distinct positions actually patched per draw,
+        read back from the masks) and ``random_outside`` (patched positions outside ``[b, d)``,
+        must be 0); ``topk_sets`` (held-out pairs); ``n_variants`` (unique masks evaluated).
+    """
+    pair = run.pair
+    a, b = pair.field
+    d = pair.decision
+    down = (b, d)
+    n = d - b
+    n_layers = len(run.old_cache.layers)
+    field = list(range(a, b))
+    plan = VariantPlan(n_layers, d)
+    refs = {"none": plan.add([]), "field": plan.add(field), "downstream": plan.add(range(b, d)),
+            "field_downstream": plan.add(range(a, d))}
+    single = [plan.add([p]) for p in range(b, d)]
+    band_idx = [plan.add(range(b, d), layers) for layers in bands]
+    ks = [k_for(pt, n) for pt in grid]
+    fams = [f for f in SET_FAMILIES if f != "topk" or topk_order is not None]
+    sets: dict[str, list] = {f: [] for f in fams}
+    for k in ks:
+        for f in fams:
+            if k is None:
+                sets[f].append(None)
+            elif f == "suffix":
+                sets[f].append([suffix_set(down, k)])
+            elif f == "prefix":
+                sets[f].append([prefix_set(down, k)])
+            elif f == "topk":
+                sets[f].append([sorted(topk_order[:k])])
+            else:
+                sets[f].append(random_sets(rng, down, k, n_draws))
+    idx = {f: [None if s is None else [plan.add(x) for x in s] for s in sets[f]] for f in fams}
+    if with_field:
+        idx |= {f"field+{f}": [None if s is None else [plan.add(field + x) for x in s] for s in sets[f]] for f in fams}
+    masks = plan.masks()
+    scores = variant_scores(model, pair, run.old_cache, run.new_cache, masks, mode, budget_bytes)
+    rec = run.recovery(scores).tolist()
+    flip = run.decision_flipped(scores).tolist()
+    out: dict = {"downstream": [b, d], "n_downstream": n, "n_variants": len(plan.specs), "k": ks}
+    for name, i in refs.items():
+        out[f"r_{name}"], out[f"flipped_{name}"] = rec[i], flip[i]
+    out["single"] = [rec[i] for i in single]
+    out["single_flipped"] = [flip[i] for i in single]
+    out["bands"] = [rec[i] for i in band_idx]
+    out["bands_flipped"] = [flip[i] for i in band_idx]
+    out["curves"], out["curves_flipped"] = {}, {}
+    for name, per_k in idx.items():
+        vals, flips = [], []
+        for ids in per_k:
+            if ids is None:
+                vals.append(None)
+                flips.append(None)
+            else:
+                vals.append(float(np.mean([rec[i] for i in ids])))
+                flips.append(sum(flip[i] for i in ids) > len(ids) / 2)
+        out["curves"][name], out["curves_flipped"][name] = vals, flips
+    rnd = idx["random"]
+    out["random_draws"] = [None if ids is None else [rec[i] for i in ids] for ids in rnd]
+    out["random_flip_share"] = [None if ids is None else float(np.mean([flip[i] for i in ids])) for ids in rnd]
+    patched = masks.any(dim=1)                                                   # [V, d]
+    out["random_sizes"] = [None if ids is None else [int(patched[i].sum()) for i in ids] for ids in rnd]
+    out["random_outside"] = sum(int(patched[i, :b].sum()) for ids in rnd if ids for i in ids)
+    if store_sets:
+        out["random_sets"] = sets["random"]
+    if topk_order is not None:
+        out["topk_sets"] = [None if s is None else s[0] for s in sets["topk"]]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the probe
+
+
+def _example(tokenizer, pair, row: dict) -> dict:
+    """One pair's single-position map with the prompt's token strings, for figures."""
+    ids = pair.new.ids[: pair.decision + 1].tolist()
+    return {"pair": row["pair"], "split": row["split"], "tokens": [tokenizer.decode([t]) for t in ids],
+            "field": list(pair.field), "decision": pair.decision, "downstream": row["downstream"],
+            "single": row["single"], "old": row["old"], "new": row["new"]}
+
+
+def _offset_map(rows: list[dict], anchor: str) -> dict:
+    """Mean single-position recovery per anchor offset over rows: ``{offset, mean, n}`` lists."""
+    acc: dict[int, list[float]] = {}
+    for r in rows:
+        for o, v in zip(offsets(tuple(r["downstream"]), anchor).tolist(), r["single"], strict=True):
+            acc.setdefault(o, []).append(v)
+    offs = sorted(acc)
+    return {"offset": offs, "mean": [float(np.mean(acc[o])) for o in offs], "n": [len(acc[o]) for o in offs]}
+
+
+def _aggregates(rows, held, grid, bands, families, n_boot, seed, anchor) -> dict:
+    def curve(rs, name):
+        out = []
+        for g in range(len(grid)):
+            got = summaries_by_family(rs, lambda r: r["curves"].get(name, [None] * len(grid))[g],
+                                      lambda r: bool(r["curves_flipped"][name][g]), families, n_boot, seed)
+            skipped = sum(1 for r in rs if name in r["curves"] and r["curves"][name][g] is None)
+            out.append(got | {"n_skipped_k_exceeds_downstream": skipped})
+        return out
+
+    canonical = [*SET_FAMILIES, *(f"field+{f}" for f in SET_FAMILIES)]
+    names = [n for n in canonical if any(n in r["curves"] for r in rows)]
+    held_names = [n for n in canonical if any(n in r["curves"] for r in held)]
+    curves = {"heldout": {n: curve(held, n) for n in held_names},
+              "all": {n: curve(rows, n) for n in names if "topk" not in n}}
+
+    def draw_share(rs):
+        out = []
+        for i in range(len(grid)):
+            cell = {}
+            for g in ["all", *families]:
+                v = [r["random_flip_share"][i] for r in rs
+                     if r["random_flip_share"][i] is not None and (g == "all" or r["family"] == g)]
+                cell[g] = float(np.mean(v)) if v else None
+            out.append(cell)
+        return out
+
+    refs = {n: summaries_by_family(rows, lambda r, n=n: r[f"r_{n}"], lambda r, n=n: r[f"flipped_{n}"], families,
+                                   n_boot, seed) for n in REFERENCES}
+    band_aggs = [summaries_by_family(rows, lambda r, i=i: r["bands"][i], lambda r, i=i: r["bands_flipped"][i],
+                                     families, n_boot, seed) for i in range(len(bands))]
+    single = {
+        "max": summaries_by_family(rows, lambda r: max(r["single"]), lambda r: any(r["single_flipped"]), families,
+                                   n_boot, seed),
+        "sum": summaries_by_family(rows, lambda r: float(np.sum(r["single"])), lambda r: any(r["single_flipped"]),
+                                   families, n_boot, seed),
+        "by_offset": {anc: {g: _offset_map([r for r in rows if g == "all" or r["family"] == g], anc)
+                            for g in ["all", *families]} for anc in ANCHORS},
+    }
+    return {"curves": curves, "references": refs, "bands": band_aggs, "single": single,
+            "random_draw_flip_share": {"heldout": draw_share(held), "all": draw_share(rows)}}
+
+
+def run(ctx) -> dict:
+    """Suffix / prefix / top-k / random recovery curves, single-position map and layer bands of
+    every flipping pair; see the module docstring."""
+    cfg = ctx.cfg
+    model = ctx.bundle.model
+    n_layers = model.config.get_text_config().num_hidden_layers
+    grid = grid_points(list(cfg.grid.fractions), list(cfg.grid.counts))
+    bands_spec = cfg.layer_bands
+    bands = layer_bands(n_layers, bands_spec if isinstance(bands_spec, int) else [list(x) for x in bands_spec])
+    anchor = str(cfg.topk_anchor)
+    offsets((0, 1), anchor)                                     # validate the anchor before any work
+    n_draws = int(cfg.random.n_draws)
+    n_boot = int(cfg.get("n_boot", 2000))
+    keep = bool(cfg.get("keep_caches", False))
+
+    fs = flipping_pairs(ctx, keep_caches=keep)
+    runs, rows, excluded = [], [], list(fs.excluded)
+    for r, row in zip(fs.runs, fs.rows):
+        if r.pair.decision <= r.pair.field[1]:
+            excluded.append(row | {"reason": NO_DOWNSTREAM})
+        else:
+            runs.append(r)
+            rows.append(row)
+    exclusions = {}
+    for e in excluded:
+        exclusions[e["reason"]] = exclusions.get(e["reason"], 0) + 1
+    sel, held = split_instances(rows, float(cfg.selection_fraction), ctx.seed)
+    order = sorted(range(len(rows)), key=lambda i: rows[i]["instance"] not in sel)   # selection first, stable
+    out_rows: list[dict | None] = [None] * len(rows)
+    profiles = None
+    for i in tqdm(order, desc="suffix_recovery", disable=not cfg.get("progress", True)):
+        row = rows[i] | {"split": "selection" if rows[i]["instance"] in sel else "heldout"}
+        topk_order = None
+        if row["split"] == "heldout":
+            if profiles is None:       # every selection pair is done: build the ranking profiles once
+                profiles = offset_profiles([r for r in out_rows if r is not None and r["split"] == "selection"], anchor)
+            prof, source = profile_for(profiles, row["scenario"], row["family"])
+            row |= {"topk_profile_source": source, "topk_profile_pairs": prof["pairs"] if prof else []}
+            if prof is not None:
+                topk_order = rank_positions(prof, runs[i].pair.downstream, anchor)
+        with ctx.timer("prefill"):
+            full = with_caches(model, runs[i])
+        with ctx.timer("variants"):
+            row |= evaluate_pair(model, full, grid, bands, pair_rng(ctx.seed, row["pair"]), n_draws, topk_order,
+                                 bool(cfg.with_field), ctx.readout, ctx.budget_bytes,
+                                 bool(cfg.get("store_sets", False)))
+        runs[i] = PairRun(full.pair, None, None, full.s_old, full.s_new)            # free the caches
+        out_rows[i] = row
+    rows = [r for r in out_rows if r is not None]
+    held_rows = [r for r in rows if r["split"] == "heldout" and "topk_sets" in r]
+    families = families_of(ctx, rows + excluded)
+    examples = {}
+    for r, run_ in zip(rows, runs):
+        cur = examples.get(r["family"])
+        if cur is None or (cur["split"] != "heldout" and r["split"] == "heldout"):
+            examples[r["family"]] = _example(ctx.bundle.tokenizer, run_.pair, r)
+    with ctx.timer("statistics"):
+        aggregates = _aggregates(rows, held_rows, grid, bands, families, n_boot, ctx.seed, anchor)
+
+    def worst(key, ref):
+        return max((abs(r[key] - ref) for r in rows), default=None)
+
+    inst_of = {r["pair"]: r["instance"] for r in rows}
+    full_idx = [g for g, pt in enumerate(grid) if pt["kind"] == "fraction" and pt["value"] == 1.0]
+    aggregates["checks"] = {
+        "max_abs_none": worst("r_none", 0.0),
+        "max_abs_field_downstream_minus_1": worst("r_field_downstream", 1.0),
+        "max_abs_full_set_minus_downstream": max((abs(r["curves"][f][g] - r["r_downstream"]) for r in rows
+                                                  for f in r["curves"] if not f.startswith("field+") for g in full_idx),
+                                                 default=None),
+        "random_outside_downstream": sum(r["random_outside"] for r in rows),
+        "random_size_mismatch": sum(s != k for r in rows for k, ss in zip(r["k"], r["random_sizes"]) if ss for s in ss),
+        "heldout_profile_pairs_not_in_selection": sum(inst_of[p] not in sel for r in held_rows
+                                                      for p in r["topk_profile_pairs"]),
+    }
+    aggregates |= {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
+                   "n_selection": sum(r["split"] == "selection" for r in rows), "n_heldout": len(held_rows),
+                   "n_heldout_without_profile": sum(r["split"] == "heldout" and "topk_sets" not in r for r in rows),
+                   "families": families, "exclusions_by_family": exclusions_by_family(excluded, families)}
+    return {"rows": rows, "exclusions": exclusions, "excluded": excluded, "aggregates": aggregates,
+            "grid": grid, "layer_bands": bands, "set_families": list(SET_FAMILIES), "topk_anchor": anchor,
+            "split": {"selection_fraction": float(cfg.selection_fraction), "seed": ctx.seed,
+                      "selection": sorted(sel), "heldout": sorted(held)},
+            "selection_pairs": [r["pair"] for r in rows if r["split"] == "selection"],
+            "examples": examples}

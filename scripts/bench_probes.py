@@ -1,0 +1,216 @@
+#!/usr/bin/env python
+"""Benchmark the batched single-position map against a naive per-variant loop, in one process.
+
+    OMP_NUM_THREADS=1 python scripts/bench_probes.py [--n-pairs 3] [--repeats 2] [--threads 1]
+
+On the same flipping recall pairs of the embedded SmolLM2-135M (``--model`` picks another zoo
+config), the single-position map (every downstream position ``p`` in ``[b, d)`` patched alone from
+the new run into the old run, all layers, decision score read) is computed two ways:
+
+- **batched**: the probe's machinery, :func:`probes.suffix_recovery.single_position_scores`
+  (patch masks -> variant caches by ``torch.where`` from the two source caches, chunked to
+  ``--budget-mb``, one batched decode per chunk);
+- **naive**: per variant, ``copy.deepcopy`` of the whole old cache, the position's K/V copied from
+  the new cache in every layer, one batch-1 decode of the decision token.
+
+Printed: wall time of each (best of ``--repeats``, after a warm-up pair), the speed ratio, the
+max abs difference of the two maps (scores in nats and recoveries), and the peak memory each
+method added above its starting point (resident set size sampled every 2 ms on CPU, after
+``malloc_trim`` returned freed heap pages; peak allocated CUDA memory on GPU), plus the process's
+``ru_maxrss``. ``--json PATH`` also writes the numbers.
+
+The batched path trades memory for speed: a chunk holds up to ``--budget-mb`` of variant caches
+(plus the decode's concatenated copy of them), the naive loop one cache copy at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import json
+import os
+import resource
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+
+def release_free_memory() -> None:
+    """Return freed heap memory to the OS (glibc ``malloc_trim``), so that a method's peak RSS is
+    not hidden by pages an earlier method freed but the allocator kept; a no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakMemory:
+    """Peak memory added while the block runs, in bytes: sampled RSS on CPU, CUDA peak on GPU."""
+
+    def __init__(self, device: torch.device, interval_s: float = 0.002) -> None:
+        self.device, self.interval = device, interval_s
+        self.peak = 0
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._max = max(self._max, self.rss())
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self._base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            release_free_memory()
+            self._base = self._max = self.rss()
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self._base
+        else:
+            self._stop.set()
+            self._thread.join()
+            self._max = max(self._max, self.rss())
+            self.peak = self._max - self._base
+
+
+@torch.no_grad()
+def naive_single_position_scores(model, run) -> torch.Tensor:
+    """The single-position map by a per-variant loop: deep-copy the old cache, patch position ``p``
+    in every layer from the new cache, decode the decision token. Returns ``[d - b]`` scores (nats)."""
+    from kvnotes import cache as kvcache
+
+    pair = run.pair
+    b, d = pair.downstream
+    tok = pair.old.ids[d: d + 1].view(1, 1).to(model.device)
+    pos = torch.tensor([[d]], device=model.device)
+    mask = torch.ones(1, d + 1, dtype=torch.long, device=model.device)
+    out = []
+    for p in range(b, d):
+        cache = copy.deepcopy(run.old_cache)
+        for lo, ln in zip(cache.layers, run.new_cache.layers, strict=True):
+            slot = (kvcache.slot_positions(lo) == p).nonzero().flatten()
+            lo.keys[:, :, slot] = ln.keys[:, :, slot]
+            lo.values[:, :, slot] = ln.values[:, :, slot]
+        logits = model(input_ids=tok, position_ids=pos, attention_mask=mask, past_key_values=cache).logits
+        lp = torch.log_softmax(logits[0, -1].float(), -1)
+        out.append(lp[pair.cand_new[0]] - lp[pair.cand_old[0]])
+    return torch.stack(out)
+
+
+def flipping_recall_pairs(bundle, n_pairs: int, scenario_ids: list[str] | None):
+    """The first ``n_pairs`` flipping recall pairs (one instance per scenario), with their runs."""
+    from kvnotes.readout import screen_pair
+    from kvnotes.tokens import tokenize_pair
+    from scenarios import build_pairs, load_suite
+
+    specs = build_pairs(load_suite([str(ROOT / "scenarios/suites")], ["recall"], scenario_ids), 1, 0)
+    runs = []
+    for spec in specs:
+        tp = tokenize_pair(bundle.tokenizer, spec)
+        if isinstance(tp, str):
+            continue
+        run, status = screen_pair(bundle.model, tp)
+        if status["flips"]:
+            runs.append(run)
+        if len(runs) == n_pairs:
+            break
+    return runs
+
+
+def timed(fn, device, repeats: int):
+    """(result of the last call, best wall time over ``repeats`` in s, peak memory over all calls)."""
+    best, peak, res = float("inf"), 0, None
+    for _ in range(repeats):
+        with PeakMemory(device) as pm:
+            t0 = time.perf_counter()
+            res = fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        peak = max(peak, pm.peak)
+    return res, best, peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="zoo config name under conf/model")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--n-pairs", type=int, default=3)
+    ap.add_argument("--scenarios", nargs="*", default=None, help="recall scenario ids (default: all)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed repeats per method (best is kept)")
+    ap.add_argument("--budget-mb", type=float, default=1024, help="memory budget per chunk of variant caches")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--json", help="also write the numbers to this file")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from omegaconf import OmegaConf
+
+    from kvnotes.models import load_model
+    from probes.suffix_recovery import single_position_scores
+
+    bundle = load_model(OmegaConf.load(ROOT / "conf/model" / f"{args.model}.yaml"), args.device)
+    model, device = bundle.model, bundle.model.device
+    runs = flipping_recall_pairs(bundle, args.n_pairs, args.scenarios)
+    if not runs:
+        sys.exit("kvnotes: error: no flipping recall pair to benchmark")
+    budget = int(args.budget_mb * (1 << 20))
+    n_variants = sum(r.pair.decision - r.pair.field[1] for r in runs)
+
+    def batched():
+        return [single_position_scores(model, r, budget_bytes=budget) for r in runs]
+
+    def naive():
+        return [naive_single_position_scores(model, r) for r in runs]
+
+    # warm-up (allocator, kernels) on the first pair, both ways
+    single_position_scores(model, runs[0], budget_bytes=budget)
+    naive_single_position_scores(model, runs[0])
+    s_batched, t_batched, m_batched = timed(batched, device, args.repeats)
+    s_naive, t_naive, m_naive = timed(naive, device, args.repeats)
+    diff_s = max(float((a - b).abs().max()) for a, b in zip(s_batched, s_naive, strict=True))
+    diff_r = max(float((r.recovery(a) - r.recovery(b)).abs().max()) for r, a, b in zip(runs, s_batched, s_naive,
+                                                                                          strict=True))
+    out = {
+        "model": args.model, "device": str(device), "dtype": str(next(model.parameters()).dtype),
+        "threads": torch.get_num_threads(), "pairs": [r.pair.spec.id for r in runs],
+        "tokens": [int(r.pair.decision) for r in runs], "n_variants": n_variants, "budget_mb": args.budget_mb,
+        "batched_s": t_batched, "naive_s": t_naive, "speedup": t_naive / t_batched,
+        "max_abs_diff_score_nats": diff_s, "max_abs_diff_recovery": diff_r,
+        "peak_mem_batched_mb": m_batched / 2**20, "peak_mem_naive_mb": m_naive / 2**20,
+        "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    print(f"model {args.model} on {out['device']} ({out['dtype']}, {out['threads']} thread(s)); "
+          f"{len(runs)} recall pairs, {n_variants} single-position variants")
+    print(f"  batched (variant caches, budget {args.budget_mb:g} MB): {t_batched:8.2f} s  "
+          f"({1e3 * t_batched / n_variants:.1f} ms/variant), peak +{out['peak_mem_batched_mb']:.0f} MB")
+    print(f"  naive (deepcopy per variant):               {t_naive:8.2f} s  "
+          f"({1e3 * t_naive / n_variants:.1f} ms/variant), peak +{out['peak_mem_naive_mb']:.0f} MB")
+    print(f"  speed ratio naive/batched: {out['speedup']:.1f}x")
+    print(f"  max abs difference: score {diff_s:.2e} nats, recovery {diff_r:.2e}")
+    print(f"  process ru_maxrss: {out['ru_maxrss_mb']:.0f} MB")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

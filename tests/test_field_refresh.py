@@ -1,0 +1,193 @@
+"""field_refresh: the exact (recomputed) field refresh equals the copied one on every architecture,
+the by-construction checks hold, exclusions are counted, and a run on the embedded model is sane."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from kvnotes import cache as kvcache
+from kvnotes.pairs import PairSet, prepare_pairs
+from kvnotes.plots import plot_record
+from kvnotes.readout import PairRun, variant_scores
+from probes import ProbeContext
+from probes.field_refresh import (VARIANTS, exact_field_source, refresh_pair, truncated_view,
+                                  variant_positions)
+from probes.field_refresh import run as run_probe
+from tests.conftest import VOCAB, WINDOW
+
+T = 3 * WINDOW            # prefix length: longer than the sliding window, so windows fill
+FIELD = (5, 8)
+KV_TOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread for this module (CI boxes have 2 shared cores; two threads contend badly)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_run(model, field=FIELD, t=T, seed=3) -> PairRun:
+    """A duck-typed token-aligned pair on random tokens (field changed) with its clean run."""
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randint(0, VOCAB, (t + 1,), generator=g)
+    new = old.clone()
+    a, b = field
+    new[a:b] = (old[a:b] + 1 + torch.randint(0, VOCAB - 1, (b - a,), generator=g)) % VOCAB
+    prompt = lambda ids: SimpleNamespace(ids=ids)  # noqa: E731
+    pair = SimpleNamespace(field=field, decision=t, old=prompt(old), new=prompt(new), cand_old=(1,), cand_new=(2,))
+    c_old, c_new = kvcache.prefill(model, old[:t]), kvcache.prefill(model, new[:t])
+    masks = torch.zeros(2, len(c_old.layers), t, dtype=torch.bool)
+    masks[1] = True
+    s = variant_scores(model, pair, c_old, c_new, masks)
+    return PairRun(pair, c_old, c_new, float(s[0]), float(s[1]))
+
+
+def test_variant_positions():
+    sets = variant_positions((3, 6), 10)
+    assert sets["none"] == [] and sets["field"] == [3, 4, 5] and sets["downstream"] == [6, 7, 8, 9]
+    assert sets["field_downstream"] == list(range(3, 10)) and sets["all"] == list(range(10))
+
+
+def test_truncated_view_matches_prefix_prefill(tiny):
+    """Where every layer still holds [0, a) (short prompt), the truncated view equals a prefill of
+    [0, a); where a sliding window has dropped part of it, it refuses (None)."""
+    ids = torch.arange(1, T + 1) % VOCAB
+    short = kvcache.prefill(tiny, ids[:WINDOW - 2])
+    view = truncated_view(short, tiny.config, 4)
+    ref = kvcache.prefill(tiny, ids[:4])
+    assert view is not None and kvcache.seq_length(view) == 4
+    for lv, lr in zip(view.layers, ref.layers, strict=True):
+        assert lv.keys.shape == lr.keys.shape and torch.allclose(lv.keys, lr.keys, atol=KV_TOL)
+        assert torch.allclose(lv.values, lr.values, atol=KV_TOL)
+    long = kvcache.prefill(tiny, ids[:T])
+    sliding = any(getattr(layer, "is_sliding", False) for layer in long.layers)
+    assert (truncated_view(long, tiny.config, FIELD[0]) is None) == sliding
+
+
+# (prefix length, field): a short prompt that every window still holds, and a long one whose
+# sliding windows have filled (the field stays inside the decision's window so it matters).
+GEOMETRIES = [(WINDOW - 2, (2, 4)), (T, (T - 4, T - 2))]
+
+
+@pytest.mark.parametrize("t,field", GEOMETRIES, ids=["short", "long"])
+def test_exact_refresh_equals_copied(tiny, t, field):
+    run = tiny_run(tiny, field, t)
+    src, diffs = exact_field_source(tiny, run)
+    assert diffs["k_max_abs_diff"] < KV_TOL and diffs["v_max_abs_diff"] < KV_TOL
+    sliding = any(getattr(layer, "is_sliding", False) for layer in run.old_cache.layers)
+    assert diffs["exact_method"] == ("prefix_prefill" if sliding and t == T else "truncated_view")
+    # outside the field the source is the old cache, bit for bit
+    a, b = field
+    for ls, lo in zip(src.layers, run.old_cache.layers, strict=True):
+        outside = ~((kvcache.slot_positions(lo) >= a) & (kvcache.slot_positions(lo) < b))
+        assert torch.equal(ls.keys[:, :, outside], lo.keys[:, :, outside])
+    out = refresh_pair(tiny, run)
+    assert out["score_abs_diff_exact"] < 1e-4
+    assert out["s_none"] == pytest.approx(run.s_old, abs=1e-5)
+    assert out["s_all"] == pytest.approx(run.s_new, abs=1e-5)
+    assert out["s_field_downstream"] == pytest.approx(run.s_new, abs=1e-4)      # by construction
+    # the field really changes the old run's score (otherwise the comparison says nothing)
+    assert abs(out["s_field"] - out["s_none"]) > 1e-4
+
+
+def test_exact_refresh_detects_a_wrong_field():
+    """Negative control: recomputing a different token at the field gives a large K difference."""
+    from tests.conftest import build_tiny
+
+    model = build_tiny("llama")
+    run = tiny_run(model)
+    wrong = SimpleNamespace(**vars(run.pair))
+    wrong.new = SimpleNamespace(ids=run.pair.old.ids)            # recompute the OLD field tokens
+    _, diffs = exact_field_source(model, PairRun(wrong, run.old_cache, run.new_cache, run.s_old, run.s_new))
+    assert diffs["k_max_abs_diff"] > 1e-2
+
+
+def probe_cfg(**over):
+    cfg = OmegaConf.load("conf/probe/field_refresh.yaml")
+    cfg.progress = False
+    cfg.n_boot = 500
+    for k, v in over.items():
+        OmegaConf.update(cfg, k, v)
+    return cfg
+
+
+def pairs_of(smol, ids, n_instances=2):
+    sc = OmegaConf.load("conf/scenario/default.yaml")
+    sc.families, sc.ids, sc.n_instances = ["recall"], ids, n_instances
+    return prepare_pairs(smol.tokenizer, sc)
+
+
+@pytest.fixture(scope="module")
+def result(smol):
+    ps = pairs_of(smol, ["favourite_colour", "home_city"])
+    ctx = ProbeContext(bundle=smol, pairs=ps, cfg=probe_cfg(keep_caches=True), seed=0, budget_bytes=64 << 20)
+    return ps, run_probe(ctx)
+
+
+def test_embedded_run_checks_and_findings(result):
+    ps, res = result
+    rows, agg = res["rows"], res["aggregates"]
+    assert len(rows) + sum(res["exclusions"].values()) == len(ps.pairs) + len(ps.excluded)
+    assert len(rows) >= 6 and {r["scenario"] for r in rows} == {"favourite_colour", "home_city"}
+    for r in rows:
+        assert r["r_none"] == pytest.approx(0.0, abs=1e-5)
+        assert r["r_all"] == pytest.approx(1.0, abs=1e-4)
+        assert r["r_field_downstream"] == pytest.approx(1.0, abs=1e-4)   # prefix identical: 1 by construction
+        assert r["flipped_field_downstream"] and not r["flipped_none"]
+        assert r["k_max_abs_diff"] < 1e-4 and r["v_max_abs_diff"] < 1e-4
+        assert r["r_field_exact"] == pytest.approx(r["r_field"], abs=1e-4)
+        assert r["exact_method"] == "truncated_view"
+    checks = agg["checks"]
+    assert checks["max_abs_field_downstream_minus_1"] < 1e-4 and checks["score_abs_diff_exact"] < 1e-3
+    rec = agg["recovery"]
+    assert set(rec) == set(VARIANTS) | {"field_exact"}
+    fam = rec["field"]["recall"]
+    assert fam["n"] == len(rows) and fam["n_scenarios"] == 2
+    assert fam["ci_mean"][0] <= fam["mean"] <= fam["ci_mean"][1]
+    assert fam["mean"] == pytest.approx(sum(r["r_field"] for r in rows) / len(rows))
+    # recall copies the answer from the field: refreshing the field alone recovers most of the
+    # effect, the downstream alone much less (a finding on this model, guarded loosely)
+    assert fam["mean"] > 0.5 and rec["downstream"]["recall"]["mean"] < fam["mean"]
+    assert rec["field_downstream"]["recall"]["decision_flipped"]["p"] == 1.0
+    assert rec["none"]["recall"]["decision_flipped"]["k"] == 0
+
+
+def test_exclusions_are_counted(smol, result):
+    ps, full = result
+    first = sorted({p.spec.instance.id for p in ps.pairs})[0]
+    sub = [p for p in ps.pairs if p.spec.instance.id == first]
+    effect = {r["pair"]: abs(r["effect"]) for r in full["rows"]}
+    effects = sorted(effect[p.spec.id] for p in sub)
+    cut = (effects[0] + effects[-1]) / 2                          # some pairs above, some below
+    n_small = sum(e < cut for e in effects)
+    assert 0 < n_small < len(effects)
+    tok_excluded = {"pair": "x", "scenario": "favourite_colour", "family": "recall", "instance": "x/0",
+                    "reason": "unequal_field_length"}
+    ctx = ProbeContext(bundle=smol, pairs=PairSet(sub, [tok_excluded], ps.scenarios), cfg=probe_cfg(exact=False),
+                       min_effect=cut)
+    res = run_probe(ctx)                                          # default keep_caches=false: re-prefills
+    assert res["exclusions"] == {"small_effect": n_small, "unequal_field_length": 1}
+    assert len(res["rows"]) == len(effects) - n_small
+    assert all(abs(r["effect"]) >= cut for r in res["rows"])
+    assert [r["reason"] for r in res["excluded"]].count("small_effect") == n_small
+    assert res["aggregates"]["exclusions_by_family"]["recall"] == res["exclusions"]
+    assert res["aggregates"]["recovery"]["field"]["recall"]["n"] == len(res["rows"])
+    # the same pairs give the same recovery whether caches were kept or re-prefilled
+    for r in res["rows"]:
+        ref = next(x for x in full["rows"] if x["pair"] == r["pair"])
+        assert r["r_field"] == pytest.approx(ref["r_field"], abs=1e-5)
+
+
+def test_figure_from_record(result, tmp_path):
+    _, res = result
+    record = {"probe": "field_refresh", "model": {"name": "smollm2-135m"}, "scenario": {"name": "test"},
+              "result": res}
+    paths = plot_record(record, tmp_path)
+    assert [p.name for p in paths] == ["field_refresh.png"] and paths[0].stat().st_size > 10_000

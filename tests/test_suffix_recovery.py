@@ -1,0 +1,227 @@
+"""suffix_recovery: position sets are what they claim, top-k sets are chosen on selection instances
+only and evaluated on held-out ones, the by-construction checks hold, exclusions are counted, and a
+run on the embedded model gives sane numbers and figures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import probes.suffix_recovery as sr
+from kvnotes.pairs import PairSet, prepare_pairs
+from kvnotes.plots import plot_record
+from probes import ProbeContext
+
+GRID = {"fractions": [0.1, 0.5, 1.0], "counts": [1, 4, 1000]}     # 1000 exceeds every downstream
+N_DRAWS = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread for this module (CI boxes have 2 shared cores; two threads contend badly)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+
+def test_grid_and_k():
+    grid = sr.grid_points([0.1, 1.0], [3, 50])
+    assert [sr.k_for(p, 40) for p in grid] == [4, 40, 3, None]
+    assert sr.k_for({"kind": "fraction", "value": 0.01}, 40) == 1          # at least one position
+    with pytest.raises(ValueError):
+        sr.grid_points([0.0], [])
+    with pytest.raises(ValueError):
+        sr.grid_points([], [0])
+
+
+def test_suffix_prefix_sets():
+    assert sr.suffix_set((10, 20), 3) == [17, 18, 19]
+    assert sr.prefix_set((10, 20), 3) == [10, 11, 12]
+
+
+def test_random_sets_are_k_matched_and_seeded():
+    sets = sr.random_sets(sr.pair_rng(0, "p/0:a->b"), (10, 30), 7, 5)
+    assert len(sets) == 5 and all(len(set(s)) == 7 == len(s) and min(s) >= 10 and max(s) < 30 for s in sets)
+    assert len({tuple(s) for s in sets}) > 1                                   # draws differ
+    assert sets == sr.random_sets(sr.pair_rng(0, "p/0:a->b"), (10, 30), 7, 5)  # reproducible
+    assert sets != sr.random_sets(sr.pair_rng(1, "p/0:a->b"), (10, 30), 7, 5)  # the seed matters
+    with pytest.raises(ValueError):
+        sr.random_sets(sr.pair_rng(0, "x"), (10, 12), 3, 1)
+
+
+def test_layer_bands():
+    bands = sr.layer_bands(30, 4)
+    assert [len(b) for b in bands] == [8, 8, 7, 7] and sum(bands, []) == list(range(30))
+    assert sr.layer_bands(6, [[0, 2], [2, 6]]) == [[0, 1], [2, 3, 4, 5]]
+    with pytest.raises(ValueError):
+        sr.layer_bands(6, [[4, 8]])
+
+
+def test_offsets_and_ranking_transfer_between_lengths():
+    assert sr.offsets((10, 14), "decision").tolist() == [4, 3, 2, 1]
+    assert sr.offsets((10, 14), "field_end").tolist() == [0, 1, 2, 3]
+    # selection pair with downstream [10, 14): the position right before d is the note
+    sel = [{"pair": "s/0:x", "scenario": "s", "family": "f", "downstream": [10, 14], "single": [0.0, 0.1, 0.0, 0.9]}]
+    prof = sr.offset_profiles(sel, "decision")
+    assert prof["scenario"]["s"]["pairs"] == ["s/0:x"] and prof["family"]["f"]["offset"][1] == 0.9
+    # a held-out pair with a longer downstream [20, 26): offsets 6, 5 are unknown and rank last
+    order = sr.rank_positions(prof["scenario"]["s"], (20, 26), "decision")
+    assert order[:2] == [25, 23] and order[-2:] == [21, 20]
+    assert sr.profile_for(prof, "other", "f")[1] == "family" and sr.profile_for(prof, "other", "g") == (None, None)
+
+
+# ----------------------------------------------------------------------------- the embedded run
+
+
+def probe_cfg(**over):
+    cfg = OmegaConf.load("conf/probe/suffix_recovery.yaml")
+    cfg.progress, cfg.n_boot, cfg.store_sets, cfg.keep_caches = False, 300, True, True
+    cfg.grid, cfg.random.n_draws, cfg.layer_bands = GRID, N_DRAWS, 5
+    for k, v in over.items():
+        OmegaConf.update(cfg, k, v)
+    return cfg
+
+
+def pairs_of(smol, ids, n_instances=2):
+    sc = OmegaConf.load("conf/scenario/default.yaml")
+    sc.families, sc.ids, sc.n_instances = ["recall"], ids, n_instances
+    return prepare_pairs(smol.tokenizer, sc)
+
+
+@pytest.fixture(scope="module")
+def spied(smol):
+    """One probe run through ``run(ctx)`` with spies on the profile builder and the per-pair
+    evaluation, recording exactly which rows built the top-k ranking and which pairs got top-k sets."""
+    calls = {"profiles": [], "evaluate": []}
+    orig_prof, orig_eval = sr.offset_profiles, sr.evaluate_pair
+
+    def spy_prof(rows, anchor):
+        calls["profiles"].append([dict(r) for r in rows])
+        return orig_prof(rows, anchor)
+
+    def spy_eval(model, run, *args, **kw):
+        out = orig_eval(model, run, *args, **kw)
+        calls["evaluate"].append((run.pair.spec.id, run.pair.spec.instance.id, args[4], out))
+        return out
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(sr, "offset_profiles", spy_prof)
+    mp.setattr(sr, "evaluate_pair", spy_eval)
+    ps = pairs_of(smol, ["favourite_colour"])
+    ctx = ProbeContext(bundle=smol, pairs=ps, cfg=probe_cfg(), seed=0, budget_bytes=64 << 20)
+    try:
+        res = sr.run(ctx)
+    finally:
+        mp.undo()
+    return ps, res, calls
+
+
+def test_heldout_never_used_for_selection(spied):
+    _, res, calls = spied
+    sel, held = set(res["split"]["selection"]), set(res["split"]["heldout"])
+    assert sel and held and not sel & held
+    # the profile was built once, from selection rows only
+    assert len(calls["profiles"]) == 1
+    used = calls["profiles"][0]
+    assert used and all(r["instance"] in sel and r["split"] == "selection" for r in used)
+    assert not {r["instance"] for r in used} & held
+    # every pair evaluated after the profile was built is held out; selection pairs got no top-k
+    for pair_id, inst, topk_order, out in calls["evaluate"]:
+        assert (topk_order is not None) == (inst in held)
+        assert ("topk_sets" in out) == (inst in held)
+    first_held = next(i for i, c in enumerate(calls["evaluate"]) if c[1] in held)
+    assert all(c[1] in sel for c in calls["evaluate"][:first_held])     # all selection pairs came first
+    # the top-k sets actually evaluated are reproduced from the selection rows alone
+    prof = sr.offset_profiles([r for r in res["rows"] if r["split"] == "selection"], res["topk_anchor"])
+    held_rows = [r for r in res["rows"] if r["split"] == "heldout"]
+    assert held_rows and all(r["instance"] in held for r in held_rows)
+    for r in held_rows:
+        assert set(r["topk_profile_pairs"]) <= set(res["selection_pairs"])
+        p, src = sr.profile_for(prof, r["scenario"], r["family"])
+        assert src == r["topk_profile_source"] == "scenario"
+        order = sr.rank_positions(p, tuple(r["downstream"]), res["topk_anchor"])
+        for k, s in zip(r["k"], r["topk_sets"], strict=True):
+            assert s == (None if k is None else sorted(order[:k]))
+    assert res["aggregates"]["checks"]["heldout_profile_pairs_not_in_selection"] == 0
+    assert res["aggregates"]["n_heldout"] == len(held_rows)
+    for g in res["aggregates"]["curves"]["heldout"]["topk"]:
+        assert g["all"]["n"] <= len(held_rows)
+
+
+def test_sets_checks_and_numbers(spied):
+    ps, res, _ = spied
+    rows, agg = res["rows"], res["aggregates"]
+    n_bands = len(res["layer_bands"])
+    assert len(rows) + sum(res["exclusions"].values()) == len(ps.pairs) + len(ps.excluded)
+    full = [g for g, p in enumerate(res["grid"]) if p == {"kind": "fraction", "value": 1.0}][0]
+    too_big = [g for g, p in enumerate(res["grid"]) if p == {"kind": "count", "value": 1000}][0]
+    for r in rows:
+        b, d = r["downstream"]
+        n = d - b
+        assert r["field"][1] == b and r["decision"] == d and n == r["n_downstream"] > 0
+        assert r["r_none"] == pytest.approx(0.0, abs=1e-5)                 # empty set: 0
+        assert r["r_field_downstream"] == pytest.approx(1.0, abs=1e-4)      # everything from the field on: 1
+        assert len(r["single"]) == n and np.isfinite(r["single"]).all()
+        assert len(r["bands"]) == n_bands
+        assert r["k"][too_big] is None and r["curves"]["suffix"][too_big] is None
+        for f in r["curves"]:
+            if not f.startswith("field+"):                                 # the whole downstream, any family
+                assert r["curves"][f][full] == pytest.approx(r["r_downstream"], abs=1e-6)
+        for k, sets, sizes in zip(r["k"], r["random_sets"], r["random_sizes"], strict=True):
+            if k is None:
+                assert sets is None and sizes is None
+                continue
+            assert len(sets) == N_DRAWS and sizes == [k] * N_DRAWS        # read back from the masks
+            assert all(len(set(s)) == k and b <= min(s) and max(s) < d for s in sets)
+        assert r["random_outside"] == 0
+        if r["split"] == "heldout":
+            for k, s in zip(r["k"], r["topk_sets"], strict=True):
+                assert k is None or (len(set(s)) == k and b <= min(s) and max(s) < d)
+        # the field plus the whole downstream is everything that differs: 1
+        assert r["curves"]["field+suffix"][full] == pytest.approx(1.0, abs=1e-4)
+    checks = agg["checks"]
+    assert checks["max_abs_none"] < 1e-5 and checks["max_abs_field_downstream_minus_1"] < 1e-4
+    assert checks["random_size_mismatch"] == 0 and checks["random_outside_downstream"] == 0
+    # aggregates: per family, n, CIs around the mean, skipped grid points counted
+    suffix = agg["curves"]["all"]["suffix"]
+    assert suffix[0]["recall"]["n"] == len(rows)
+    assert suffix[too_big]["recall"]["n"] == 0 and suffix[too_big]["n_skipped_k_exceeds_downstream"] == len(rows)
+    lo, hi = suffix[full]["recall"]["ci_mean"]
+    assert lo <= suffix[full]["recall"]["mean"] <= hi
+    assert agg["references"]["field"]["recall"]["mean"] > agg["references"]["downstream"]["recall"]["mean"]
+    assert all(-1.0 < r["r_downstream"] < 1.5 for r in rows)
+    ex = res["examples"]["recall"]
+    assert len(ex["tokens"]) == ex["decision"] + 1 and len(ex["single"]) == ex["downstream"][1] - ex["downstream"][0]
+
+
+def test_exclusions_are_counted(smol, spied):
+    ps, _, _ = spied
+    first = sorted({p.spec.instance.id for p in ps.pairs})[0]
+    sub = [p for p in ps.pairs if p.spec.instance.id == first]
+    tok_excluded = {"pair": "x", "scenario": "favourite_colour", "family": "recall", "instance": "x/0",
+                    "reason": "unequal_field_length"}
+    ctx = ProbeContext(bundle=smol, pairs=PairSet(sub, [tok_excluded], ps.scenarios), cfg=probe_cfg(),
+                       min_effect=1e6)                                            # nothing can flip
+    res = sr.run(ctx)
+    assert res["rows"] == [] and sum(res["exclusions"].values()) == len(sub) + 1
+    assert res["exclusions"]["unequal_field_length"] == 1
+    assert set(res["exclusions"]) <= {"unequal_field_length", "small_effect", "no_decision_change"}
+    assert sorted(r["pair"] for r in res["excluded"]) == sorted([p.spec.id for p in sub] + ["x"])
+    assert res["aggregates"]["exclusions_by_family"]["recall"] == res["exclusions"]
+    assert res["aggregates"]["references"]["field"]["recall"]["n"] == 0
+
+
+def test_figures_from_record(spied, tmp_path):
+    _, res, _ = spied
+    record = {"probe": "suffix_recovery", "model": {"name": "smollm2-135m"}, "scenario": {"name": "test"},
+              "result": res}
+    paths = plot_record(record, tmp_path)
+    assert sorted(p.name for p in paths) == ["suffix_recovery_bands.png", "suffix_recovery_curves.png",
+                                             "suffix_recovery_map.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
