@@ -1,0 +1,461 @@
+"""``direction``: a difference-of-means conclusion direction in the residual stream at the note
+positions, tested for sufficiency and necessity (DESIGN.md §6 "Directions").
+
+**Note positions (choice).** All downstream positions ``[b, d)`` of a pair (DESIGN.md §3): they
+are fixed by the pair's spans, so choosing them uses no data at all (a top-k offset set would be a
+second selection step on top of the layer choice). The decision position ``d`` is not a note
+position and is never intervened on.
+
+**Residuals.** Site ``resid`` of :mod:`circuits.engine` (decoder layer ``l``'s output), fp32, at
+the note positions, from the clean old and clean new runs. They are captured by resuming the
+prefill at ``b`` on a view of the clean prefix cache ``[0, b)`` (identical in both runs up to the
+field, which is inside the prefix and keeps its own value) and feeding ``[b, d]``; the decision
+score of that forward must equal the pair's clean score (``checks.max_resume_score_error``).
+
+**Direction.** At layer ``l``: ``u_l = mean_new_l - mean_old_l`` over the residuals at every note
+position of every *new-value* run minus the same over every *old-value* run (positions pooled:
+longer downstreams weigh more), unit-normalised to ``û_l``. The two conclusions are the two runs of
+flipping pairs (old run decides ``cand_old``, new run ``cand_new``). Fitted **leave-one-scenario-
+out**: the direction used for a pair of scenario ``S`` is fitted on **selection** pairs of other
+scenarios only — of the same family (``fit_scope: family``, default) or of every family
+(``fit_scope: all``). Held-out instances are never fitted on, so neither the direction nor the
+layer choice sees them (DESIGN.md §10).
+
+**Sufficiency** (corrupt = old run, resumed at ``b``): add at layer ``l``, at each note position
+``p``, ``c_p û`` with ``c_p = (x_new[p] - x_old[p]) · û`` (the projection of the clean-corrupt
+difference on the direction). Recovery ``r = (s - s_old) / (s_new - s_old)`` (unclipped,
+first-token score). Controls in the same batched forward, all k-matched (same positions, one
+dimension for the random ones):
+
+- ``random``: ``c_p r̂`` for ``n_draws`` unit random directions ``r̂`` (Gaussian, normalised; a
+  ``numpy.random.Generator`` seeded with ``(ctx.seed, crc32(pair id))``): per position, hence per
+  pair, exactly the norm of the real injection (``checks.max_random_norm_rel_error``);
+- ``orthogonal``: ``Δ_p - c_p û``, the part of the difference orthogonal to ``û``;
+- ``full``: ``Δ_p`` (the reference: the note residuals at layer ``l`` become the new run's).
+
+**Necessity** (clean = new run, resumed at ``b``): mean-ablate the projection: at layer ``l``,
+note position ``p``, ``x_p -> x_p + (μ - x_p · û) û``, with ``μ`` the mean projection over the
+fitting runs' note residuals — over *all* runs, old and new (``ablate_to: all``, default: a mean
+ablation that removes the pair-specific component) or over the old-value runs (``ablate_to: old``:
+moves the projection to the other conclusion's mean). Reported as the drop fraction
+``(s_new - s) / (s_new - s_old)`` (1 = the whole effect removed), the drop in nats, and the share
+of pairs whose decision reverts to the old candidate. Control: the same ablation along each random
+direction (its ``μ`` from the same fitting runs).
+
+**Layer.** ``n_layers_scan`` layers evenly spaced over ``[0, n_layers - 2]`` (or ``layers``); the
+last layer is left out because its output at positions before ``d`` cannot reach the readout. The
+layer per family is the argmax of the mean sufficiency recovery over the family's **selection**
+pairs (every selection pair when the family has none). Reported numbers are on **held-out** pairs
+only: the per-layer curves (every variant, for the figure) and each family at its chosen layer.
+``max_pairs_per_family`` bounds the evaluated pairs per family and split (seeded draw); all
+selection pairs are still fitted on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from circuits import _common as C
+from circuits.engine import Engine, Intervention, Site, make_engine
+from kvnotes.probing import flipping_pairs
+from kvnotes.readout import PairRun
+
+SCOPES = ("family", "all")
+ABLATE_TO = ("all", "old")
+SUFF = ("direction", "orthogonal", "full", "random")
+NEC = ("direction", "random")
+
+
+def scan_layers(n_layers: int, layers: Sequence[int] | None, n_scan: int | None) -> list[int]:
+    """Layers to scan: ``layers`` (sorted, deduplicated) or ``n_scan`` evenly spaced over
+    ``[0, n_layers - 2]`` (all of them when ``n_scan`` is None or larger).
+
+    Raises:
+        ValueError: a layer outside ``[0, n_layers)``, or a model with a single layer.
+    """
+    if layers is not None:
+        out = sorted({int(l) for l in layers})
+        if any(not 0 <= l < n_layers for l in out):
+            raise ValueError(f"layers {out} outside [0, {n_layers})")
+        return out
+    if n_layers < 2:
+        raise ValueError("the direction probe needs at least two layers")
+    top = n_layers - 2
+    if n_scan is None or int(n_scan) >= top + 1:
+        return list(range(top + 1))
+    return sorted({int(round(x)) for x in np.linspace(0, top, max(1, int(n_scan)))})
+
+
+def capture_notes(engine: Engine, ids: torch.Tensor, prefix, b: int, d: int, layers: Sequence[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residuals (site ``resid``) at the note positions ``[b, d)`` of a clean run, resumed at ``b``.
+
+    Args:
+        ids: ``[T]`` prompt ids (``T > d``).
+        prefix: the run's clean prefix cache over ``[0, b)`` (batch 1; not modified).
+        layers: decoder layers to capture.
+
+    Returns:
+        (``[len(layers), d - b, hidden]`` fp32 residuals, ``[1, vocab]`` fp32 log-probs at ``d``).
+    """
+    out = engine.run(ids[b: d + 1], capture=[Site("resid", l) for l in layers], cache=prefix, start=b)
+    acts = torch.stack([out.acts[Site("resid", l)][0, : d - b].float() for l in layers])
+    return acts, out.logprobs[:, -1]
+
+
+def accumulate(stats: dict, scenario: str, family: str, x_old: torch.Tensor, x_new: torch.Tensor,
+               pair: str | None = None) -> None:
+    """Add one fitting pair's note residuals to the per-scenario sums of ``stats`` (in place).
+
+    Args:
+        stats: ``{scenario: {"family", "n_pairs", "n_pos", "sum_old", "sum_new", "pairs"}}``; sums
+            are ``[n_scan, hidden]`` fp32 over note positions; ``pairs`` lists the pair ids.
+        x_old, x_new: ``[n_scan, P, hidden]`` residuals of the old and new runs.
+
+    Raises:
+        ValueError: old and new residuals of different shapes.
+    """
+    if x_old.shape != x_new.shape:
+        raise ValueError(f"old/new residual shapes differ: {tuple(x_old.shape)} vs {tuple(x_new.shape)}")
+    s = stats.setdefault(scenario, {"family": family, "n_pairs": 0, "n_pos": 0, "pairs": [],
+                                    "sum_old": torch.zeros(x_old.shape[0], x_old.shape[2]),
+                                    "sum_new": torch.zeros(x_old.shape[0], x_old.shape[2])})
+    s["n_pairs"] += 1
+    s["pairs"].append(pair)
+    s["n_pos"] += int(x_old.shape[1])
+    s["sum_old"] += x_old.float().sum(1)
+    s["sum_new"] += x_new.float().sum(1)
+
+
+@dataclass
+class Fit:
+    """A leave-one-scenario-out difference-of-means fit (all tensors fp32, per scanned layer).
+
+    Attributes:
+        mean_old, mean_new: ``[n_scan, hidden]`` mean note residual of old-value / new-value runs.
+        u: ``[n_scan, hidden]`` unit direction ``(mean_new - mean_old) / ||·||``.
+        scenarios: the scenarios fitted on (never the held-out one).
+        n_pairs, n_pos: fitting pairs and note positions per run type.
+    """
+
+    mean_old: torch.Tensor
+    mean_new: torch.Tensor
+    u: torch.Tensor
+    scenarios: list[str]
+    n_pairs: int
+    n_pos: int
+
+    def mu(self, li: int, dirs: torch.Tensor, ablate_to: str = "all") -> torch.Tensor:
+        """Mean projection, at scanned layer index ``li``, of the fitting runs' note residuals on
+        unit directions ``dirs`` ``[K, hidden]``: over old and new runs (``"all"``; equal position
+        counts, so the mean of the two means) or over old-value runs (``"old"``). Returns ``[K]``.
+
+        Raises:
+            ValueError: unknown ``ablate_to``.
+        """
+        if ablate_to not in ABLATE_TO:
+            raise ValueError(f"ablate_to must be one of {ABLATE_TO}, got {ablate_to!r}")
+        m = (self.mean_old[li] + self.mean_new[li]) / 2 if ablate_to == "all" else self.mean_old[li]
+        return dirs @ m
+
+
+def fit_direction(stats: dict, scenario: str, family: str, scope: str = "family") -> Fit | None:
+    """Difference-of-means direction from every scenario of ``stats`` except ``scenario`` (and,
+    with ``scope="family"``, only scenarios of ``family``). None when nothing is left to fit on or
+    the two means coincide.
+
+    Raises:
+        ValueError: unknown scope.
+    """
+    if scope not in SCOPES:
+        raise ValueError(f"fit_scope must be one of {SCOPES}, got {scope!r}")
+    src = sorted(s for s, v in stats.items() if s != scenario and (scope == "all" or v["family"] == family))
+    if not src:
+        return None
+    n = sum(stats[s]["n_pos"] for s in src)
+    mean_old = sum(stats[s]["sum_old"] for s in src) / n
+    mean_new = sum(stats[s]["sum_new"] for s in src) / n
+    diff = mean_new - mean_old
+    norm = diff.norm(dim=-1, keepdim=True)
+    if bool((norm == 0).any()):
+        return None
+    return Fit(mean_old, mean_new, diff / norm, src, sum(stats[s]["n_pairs"] for s in src), n)
+
+
+def random_directions(rng: np.random.Generator, n: int, dim: int) -> torch.Tensor:
+    """``[n, dim]`` fp32 unit vectors, isotropic (normalised standard Gaussian draws from ``rng``)."""
+    g = torch.from_numpy(rng.standard_normal((n, dim))).float()
+    return g / g.norm(dim=-1, keepdim=True)
+
+
+def injections(delta: torch.Tensor, u: torch.Tensor, rand: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sufficiency additions at one layer.
+
+    Args:
+        delta: ``[P, hidden]`` clean-minus-corrupt residual difference at the note positions.
+        u: ``[hidden]`` unit direction.
+        rand: ``[R, hidden]`` unit random directions.
+
+    Returns:
+        ``direction`` ``[P, hidden]`` = ``(delta·u) u``; ``orthogonal`` = ``delta - direction``;
+        ``full`` = ``delta``; ``random`` ``[R, P, hidden]`` = ``(delta·u) r̂`` (same norm as
+        ``direction`` at every position, hence per pair).
+    """
+    c = delta @ u                                             # [P]
+    along = c[:, None] * u[None]
+    return {"direction": along, "orthogonal": delta - along, "full": delta,
+            "random": c[None, :, None] * rand[:, None, :]}
+
+
+def ablations(x: torch.Tensor, dirs: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+    """Necessity additions: ``(mu_k - x_p·e_k) e_k`` per direction ``e_k``, so the projection of
+    every note residual on ``e_k`` becomes ``mu_k``.
+
+    Args:
+        x: ``[P, hidden]`` clean note residuals.
+        dirs: ``[K, hidden]`` unit directions; mu: ``[K]`` target projections.
+
+    Returns:
+        ``[K, P, hidden]``.
+    """
+    proj = x @ dirs.T                                         # [P, K]
+    return ((mu[None] - proj).T)[:, :, None] * dirs[:, None, :]
+
+
+def added_scores(engine: Engine, run: PairRun, ids: torch.Tensor, prefix, layer: int, values: torch.Tensor
+                 ) -> torch.Tensor:
+    """Scores of variants of a run resumed at ``b`` with ``values`` added to the residual (site
+    ``resid`` of ``layer``) at the note positions ``[b, d)``.
+
+    Args:
+        ids: ``[T]`` prompt ids of the run (old for sufficiency, new for necessity).
+        prefix: that run's clean prefix cache over ``[0, b)``.
+        values: ``[V, d - b, hidden]``.
+
+    Returns:
+        ``[V]`` fp32 first-token scores (nats).
+    """
+    pair = run.pair
+    b, d = pair.field[1], pair.decision
+    iv = Intervention(Site("resid", layer), list(range(b, d)), values, mode="add")
+    lp = engine.run(ids[b: d + 1][None].expand(values.shape[0], -1), [iv], cache=prefix, start=b).logprobs
+    return C.scores(lp, pair)
+
+
+def eval_pairs(rows: list[dict], per_family: int | None, seed: int) -> set[str]:
+    """Pairs evaluated by interventions: all, or at most ``per_family`` per family and split, drawn
+    without replacement by ``numpy.random.default_rng(seed)``."""
+    if per_family is None:
+        return {r["pair"] for r in rows}
+    rng = np.random.default_rng(seed)
+    out = set()
+    for split in ("selection", "heldout"):
+        for f in sorted({r["family"] for r in rows}):
+            ids = sorted(r["pair"] for r in rows if r["split"] == split and r["family"] == f)
+            out.update(ids[i] for i in rng.permutation(len(ids))[: int(per_family)])
+    return out
+
+
+def choose_layers(rows: list[dict], layers: Sequence[int], families: Sequence[str]) -> dict:
+    """Per family, the layer with the highest mean sufficiency recovery (``row["selection_suff"]``,
+    a list over ``layers``) over that family's **selection** rows (every selection row when the
+    family has none; ties to the lower layer). Rows of other splits are ignored.
+
+    Returns:
+        ``{family: {"layer", "curve" (mean per layer), "pairs", "source"}}`` (families without any
+        selection row are absent).
+    """
+    sel = [r for r in rows if r.get("split") == "selection" and "selection_suff" in r]
+    out = {}
+    for f in families:
+        src = [r for r in sel if r["family"] == f] or sel
+        if not src:
+            continue
+        curve = np.nanmean(np.asarray([r["selection_suff"] for r in src], dtype=float), axis=0)
+        if not np.isfinite(curve).any():
+            continue
+        out[f] = {"layer": int(layers[int(np.nanargmax(curve))]), "curve": curve.tolist(),
+                  "pairs": [r["pair"] for r in src],
+                  "source": "family" if any(r["family"] == f for r in sel) else "all_selection"}
+    return out
+
+
+def _heldout_layer(engine, run_, x_old, x_new, fit, li, layer, rand, ablate_to, prefixes) -> dict:
+    """Every sufficiency and necessity variant of one held-out pair at scanned layer index ``li``."""
+    pair = run_.pair
+    u = fit.u[li]
+    inj = injections(x_new[li] - x_old[li], u, rand)
+    vals = torch.cat([inj["direction"][None], inj["orthogonal"][None], inj["full"][None], inj["random"]])
+    s = added_scores(engine, run_, pair.old.ids, prefixes[0], layer, vals)
+    r = run_.recovery(s).numpy()
+    fl = run_.decision_flipped(s).numpy()
+    dirs = torch.cat([u[None], rand])
+    mu = fit.mu(li, dirs, ablate_to)
+    s_abl = added_scores(engine, run_, pair.new.ids, prefixes[1], layer, ablations(x_new[li], dirs, mu))
+    drop = (run_.s_new - s_abl).numpy()
+    back = ((s_abl > 0) == (run_.s_old > 0)).numpy()
+    R = rand.shape[0]
+    inj_norm = float(inj["direction"].norm())
+    rand_norms = [float(inj["random"][k].norm()) for k in range(R)]
+    pos_err = float((inj["random"].norm(dim=-1) - inj["direction"].norm(dim=-1)[None]).abs().max()) if R else 0.0
+    return {
+        "suff": {"direction": float(r[0]), "orthogonal": float(r[1]), "full": float(r[2]),
+                 "random": float(r[3:].mean()) if R else None, "random_draws": r[3:].tolist()},
+        "suff_flipped": {"direction": bool(fl[0]), "orthogonal": bool(fl[1]), "full": bool(fl[2]),
+                         "random": bool(fl[3:].mean() > 0.5) if R else None},
+        "nec": {"direction": float(drop[0] / run_.effect), "random": float(drop[1:].mean() / run_.effect) if R else None,
+                "random_draws": (drop[1:] / run_.effect).tolist()},
+        "nec_nats": {"direction": float(drop[0]), "random": float(drop[1:].mean()) if R else None},
+        "nec_flipped": {"direction": bool(back[0]), "random": bool(back[1:].mean() > 0.5) if R else None},
+        "inj_norm": inj_norm, "random_norms": rand_norms,
+        "random_norm_rel_error": max([abs(n - inj_norm) / max(inj_norm, 1e-12) for n in rand_norms] + [pos_err / max(inj_norm, 1e-12)]),
+        "orth_norm": float(inj["orthogonal"].norm()), "delta_norm": float(inj["full"].norm()),
+        "cos_mean_delta": float(torch.nn.functional.cosine_similarity((x_new[li] - x_old[li]).mean(0), u, dim=0)),
+        "random_k": [int(inj["random"][k].shape[0]) for k in range(R)], "k": int(inj["direction"].shape[0]),
+    }
+
+
+def run(ctx) -> dict:
+    """Difference-of-means conclusion direction: sufficiency, necessity, controls, layer chosen on
+    the selection split; see the module docstring.
+
+    Returns:
+        the probe result (``rows``, ``aggregates``, ``exclusions``, ``excluded``, ``split``,
+        ``backend``).
+
+    Raises:
+        KvnotesError: a readout other than ``first_token``.
+        ValueError: bad ``fit_scope`` / ``ablate_to`` / ``layers``.
+    """
+    C.require_first_token(ctx)
+    cfg = ctx.cfg
+    model = ctx.bundle.model
+    engine = make_engine(model, cfg.get("backend", "nnsight"))
+    L = engine.adapter.n_layers
+    layers = scan_layers(L, cfg.get("layers"), cfg.get("n_layers_scan"))
+    scope, ablate_to = str(cfg.fit_scope), str(cfg.ablate_to)
+    if scope not in SCOPES or ablate_to not in ABLATE_TO:
+        raise ValueError(f"fit_scope in {SCOPES}, ablate_to in {ABLATE_TO}; got {scope!r}, {ablate_to!r}")
+    n_draws = int(cfg.random.n_draws)
+    n_boot = int(cfg.n_boot)
+    progress = bool(cfg.get("progress", True))
+    fs = flipping_pairs(ctx, keep_caches=True)
+    rows, sel, held = C.with_split(fs.rows, float(cfg.selection_fraction), ctx.seed)
+    evaluated = eval_pairs(rows, cfg.get("max_pairs_per_family"), ctx.seed)
+    families = C.families_of(ctx, rows + fs.excluded)
+    # 1. clean note residuals: every selection pair (fitting) and every evaluated pair
+    stats: dict = {}
+    caps: dict = {}
+    prefixes: dict = {}
+    resume_err = []
+    for run_, row in tqdm(list(zip(fs.runs, rows)), desc="direction: residuals", disable=not progress):
+        if row["split"] != "selection" and row["pair"] not in evaluated:
+            continue
+        pair = run_.pair
+        b, d = pair.field[1], pair.decision
+        with ctx.timer("capture"):
+            pre = (C.prefix_cache(model, run_.old_cache, pair.old.ids, b),
+                   C.prefix_cache(model, run_.new_cache, pair.new.ids, b))
+            x_old, lp_old = capture_notes(engine, pair.old.ids, pre[0], b, d, layers)
+            x_new, lp_new = capture_notes(engine, pair.new.ids, pre[1], b, d, layers)
+        resume_err.append(max(abs(float(C.scores(lp_old, pair)[0]) - run_.s_old),
+                              abs(float(C.scores(lp_new, pair)[0]) - run_.s_new)))
+        if row["split"] == "selection":
+            accumulate(stats, row["scenario"], row["family"], x_old, x_new, row["pair"])
+        if row["pair"] in evaluated:
+            caps[row["pair"]] = (x_old, x_new)
+            prefixes[row["pair"]] = pre
+    fits = {}
+    for row in rows:
+        if row["pair"] in evaluated:
+            fits[row["pair"]] = fit_direction(stats, row["scenario"], row["family"], scope)
+    # 2. sufficiency of the direction per layer on evaluated selection pairs -> layer per family
+    for run_, row in tqdm(list(zip(fs.runs, rows)), desc="direction: selection scan", disable=not progress):
+        if row["split"] != "selection" or row["pair"] not in evaluated:
+            continue
+        fit = fits[row["pair"]]
+        if fit is None:
+            row["skipped"] = "no_fit_data"
+            continue
+        x_old, x_new = caps[row["pair"]]
+        curve = []
+        for li, layer in enumerate(layers):
+            with ctx.timer("selection_scan"):
+                v = injections(x_new[li] - x_old[li], fit.u[li], torch.empty(0, fit.u.shape[1]))["direction"]
+                s = added_scores(engine, run_, run_.pair.old.ids, prefixes[row["pair"]][0], layer, v[None])
+            curve.append(float(run_.recovery(s)[0]))
+        row["selection_suff"] = curve
+        row["fit_scenarios"] = fit.scenarios
+    chosen = choose_layers(rows, layers, families)
+    # 3. every variant per layer on evaluated held-out pairs
+    for run_, row in tqdm(list(zip(fs.runs, rows)), desc="direction: held-out", disable=not progress):
+        if row["split"] != "heldout" or row["pair"] not in evaluated:
+            continue
+        fit = fits[row["pair"]]
+        if fit is None:
+            row["skipped"] = "no_fit_data"
+            continue
+        x_old, x_new = caps[row["pair"]]
+        rand = random_directions(C.pair_rng(ctx.seed, row["pair"]), n_draws, x_old.shape[-1])
+        row["fit_scenarios"], row["fit_n_pairs"] = fit.scenarios, fit.n_pairs
+        row["layers"] = {}
+        for li, layer in enumerate(layers):
+            with ctx.timer("heldout_scan"):
+                row["layers"][str(layer)] = _heldout_layer(engine, run_, x_old, x_new, fit, li, layer, rand,
+                                                           ablate_to, prefixes[row["pair"]])
+        if row["family"] in chosen:
+            row["chosen_layer"] = chosen[row["family"]]["layer"]
+    fs.runs = [C.release(r) for r in fs.runs]
+    caps.clear()
+    prefixes.clear()
+    held_rows = [r for r in rows if r["split"] == "heldout" and "layers" in r]
+    with ctx.timer("statistics"):
+        def flat(rs, layer_of, kind, variant):
+            return [r | {"_r": r["layers"][str(layer_of(r))][kind][variant],
+                         "_f": r["layers"][str(layer_of(r))][f"{kind}_flipped"][variant]} for r in rs]
+
+        curves = {}
+        for kind, variants in (("suff", SUFF), ("nec", NEC)):
+            curves[kind] = {v: {str(l): C.by_family(flat(held_rows, lambda r, l=l: l, kind, v), "_r", "_f",
+                                                    families, n_boot, ctx.seed) for l in layers}
+                            for v in variants}
+        at_chosen = {}
+        hc = [r for r in held_rows if "chosen_layer" in r]
+        for kind, variants in (("suff", SUFF), ("nec", NEC)):
+            at_chosen[kind] = {v: C.by_family(flat(hc, lambda r: r["chosen_layer"], kind, v), "_r", "_f",
+                                              families, n_boot, ctx.seed) for v in variants}
+        nats = [r | {"_d": r["layers"][str(r["chosen_layer"])]["nec_nats"]["direction"]} for r in hc]
+        at_chosen["nec_nats_direction"] = C.by_family(nats, "_d", None, families, n_boot, ctx.seed)
+    sel_ids = {r["pair"] for r in rows if r["split"] == "selection"}
+    held_ids = {r["pair"] for r in rows if r["split"] == "heldout"}
+    checks = {
+        "layer_choice_pairs_in_heldout": sum(p in held_ids for c in chosen.values() for p in c["pairs"]),
+        "fit_scenario_equals_own": sum(r["scenario"] in r.get("fit_scenarios", []) for r in rows),
+        "fit_pairs_in_heldout": sum(p in held_ids for v in stats.values() for p in v["pairs"]),
+        "fit_pairs": sum(v["n_pairs"] for v in stats.values()),
+        "max_resume_score_error": max(resume_err, default=None),
+        "max_random_norm_rel_error": max((lv["random_norm_rel_error"] for r in held_rows
+                                          for lv in r["layers"].values()), default=None),
+        "random_k_matched": all(all(k == lv["k"] for k in lv["random_k"]) for r in held_rows
+                                for lv in r["layers"].values()),
+    }
+    aggregates = {
+        "n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
+        "n_selection": len(sel_ids), "n_heldout": len(held_ids),
+        "n_evaluated": {"selection": sum(r["pair"] in evaluated for r in rows if r["split"] == "selection"),
+                        "heldout": len(held_rows)},
+        "n_skipped": {"no_fit_data": sum(r.get("skipped") == "no_fit_data" for r in rows)},
+        "families": families, "layers": layers, "n_layers": L, "fit_scope": scope, "ablate_to": ablate_to,
+        "n_draws": n_draws, "note_positions": "downstream [b, d)", "site": "resid (decoder layer output)",
+        "chosen_layers": chosen, "curves": curves, "at_chosen": at_chosen, "checks": checks,
+        "fit_scenarios_per_family": {f: sorted(s for s, v in stats.items() if v["family"] == f) for f in families},
+        "per_family": C.no_circuit_note(families, rows, fs.excluded),
+        "exclusions_by_family": C.exclusions_by_family(fs.excluded, families),
+    }
+    return {"rows": rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
+            "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates}

@@ -1,0 +1,272 @@
+"""``heads``: which attention heads read and write the notes (DESIGN.md §6).
+
+Per-head outputs (the ``o_proj`` input slice of head ``h``, :mod:`circuits.engine`) are patched
+from the clean **new** run into the corrupt **old** run of every flipping pair; recovery
+``r = (s_patched - s_old) / (s_new - s_old)`` (DESIGN.md §3, first-token score, unclipped).
+
+- **read** heads: head outputs at the decision position ``d`` only. The old prefix cache ``[0, d)``
+  is reused and only token ``d`` is fed, so one forward covers a chunk of head variants.
+  Patching every head at ``d`` gives recovery 1 (the residual at ``d`` becomes the new run's; a
+  check recorded as ``r_read_all``).
+- **write** heads: head outputs at the note positions ``[b, d)`` during the prefill. The prefill
+  resumes at ``b`` on a copy (view) of the old run's clean prefix cache ``[0, b)`` (DESIGN.md §4)
+  and feeds ``[b, d]``. Patching every head there equals patching the downstream KV of every
+  layer (``r_write_all``; tests/test_heads.py checks it against :mod:`kvnotes.cache` patching).
+
+Single-head sweeps batch ``chunk_heads`` head variants per forward (a per-variant ``where`` mask
+of one intervention per layer). Selection (DESIGN.md §10): instances are split per scenario
+(:func:`kvnotes.probing.split_instances`, ``selection_fraction``, ``ctx.seed``). Single-head maps
+are computed on **selection** pairs (and, with ``heldout_maps``, on held-out pairs for figures
+only); the ranking of heads per family is the mean single-head recovery over that family's
+selection pairs (a family without selection pairs uses every selection pair), and the top-k sets
+for ``k`` in ``ks`` are patched **jointly** on **held-out** pairs only. Controls: ``n_draws``
+k-matched random head sets per ``k`` (distinct heads drawn uniformly from all ``n_layers *
+n_heads`` by a ``numpy.random.Generator`` seeded with ``(ctx.seed, crc32(pair id))``), patched
+jointly; a pair's control value is the mean over its draws.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from circuits import _common as C
+from circuits.engine import Engine, Intervention, Site, make_engine
+from kvnotes.probing import flipping_pairs
+from kvnotes.readout import PairRun
+
+MODES = ("read", "write")
+
+
+def head_outputs(engine: Engine, ids: torch.Tensor) -> torch.Tensor:
+    """Per-head outputs of a full forward of ``ids`` (``[T]``).
+
+    Returns:
+        ``[n_layers, T, n_heads, head_dim]`` (the o_proj input, model dtype).
+    """
+    L = engine.adapter.n_layers
+    out = engine.run(ids, capture=[Site("head", l) for l in range(L)])
+    return torch.stack([out.acts[Site("head", l)][0] for l in range(L)])
+
+
+def set_masks(sets: Sequence[Sequence[tuple[int, int]]], n_layers: int, n_heads: int) -> torch.Tensor:
+    """Bool ``[V, n_layers, n_heads]``: variant ``v`` patches the (layer, head) pairs of ``sets[v]``.
+
+    Raises:
+        IndexError: a head or layer out of range.
+    """
+    m = torch.zeros(len(sets), n_layers, n_heads, dtype=torch.bool)
+    for v, s in enumerate(sets):
+        for l, h in s:
+            m[v, l, h] = True
+    return m
+
+
+def patched_scores(engine: Engine, run: PairRun, source: torch.Tensor, masks: torch.Tensor, mode: str,
+                   prefix, chunk: int) -> torch.Tensor:
+    """Scores of head-patch variants of the old run, ``chunk`` variants per forward.
+
+    Args:
+        source: ``[n_layers, T, n_heads, head_dim]`` new-run head outputs (:func:`head_outputs`).
+        masks: bool ``[V, n_layers, n_heads]`` (:func:`set_masks`).
+        mode: ``"read"`` (positions ``[d]``, prefix = old cache ``[0, d)``) or ``"write"``
+            (positions ``[b, d)``, prefix = old cache ``[0, b)``).
+        prefix: the clean old prefix cache of the mode (batch 1; not modified).
+
+    Returns:
+        ``[V]`` fp32 scores (nats).
+
+    Raises:
+        ValueError: unknown mode.
+    """
+    pair = run.pair
+    d, b = pair.decision, pair.field[1]
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}")
+    start = d if mode == "read" else b
+    positions = list(range(start, d))if mode == "write" else [d]
+    ids = pair.old.ids[start: d + 1]
+    P = len(positions)
+    out = []
+    for s in range(0, masks.shape[0], chunk):
+        m = masks[s: s + chunk]
+        ivs = [Intervention(Site("head", l), positions, source[l, positions][None],
+                            where=m[:, l][:, None, :].expand(-1, P, -1))
+               for l in range(m.shape[1]) if bool(m[:, l].any())]
+        lp = engine.run(ids[None].expand(m.shape[0], -1), ivs, cache=prefix, start=start).logprobs
+        out.append(C.scores(lp, pair))
+    return torch.cat(out) if out else torch.empty(0)
+
+
+def single_head_map(engine: Engine, run: PairRun, source: torch.Tensor, mode: str, prefix, chunk: int) -> np.ndarray:
+    """Recovery of patching each head alone: ``[n_layers, n_heads]``."""
+    L, H = engine.adapter.n_layers, engine.adapter.n_heads
+    sets = [[(l, h)] for l in range(L) for h in range(H)]
+    s = patched_scores(engine, run, source, set_masks(sets, L, H), mode, prefix, chunk)
+    return run.recovery(s).view(L, H).numpy()
+
+
+def rank_heads(selection_maps: Sequence[np.ndarray]) -> list[tuple[int, int]]:
+    """Heads ordered by mean single-head recovery over selection maps (descending; ties by
+    (layer, head)). Only selection maps may be passed (DESIGN.md §10).
+
+    Args:
+        selection_maps: each ``[n_layers, n_heads]``.
+
+    Raises:
+        ValueError: no maps.
+    """
+    if not len(selection_maps):
+        raise ValueError("no selection maps to rank heads on")
+    mean = np.mean(np.stack(selection_maps), axis=0)
+    L, H = mean.shape
+    order = sorted(((l, h) for l in range(L) for h in range(H)), key=lambda lh: (-mean[lh], lh))
+    return order
+
+
+def random_head_sets(rng: np.random.Generator, n_layers: int, n_heads: int, k: int, n_draws: int) -> list[list[tuple[int, int]]]:
+    """``n_draws`` sets of ``k`` distinct (layer, head) pairs drawn uniformly without replacement."""
+    flat = [(l, h) for l in range(n_layers) for h in range(n_heads)]
+    return [[flat[i] for i in sorted(rng.choice(len(flat), size=k, replace=False))] for _ in range(n_draws)]
+
+
+def map_pairs(rows: list[dict], per_family: int | None, seed: int) -> set[str]:
+    """Selection pairs that get single-head maps: all of them, or at most ``per_family`` per family
+    drawn without replacement by ``numpy.random.default_rng(seed)`` (the write sweep costs
+    ``n_layers * n_heads`` resumed prefills per pair). Held-out pairs are never returned."""
+    sel = [r for r in rows if r["split"] == "selection"]
+    if per_family is None:
+        return {r["pair"] for r in sel}
+    rng = np.random.default_rng(seed)
+    out = set()
+    for f in sorted({r["family"] for r in sel}):
+        ids = sorted(r["pair"] for r in sel if r["family"] == f)
+        out.update(ids[i] for i in rng.permutation(len(ids))[: int(per_family)])
+    return out
+
+
+def _ranking_by_family(rows: list[dict], maps: dict, mode: str, families: list[str]) -> dict:
+    """Per family: the head order and the pair ids it came from (selection rows only)."""
+    sel = [r for r in rows if r["split"] == "selection" and r["pair"] in maps]
+    out = {}
+    for f in families:
+        src = [r for r in sel if r["family"] == f] or sel
+        if src:
+            out[f] = {"order": rank_heads([maps[r["pair"]][mode] for r in src]),
+                      "pairs": [r["pair"] for r in src],
+                      "source": "family" if any(r["family"] == f for r in sel) else "all_selection"}
+    return out
+
+
+def run(ctx) -> dict:
+    """Read/write head patching, top-k transfer to held-out instances; see the module docstring."""
+    C.require_first_token(ctx)
+    cfg = ctx.cfg
+    model = ctx.bundle.model
+    engine = make_engine(model, cfg.get("backend", "nnsight"))
+    L, H = engine.adapter.n_layers, engine.adapter.n_heads
+    chunk = int(cfg.chunk_heads)
+    ks = sorted({int(k) for k in cfg.ks if 0 < int(k) <= L * H})
+    n_draws = int(cfg.random.n_draws)
+    n_boot = int(cfg.n_boot)
+    fs = flipping_pairs(ctx, keep_caches=True)
+    rows, sel, held = C.with_split(fs.rows, float(cfg.selection_fraction), ctx.seed)
+    maps: dict[str, dict] = {}
+    sources: dict[str, torch.Tensor] = {}
+    progress = bool(cfg.get("progress", True))
+    # 1. single-head maps (selection pairs, at most max_map_pairs_per_family of them per family,
+    #    drawn by a seeded Generator; held-out ones only for figures when asked)
+    mapped = map_pairs(rows, cfg.get("max_map_pairs_per_family"), ctx.seed)
+    for run_, row in tqdm(list(zip(fs.runs, rows)), desc="heads: single-head maps", disable=not progress):
+        if row["pair"] not in mapped and not (row["split"] == "heldout" and cfg.heldout_maps):
+            continue
+        pair = run_.pair
+        with ctx.timer("head_outputs"):
+            source = head_outputs(engine, pair.new.ids)
+        maps[row["pair"]] = {}
+        for mode in MODES:
+            with ctx.timer(f"{mode}_map"):
+                prefix = run_.old_cache if mode == "read" else C.prefix_cache(model, run_.old_cache, pair.old.ids, pair.field[1])
+                maps[row["pair"]][mode] = single_head_map(engine, run_, source, mode, prefix, chunk)
+    families = C.families_of(ctx, rows + fs.excluded)
+    rankings = {mode: _ranking_by_family(rows, maps, mode, families) for mode in MODES}
+    # 2. cumulative top-k vs random on held-out pairs
+    out_rows = []
+    for run_, row in tqdm(list(zip(fs.runs, rows)), desc="heads: top-k held-out", disable=not progress):
+        pair = run_.pair
+        row = dict(row)
+        if row["pair"] in maps:
+            row["maps"] = {m: maps[row["pair"]][m].tolist() for m in MODES}
+        if row["split"] == "heldout":
+            with ctx.timer("head_outputs"):
+                source = head_outputs(engine, pair.new.ids)
+            rng = C.pair_rng(ctx.seed, row["pair"])
+            all_heads = [(l, h) for l in range(L) for h in range(H)]
+            for mode in MODES:
+                rk = rankings[mode].get(row["family"])
+                if rk is None:
+                    continue
+                sets = [all_heads]
+                sets += [rk["order"][:k] for k in ks]
+                rand = [random_head_sets(rng, L, H, k, n_draws) for k in ks]
+                sets += [s for draws in rand for s in draws]
+                prefix = run_.old_cache if mode == "read" else C.prefix_cache(model, run_.old_cache, pair.old.ids, pair.field[1])
+                with ctx.timer(f"{mode}_topk"):
+                    s = patched_scores(engine, run_, source, set_masks(sets, L, H), mode, prefix, chunk)
+                r = run_.recovery(s).numpy()
+                flipped = run_.decision_flipped(s).numpy()
+                row[f"r_{mode}_all"] = float(r[0])
+                row[f"topk_{mode}"] = {str(k): {"r": float(r[1 + i]), "flipped": bool(flipped[1 + i]),
+                                                "heads": [list(x) for x in sets[1 + i]]} for i, k in enumerate(ks)}
+                base = 1 + len(ks)
+                row[f"random_{mode}"] = {}
+                for i, k in enumerate(ks):
+                    rr = r[base + i * n_draws: base + (i + 1) * n_draws]
+                    ff = flipped[base + i * n_draws: base + (i + 1) * n_draws]
+                    row[f"random_{mode}"][str(k)] = {"r": float(rr.mean()), "flipped": bool(ff.mean() > 0.5),
+                                                     "draws": rr.tolist(), "k_sizes": [len(x) for x in rand[i]]}
+                row[f"ranking_pairs_{mode}"] = rk["pairs"]
+        out_rows.append(row)
+    fs.runs = [C.release(r) for r in fs.runs]
+    held_rows = [r for r in out_rows if r["split"] == "heldout"]
+    with ctx.timer("statistics"):
+        curves = {}
+        for mode in MODES:
+            hr = [r for r in held_rows if f"topk_{mode}" in r]
+            curves[mode] = {}
+            for kind in ("topk", "random"):
+                curves[mode][kind] = {}
+                for k in ks:
+                    flat = [r | {"_r": r[f"{kind}_{mode}"][str(k)]["r"], "_f": r[f"{kind}_{mode}"][str(k)]["flipped"]}
+                            for r in hr]
+                    curves[mode][kind][str(k)] = C.by_family(flat, "_r", "_f", families, n_boot, ctx.seed)
+            curves[mode]["all_heads"] = C.by_family([r | {"_r": r[f"r_{mode}_all"]} for r in hr], "_r", None,
+                                                    families, n_boot, ctx.seed)
+        sel_maps = {}
+        for mode in MODES:
+            sel_maps[mode] = {}
+            for f in families + ["all"]:
+                ms = [maps[r["pair"]][mode] for r in out_rows
+                      if r["split"] == "selection" and (f == "all" or r["family"] == f)]
+                sel_maps[mode][f] = {"mean": np.mean(np.stack(ms), 0).tolist(), "n": len(ms)} if ms else {"n": 0}
+    held_ids = {r["pair"] for r in out_rows if r["split"] == "heldout"}
+    checks = {
+        "ranking_pairs_in_heldout": sum(p in held_ids for m in MODES for rk in rankings[m].values() for p in rk["pairs"]),
+        "max_abs_read_all_minus_1": max((abs(r["r_read_all"] - 1) for r in held_rows if "r_read_all" in r), default=None),
+        "random_set_sizes_match_k": all(all(sz == int(k) for sz in v["k_sizes"]) for r in held_rows
+                                        for m in MODES for k, v in r.get(f"random_{m}", {}).items()),
+    }
+    aggregates = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(out_rows),
+                  "n_selection": sum(r["split"] == "selection" for r in out_rows), "n_heldout": len(held_rows),
+                  "families": families, "ks": ks, "n_layers": L, "n_heads": H, "curves": curves,
+                  "selection_maps": sel_maps, "checks": checks,
+                  "per_family": C.no_circuit_note(families, out_rows, fs.excluded),
+                  "rankings": {m: {f: {"top": [list(x) for x in rk["order"][:max(ks, default=0)]],
+                                       "pairs": rk["pairs"], "source": rk["source"]}
+                                   for f, rk in rankings[m].items()} for m in MODES},
+                  "exclusions_by_family": C.exclusions_by_family(fs.excluded, families)}
+    return {"rows": out_rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
+            "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates}

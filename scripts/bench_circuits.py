@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""Timing of one head patch against one plain forward on the embedded model.
+
+    OMP_NUM_THREADS=1 python scripts/bench_circuits.py [--repeats N] [--chunk C] [--scenario-id ID]
+
+Prints one line per mode: seconds per head patch (read: decision position on the old prefix
+cache; write: note positions [b, d) resumed from b) in batches of ``chunk`` heads, and the time of
+one plain full forward of the same prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=16, help="head variants per batched forward")
+    ap.add_argument("--scenario-id", default="favourite_colour")
+    args = ap.parse_args()
+    import torch
+    from omegaconf import OmegaConf
+
+    from circuits import _common as C
+    from circuits.heads import head_outputs, patched_scores, set_masks
+    from circuits.engine import make_engine
+    from kvnotes.models import load_model
+    from kvnotes.readout import run_pair
+    from kvnotes.tokens import tokenize_pair
+    from scenarios import build_pairs, load_suite
+
+    bundle = load_model(OmegaConf.load(ROOT / "conf/model/smollm2-135m.yaml"), "cpu")
+    model = bundle.model
+    spec = build_pairs(load_suite([str(ROOT / "scenarios/suites")], ids=[args.scenario_id]), 1, 0)[0]
+    pair = tokenize_pair(bundle.tokenizer, spec)
+    run = run_pair(model, pair)
+    engine = make_engine(model)
+    L, H = engine.adapter.n_layers, engine.adapter.n_heads
+    src = head_outputs(engine, pair.new.ids)
+    ids = pair.old.ids[None]
+
+    def best(fn):
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    with torch.no_grad():
+        plain = best(lambda: model(ids))
+    sets = [[(l % L, h % H)] for l, h in zip(range(args.chunk), range(args.chunk))]
+    masks = set_masks(sets, L, H)
+    prefix = C.prefix_cache(model, run.old_cache, pair.old.ids, pair.field[1])
+    for mode, pre in (("read", run.old_cache), ("write", prefix)):
+        t = best(lambda: patched_scores(engine, run, src, masks, mode, pre, args.chunk)) / args.chunk
+        print(f"bench_circuits: {mode} head patch {t * 1e3:.1f} ms/head (batch {args.chunk}, T={len(pair.old.ids)}, "
+              f"downstream {pair.decision - pair.field[1]}) vs plain forward {plain * 1e3:.1f} ms "
+              f"-> {t / plain:.2f} forwards per head patch [{model.dtype}, {engine.backend}]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Head patching: read/write invariants against cache patching, batching, resumed prefills, and
+selection that never sees held-out instances."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from circuits import _common as C
+from circuits.engine import Intervention, NNsightEngine, Site
+from circuits.heads import (head_outputs, map_pairs, patched_scores, random_head_sets, rank_heads, set_masks,
+                            single_head_map)
+from kvnotes import cache as kvcache
+from kvnotes.readout import run_pair, variant_scores
+from tests.conftest import VOCAB, build_tiny
+
+T, A, B = 15, 4, 6          # prompt length, field span [A, B); decision d = T - 1
+
+
+def synthetic_pair(model):
+    """An old/new pair differing only in the field, with candidates = each run's argmax at d."""
+    for seed in range(50):
+        g = torch.Generator().manual_seed(seed)
+        old = torch.randint(0, VOCAB, (T,), generator=g)
+        new = old.clone()
+        new[A:B] = torch.randint(0, VOCAB, (B - A,), generator=g)
+        with torch.no_grad():
+            co, cn = int(model(old[None]).logits[0, -1].argmax()), int(model(new[None]).logits[0, -1].argmax())
+        if co != cn:
+            return SimpleNamespace(old=SimpleNamespace(ids=old), new=SimpleNamespace(ids=new), field=(A, B),
+                                   decision=T - 1, downstream=(B, T - 1), cand_old=(co,), cand_new=(cn,))
+    raise RuntimeError("no flipping synthetic pair")
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def setup(request):
+    model = build_tiny(request.param)
+    engine = NNsightEngine(model)
+    pair = synthetic_pair(model)
+    run = run_pair(model, pair)
+    return model, engine, pair, run, head_outputs(engine, pair.new.ids)
+
+
+def test_read_all_heads_is_one_and_none_is_zero(setup):
+    model, engine, pair, run, src = setup
+    L, H = engine.adapter.n_layers, engine.adapter.n_heads
+    every = [(l, h) for l in range(L) for h in range(H)]
+    s = patched_scores(engine, run, src, set_masks([every, []], L, H), "read", run.old_cache, 4)
+    r = run.recovery(s)
+    assert r[0] == pytest.approx(1.0, abs=1e-4) and r[1] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_write_all_heads_equals_downstream_kv_patch(setup):
+    """Every head's output at [b, d) from the new run == the new run's KV at [b, d) (every layer):
+    checks the resumed prefill against kvnotes.cache patching."""
+    model, engine, pair, run, src = setup
+    L, H = engine.adapter.n_layers, engine.adapter.n_heads
+    prefix = C.prefix_cache(model, run.old_cache, pair.old.ids, B)
+    s = patched_scores(engine, run, src, set_masks([[(l, h) for l in range(L) for h in range(H)]], L, H), "write",
+                       prefix, 4)
+    ref = variant_scores(model, pair, run.old_cache, run.new_cache,
+                         kvcache.position_masks(L, pair.decision, [list(range(B, pair.decision))]))
+    assert float(s[0]) == pytest.approx(float(ref[0]), abs=1e-4)
+    assert abs(float(run.recovery(s)[0])) > 1e-3           # it is a finding, not a trivial 0
+
+
+def test_resumed_write_equals_full_rerun_and_batching_is_exact(setup):
+    model, engine, pair, run, src = setup
+    L, H = engine.adapter.n_layers, engine.adapter.n_heads
+    d = pair.decision
+    prefix = C.prefix_cache(model, run.old_cache, pair.old.ids, B)
+    sets = [[(l, h)] for l in range(L) for h in range(H)]
+    batched = patched_scores(engine, run, src, set_masks(sets, L, H), "write", prefix, 7)
+    one = patched_scores(engine, run, src, set_masks(sets, L, H), "write", prefix, 1)
+    assert (batched - one).abs().max() < 1e-4
+    pos = list(range(B, d))
+    for v, [(l, h)] in enumerate(sets[:: max(1, len(sets) // 3)]):
+        iv = Intervention(Site("head", l), pos, src[l, pos][None, :, [h]], heads=[h])
+        lp = engine.run(pair.old.ids[: d + 1], [iv]).logprobs          # full prefill from 0
+        full = float(C.scores(lp, pair)[0])
+        idx = sets.index([(l, h)])
+        assert full == pytest.approx(float(batched[idx]), abs=1e-4)
+    m = single_head_map(engine, run, src, "read", run.old_cache, 5)
+    assert m.shape == (L, H) and np.isfinite(m).all()
+
+
+def test_selection_never_uses_heldout_instances():
+    rows = [{"pair": f"s{s}/{i}:{j}", "scenario": f"s{s}", "instance": f"s{s}/{i}", "family": "recall"}
+            for s in range(3) for i in range(4) for j in range(2)]
+    rows, sel, held = C.with_split(rows, 0.5, seed=0)
+    assert sel and held and not sel & held
+    mapped = map_pairs(rows, None, 0)
+    assert all(r["split"] == "selection" for r in rows if r["pair"] in mapped)
+    assert len(map_pairs(rows, 2, 0)) == 2 and map_pairs(rows, 2, 0) <= mapped
+    # a poisoned held-out map cannot change the ranking: rank_heads only sees what it is given,
+    # and the probe passes it selection maps only
+    sel_maps = [np.array([[0.1, 0.5], [0.2, 0.0]]) for _ in range(2)]
+    order = rank_heads(sel_maps)
+    assert order[0] == (0, 1) and order[1] == (1, 0)
+    with pytest.raises(ValueError):
+        rank_heads([])
+
+
+def test_random_head_sets_are_k_matched_distinct_and_seeded():
+    draws = random_head_sets(C.pair_rng(0, "p"), 3, 4, 5, 6)
+    assert len(draws) == 6 and all(len(d) == 5 and len(set(d)) == 5 for d in draws)
+    assert all(0 <= l < 3 and 0 <= h < 4 for d in draws for l, h in d)
+    assert draws == random_head_sets(C.pair_rng(0, "p"), 3, 4, 5, 6)
+    assert draws != random_head_sets(C.pair_rng(1, "p"), 3, 4, 5, 6)
