@@ -101,6 +101,19 @@ def run_pair(model, pair: TokenizedPair, mode: str = "first_token") -> PairRun:
     return PairRun(pair, old_cache, new_cache, float(s[0]), float(s[1]))
 
 
+@torch.no_grad()
+def clean_top1(model, run: PairRun) -> tuple[int, int]:
+    """The model's own top-1 next token (whole vocabulary) at the decision position of the clean
+    old and new runs: tells whether a flip between the two candidates is also the model's answer."""
+    d = run.pair.decision
+    tok = run.pair.old.ids[d: d + 1]
+    out = []
+    for c in (run.old_cache, run.new_cache):
+        lp = kvcache.continuation_logprobs(model, kvcache.view(c, model.config), tok, d)
+        out.append(int(lp[0, -1].argmax()))
+    return out[0], out[1]
+
+
 def flip_status(s_old: float, s_new: float, min_effect: float = 1.0) -> str | None:
     """None when the pair flips, else the exclusion reason.
 

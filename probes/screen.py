@@ -3,7 +3,8 @@
 For every token-aligned pair: the clean scores ``s_old``/``s_new``, the flip rule
 (decision differs AND ``|s_new - s_old| >= min_effect``), and whether a flip was expected (the two
 field values imply different outcomes). Control scenarios must not flip; a flip there is reported
-as ``unexpected_flips``.
+as ``unexpected_flips``. A flip compares two candidates only; ``own_answer`` says whether each clean
+run's top-1 token over the whole vocabulary is also its candidate (the model's actual answer).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections import Counter
 from tqdm import tqdm
 
 from kvnotes.pairs import pair_row
-from kvnotes.readout import screen_pair
+from kvnotes.readout import clean_top1, screen_pair
 from kvnotes.stats import proportion, summarize_rows
 
 
@@ -33,6 +34,7 @@ def table(rows: list[dict], excluded: list[dict], key: str) -> dict:
             "n_flip_when_expected": sum(r["flips"] for r in expected),
             "unexpected_flips": sum(r["flips"] and not r["expect_flip"] for r in rs),
             "n_correct_direction": sum(r["flips"] and r["correct_direction"] for r in rs),
+            "n_own_answer_flips": sum(r["flips"] and r["own_answer"] for r in rs),
             "n_scenarios": len({r["scenario"] for r in rs}),
             "excluded": dict(Counter(r["reason"] for r in ex)),
             "not_flipping": dict(Counter(r["reason"] for r in rs if not r["flips"])),
@@ -43,10 +45,14 @@ def table(rows: list[dict], excluded: list[dict], key: str) -> dict:
 def run(ctx) -> dict:
     """Screen every pair; see the module docstring."""
     cfg = ctx.cfg
+    tok = ctx.bundle.tokenizer
     rows = []
     with ctx.timer("screen"):
         for pair in tqdm(ctx.pairs.pairs, desc="screen", disable=not cfg.get("progress", True)):
-            _, status = screen_pair(ctx.bundle.model, pair, ctx.readout, ctx.min_effect)
+            run_, status = screen_pair(ctx.bundle.model, pair, ctx.readout, ctx.min_effect)
+            t_old, t_new = clean_top1(ctx.bundle.model, run_)
+            status |= {"top1_old": tok.convert_ids_to_tokens(t_old), "top1_new": tok.convert_ids_to_tokens(t_new),
+                       "own_answer": t_old == pair.cand_old[0] and t_new == pair.cand_new[0]}
             rows.append(pair_row(pair) | status)
     excluded = ctx.pairs.excluded
     flipping = [r for r in rows if r["flips"]]

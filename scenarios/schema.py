@@ -11,7 +11,8 @@ A scenario file is YAML with these keys (see ``scenarios/suites/*/*.yaml`` for e
                                              # a list means each value is its own outcome
       pairs: [[viewer, admin]]       # optional (old, new) pairs; default: every unordered pair
     candidates: {allow: " Yes", deny: " No"}   # outcome -> continuation compared at the decision
-    slots: {name: [Ana Ruiz, ...], account_id: "AC-#####"}   # surface details; '#' = random digit
+    slots: {name: [Ana Ruiz, ...], account_id: "AC-#####"}   # surface details: a list is drawn
+                                     # from; a string is a pattern whose '#' become random digits
     context: "Account {account_id} ... Role: {role}."   # must hold the field slot exactly once
     filler: [sentence, ...]          # n_filler of them, in a random order, after the context
     n_filler: 3
@@ -154,8 +155,8 @@ def validate(raw: Any, source: str) -> Scenario:
         if not isinstance(polarity, dict) or set(polarity) != {"slot", "values"} or \
                 set(polarity["values"] or {}) != {"normal", "inverted"}:
             _fail(source, "polarity", "needs slot and values {normal, inverted}")
-        if len(set(candidates)) != 2:
-            _fail(source, "polarity", "needs exactly two outcomes to invert")
+        if len(set(candidates)) != 2 or len(set(values.values())) != 2:
+            _fail(source, "polarity", "needs exactly two outcomes, both used by field.values, to invert")
         pol_slot, pol_values = polarity["slot"], {k: str(v) for k, v in polarity["values"].items()}
 
     variants = raw["variants"]
@@ -165,6 +166,8 @@ def validate(raw: Any, source: str) -> Scenario:
     for name, var in variants.items():
         if not isinstance(var, dict) or set(var) != {"decision", "answer_prefix"}:
             _fail(source, f"variants.{name}", "needs exactly 'decision' and 'answer_prefix'")
+        if "{" in str(var["answer_prefix"]) or "}" in str(var["answer_prefix"]):
+            _fail(source, f"variants.{name}.answer_prefix", "takes no slots (braces are not filled here)")
         parsed_variants[name] = Variant(str(var["decision"]), str(var["answer_prefix"]))
 
     texts = {k: raw[k] for k in TEXT_KEYS}

@@ -28,13 +28,13 @@ def main() -> None:
     print(f"Model `{rec['model']['name']}`, scenario `{rec['scenario']['name']}` "
           f"({rec['config']['scenario']['n_instances']} instances per scenario, seed {rec['config']['scenario']['seed']}), "
           f"readout `{rec['config']['readout']}`, min_effect {rec['config']['min_effect']} nats.\n")
-    print("| family | scenarios | aligned pairs | flipping (95% Wilson CI) | flips when expected | unexpected flips | not flipping | excluded |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| family | scenarios | aligned pairs | flipping (95% Wilson CI) | flips when expected | flips that are the top-1 answer | unexpected flips | not flipping | excluded |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for fam, t in table.items():
         ci = t["flip_rate"]["ci"]
         rate = f"{t['n_flip']} ({ci[0]:.2f}-{ci[1]:.2f})" if ci else str(t["n_flip"])
         print(f"| {fam} | {t['n_scenarios']} | {t['n_pairs']} | {rate} | {t['n_flip_when_expected']}/{t['n_expected_flip']} "
-              f"| {t['unexpected_flips']} | {fmt_counts(t['not_flipping'])} | {fmt_counts(t['excluded'])} |")
+              f"| {t['n_own_answer_flips']} | {t['unexpected_flips']} | {fmt_counts(t['not_flipping'])} | {fmt_counts(t['excluded'])} |")
     agg = rec["result"]["aggregates"]
     print(f"\nTotal: {agg['n_flip']} flipping of {agg['n_pairs']} aligned pairs, in families {', '.join(agg['flip_families']) or 'none'}.")
 
