@@ -13,13 +13,15 @@ from dataclasses import dataclass
 import torch
 
 from kvnotes.errors import KvnotesError
-from scenarios.instances import PairSpec, render_user_text
+from scenarios.instances import PairSpec, PolaritySpec, render_user_text, render_user_text_spans
 
 # Exclusion reasons for pairs that cannot be compared token by token.
 UNEQUAL_FIELD_LENGTH = "unequal_field_length"
 MISALIGNED_TOKENS = "misaligned_tokens"
 SAME_FIRST_TOKEN = "same_candidate_first_token"
 CANDIDATE_MERGES = "candidate_merges_with_prompt"
+UNEQUAL_TRIGGER_LENGTH = "unequal_trigger_length"
+TRIGGER_NOT_UNIQUE = "trigger_slot_not_unique"
 
 
 @dataclass(frozen=True)
@@ -187,3 +189,72 @@ def tokenize_pair(tokenizer, spec: PairSpec, chat_template: bool = True,
     if c_old[0] == c_new[0]:
         return SAME_FIRST_TOKEN
     return TokenizedPair(spec, old, new, c_old, c_new)
+
+
+@dataclass(frozen=True)
+class PolarityPair(TokenizedPair):
+    """A token-aligned polarity pair (field fixed, rule trigger flipped; DESIGN.md §5 ``dissociation``).
+
+    The two prompts differ only in the trigger span, so the inherited :attr:`field` — the span in
+    which old and new differ, which all cache machinery patches — is the *trigger* span ``[t0, t1)``
+    and :attr:`downstream` is ``[t1, d)`` (the notes after the trigger). The scenario's field value,
+    identical in both prompts and before the trigger, is at :attr:`value_field`.
+
+    Attributes:
+        value_field: token span ``(a, b)`` of the (shared) field value.
+    """
+
+    value_field: tuple[int, int] = (0, 0)
+
+    @property
+    def trigger(self) -> tuple[int, int]:
+        """Token span ``[t0, t1)`` of the trigger word(s): the only tokens that differ."""
+        return self.field
+
+
+def tokenize_polarity_pair(tokenizer, spec: PolaritySpec, chat_template: bool = True,
+                           template_kwargs: dict | None = None) -> PolarityPair | str:
+    """Tokenise a polarity pair (normal vs inverted trigger, same field value) and check alignment.
+
+    Spans come from character offsets of the rendered slots (:func:`scenarios.instances.render_user_text_spans`),
+    never from searching token sub-lists.
+
+    Returns:
+        a :class:`PolarityPair`, or an exclusion reason string: ``trigger_slot_not_unique`` (the
+        polarity slot occurs other than once), ``unequal_trigger_length`` (the trigger words
+        tokenise to different lengths), ``misaligned_tokens`` (tokens outside the trigger differ),
+        ``candidate_merges_with_prompt`` or ``same_candidate_first_token``.
+
+    Raises:
+        KvnotesError: the two trigger words give identical tokens.
+    """
+    sc = spec.instance.scenario
+    prompts, value_chars = [], []
+    for inst in (spec.instance, spec.inverted):
+        user, spans, prefix = render_user_text_spans(inst, spec.value, spec.variant)
+        trig = spans.get(sc.polarity_slot, [])
+        if len(trig) != 1:
+            return TRIGGER_NOT_UNIQUE
+        prompt = build_prompt(tokenizer, user, trig[0], prefix, chat_template, sc.system, template_kwargs)
+        start = prompt.field_chars[0] - trig[0][0]          # offset of the user text in the rendered text
+        (fa, fb), = spans[sc.field_slot]
+        prompts.append(prompt)
+        value_chars.append((start + fa, start + fb))
+    old, new = prompts
+    if torch.equal(old.ids, new.ids):
+        raise KvnotesError(f"{sc.source}: polarity words '{sc.polarity_values['normal']}' and "
+                           f"'{sc.polarity_values['inverted']}' give identical tokens")
+    (a0, b0), (a1, b1) = old.field, new.field
+    if len(old.ids) != len(new.ids) or (b0 - a0) != (b1 - a1):
+        return UNEQUAL_TRIGGER_LENGTH
+    if a0 != a1 or not torch.equal(old.ids[:a0], new.ids[:a0]) or not torch.equal(old.ids[b0:], new.ids[b1:]):
+        return MISALIGNED_TOKENS
+    value_field = char_span_to_tokens(old.offsets, *value_chars[0])
+    if value_field != char_span_to_tokens(new.offsets, *value_chars[1]):
+        return MISALIGNED_TOKENS
+    c_old, c_new = continuation_ids(tokenizer, old, spec.cand_old), continuation_ids(tokenizer, old, spec.cand_new)
+    if c_old is None or c_new is None:
+        return CANDIDATE_MERGES
+    if c_old[0] == c_new[0]:
+        return SAME_FIRST_TOKEN
+    return PolarityPair(spec, old, new, c_old, c_new, value_field)

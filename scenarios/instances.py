@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import string
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -89,19 +89,52 @@ def draw_instances(scenario: Scenario, n: int, seed: int, polarity: str = "norma
     return out
 
 
-def _fill(text: str, values: dict[str, str], field_slot: str) -> tuple[str, tuple[int, int] | None]:
-    """Fill ``{slot}`` placeholders; return the text and the character span of the field value."""
-    parts, span, pos = [], None, 0
+def _fill_spans(text: str, values: dict[str, str]) -> tuple[str, dict[str, list[tuple[int, int]]]]:
+    """Fill ``{slot}`` placeholders; return the text and, per slot, the character spans of its values."""
+    parts, spans, pos = [], {}, 0
     for literal, name, _, _ in string.Formatter().parse(text):
         parts.append(literal)
         pos += len(literal)
         if name is not None:
             val = values[name]
-            if name == field_slot:
-                span = (pos, pos + len(val))
+            spans.setdefault(name, []).append((pos, pos + len(val)))
             parts.append(val)
             pos += len(val)
-    return "".join(parts), span
+    return "".join(parts), spans
+
+
+def render_user_text_spans(instance: Instance, value: str,
+                           variant: str = "direct") -> tuple[str, dict[str, list[tuple[int, int]]], str]:
+    """Render the user message like :func:`render_user_text` and locate every slot.
+
+    Returns:
+        (user text, slot name -> list of ``(start, end)`` character spans of that slot's value in
+        the text, in order of appearance, answer prefix). The field slot and the polarity slot are
+        included like any other slot.
+    """
+    sc = instance.scenario
+    values = dict(instance.slots)
+    values[sc.field_slot] = value
+    if sc.polarity_slot:
+        values[sc.polarity_slot] = sc.polarity_values[instance.polarity]
+    var = sc.variants[variant]
+    lines, spans, offset = [], {}, 0
+    pieces = [sc.context, " ".join(instance.filler), sc.rule, sc.request, var.decision]
+    for piece in pieces:
+        if not piece:
+            continue
+        text, sp = _fill_spans(piece, values)
+        for name, found in sp.items():
+            spans.setdefault(name, []).extend((offset + s, offset + e) for s, e in found)
+        lines.append(text)
+        offset += len(text) + 1
+    return "\n".join(lines), spans, var.answer_prefix
+
+
+def slot_char_spans(instance: Instance, value: str, slot: str, variant: str = "direct") -> list[tuple[int, int]]:
+    """Character spans ``(start, end)`` of a named slot's value in the rendered user text of
+    ``instance`` with the field set to ``value`` (empty list when the slot is not used)."""
+    return render_user_text_spans(instance, value, variant)[1].get(slot, [])
 
 
 def render_user_text(instance: Instance, value: str, variant: str = "direct") -> tuple[str, tuple[int, int], str]:
@@ -113,24 +146,10 @@ def render_user_text(instance: Instance, value: str, variant: str = "direct") ->
     Returns:
         (user text, (start, end) character span of the field value in it, answer prefix).
     """
-    sc = instance.scenario
-    values = dict(instance.slots)
-    values[sc.field_slot] = value
-    if sc.polarity_slot:
-        values[sc.polarity_slot] = sc.polarity_values[instance.polarity]
-    var = sc.variants[variant]
-    lines, span, offset = [], None, 0
-    pieces = [sc.context, " ".join(instance.filler), sc.rule, sc.request, var.decision]
-    for piece in pieces:
-        if not piece:
-            continue
-        text, sp = _fill(piece, values, sc.field_slot)
-        if sp is not None:
-            span = (offset + sp[0], offset + sp[1])
-        lines.append(text)
-        offset += len(text) + 1
-    assert span is not None  # guaranteed by schema validation
-    return "\n".join(lines), span, var.answer_prefix
+    text, spans, prefix = render_user_text_spans(instance, value, variant)
+    field_spans = spans.get(instance.scenario.field_slot)
+    assert field_spans and len(field_spans) == 1  # guaranteed by schema validation
+    return text, field_spans[0], prefix
 
 
 def build_pairs(scenarios: list[Scenario], n_instances: int, seed: int, variant: str = "direct",
@@ -149,3 +168,68 @@ def build_pairs(scenarios: list[Scenario], n_instances: int, seed: int, variant:
                 pairs.append(PairSpec(inst, old, new, variant, sc.candidates[o_old], sc.candidates[o_new],
                                       sc.expect_flip(old, new)))
     return pairs
+
+
+@dataclass(frozen=True)
+class PolaritySpec:
+    """One instance rendered with the field fixed and the rule's trigger word flipped (DESIGN.md §5,
+    ``dissociation``): the *old* prompt uses the ``normal`` trigger, the *new* one the ``inverted``.
+
+    Attributes:
+        instance: the instance with ``polarity="normal"`` (:attr:`inverted` gives the other one).
+        value: the field value shared by both prompts.
+        variant: the decision variant.
+        cand_old, cand_new: continuations of the outcome the normal / inverted rule implies for
+            ``value``; ``score = log p(cand_new) - log p(cand_old)``.
+
+    ``old``/``new`` are the polarity names and ``expect_flip`` is always True (inverting the gate
+    swaps the two outcomes), so the pair rows of :mod:`kvnotes.pairs` apply unchanged.
+    """
+
+    instance: Instance
+    value: str
+    variant: str
+    cand_old: str
+    cand_new: str
+    old: str = "normal"
+    new: str = "inverted"
+    expect_flip: bool = True
+
+    @property
+    def inverted(self) -> Instance:
+        return replace(self.instance, polarity="inverted")
+
+    @property
+    def id(self) -> str:
+        return f"{self.instance.id}:{self.value}:{self.old}->{self.new}"
+
+
+NO_POLARITY_BLOCK = "no_polarity_block"
+
+
+def build_polarity_pairs(scenarios: list[Scenario], n_instances: int, seed: int,
+                         variant: str = "direct") -> tuple[list[PolaritySpec], list[dict]]:
+    """Polarity pairs of a suite: for every instance and every field value, the normal vs the
+    inverted rule, in a stable order.
+
+    Instances are the same draws as :func:`build_pairs` makes (same seed), so a polarity pair shares
+    its surface details with the field pairs of that instance.
+
+    Returns:
+        (specs, skipped) where ``skipped`` has one row ``{scenario, family, reason}`` per scenario
+        that cannot give polarity pairs: reason ``no_polarity_block`` (the scenario declares no
+        ``polarity``) or ``no_variant`` (it lacks ``variant``).
+    """
+    specs, skipped = [], []
+    for sc in scenarios:
+        if not sc.polarity_slot:
+            skipped.append({"scenario": sc.id, "family": sc.family, "reason": NO_POLARITY_BLOCK})
+            continue
+        if variant not in sc.variants:
+            skipped.append({"scenario": sc.id, "family": sc.family, "reason": "no_variant"})
+            continue
+        for inst in draw_instances(sc, n_instances, seed, "normal"):
+            for value in sc.values:
+                specs.append(PolaritySpec(inst, value, variant, sc.candidates[sc.outcome(value, "normal")],
+                                          sc.candidates[sc.outcome(value, "inverted")]))
+    return specs, skipped

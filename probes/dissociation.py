@@ -1,0 +1,211 @@
+"""``dissociation``: the polarity 2x2 — field fixed, the rule's trigger word flipped (DESIGN.md §5).
+
+A scenario with a ``polarity`` block has a trigger slot in its rule whose ``normal``/``inverted``
+word swaps the two outcomes. For every instance and every field value ``v`` a *polarity pair* is
+rendered: old = the normal rule, new = the inverted rule, same ``v`` (the 2x2 is field value x
+trigger). The prompts differ only in the trigger span ``[t0, t1)`` (token-aligned; pairs whose
+trigger words tokenise to different lengths are excluded with reason ``unequal_trigger_length``).
+The field ``[a, b)`` lies before the rule, so its KV is identical in both runs.
+
+Patching the normal run's prefix cache towards the inverted run (every layer):
+
+- ``trigger``: the trigger's KV only, ``[t0, t1)`` (trigger-only recovery);
+- ``notes``: the positions after the trigger, ``[t1, d)`` (the notes that carry the inverted gate);
+- ``both``: ``[t0, d)`` — everything that differs, so recovery must be 1;
+- ``prefix``: ``[0, t0)`` — identical KV, so the score must not move (a check).
+
+Recovery ``r = (s_patched - s_old) / (s_new - s_old)`` (unclipped) and the share of pairs whose
+decision the patch flips are aggregated per family over *flipping* polarity pairs only (flip rule,
+DESIGN.md §3); every aligned pair keeps its raw score shifts ``s_patched - s_old`` (nats). The clean
+2x2 (scores of a fixed orientation in the four cells) is reported for all aligned pairs. Scenarios
+without a polarity block are skipped and counted by reason; a family without flipping pairs says so
+in ``notes`` with its counts instead of reporting an effect.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from tqdm import tqdm
+
+from kvnotes import cache as kvcache
+from kvnotes.errors import KvnotesError
+from kvnotes.pairs import pair_row
+from kvnotes.readout import pair_status, run_pair, variant_scores
+from kvnotes.stats import proportion, summarize
+from kvnotes.tokens import PolarityPair, tokenize_polarity_pair
+from scenarios.instances import build_polarity_pairs
+
+VARIANTS = ("trigger", "notes", "both", "prefix")
+REPORTED = ("trigger", "notes", "both")
+
+
+def polarity_pairs(tokenizer, scenarios, scenario_cfg, template_kwargs: dict | None = None
+                   ) -> tuple[list[PolarityPair], list[dict], list[dict]]:
+    """Render and tokenise the polarity pairs of ``scenarios``.
+
+    Args:
+        scenario_cfg: mapping with ``n_instances``, ``seed``, ``variant``, ``chat_template``.
+
+    Returns:
+        (aligned pairs, excluded pair rows ``{pair, scenario, family, instance, reason}``, skipped
+        scenario rows ``{scenario, family, reason}``).
+    """
+    specs, skipped = build_polarity_pairs(scenarios, int(scenario_cfg.n_instances), int(scenario_cfg.seed),
+                                          scenario_cfg.get("variant", "direct"))
+    pairs, excluded = [], []
+    for spec in specs:
+        tp = tokenize_polarity_pair(tokenizer, spec, bool(scenario_cfg.get("chat_template", True)), template_kwargs)
+        if isinstance(tp, str):
+            excluded.append({"pair": spec.id, "scenario": spec.instance.scenario.id,
+                             "family": spec.instance.scenario.family, "instance": spec.instance.id, "reason": tp})
+        else:
+            pairs.append(tp)
+    return pairs, excluded, skipped
+
+
+def variant_masks(n_layers: int, pair: PolarityPair) -> torch.Tensor:
+    """Patch masks ``[len(VARIANTS), n_layers, d]`` in :data:`VARIANTS` order, every layer."""
+    t0, t1 = pair.trigger
+    d = pair.decision
+    sets = {"trigger": range(t0, t1), "notes": range(t1, d), "both": range(t0, d), "prefix": range(0, t0)}
+    return kvcache.position_masks(n_layers, d, [list(sets[v]) for v in VARIANTS])
+
+
+def orientation(pair: PolarityPair) -> float:
+    """+1 or -1 such that ``orientation * score`` is ``log p(A) - log p(B)`` for the scenario's
+    fixed outcome order (A = the normal-rule outcome of the first listed field value)."""
+    sc = pair.spec.instance.scenario
+    outcome_a = sc.outcome(next(iter(sc.values)), "normal")
+    return -1.0 if sc.outcome(pair.spec.value, "normal") == outcome_a else 1.0
+
+
+@torch.no_grad()
+def dissociate_pair(model, pair: PolarityPair, mode: str = "first_token",
+                    budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> dict:
+    """Clean scores and the patched scores of one polarity pair.
+
+    Returns:
+        columns ``s_old, s_new`` and per variant ``s_<v>`` (score), ``shift_<v>`` (``s_<v> - s_old``,
+        nats), ``r_<v>`` (recovery; None when ``s_new == s_old``), ``flipped_<v>`` (the patched run
+        takes the inverted run's decision).
+    """
+    pr = run_pair(model, pair, mode)
+    s = variant_scores(model, pair, pr.old_cache, pr.new_cache, variant_masks(len(pr.old_cache.layers), pair),
+                       mode, budget_bytes)
+    out = {"s_old": pr.s_old, "s_new": pr.s_new}
+    for i, v in enumerate(VARIANTS):
+        sv = float(s[i])
+        out |= {f"s_{v}": sv, f"shift_{v}": sv - pr.s_old,
+                f"r_{v}": (sv - pr.s_old) / pr.effect if pr.effect else None,
+                f"flipped_{v}": (sv > 0) == (pr.s_new > 0)}
+    return out
+
+
+def _cluster(rs):
+    return [r["scenario"] for r in rs], [r["instance"] for r in rs]
+
+
+def _two_by_two(rows: list[dict], n_boot: int, seed: int) -> dict:
+    """Clean 2x2 of ``log p(A) - log p(B)``: cells (field value implies A / B under the normal
+    rule) x (normal / inverted rule), and per instance the interaction
+    ``[s(A-value, normal) - s(B-value, normal)] - [s(A-value, inverted) - s(B-value, inverted)]``
+    (positive when the model follows the field *through* the trigger)."""
+    cells = {}
+    for val in ("A", "B"):
+        rs = [r for r in rows if r["value_outcome"] == val]
+        for pol, key in (("normal", "s_fixed_normal"), ("inverted", "s_fixed_inverted")):
+            cells[f"{val}_{pol}"] = summarize([r[key] for r in rs], *_cluster(rs), n_boot, seed)
+    by_inst: dict[str, dict] = {}
+    for r in rows:
+        by_inst.setdefault(r["instance"], {"scenario": r["scenario"], "instance": r["instance"]})[r["value_outcome"]] = r
+    inter = [(i["A"]["s_fixed_normal"] - i["B"]["s_fixed_normal"]) - (i["A"]["s_fixed_inverted"] - i["B"]["s_fixed_inverted"])
+             for i in by_inst.values() if "A" in i and "B" in i]
+    complete = [i for i in by_inst.values() if "A" in i and "B" in i]
+    return {"cells": cells, "interaction": summarize(inter, *_cluster(complete), n_boot, seed)}
+
+
+def _aggregate(rows: list[dict], excluded: list[dict], n_boot: int, seed: int) -> tuple[dict, dict]:
+    out, notes = {}, {}
+    fams = sorted({r["family"] for r in rows} | {r["family"] for r in excluded})
+    for fam in ["all"] + fams:
+        rs = rows if fam == "all" else [r for r in rows if r["family"] == fam]
+        ex = excluded if fam == "all" else [r for r in excluded if r["family"] == fam]
+        flips = [r for r in rs if r["flips"]]
+        entry = {
+            "n_pairs": len(rs), "n_flip": len(flips), "n_scenarios": len({r["scenario"] for r in rs}),
+            "flip_rate": proportion(len(flips), len(rs)),
+            "not_flipping": dict(Counter(r["reason"] for r in rs if not r["flips"])),
+            "excluded": dict(Counter(r["reason"] for r in ex)),
+            "effect_all": summarize([r["effect"] for r in rs], *_cluster(rs), n_boot, seed),
+            "abs_effect_all": summarize([abs(r["effect"]) for r in rs], *_cluster(rs), n_boot, seed),
+            "shift_all": {v: summarize([r[f"shift_{v}"] for r in rs], *_cluster(rs), n_boot, seed) for v in VARIANTS},
+            "abs_shift_all": {v: summarize([abs(r[f"shift_{v}"]) for r in rs], *_cluster(rs), n_boot, seed)
+                              for v in VARIANTS},
+            "recovery": {v: summarize([r[f"r_{v}"] for r in flips], *_cluster(flips), n_boot, seed)
+                         | {"decision_flipped": proportion(sum(r[f"flipped_{v}"] for r in flips), len(flips))}
+                         for v in REPORTED},
+            "two_by_two": _two_by_two(rs, n_boot, seed),
+        }
+        out[fam] = entry
+        if fam != "all" and not flips:
+            notes[fam] = (f"no polarity pair flips ({len(rs)} aligned pairs: {entry['not_flipping'] or 'none'}; "
+                          f"excluded at tokenisation: {entry['excluded'] or 'none'}): trigger-only vs notes recovery "
+                          f"is undefined for this family and not reported")
+    return out, notes
+
+
+def run(ctx) -> dict:
+    """Render polarity pairs from the scenario config, patch trigger / notes / both; see the module
+    docstring.
+
+    Returns:
+        ``rows`` (every aligned polarity pair: spans, clean status, per-variant scores, shifts,
+        recoveries), ``aggregates`` (per family and ``all``), ``notes`` (families without flips),
+        ``exclusions`` (pair reason -> count: tokenisation and non-flipping), ``excluded``,
+        ``skipped_scenarios`` (reason -> count of scenarios) and ``skipped`` (their rows).
+
+    Raises:
+        KvnotesError: the context has no scenario config, or no scenario has a polarity block.
+    """
+    cfg = ctx.cfg
+    if ctx.scenario_cfg is None:
+        raise KvnotesError("dissociation renders its own polarity pairs and needs the scenario config (ctx.scenario_cfg)")
+    model, tok = ctx.bundle.model, ctx.bundle.tokenizer
+    kwargs = cfg.get("chat_template_kwargs")
+    kwargs = dict(kwargs) if kwargs else {}
+    n_boot = int(cfg.get("n_boot", 2000))
+    budget = getattr(ctx, "budget_bytes", kvcache.DEFAULT_BUDGET_BYTES)  # budget_mb
+    with ctx.timer("polarity_pairs"):
+        pairs, tok_excluded, skipped = polarity_pairs(tok, ctx.pairs.scenarios, ctx.scenario_cfg, kwargs)
+    if not pairs and not tok_excluded:
+        raise KvnotesError(f"dissociation: no scenario with a polarity block among the selected ones "
+                           f"({len(skipped)} skipped: {dict(Counter(s['reason'] for s in skipped))}); "
+                           f"select e.g. scenario.families=[policy_gate]")
+    rows = []
+    for pair in tqdm(pairs, desc="dissociation", disable=not cfg.get("progress", True)):
+        with ctx.timer("patching"):
+            cols = dissociate_pair(model, pair, ctx.readout, budget)
+        sgn = orientation(pair)
+        sc = pair.spec.instance.scenario
+        t0, t1 = pair.trigger
+        rows.append(pair_row(pair) | pair_status(cols["s_old"], cols["s_new"], ctx.min_effect) | cols | {
+            "value": pair.spec.value, "value_outcome": "A" if sgn < 0 else "B",
+            "trigger": [t0, t1], "value_field": list(pair.value_field),
+            "trigger_normal": sc.polarity_values["normal"], "trigger_inverted": sc.polarity_values["inverted"],
+            "s_fixed_normal": sgn * cols["s_old"], "s_fixed_inverted": sgn * cols["s_new"],
+        })
+    excluded = tok_excluded + [{k: r[k] for k in ("pair", "scenario", "family", "instance", "reason")}
+                               for r in rows if not r["flips"]]
+    with ctx.timer("statistics"):
+        aggregates, notes = _aggregate(rows, tok_excluded, n_boot, ctx.seed)
+    aggregates["checks"] = {
+        "max_both_recovery_err": max((abs(r["r_both"] - 1) for r in rows if r["r_both"] is not None), default=None),
+        "max_both_score_err": max((abs(r["s_both"] - r["s_new"]) for r in rows), default=None),
+        "max_prefix_shift": max((abs(r["shift_prefix"]) for r in rows), default=None),
+    }
+    return {"rows": rows, "aggregates": aggregates, "notes": notes,
+            "exclusions": dict(Counter(r["reason"] for r in excluded)), "excluded": excluded,
+            "skipped_scenarios": dict(Counter(s["reason"] for s in skipped)), "skipped": skipped,
+            "variants": list(VARIANTS)}

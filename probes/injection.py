@@ -1,0 +1,131 @@
+"""``injection``: write the other run's downstream notes over a self-consistent cache — does the
+decision follow the notes or the field? (DESIGN.md §3, §5)
+
+For each token-aligned pair, two injections into prefix caches over ``[0, d)``:
+
+- ``old_notes_into_new``: the new run's cache (new field) with every layer's downstream positions
+  ``[b, d)`` overwritten by the old run's KV;
+- ``new_notes_into_old``: the old run's cache (old field) with the new run's downstream KV.
+
+The decision token is then fed at ``d`` (it reads the edited cache). The decision *follows the
+notes* when the sign of the injected score equals that of the run the notes came from (the notes'
+source); otherwise it follows the field (for a flipping pair the two runs' decisions differ, so
+exactly one holds). Score-based: ``r_notes = (s_inj - s_base) / (s_source - s_base)``, 1 = the
+notes fully decide, 0 = the field fully decides; never clipped.
+
+Follow rates (Wilson CIs) and ``r_notes`` (cluster-bootstrap CIs) are reported only over flipping
+pairs (the flip rule, DESIGN.md §3); the rest are excluded and counted by reason. As a check, each
+direction also injects field + downstream ``[a, d)``, which must reproduce the source run exactly
+(``r = 1``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from tqdm import tqdm
+
+from kvnotes import cache as kvcache
+from kvnotes.pairs import pair_row
+from kvnotes.readout import pair_status, run_pair, variant_scores
+from kvnotes.stats import proportion, summarize
+
+DIRECTIONS = {
+    # name: (base run = whose field stays, source run = whose notes are written)
+    "old_notes_into_new": ("new", "old"),
+    "new_notes_into_old": ("old", "new"),
+}
+
+
+def injection_masks(n_layers: int, field: tuple[int, int], decision: int) -> torch.Tensor:
+    """Patch masks ``[2, n_layers, d]``: row 0 the notes ``[b, d)``, row 1 field + notes ``[a, d)``,
+    in every layer."""
+    a, b = field
+    return kvcache.position_masks(n_layers, decision, [list(range(b, decision)), list(range(a, decision))])
+
+
+@torch.no_grad()
+def inject_pair(model, pair, mode: str = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> dict:
+    """Clean scores and both injections of one pair.
+
+    Returns:
+        columns ``s_old, s_new`` and, per direction ``D`` in :data:`DIRECTIONS`: ``D_s_notes``
+        (score with the source's notes), ``D_s_all`` (field + notes from the source),
+        ``D_follows_notes`` (sign matches the source run), ``D_r_notes`` and ``D_r_all``
+        (``(s - s_base) / (s_source - s_base)``, None when the two runs score equally).
+    """
+    pr = run_pair(model, pair, mode)
+    caches = {"old": pr.old_cache, "new": pr.new_cache}
+    clean = {"old": pr.s_old, "new": pr.s_new}
+    masks = injection_masks(len(pr.old_cache.layers), pair.field, pair.decision)
+    out = {"s_old": pr.s_old, "s_new": pr.s_new}
+    for name, (base, source) in DIRECTIONS.items():
+        s = variant_scores(model, pair, caches[base], caches[source], masks, mode, budget_bytes)
+        s_notes, s_all = float(s[0]), float(s[1])
+        gap = clean[source] - clean[base]
+        out |= {
+            f"{name}_s_notes": s_notes, f"{name}_s_all": s_all,
+            f"{name}_follows_notes": (s_notes > 0) == (clean[source] > 0),
+            f"{name}_r_notes": (s_notes - clean[base]) / gap if gap else None,
+            f"{name}_r_all": (s_all - clean[base]) / gap if gap else None,
+        }
+    return out
+
+
+def _aggregate(rows: list[dict], n_boot: int, seed: int) -> dict:
+    out = {}
+    fams = {"all": rows} | {f: [r for r in rows if r["family"] == f] for f in sorted({r["family"] for r in rows})}
+    for fam, rs in fams.items():
+        out[fam] = {}
+        for name in DIRECTIONS:
+            follows = sum(bool(r[f"{name}_follows_notes"]) for r in rs)
+            out[fam][name] = {
+                "follow_notes": proportion(follows, len(rs)),
+                "follow_field": proportion(len(rs) - follows, len(rs)),
+                "r_notes": summarize([r[f"{name}_r_notes"] for r in rs], [r["scenario"] for r in rs],
+                                     [r["instance"] for r in rs], n_boot, seed),
+            }
+    return out
+
+
+def run(ctx) -> dict:
+    """Inject the other run's notes into every aligned pair; aggregate over flipping pairs.
+
+    Returns:
+        ``rows`` (every aligned pair, with ``flips``/``reason``), ``aggregates`` (per family and
+        ``all``: per direction follow rates with Wilson CIs and ``r_notes`` with cluster-bootstrap
+        CIs, over flipping pairs; the exact-reproduction check over all pairs), ``notes`` (families
+        without flipping pairs, with their counts), ``exclusions``
+        (reason -> count: tokenisation exclusions and non-flipping pairs), ``excluded``, ``directions``.
+    """
+    cfg = ctx.cfg
+    model = ctx.bundle.model
+    n_boot = int(cfg.get("n_boot", 2000))
+    budget = getattr(ctx, "budget_bytes", kvcache.DEFAULT_BUDGET_BYTES)  # budget_mb
+    rows = []
+    for pair in tqdm(ctx.pairs.pairs, desc="injection", disable=not cfg.get("progress", True)):
+        with ctx.timer("injection"):
+            cols = inject_pair(model, pair, ctx.readout, budget)
+        rows.append(pair_row(pair) | pair_status(cols["s_old"], cols["s_new"], ctx.min_effect) | cols)
+    flipping = [r for r in rows if r["flips"]]
+    excluded = list(ctx.pairs.excluded) + [{k: r[k] for k in ("pair", "scenario", "family", "instance", "reason")}
+                                           for r in rows if not r["flips"]]
+    all_err = [abs(r[f"{n}_r_all"] - 1) for r in rows for n in DIRECTIONS if r[f"{n}_r_all"] is not None]
+    score_err = [abs(r[f"{n}_s_all"] - r[f"s_{src}"]) for r in rows for n, (_, src) in DIRECTIONS.items()]
+    with ctx.timer("statistics"):
+        aggregates = {
+            "n_pairs": len(rows), "n_flip": len(flipping),
+            "n_pairs_by_family": dict(Counter(r["family"] for r in rows)),
+            "n_flip_by_family": dict(Counter(r["family"] for r in flipping)),
+            "flipping": _aggregate(flipping, n_boot, ctx.seed),
+            "checks": {"max_field_and_notes_score_err": max(score_err, default=None),
+                       "max_field_and_notes_recovery_err": max(all_err, default=None)},
+        }
+    notes = {f: (f"no flipping pairs ({n} aligned pairs: "
+                 f"{dict(Counter(r['reason'] for r in rows if r['family'] == f))}): follow rates are undefined "
+                 f"for this family and not reported")
+             for f, n in aggregates["n_pairs_by_family"].items() if f not in aggregates["n_flip_by_family"]}
+    return {"rows": rows, "aggregates": aggregates, "notes": notes,
+            "exclusions": dict(Counter(r["reason"] for r in excluded)), "excluded": excluded,
+            "directions": {n: {"base": b, "notes_from": s} for n, (b, s) in DIRECTIONS.items()}}
