@@ -303,17 +303,19 @@ def _heldout_layer(engine, run_, x_old, x_new, fit, li, layer, rand, ablate_to, 
     inj_norm = float(inj["direction"].norm())
     rand_norms = [float(inj["random"][k].norm()) for k in range(R)]
     pos_err = float((inj["random"].norm(dim=-1) - inj["direction"].norm(dim=-1)[None]).abs().max()) if R else 0.0
+    denom = max(inj_norm, torch.finfo(torch.float32).tiny)
     return {
         "suff": {"direction": float(r[0]), "orthogonal": float(r[1]), "full": float(r[2]),
                  "random": float(r[3:].mean()) if R else None, "random_draws": r[3:].tolist()},
         "suff_flipped": {"direction": bool(fl[0]), "orthogonal": bool(fl[1]), "full": bool(fl[2]),
                          "random": bool(fl[3:].mean() > 0.5) if R else None},
-        "nec": {"direction": float(drop[0] / run_.effect), "random": float(drop[1:].mean() / run_.effect) if R else None,
+        "nec": {"direction": float(drop[0] / run_.effect),
+                "random": float(drop[1:].mean() / run_.effect) if R else None,
                 "random_draws": (drop[1:] / run_.effect).tolist()},
         "nec_nats": {"direction": float(drop[0]), "random": float(drop[1:].mean()) if R else None},
         "nec_flipped": {"direction": bool(back[0]), "random": bool(back[1:].mean() > 0.5) if R else None},
         "inj_norm": inj_norm, "random_norms": rand_norms,
-        "random_norm_rel_error": max([abs(n - inj_norm) / max(inj_norm, 1e-12) for n in rand_norms] + [pos_err / max(inj_norm, 1e-12)]),
+        "random_norm_rel_error": max([abs(n - inj_norm) / denom for n in rand_norms] + [pos_err / denom]),
         "orth_norm": float(inj["orthogonal"].norm()), "delta_norm": float(inj["full"].norm()),
         "cos_mean_delta": float(torch.nn.functional.cosine_similarity((x_new[li] - x_old[li]).mean(0), u, dim=0)),
         "random_k": [int(inj["random"][k].shape[0]) for k in range(R)], "k": int(inj["direction"].shape[0]),
@@ -330,7 +332,7 @@ def run(ctx) -> dict:
 
     Raises:
         KvnotesError: a readout other than ``first_token``.
-        ValueError: bad ``fit_scope`` / ``ablate_to`` / ``layers``.
+        ValueError: bad ``fit_scope`` / ``ablate_to`` / ``layers``, or ``random.n_draws < 1``.
     """
     C.require_first_token(ctx)
     cfg = ctx.cfg
@@ -342,6 +344,8 @@ def run(ctx) -> dict:
     if scope not in SCOPES or ablate_to not in ABLATE_TO:
         raise ValueError(f"fit_scope in {SCOPES}, ablate_to in {ABLATE_TO}; got {scope!r}, {ablate_to!r}")
     n_draws = int(cfg.random.n_draws)
+    if n_draws < 1:
+        raise ValueError("random.n_draws must be >= 1: the norm-matched random control is required")
     n_boot = int(cfg.n_boot)
     progress = bool(cfg.get("progress", True))
     fs = flipping_pairs(ctx, keep_caches=True)

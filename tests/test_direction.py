@@ -1,0 +1,221 @@
+"""Direction probe: norm- and k-matched random controls, leave-one-scenario-out fits, layer choice
+without held-out instances, exactness of full-difference injection through the engine, and an
+end-to-end run on the embedded model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import circuits.direction as D
+from circuits import _common as C
+from circuits.engine import Intervention, NNsightEngine, Site
+from kvnotes.readout import run_pair
+from tests.conftest import build_tiny
+from tests.test_heads import synthetic_pair
+
+HID = 64
+
+
+def test_random_controls_are_norm_and_k_matched():
+    g = torch.Generator().manual_seed(0)
+    delta = torch.randn(7, HID, generator=g) * torch.linspace(0.1, 5, 7)[:, None]   # uneven norms per position
+    u = torch.nn.functional.normalize(torch.randn(HID, generator=g), dim=0)
+    rand = D.random_directions(C.pair_rng(3, "pair/x"), 4, HID)
+    inj = D.injections(delta, u, rand)
+    assert inj["random"].shape == (4,) + inj["direction"].shape                 # same positions, same width
+    real = inj["direction"].norm(dim=-1)
+    for k in range(4):
+        # per position (hence per pair) the random injection has the real injection's norm
+        assert torch.allclose(inj["random"][k].norm(dim=-1), real, rtol=1e-5, atol=1e-6)
+        assert inj["random"][k].norm() == pytest.approx(float(inj["direction"].norm()), rel=1e-5)
+        # one dimension, like the real injection: rank 1 along its own direction
+        assert torch.linalg.matrix_rank(inj["random"][k]) == 1
+        assert torch.allclose(torch.nn.functional.normalize(inj["random"][k], dim=-1).abs() @ rand[k].abs(),
+                              torch.ones(7), atol=1e-5)
+    # a projection on the random direction would not be norm-matched: the test above would fail for it
+    assert not torch.allclose((delta @ rand[0])[:, None].abs().squeeze(), real, rtol=1e-2)
+    assert torch.allclose(inj["direction"] + inj["orthogonal"], delta, atol=1e-5)
+    assert (inj["orthogonal"] @ u).abs().max() < 1e-4
+    assert torch.allclose(rand.norm(dim=-1), torch.ones(4), atol=1e-6)
+    assert torch.equal(rand, D.random_directions(C.pair_rng(3, "pair/x"), 4, HID))
+    assert not torch.equal(rand, D.random_directions(C.pair_rng(4, "pair/x"), 4, HID))
+    # necessity: every variant sets the projection on its own direction to its target, same positions
+    x = torch.randn(7, HID, generator=g)
+    dirs = torch.cat([u[None], rand])
+    mu = torch.arange(5, dtype=torch.float32)
+    add = D.ablations(x, dirs, mu)
+    assert add.shape == (5, 7, HID)
+    for k in range(5):
+        assert torch.allclose((x + add[k]) @ dirs[k], mu[k].expand(7), atol=1e-4)
+
+
+def _stats():
+    g = torch.Generator().manual_seed(1)
+    stats = {}
+    vals = {}
+    for scen, fam, n_pos, scale in (("A", "f", 3, 1000.0), ("B", "f", 4, 1.0), ("B2", "f", 2, 1.0), ("Z", "g", 5, 1.0)):
+        xo = torch.randn(2, n_pos, HID, generator=g) * scale
+        xn = torch.randn(2, n_pos, HID, generator=g) * scale + 3.0
+        D.accumulate(stats, scen, fam, xo, xn, f"{scen}/0:p")
+        vals[scen] = (xo, xn)
+    return stats, vals
+
+
+def test_leave_one_scenario_out_excludes_the_scenario():
+    stats, vals = _stats()
+    fit = D.fit_direction(stats, "A", "f", "family")
+    assert fit.scenarios == ["B", "B2"] and fit.n_pairs == 2 and fit.n_pos == 6
+    exp_old = torch.cat([vals["B"][0], vals["B2"][0]], 1).mean(1)            # pooled over positions
+    exp_new = torch.cat([vals["B"][1], vals["B2"][1]], 1).mean(1)
+    assert torch.allclose(fit.mean_old, exp_old, atol=1e-5) and torch.allclose(fit.mean_new, exp_new, atol=1e-5)
+    # A is 1000x larger: had it leaked into the fit the means would be far away
+    with_a = torch.cat([vals["A"][0], vals["B"][0], vals["B2"][0]], 1).mean(1)
+    assert (fit.mean_old - with_a).abs().max() > 1.0
+    assert torch.allclose(fit.u, torch.nn.functional.normalize(exp_new - exp_old, dim=-1), atol=1e-5)
+    assert torch.allclose(fit.mu(1, fit.u[1:2], "all"), ((exp_old[1] + exp_new[1]) / 2 @ fit.u[1])[None], atol=1e-4)
+    assert torch.allclose(fit.mu(1, fit.u[1:2], "old"), (exp_old[1] @ fit.u[1])[None], atol=1e-4)
+    every = D.fit_direction(stats, "A", "f", "all")
+    assert every.scenarios == ["B", "B2", "Z"]
+    exp_all = torch.cat([vals["B"][0], vals["B2"][0], vals["Z"][0]], 1).mean(1)
+    assert torch.allclose(every.mean_old, exp_all, atol=1e-5)
+    assert D.fit_direction(stats, "Z", "g", "family") is None                # nothing else in family g
+    assert "Z" not in D.fit_direction(stats, "Z", "g", "all").scenarios
+    with pytest.raises(ValueError):
+        D.fit_direction(stats, "A", "f", "bogus")
+
+
+def test_no_heldout_instance_in_layer_selection():
+    rows = [{"pair": f"s{s}/{i}:{j}", "scenario": f"s{s}", "instance": f"s{s}/{i}", "family": "recall"}
+            for s in range(3) for i in range(4) for j in range(2)]
+    rows, sel, held = C.with_split(rows, 0.5, seed=0)
+    layers = [0, 3, 6]
+    for r in rows:
+        r["selection_suff"] = [0.1, 0.5, 0.2] if r["split"] == "selection" else [9.0, -9.0, -9.0]
+    chosen = D.choose_layers(rows, layers, ["recall", "lookup"])
+    assert chosen["recall"]["layer"] == 3 and chosen["recall"]["source"] == "family"
+    assert chosen["lookup"]["source"] == "all_selection" and chosen["lookup"]["layer"] == 3
+    assert set(chosen["recall"]["pairs"]) and all(p.split(":")[0] in sel for p in chosen["recall"]["pairs"])
+    ev = D.eval_pairs(rows, 2, 0)
+    assert sum(r["pair"] in ev and r["split"] == "selection" for r in rows) == 2
+    assert sum(r["pair"] in ev and r["split"] == "heldout" for r in rows) == 2
+    assert D.eval_pairs(rows, None, 0) == {r["pair"] for r in rows}
+    assert D.scan_layers(30, None, 6) == [0, 6, 11, 17, 22, 28]
+    assert D.scan_layers(4, None, None) == [0, 1, 2] and D.scan_layers(4, [2, 0, 2], 1) == [0, 2]
+    with pytest.raises(ValueError):
+        D.scan_layers(4, [4], None)
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny_run(request):
+    model = build_tiny(request.param)
+    engine = NNsightEngine(model)
+    pair = synthetic_pair(model)
+    run = run_pair(model, pair)
+    b, d = pair.field[1], pair.decision
+    pre = (C.prefix_cache(model, run.old_cache, pair.old.ids, b), C.prefix_cache(model, run.new_cache, pair.new.ids, b))
+    layers = list(range(engine.adapter.n_layers))
+    caps = [D.capture_notes(engine, ids, p, b, d, layers) for ids, p in zip((pair.old.ids, pair.new.ids), pre)]
+    return model, engine, pair, run, pre, layers, caps
+
+
+def test_full_difference_injection_reproduces_clean_run(tiny_run):
+    model, engine, pair, run, pre, layers, ((x_old, lp_old), (x_new, lp_new)) = tiny_run
+    a, b, d = pair.field[0], pair.field[1], pair.decision
+    # the resumed captures score exactly like the clean runs
+    assert float(C.scores(lp_old, pair)[0]) == pytest.approx(run.s_old, abs=1e-4)
+    assert float(C.scores(lp_new, pair)[0]) == pytest.approx(run.s_new, abs=1e-4)
+    for li in (0, len(layers) // 2):
+        l = layers[li]
+        delta = x_new[li] - x_old[li]
+        iv = Intervention(Site("resid", l), list(range(b, d)), delta[None], mode="add")
+        out = engine.run(pair.old.ids[b: d + 1], [iv], capture=[Site("resid", l)], cache=pre[0], start=b)
+        # at layer l the note residuals become the clean (new) run's ...
+        assert (out.acts[Site("resid", l)][0, : d - b] - x_new[li]).abs().max() < 1e-4
+        # ... and only there: the field's KV above l is still old, so the score is not s_new
+        # unless the field and d are patched too (then it is exactly the clean run)
+        full = engine.run(pair.new.ids, capture=[Site("resid", l)]).acts[Site("resid", l)][0]
+        old_full = engine.run(pair.old.ids, capture=[Site("resid", l)]).acts[Site("resid", l)][0]
+        iv_all = Intervention(Site("resid", l), list(range(0, d + 1)), (full - old_full)[None], mode="add")
+        s_all = float(C.scores(engine.run(pair.old.ids[: d + 1], [iv_all]).logprobs, pair)[0])
+        assert float(run.recovery(torch.tensor(s_all))) == pytest.approx(1.0, abs=1e-3)
+        assert (full[:a] - old_full[:a]).abs().max() < 1e-5          # nothing before the field moves
+        # the probe's own variants: zero addition = old run, direction + orthogonal = full
+        u = torch.nn.functional.normalize(delta.mean(0), dim=0)
+        inj = D.injections(delta, u, D.random_directions(C.pair_rng(0, "t"), 2, delta.shape[1]))
+        vals = torch.stack([torch.zeros_like(delta), inj["full"], inj["direction"] + inj["orthogonal"]])
+        s = D.added_scores(engine, run, pair.old.ids, pre[0], l, vals)
+        assert float(s[0]) == pytest.approx(run.s_old, abs=1e-4)
+        assert float(s[1]) == pytest.approx(float(s[2]), abs=1e-4)
+        ref = engine.run(pair.old.ids[b: d + 1], [iv], cache=pre[0], start=b).logprobs
+        assert float(s[1]) == pytest.approx(float(C.scores(ref, pair)[0]), abs=1e-4)
+        # necessity: after the ablation the captured note residuals of the new run project on u
+        # exactly at the target mean, and everything orthogonal to u is untouched
+        mu = torch.tensor([0.37])
+        add = D.ablations(x_new[li], u[None], mu)
+        iv_n = Intervention(Site("resid", l), list(range(b, d)), add, mode="add")
+        got = engine.run(pair.new.ids[b: d + 1], [iv_n], capture=[Site("resid", l)], cache=pre[1],
+                         start=b).acts[Site("resid", l)][0, : d - b].float()
+        assert torch.allclose(got @ u, mu.expand(d - b), atol=1e-4)
+        rest = lambda x: x - (x @ u)[:, None] * u[None]                        # noqa: E731
+        assert (rest(got) - rest(x_new[li])).abs().max() < 1e-4
+
+
+def _cfg(**over):
+    cfg = OmegaConf.load("conf/probe/direction.yaml")
+    cfg.progress = False
+    cfg.n_layers_scan, cfg.max_pairs_per_family, cfg.n_boot = 2, 1, 200
+    cfg.random.n_draws = 2
+    for k, v in over.items():
+        OmegaConf.update(cfg, k, v)
+    return cfg
+
+
+def test_run_on_embedded_model_is_finite_and_clean(smol):
+    from kvnotes.pairs import PairSet, prepare_pairs
+    from probes import ProbeContext
+
+    sc = OmegaConf.load("conf/scenario/default.yaml")
+    sc.families, sc.ids, sc.n_instances = ["recall"], ["favourite_colour", "home_city"], 2
+    ps = prepare_pairs(smol.tokenizer, sc)
+    keep, seen = [], {}
+    for p in ps.pairs:                                   # one pair per instance keeps it fast
+        k = p.spec.instance.id
+        if seen.get(k, 0) < 1:
+            keep.append(p)
+            seen[k] = seen.get(k, 0) + 1
+    accumulated = []
+    orig = D.accumulate
+
+    def spy(stats, scenario, family, x_old, x_new, pair=None):
+        accumulated.append(pair)
+        return orig(stats, scenario, family, x_old, x_new, pair)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(D, "accumulate", spy)
+    try:
+        res = D.run(ProbeContext(bundle=smol, pairs=PairSet(keep, ps.excluded, ps.scenarios), cfg=_cfg(), seed=0,
+                                 budget_bytes=64 << 20))
+    finally:
+        mp.undo()
+    agg = res["aggregates"]
+    held = {r["pair"] for r in res["rows"] if r["split"] == "heldout"}
+    assert accumulated and not held & set(accumulated)                         # fits never see held-out
+    assert agg["checks"]["layer_choice_pairs_in_heldout"] == 0 and agg["checks"]["fit_pairs_in_heldout"] == 0
+    assert agg["checks"]["fit_scenario_equals_own"] == 0
+    assert agg["checks"]["max_resume_score_error"] < 1e-3
+    assert agg["checks"]["max_random_norm_rel_error"] < 1e-4 and agg["checks"]["random_k_matched"]
+    assert len(agg["layers"]) == 2 and agg["n_evaluated"]["heldout"] >= 1
+    rows = [r for r in res["rows"] if "layers" in r]
+    for r in rows:
+        assert r["scenario"] not in r["fit_scenarios"]
+        for lv in r["layers"].values():
+            vals = [lv["suff"][k] for k in D.SUFF] + [lv["nec"][k] for k in D.NEC]
+            assert all(math.isfinite(v) for v in vals)
+    ch = agg["at_chosen"]["suff"]["direction"]["recall"]
+    assert ch["n"] >= 1 and math.isfinite(ch["mean"])
+    assert np.isfinite(agg["curves"]["nec"]["random"][str(agg["layers"][0])]["all"]["mean"])
