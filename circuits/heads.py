@@ -175,7 +175,6 @@ def run(ctx) -> dict:
     fs = flipping_pairs(ctx, keep_caches=True)
     rows, sel, held = C.with_split(fs.rows, float(cfg.selection_fraction), ctx.seed)
     maps: dict[str, dict] = {}
-    sources: dict[str, torch.Tensor] = {}
     progress = bool(cfg.get("progress", True))
     # 1. single-head maps (selection pairs, at most max_map_pairs_per_family of them per family,
     #    drawn by a seeded Generator; held-out ones only for figures when asked)

@@ -160,6 +160,27 @@ def continuation_ids(tokenizer, prompt: Prompt, continuation: str) -> tuple[int,
     return tuple(int(t) for t in ids[n:])
 
 
+def align(tokenizer, spec, old: Prompt, new: Prompt, unequal_reason: str) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
+    """Check that two prompts differ only inside their ``field`` span and tokenise the candidates.
+
+    Returns:
+        ``(cand_old ids, cand_new ids)`` tokenised in context, or an exclusion reason:
+        ``unequal_reason`` (spans or prompts of different lengths), ``misaligned_tokens`` (tokens
+        outside the span differ), ``candidate_merges_with_prompt`` or ``same_candidate_first_token``.
+    """
+    (a0, b0), (a1, b1) = old.field, new.field
+    if len(old.ids) != len(new.ids) or (b0 - a0) != (b1 - a1):
+        return unequal_reason
+    if a0 != a1 or not torch.equal(old.ids[:a0], new.ids[:a0]) or not torch.equal(old.ids[b0:], new.ids[b1:]):
+        return MISALIGNED_TOKENS
+    c_old, c_new = continuation_ids(tokenizer, old, spec.cand_old), continuation_ids(tokenizer, old, spec.cand_new)
+    if c_old is None or c_new is None:
+        return CANDIDATE_MERGES
+    if c_old[0] == c_new[0]:
+        return SAME_FIRST_TOKEN
+    return c_old, c_new
+
+
 def tokenize_pair(tokenizer, spec: PairSpec, chat_template: bool = True,
                   template_kwargs: dict | None = None) -> TokenizedPair | str:
     """Tokenise a pair and check alignment.
@@ -178,17 +199,10 @@ def tokenize_pair(tokenizer, spec: PairSpec, chat_template: bool = True,
     if torch.equal(old.ids, new.ids):
         raise KvnotesError(f"{spec.instance.scenario.source}: field values '{spec.old}' and '{spec.new}' "
                            f"give identical tokens; the pair cannot change anything")
-    (a0, b0), (a1, b1) = old.field, new.field
-    if len(old.ids) != len(new.ids) or (b0 - a0) != (b1 - a1):
-        return UNEQUAL_FIELD_LENGTH
-    if a0 != a1 or not torch.equal(old.ids[:a0], new.ids[:a0]) or not torch.equal(old.ids[b0:], new.ids[b1:]):
-        return MISALIGNED_TOKENS
-    c_old, c_new = continuation_ids(tokenizer, old, spec.cand_old), continuation_ids(tokenizer, old, spec.cand_new)
-    if c_old is None or c_new is None:
-        return CANDIDATE_MERGES
-    if c_old[0] == c_new[0]:
-        return SAME_FIRST_TOKEN
-    return TokenizedPair(spec, old, new, c_old, c_new)
+    aligned = align(tokenizer, spec, old, new, UNEQUAL_FIELD_LENGTH)
+    if isinstance(aligned, str):
+        return aligned
+    return TokenizedPair(spec, old, new, *aligned)
 
 
 @dataclass(frozen=True)
@@ -244,17 +258,10 @@ def tokenize_polarity_pair(tokenizer, spec: PolaritySpec, chat_template: bool = 
     if torch.equal(old.ids, new.ids):
         raise KvnotesError(f"{sc.source}: polarity words '{sc.polarity_values['normal']}' and "
                            f"'{sc.polarity_values['inverted']}' give identical tokens")
-    (a0, b0), (a1, b1) = old.field, new.field
-    if len(old.ids) != len(new.ids) or (b0 - a0) != (b1 - a1):
-        return UNEQUAL_TRIGGER_LENGTH
-    if a0 != a1 or not torch.equal(old.ids[:a0], new.ids[:a0]) or not torch.equal(old.ids[b0:], new.ids[b1:]):
-        return MISALIGNED_TOKENS
+    aligned = align(tokenizer, spec, old, new, UNEQUAL_TRIGGER_LENGTH)
+    if isinstance(aligned, str):
+        return aligned
     value_field = char_span_to_tokens(old.offsets, *value_chars[0])
     if value_field != char_span_to_tokens(new.offsets, *value_chars[1]):
         return MISALIGNED_TOKENS
-    c_old, c_new = continuation_ids(tokenizer, old, spec.cand_old), continuation_ids(tokenizer, old, spec.cand_new)
-    if c_old is None or c_new is None:
-        return CANDIDATE_MERGES
-    if c_old[0] == c_new[0]:
-        return SAME_FIRST_TOKEN
-    return PolarityPair(spec, old, new, c_old, c_new, value_field)
+    return PolarityPair(spec, old, new, *aligned, value_field)

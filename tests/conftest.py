@@ -57,3 +57,14 @@ def smol():
 
     cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "model", "smollm2-135m.yaml"))
     return load_model(cfg, "cpu")
+
+
+def recall_pairs(bundle, ids, n_instances=2):
+    """Token-aligned pairs of the named recall scenarios of the shipped suite."""
+    from omegaconf import OmegaConf
+
+    from kvnotes.pairs import prepare_pairs
+
+    sc = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "scenario", "default.yaml"))
+    sc.families, sc.ids, sc.n_instances = ["recall"], ids, n_instances
+    return prepare_pairs(bundle.tokenizer, sc)

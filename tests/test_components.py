@@ -5,7 +5,6 @@ projections onto the conclusion direction add up."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from circuits.components import contributions, decomposition_error, residual_parts, top_offset

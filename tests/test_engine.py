@@ -45,7 +45,6 @@ def test_no_intervention_equals_plain_forward(nn_engine):
 
 
 def test_interventions_land_and_identity_patch_is_exact(nn_engine):
-    model = nn_engine.model
     ids = _ids()
     H = nn_engine.adapter.n_heads
     hd = nn_engine.adapter.head_dim
@@ -90,7 +89,7 @@ def test_backends_agree(arch):
         pytest.skip(f"TransformerBridge cannot wrap tiny {arch}: {type(exc).__name__}: {exc}")
     nn = NNsightEngine(model)
     ids = _ids(2)
-    H, hd, D = nn.adapter.n_heads, nn.adapter.head_dim, nn.adapter.hidden_size
+    hd, D = nn.adapter.head_dim, nn.adapter.hidden_size
     L = nn.adapter.n_layers
     sites = [Site(k, l) for l in range(L) for k in KINDS]
     a = nn.run(ids, capture=sites, n_keep=None)

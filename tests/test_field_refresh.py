@@ -10,14 +10,14 @@ import torch
 from omegaconf import OmegaConf
 
 from kvnotes import cache as kvcache
-from kvnotes.pairs import PairSet, prepare_pairs
+from kvnotes.pairs import PairSet
 from kvnotes.plots import plot_record
 from kvnotes.readout import PairRun, variant_scores
 from probes import ProbeContext
 from probes.field_refresh import (VARIANTS, exact_field_source, refresh_pair, truncated_view,
                                   variant_positions)
 from probes.field_refresh import run as run_probe
-from tests.conftest import VOCAB, WINDOW
+from tests.conftest import VOCAB, WINDOW, recall_pairs
 
 T = 3 * WINDOW            # prefix length: longer than the sliding window, so windows fill
 FIELD = (5, 8)
@@ -118,15 +118,10 @@ def probe_cfg(**over):
     return cfg
 
 
-def pairs_of(smol, ids, n_instances=2):
-    sc = OmegaConf.load("conf/scenario/default.yaml")
-    sc.families, sc.ids, sc.n_instances = ["recall"], ids, n_instances
-    return prepare_pairs(smol.tokenizer, sc)
-
 
 @pytest.fixture(scope="module")
 def result(smol):
-    ps = pairs_of(smol, ["favourite_colour", "home_city"])
+    ps = recall_pairs(smol, ["favourite_colour", "home_city"])
     ctx = ProbeContext(bundle=smol, pairs=ps, cfg=probe_cfg(keep_caches=True), seed=0, budget_bytes=64 << 20)
     return ps, run_probe(ctx)
 

@@ -10,9 +10,10 @@ import torch
 from omegaconf import OmegaConf
 
 import probes.suffix_recovery as sr
-from kvnotes.pairs import PairSet, prepare_pairs
+from kvnotes.pairs import PairSet
 from kvnotes.plots import plot_record
 from probes import ProbeContext
+from tests.conftest import recall_pairs
 
 GRID = {"fractions": [0.1, 0.5, 1.0], "counts": [1, 4, 1000]}     # 1000 exceeds every downstream
 N_DRAWS = 3
@@ -88,11 +89,6 @@ def probe_cfg(**over):
     return cfg
 
 
-def pairs_of(smol, ids, n_instances=2):
-    sc = OmegaConf.load("conf/scenario/default.yaml")
-    sc.families, sc.ids, sc.n_instances = ["recall"], ids, n_instances
-    return prepare_pairs(smol.tokenizer, sc)
-
 
 @pytest.fixture(scope="module")
 def spied(smol):
@@ -113,7 +109,7 @@ def spied(smol):
     mp = pytest.MonkeyPatch()
     mp.setattr(sr, "offset_profiles", spy_prof)
     mp.setattr(sr, "evaluate_pair", spy_eval)
-    ps = pairs_of(smol, ["favourite_colour"])
+    ps = recall_pairs(smol, ["favourite_colour"])
     ctx = ProbeContext(bundle=smol, pairs=ps, cfg=probe_cfg(), seed=0, budget_bytes=64 << 20)
     try:
         res = sr.run(ctx)

@@ -54,3 +54,19 @@ def save(fig, out_dir: Path, name: str) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def ci_line(ax, x, points: list[dict], label: str, **style) -> None:
+    """Plot a mean curve with its CI band from aggregate dicts (``mean``, ``ci_mean``, ``n``);
+    points without data (``n`` 0 or missing) are skipped."""
+    import numpy as np
+
+    ok = [i for i, p in enumerate(points) if p.get("n")]
+    if not ok:
+        return
+    xs = np.array([x[i] for i in ok])
+    mean = np.array([points[i]["mean"] for i in ok], dtype=float)
+    lo = np.array([points[i]["ci_mean"][0] for i in ok], dtype=float)
+    hi = np.array([points[i]["ci_mean"][1] for i in ok], dtype=float)
+    ax.plot(xs, mean, label=f"{label} (n={points[ok[0]]['n']})" if label else None, **style)
+    ax.fill_between(xs, lo, hi, color=style.get("color"), alpha=0.15, lw=0)

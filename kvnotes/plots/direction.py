@@ -10,26 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-import numpy as np
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import ci_line, plotter, save, title
 
 _STYLE = {"direction": ("tab:red", "-", "direction"), "orthogonal": ("tab:blue", "--", "orthogonal complement"),
           "full": ("grey", ":", "full difference"), "random": ("tab:green", "-.", "random, norm-matched")}
 
 
 def _line(ax, curve: dict, layers: list, fam: str, variant: str) -> None:
-    pts = [curve.get(str(l), {}).get(fam, {}) for l in layers]
-    ok = [i for i, p in enumerate(pts) if p.get("n")]
-    if not ok:
-        return
     color, ls, label = _STYLE[variant]
-    x = np.array([layers[i] for i in ok])
-    mean = np.array([pts[i]["mean"] for i in ok], dtype=float)
-    lo = np.array([pts[i]["ci_mean"][0] for i in ok], dtype=float)
-    hi = np.array([pts[i]["ci_mean"][1] for i in ok], dtype=float)
-    ax.plot(x, mean, ls=ls, marker="o", ms=3, color=color, label=f"{label} (n={pts[ok[0]]['n']})")
-    ax.fill_between(x, lo, hi, color=color, alpha=0.15, lw=0)
+    pts = [curve.get(str(l), {}).get(fam, {}) for l in layers]
+    ci_line(ax, layers, pts, label, ls=ls, marker="o", ms=3, color=color)
 
 
 @plotter("direction")

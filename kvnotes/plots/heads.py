@@ -9,20 +9,12 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import ci_line, plotter, save, title
 
 
 def _curve(ax, curve: dict, ks: list, fam: str, color, label: str, ls: str) -> None:
     pts = [curve[str(k)].get(fam, {}) for k in ks]
-    ok = [i for i, p in enumerate(pts) if p.get("n")]
-    if not ok:
-        return
-    x = np.array([ks[i] for i in ok])
-    mean = np.array([pts[i]["mean"] for i in ok], dtype=float)
-    lo = np.array([pts[i]["ci_mean"][0] for i in ok], dtype=float)
-    hi = np.array([pts[i]["ci_mean"][1] for i in ok], dtype=float)
-    ax.plot(x, mean, ls=ls, marker="o", ms=3, color=color, label=f"{label} (n={pts[ok[0]]['n']})")
-    ax.fill_between(x, lo, hi, color=color, alpha=0.15, lw=0)
+    ci_line(ax, ks, pts, label, ls=ls, marker="o", ms=3, color=color)
 
 
 @plotter("heads")
