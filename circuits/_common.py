@@ -3,16 +3,14 @@ prefills, the selection / held-out split of flipping pairs, and per-family summa
 
 from __future__ import annotations
 
-import zlib
-from collections import Counter
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 
 from kvnotes import cache as kvcache
 from kvnotes.errors import KvnotesError
-from kvnotes.probing import recovery_summary, split_instances
+from kvnotes.probing import (exclusions_by_family, families_of, pair_rng, split_instances,  # noqa: F401
+                             summaries_by_family)
 from kvnotes.readout import PairRun
 
 
@@ -56,11 +54,6 @@ def prefix_cache(model, cache: DynamicCache | None, ids: torch.Tensor, p: int) -
     return kvcache.prefill(model, ids[:p])
 
 
-def pair_rng(seed: int, pair_id: str) -> np.random.Generator:
-    """``numpy.random.Generator`` seeded with ``(seed, crc32(pair id))`` (never ``hash()``)."""
-    return np.random.default_rng([int(seed), zlib.crc32(pair_id.encode())])
-
-
 def with_split(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict], set[str], set[str]]:
     """Tag rows with ``split`` = ``"selection"`` / ``"heldout"`` by instance
     (:func:`kvnotes.probing.split_instances`). Returns (rows, selection ids, held-out ids)."""
@@ -68,26 +61,11 @@ def with_split(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict]
     return [r | {"split": "selection" if r["instance"] in sel else "heldout"} for r in rows], sel, held
 
 
-def families_of(ctx, rows: list[dict]) -> list[str]:
-    """Every family of the suite (those without flipping pairs too), sorted."""
-    fams = {s.family for s in getattr(ctx.pairs, "scenarios", [])} | {r["family"] for r in rows}
-    return sorted(fams)
-
-
 def by_family(rows: list[dict], key: str, flipped_key: str | None, families: list[str], n_boot: int,
               seed: int) -> dict:
-    """:func:`kvnotes.probing.recovery_summary` over all rows (``"all"``) and per family
-    (families without rows get ``n = 0``)."""
-    out = {"all": recovery_summary(rows, key, flipped_key, n_boot, seed) if rows else {"n": 0}}
-    for f in families:
-        rs = [r for r in rows if r["family"] == f]
-        out[f] = recovery_summary(rs, key, flipped_key, n_boot, seed) if rs else {"n": 0}
-    return out
-
-
-def exclusions_by_family(excluded: list[dict], families: list[str]) -> dict:
-    """``{family: {reason: count}}`` over excluded pair rows."""
-    return {f: dict(Counter(r["reason"] for r in excluded if r.get("family") == f)) for f in families}
+    """:func:`kvnotes.probing.summaries_by_family` of ``row[key]`` (flip share from ``row[flipped_key]``)."""
+    return summaries_by_family(rows, lambda r: r[key], (lambda r: r[flipped_key]) if flipped_key else None,
+                               families, n_boot, seed)
 
 
 def no_circuit_note(families: list[str], rows: list[dict], excluded: list[dict]) -> dict:

@@ -108,21 +108,6 @@ class EngineOutput:
     cache: DynamicCache | None = None
 
 
-def expand_cache(cache: DynamicCache, config, V: int) -> DynamicCache:
-    """A batch-``V`` view of a batch-1 cache (``expand``, no copy); forwards on it leave ``cache``
-    unchanged. A batch-``V`` cache is returned as a fresh view.
-
-    Raises:
-        ValueError: the cache batch is neither 1 nor ``V``.
-    """
-    b = cache.layers[0].keys.shape[0]
-    if b not in (1, V):
-        raise ValueError(f"cannot broadcast a batch-{b} cache to {V} variants")
-    keys = [l.keys.expand(V, -1, -1, -1) for l in cache.layers]
-    values = [l.values.expand(V, -1, -1, -1) for l in cache.layers]
-    return kvcache.cache_from_tensors(config, keys, values, kvcache.seq_length(cache))
-
-
 def apply_intervention(x: torch.Tensor, iv: Intervention, start: int, n_heads: int) -> torch.Tensor:
     """The activation ``x`` with ``iv`` applied (a new tensor; ``x`` is not modified).
 
@@ -208,7 +193,7 @@ class Engine:
         device = self.model.device
         ids = ids.to(device).expand(V, -1)
         n = ids.shape[1]
-        kv = expand_cache(cache, self.model.config, V) if cache is not None else DynamicCache(config=self.model.config)
+        kv = kvcache.expand_cache(cache, self.model.config, V) if cache is not None else DynamicCache(config=self.model.config)
         kwargs = dict(input_ids=ids, position_ids=torch.arange(start, start + n, device=device).unsqueeze(0).expand(V, -1),
                       attention_mask=torch.ones(V, start + n, dtype=torch.long, device=device),
                       past_key_values=kv, use_cache=True)

@@ -63,6 +63,21 @@ def view(cache: DynamicCache, config) -> DynamicCache:
                               seq_length(cache))
 
 
+def expand_cache(cache: DynamicCache, config, V: int) -> DynamicCache:
+    """A batch-``V`` view of a batch-1 cache (``expand``, no copy); forwards on it leave ``cache``
+    unchanged. A batch-``V`` cache is returned as a fresh view.
+
+    Raises:
+        ValueError: the cache batch is neither 1 nor ``V``.
+    """
+    b = cache.layers[0].keys.shape[0]
+    if b not in (1, V):
+        raise ValueError(f"cannot broadcast a batch-{b} cache to {V} variants")
+    keys = [l.keys.expand(V, -1, -1, -1) for l in cache.layers]
+    values = [l.values.expand(V, -1, -1, -1) for l in cache.layers]
+    return cache_from_tensors(config, keys, values, seq_length(cache))
+
+
 @torch.no_grad()
 def prefill(model, ids: torch.Tensor) -> DynamicCache:
     """Run the prompt prefix ``ids`` (``[T]`` or ``[1, T]``) and return its cache.

@@ -81,6 +81,12 @@ def split_instances(rows: list[dict], selection_fraction: float = 0.5, seed: int
     return sel, held
 
 
+def pair_rng(seed: int, pair_id: str) -> np.random.Generator:
+    """A pair's own generator for random controls: seeded with ``(seed, crc32(pair id))``, never
+    ``hash()`` (DESIGN.md §10)."""
+    return np.random.default_rng([int(seed), zlib.crc32(pair_id.encode())])
+
+
 def recovery_summary(rows: list[dict], key: str, flipped_key: str | None = None, n_boot: int = 2000,
                      seed: int = 0) -> dict:
     """Mean/median recovery with cluster-bootstrap CIs (unclipped), plus the share of pairs whose
@@ -90,3 +96,34 @@ def recovery_summary(rows: list[dict], key: str, flipped_key: str | None = None,
     if flipped_key:
         out["decision_flipped"] = proportion(sum(bool(r[flipped_key]) for r in rows), len(rows))
     return out
+
+
+def families_of(ctx, rows: list[dict]) -> list[str]:
+    """Every family of the loaded scenarios (also those without flipping pairs), sorted."""
+    return sorted({s.family for s in ctx.pairs.scenarios} | {r["family"] for r in rows})
+
+
+def summaries_by_family(rows: list[dict], value, flipped, families: list[str], n_boot: int = 2000,
+                        seed: int = 0) -> dict:
+    """:func:`kvnotes.probing.recovery_summary` over all rows (``"all"``) and per family.
+
+    Args:
+        value: ``row -> float | None``; rows giving None are left out (not counted as non-finite).
+        flipped: ``row -> bool``: the patched run took the new run's decision; None to omit the
+            flip share.
+
+    Returns:
+        ``{"all": summary, <family>: summary, ...}``; families without rows get ``n = 0``.
+    """
+    out = {}
+    for g in ["all", *families]:
+        rs = rows if g == "all" else [r for r in rows if r["family"] == g]
+        tmp = [{"scenario": r["scenario"], "instance": r["instance"], "_v": v,
+                "_f": flipped(r) if flipped else None} for r in rs if (v := value(r)) is not None]
+        out[g] = recovery_summary(tmp, "_v", "_f" if flipped else None, n_boot, seed)
+    return out
+
+
+def exclusions_by_family(excluded: list[dict], families: list[str]) -> dict:
+    """``{family: {reason: count}}`` over excluded pair rows."""
+    return {f: dict(Counter(r["reason"] for r in excluded if r.get("family") == f)) for f in families}

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from kvnotes import cache as kvcache
-from kvnotes.probing import flipping_pairs, recovery_summary
+from kvnotes.probing import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
 from kvnotes.readout import PairRun, variant_scores
 
 #: Position sets patched (all layers) from the new run into the old run, in scoring order.
@@ -218,36 +218,6 @@ def with_caches(model, run: PairRun) -> PairRun:
     d = run.pair.decision
     return PairRun(run.pair, kvcache.prefill(model, run.pair.old.ids[:d]), kvcache.prefill(model, run.pair.new.ids[:d]),
                    run.s_old, run.s_new)
-
-
-def families_of(ctx, rows: list[dict]) -> list[str]:
-    """Every family of the loaded scenarios (also those without flipping pairs), sorted."""
-    return sorted({s.family for s in ctx.pairs.scenarios} | {r["family"] for r in rows})
-
-
-def summaries_by_family(rows: list[dict], value, flipped, families: list[str], n_boot: int = 2000,
-                        seed: int = 0) -> dict:
-    """:func:`kvnotes.probing.recovery_summary` over all rows (``"all"``) and per family.
-
-    Args:
-        value: ``row -> float | None``; rows giving None are left out (not counted as non-finite).
-        flipped: ``row -> bool``: the patched run took the new run's decision.
-
-    Returns:
-        ``{"all": summary, <family>: summary, ...}``; families without rows get ``n = 0``.
-    """
-    out = {}
-    for g in ["all", *families]:
-        rs = rows if g == "all" else [r for r in rows if r["family"] == g]
-        tmp = [{"scenario": r["scenario"], "instance": r["instance"], "_v": v, "_f": flipped(r)}
-               for r in rs if (v := value(r)) is not None]
-        out[g] = recovery_summary(tmp, "_v", "_f", n_boot, seed)
-    return out
-
-
-def exclusions_by_family(excluded: list[dict], families: list[str]) -> dict:
-    """``{family: {reason: count}}`` over excluded pair rows."""
-    return {f: dict(Counter(r["reason"] for r in excluded if r.get("family") == f)) for f in families}
 
 
 def run(ctx) -> dict:

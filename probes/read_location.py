@@ -276,13 +276,6 @@ class DecisionRead:
     recon_err: float | None
 
 
-def expand_cache(cache, config, n: int):
-    """A batch-``n`` view of a batch-1 cache (``expand``, no copy); forwards leave ``cache`` intact."""
-    return kvcache.cache_from_tensors(config, [l.keys.expand(n, -1, -1, -1) for l in cache.layers],
-                                      [l.values.expand(n, -1, -1, -1) for l in cache.layers],
-                                      kvcache.seq_length(cache))
-
-
 @torch.no_grad()
 def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | None = None,
                      capture: bool = False, budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> DecisionRead:
@@ -310,7 +303,7 @@ def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | N
     for sl in kvcache.chunks(V, kvcache.variant_bytes(cache), budget_bytes):
         hook = DecisionRowHook(model, d, d, None if knock is None else knock[sl].to(model.device), capture)
         with attention_hook(model, hook):
-            lps.append(kvcache.continuation_logprobs(model, expand_cache(cache, model.config, sl.stop - sl.start),
+            lps.append(kvcache.continuation_logprobs(model, kvcache.expand_cache(cache, model.config, sl.stop - sl.start),
                                                      tokens, d))
         if capture:
             probs.append(torch.stack([hook.probs[l] for l in sorted(hook.probs)], dim=1))

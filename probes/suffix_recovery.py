@@ -48,7 +48,6 @@ Aggregates per family (and ``all``) come from :func:`kvnotes.probing.recovery_su
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -56,9 +55,10 @@ import torch
 from tqdm import tqdm
 
 from kvnotes import cache as kvcache
-from kvnotes.probing import flipping_pairs, split_instances
+from kvnotes.probing import (exclusions_by_family, families_of, flipping_pairs, pair_rng, split_instances,
+                             summaries_by_family)
 from kvnotes.readout import PairRun, variant_scores
-from probes.field_refresh import exclusions_by_family, families_of, summaries_by_family, with_caches
+from probes.field_refresh import with_caches
 
 SET_FAMILIES = ("suffix", "prefix", "topk", "random")
 REFERENCES = ("none", "field", "downstream", "field_downstream")
@@ -108,11 +108,6 @@ def prefix_set(downstream: tuple[int, int], k: int) -> list[int]:
     """The first ``k`` positions of ``[b, d)``."""
     b, _ = downstream
     return list(range(b, b + k))
-
-
-def pair_rng(seed: int, pair_id: str) -> np.random.Generator:
-    """The pair's generator for random sets: seeded with ``(seed, crc32(pair_id))`` (never ``hash()``)."""
-    return np.random.default_rng([int(seed), zlib.crc32(pair_id.encode())])
 
 
 def random_sets(rng: np.random.Generator, downstream: tuple[int, int], k: int, n_draws: int) -> list[list[int]]:

@@ -20,7 +20,7 @@ from kvnotes.pairs import prepare_pairs
 from kvnotes.plots import plot_record
 from kvnotes.records import to_jsonable
 from probes import ProbeContext
-from probes.read_location import (GROUPS, DecisionRowHook, collapse_flags, decision_forward, expand_cache,
+from probes.read_location import (GROUPS, DecisionRowHook, collapse_flags, decision_forward,
                                   group_masses, key_groups, knockout_masks, layer_bands)
 from probes.read_location import run as run_read_location
 from tests.conftest import ARCHS, VOCAB, WINDOW, build_tiny
@@ -148,7 +148,7 @@ def test_knockout_hides_exactly_the_chosen_keys(setup):
     for k in (None, knock):
         hook = DecisionRowHook(model, T, T, k, capture=True, keep_heads=True)
         with attention_hook(model, hook):
-            lps = kvcache.continuation_logprobs(model, expand_cache(cache, model.config, 1 if k is None else len(k)), x[T:], T)
+            lps = kvcache.continuation_logprobs(model, kvcache.expand_cache(cache, model.config, 1 if k is None else len(k)), x[T:], T)
         hooks.append(hook)
     clean, knocked = hooks
     had_mass = []
