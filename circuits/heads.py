@@ -249,7 +249,7 @@ def run(ctx) -> dict:
             sel_maps[mode] = {}
             for f in families + ["all"]:
                 ms = [maps[r["pair"]][mode] for r in out_rows
-                      if r["split"] == "selection" and (f == "all" or r["family"] == f)]
+                      if r["split"] == "selection" and r["pair"] in maps and (f == "all" or r["family"] == f)]
                 sel_maps[mode][f] = {"mean": np.mean(np.stack(ms), 0).tolist(), "n": len(ms)} if ms else {"n": 0}
     held_ids = {r["pair"] for r in out_rows if r["split"] == "heldout"}
     checks = {

@@ -110,3 +110,27 @@ def test_random_head_sets_are_k_matched_distinct_and_seeded():
     assert all(0 <= l < 3 and 0 <= h < 4 for d in draws for l, h in d)
     assert draws == random_head_sets(C.pair_rng(0, "p"), 3, 4, 5, 6)
     assert draws != random_head_sets(C.pair_rng(1, "p"), 3, 4, 5, 6)
+
+
+def test_probe_run_on_embedded_model_with_capped_maps(smol):
+    """``run(ctx)`` end to end with fewer mapped selection pairs than selection pairs (the default
+    cap), so aggregates must only use the pairs that were mapped."""
+    from omegaconf import OmegaConf
+
+    from circuits.heads import run as run_heads
+    from probes import ProbeContext
+    from tests.conftest import recall_pairs
+
+    cfg = OmegaConf.load("conf/probe/heads.yaml")
+    cfg.progress, cfg.n_boot, cfg.ks, cfg.random.n_draws, cfg.max_map_pairs_per_family = False, 200, [1, 4], 2, 1
+    ctx = ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"]), cfg=cfg, seed=0)
+    res = run_heads(ctx)
+    agg = res["aggregates"]
+    assert agg["n_selection"] >= 2 and agg["n_heldout"] >= 1
+    assert sum("maps" in r for r in res["rows"]) == 1                      # one mapped selection pair
+    assert agg["selection_maps"]["read"]["recall"]["n"] == 1
+    assert agg["checks"]["ranking_pairs_in_heldout"] == 0
+    assert agg["checks"]["max_abs_read_all_minus_1"] < 1e-4
+    assert agg["checks"]["random_set_sizes_match_k"]
+    held = agg["curves"]["read"]["topk"]["1"]["recall"]
+    assert held["n"] == agg["n_heldout"] and np.isfinite(held["mean"])
