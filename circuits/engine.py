@@ -34,6 +34,7 @@ same :func:`apply_intervention` to the same tensors, and tests/test_engine.py ch
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -147,7 +148,7 @@ def apply_intervention(x: torch.Tensor, iv: Intervention, start: int, n_heads: i
     return out
 
 
-class Engine:
+class Engine(ABC):
     """Common front end of the backends: argument checks, batching, cache and mask handling.
 
     Subclasses implement :meth:`_forward`.
@@ -215,8 +216,9 @@ class Engine:
             return x.reshape(x.shape[0], x.shape[1], self.adapter.n_heads, -1)
         return x
 
-    def _forward(self, kwargs, interventions, capture, start):  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def _forward(self, kwargs, interventions, capture, start):
+        """Run one forward with ``interventions`` applied; return (logits, captured activations)."""
 
 
 class NNsightEngine(Engine):

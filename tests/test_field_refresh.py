@@ -24,15 +24,6 @@ FIELD = (5, 8)
 KV_TOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread for this module (CI boxes have 2 shared cores; two threads contend badly)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_run(model, field=FIELD, t=T, seed=3) -> PairRun:
     """A duck-typed token-aligned pair on random tokens (field changed) with its clean run."""
     g = torch.Generator().manual_seed(seed)

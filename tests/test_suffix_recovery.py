@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 import probes.suffix_recovery as sr
@@ -17,15 +16,6 @@ from tests.conftest import recall_pairs
 
 GRID = {"fractions": [0.1, 0.5, 1.0], "counts": [1, 4, 1000]}     # 1000 exceeds every downstream
 N_DRAWS = 3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread for this module (CI boxes have 2 shared cores; two threads contend badly)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ----------------------------------------------------------------------------- pure functions
