@@ -378,15 +378,18 @@ def run(ctx) -> dict:
     for row in rows:
         if row["pair"] in evaluated:
             fits[row["pair"]] = fit_direction(stats, row["scenario"], row["family"], scope)
+    def fitted(split: str):
+        """Evaluated pairs of one split that have a fit: ``(run, row, fit, x_old, x_new)``."""
+        for run_, row in tqdm(list(zip(fs.runs, rows)), desc=f"direction: {split}", disable=not progress):
+            if row["split"] != split or row["pair"] not in evaluated:
+                continue
+            if fits[row["pair"]] is None:
+                row["skipped"] = "no_fit_data"
+                continue
+            yield run_, row, fits[row["pair"]], *caps[row["pair"]]
+
     # 2. sufficiency of the direction per layer on evaluated selection pairs -> layer per family
-    for run_, row in tqdm(list(zip(fs.runs, rows)), desc="direction: selection scan", disable=not progress):
-        if row["split"] != "selection" or row["pair"] not in evaluated:
-            continue
-        fit = fits[row["pair"]]
-        if fit is None:
-            row["skipped"] = "no_fit_data"
-            continue
-        x_old, x_new = caps[row["pair"]]
+    for run_, row, fit, x_old, x_new in fitted("selection"):
         curve = []
         for li, layer in enumerate(layers):
             with ctx.timer("selection_scan"):
@@ -397,14 +400,7 @@ def run(ctx) -> dict:
         row["fit_scenarios"] = fit.scenarios
     chosen = choose_layers(rows, layers, families)
     # 3. every variant per layer on evaluated held-out pairs
-    for run_, row in tqdm(list(zip(fs.runs, rows)), desc="direction: held-out", disable=not progress):
-        if row["split"] != "heldout" or row["pair"] not in evaluated:
-            continue
-        fit = fits[row["pair"]]
-        if fit is None:
-            row["skipped"] = "no_fit_data"
-            continue
-        x_old, x_new = caps[row["pair"]]
+    for run_, row, fit, x_old, x_new in fitted("heldout"):
         rand = random_directions(C.pair_rng(ctx.seed, row["pair"]), n_draws, x_old.shape[-1])
         row["fit_scenarios"], row["fit_n_pairs"] = fit.scenarios, fit.n_pairs
         row["layers"] = {}
