@@ -68,3 +68,16 @@ def recall_pairs(bundle, ids, n_instances=2):
     sc = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "scenario", "default.yaml"))
     sc.families, sc.ids, sc.n_instances = ["recall"], ids, n_instances
     return prepare_pairs(bundle.tokenizer, sc)
+
+
+def check_figures(name: str, res: dict, tmp_path) -> None:
+    """A probe's figures render from a JSON round-trip of its result (figures come from records)."""
+    import json
+
+    from kvnotes.plots import plot_record
+    from kvnotes.records import to_jsonable
+
+    record = json.loads(json.dumps(to_jsonable({"probe": name, "model": {"name": "smollm2-135m"},
+                                                "scenario": {"name": "test"}, "result": res})))
+    paths = plot_record(record, tmp_path)
+    assert paths and all(p.is_file() and p.stat().st_size > 10_000 for p in paths)

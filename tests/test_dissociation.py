@@ -4,7 +4,6 @@ and the probe runs on the embedded model (which does not flip policy gates: the 
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import pytest
@@ -12,14 +11,13 @@ import torch
 from omegaconf import OmegaConf
 
 from kvnotes.pairs import PairSet, prepare_pairs
-from kvnotes.plots import plot_record
-from kvnotes.records import to_jsonable
 from kvnotes.tokens import UNEQUAL_TRIGGER_LENGTH, PolarityPair, tokenize_pair, tokenize_polarity_pair
 from probes import ProbeContext
 from probes.dissociation import VARIANTS, orientation, variant_masks
 from probes.dissociation import run as run_dissociation
 from scenarios import build_pairs, draw_instances, load_suite, render_user_text
 from scenarios.instances import NO_POLARITY_BLOCK, build_polarity_pairs, render_user_text_spans, slot_char_spans
+from tests.conftest import check_figures
 from tests.test_tokens import scenario
 
 POLARITY = {"rule": "Colour rules {gate} apply.", "polarity": {"slot": "gate", "values": {"normal": "always", "inverted": "never"}}}
@@ -126,11 +124,3 @@ def test_probe_runs_on_embedded_model(smol, tmp_path):
     assert "policy_gate" in res["notes"] and "4 aligned pairs" in res["notes"]["policy_gate"]
     assert agg["policy_gate"]["two_by_two"]["interaction"]["n"] == 2
     check_figures("dissociation", res, tmp_path)
-
-
-def check_figures(name: str, res: dict, tmp_path) -> None:
-    """The probe's figures render from a JSON round-trip of its result (figures come from records)."""
-    record = json.loads(json.dumps(to_jsonable({"probe": name, "model": {"name": "smollm2-135m"},
-                                                "scenario": {"name": "test"}, "result": res})))
-    paths = plot_record(record, tmp_path)
-    assert paths and all(p.is_file() and p.stat().st_size > 10_000 for p in paths)

@@ -4,7 +4,6 @@ runs on the embedded model."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import pytest
@@ -12,13 +11,12 @@ import torch
 from omegaconf import OmegaConf
 
 from kvnotes.pairs import prepare_pairs
-from kvnotes.plots import plot_record
-from kvnotes.records import to_jsonable
 from kvnotes.tokens import Prompt, TokenizedPair
 from probes import ProbeContext
 from probes.injection import DIRECTIONS, inject_pair, injection_masks
 from probes.injection import run as run_injection
 from scenarios import build_pairs
+from tests.conftest import check_figures
 from tests.test_cache import FIELD, T, full_logprobs, prompts, reference_patched
 from tests.test_tokens import scenario
 
@@ -99,11 +97,3 @@ def test_probe_runs_on_embedded_model(smol, tmp_path):
         assert recall[name]["follow_notes"]["k"] == 0
         assert recall[name]["r_notes"]["mean"] < 0.25
     check_figures("injection", res, tmp_path)
-
-
-def check_figures(name: str, res: dict, tmp_path) -> None:
-    """The probe's figures render from a JSON round-trip of its result (figures come from records)."""
-    record = json.loads(json.dumps(to_jsonable({"probe": name, "model": {"name": "smollm2-135m"},
-                                                "scenario": {"name": "test"}, "result": res})))
-    paths = plot_record(record, tmp_path)
-    assert paths and all(p.is_file() and p.stat().st_size > 10_000 for p in paths)

@@ -4,7 +4,6 @@ the probe runs on the embedded model."""
 
 from __future__ import annotations
 
-import json
 import copy
 import sys
 from collections import Counter
@@ -17,13 +16,19 @@ from kvnotes import cache as kvcache
 from kvnotes.adapters import Adapter
 from kvnotes.capture import attention_hook
 from kvnotes.pairs import prepare_pairs
-from kvnotes.plots import plot_record
-from kvnotes.records import to_jsonable
 from probes import ProbeContext
-from probes.read_location import (GROUPS, DecisionRowHook, collapse_flags, decision_forward,
-                                  group_masses, key_groups, knockout_masks, layer_bands)
+from probes.read_location import (
+    GROUPS,
+    DecisionRowHook,
+    collapse_flags,
+    decision_forward,
+    group_masses,
+    key_groups,
+    knockout_masks,
+    layer_bands,
+)
 from probes.read_location import run as run_read_location
-from tests.conftest import ARCHS, VOCAB, WINDOW, build_tiny
+from tests.conftest import ARCHS, VOCAB, WINDOW, build_tiny, check_figures
 
 T = 3 * WINDOW            # prefix length (longer than the sliding window)
 FIELD = (5, 8)
@@ -266,10 +271,3 @@ def test_probe_runs_on_embedded_model(smol, tmp_path):
     assert cell["n"] >= 2 and cell["delta_toward_other"]["mean"] > 0.5
     check_figures("read_location", res, tmp_path)
 
-
-def check_figures(name: str, res: dict, tmp_path) -> None:
-    """The probe's figures render from a JSON round-trip of its result (figures come from records)."""
-    record = json.loads(json.dumps(to_jsonable({"probe": name, "model": {"name": "smollm2-135m"},
-                                                "scenario": {"name": "test"}, "result": res})))
-    paths = plot_record(record, tmp_path)
-    assert paths and all(p.is_file() and p.stat().st_size > 10_000 for p in paths)
