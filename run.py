@@ -70,6 +70,7 @@ def job(cfg) -> None:
     t0 = time.perf_counter()
     try:
         probe_run = probes.get(cfg.probe.name)
+        probes.check_variant(cfg.probe.name, cfg.scenario.get("variant", "direct"))
         with timer("load_model"):
             from kvnotes.models import load_model
 
@@ -83,7 +84,7 @@ def job(cfg) -> None:
             raise KvnotesError(f"no token-aligned pairs in scenario '{cfg.scenario.name}' "
                                f"(excluded: {pairs.exclusion_counts()})")
         ctx = probes.ProbeContext(bundle=bundle, pairs=pairs, cfg=cfg.probe, readout=cfg.readout,
-                                  min_effect=float(cfg.min_effect), seed=int(cfg.seed), timer=timer,
+                                  min_effect=float(cfg.min_effect), flip_rule=str(cfg.flip_rule), seed=int(cfg.seed), timer=timer,
                                   scenario_cfg=cfg.scenario, budget_bytes=int(float(cfg.budget_mb) * (1 << 20)))
         with timer("probe"):
             result = probe_run(ctx)
@@ -92,7 +93,11 @@ def job(cfg) -> None:
         fail(str(exc))
     hydra_info = {"choices": dict(hc.runtime.choices), "overrides": list(hc.overrides.task),
                   "output_dir": str(out_dir), "mode": str(hc.mode)}
-    record = new_record(cfg.probe.name, OmegaConf.to_container(cfg, resolve=True), hydra_info, bundle.info,
+    # the attention implementation actually used: an engine (e.g. the TransformerLens bridge) may
+    # have switched the loaded model to another one during the probe
+    model_info = bundle.info | {"attn_implementation_loaded": bundle.info.get("attn_implementation"),
+                                "attn_implementation": bundle.attn_implementation}
+    record = new_record(cfg.probe.name, OmegaConf.to_container(cfg, resolve=True), hydra_info, model_info,
                         int(cfg.seed))
     record["scenario"] = {"name": cfg.scenario.name, "n_scenarios": len(pairs.scenarios),
                           "n_pairs_aligned": len(pairs.pairs), "n_excluded": len(pairs.excluded),

@@ -11,7 +11,6 @@ from kvnotes import cache as kvcache
 from kvnotes.errors import KvnotesError
 from kvnotes.probing import (exclusions_by_family, families_of, pair_rng, split_instances,  # noqa: F401
                              summaries_by_family)
-from kvnotes.readout import PairRun
 
 
 def require_first_token(ctx) -> None:
@@ -76,8 +75,3 @@ def no_circuit_note(families: list[str], rows: list[dict], excluded: list[dict])
         n = sum(r["family"] == f for r in rows)
         out[f] = n if n else f"no flipping pairs ({sum(r.get('family') == f for r in excluded)} excluded): no circuit to find"
     return out
-
-
-def release(run: PairRun) -> PairRun:
-    """The run without its prefix caches (frees memory)."""
-    return PairRun(run.pair, None, None, run.s_old, run.s_new)

@@ -1,18 +1,26 @@
-"""``components``: per-layer attention vs MLP contributions to the conclusion direction at the
-note position (DESIGN.md §6).
+"""``components``: direct logit attribution (DLA) of the logit difference to every layer's
+attention and MLP, at the decision position and at the top note position (``docs/design.md``,
+"Circuits").
 
-**Direction (choice).** The unembedding difference of the two candidates'
-first tokens, ``u = W_U[cand_new] - W_U[cand_old]`` (fp32), unit-normalised ``û``. It is defined
-per pair without fitting, so it cannot leak between selection and held-out instances; the
-difference-of-means alternative is the fitted direction of :mod:`circuits.direction`.
+**Direction.** The logit-difference direction of the two candidates' first tokens through the
+final norm: ``v = g ⊙ (W_U[cand_new] - W_U[cand_old])`` (fp32), where ``g`` is the final RMSNorm's
+effective gain (``w`` on Llama/Qwen/Mistral, ``1 + w`` on Gemma; :meth:`Adapter.final_norm_gain`).
+With the run's final RMS scale ``σ_p = 1 / sqrt(mean(x_p²) + eps)`` frozen (as in
+TransformerLens' ``apply_ln_to_stack``), the logit difference at ``p`` is exactly
+``σ_p · v · x_p``, and it splits over the residual additions. ``v`` is defined per pair without
+fitting, so it cannot leak between selection and held-out instances; the fitted alternative is
+:mod:`circuits.direction`. On Gemma-2 the attribution is of the logits before the final
+soft-capping ``c · tanh(z / c)``.
 
 **Contributions.** For every flipping pair the old and new prompts are run once each, capturing
 what each sublayer *adds to the residual stream* (:mod:`circuits.engine` sites ``attn`` / ``mlp``:
 after the post-attention / post-MLP norm on Gemma-2/3, the raw sublayer output elsewhere), the
 embedding (``resid_in`` of layer 0, including Gemma's embedding scale) and the final pre-norm
-residual (``resid`` of the last layer). Contribution of a component at position ``p`` =
-``(x_new[p] - x_old[p]) · û`` in residual units. By construction
-``embed + Σ_l (attn_l + mlp_l) == final`` (the record keeps the worst absolute error, a check).
+residual (``resid`` of the last layer). The contribution of a component ``c`` at position
+``p`` is its change in direct logit attribution, ``σ_new · v · c_new[p] - σ_old · v · c_old[p]``
+(nats: a logit difference). By construction ``embed + Σ_l (attn_l + mlp_l) == final`` and ``final
+== s_new - s_old`` at the decision position (first-token scores are logit differences; the record
+keeps the worst errors of both as checks).
 
 **Note position.** The top note position is an offset ``d - p`` from the decision position,
 chosen per family on the **selection** split as the downstream position with the highest mean
@@ -57,21 +65,37 @@ def decomposition_error(parts: dict[str, torch.Tensor]) -> float:
     return float((total - parts["final"]).abs().max())
 
 
-def unembed_direction(model, engine: Engine, pair) -> torch.Tensor:
-    """Unit vector ``(W_U[cand_new] - W_U[cand_old]) / ||·||``, ``[D]`` fp32 (first tokens)."""
-    W = engine.adapter.module(model, "unembed").weight
-    u = (W[pair.cand_new[0]] - W[pair.cand_old[0]]).float()
-    return u / u.norm().clamp_min(torch.finfo(torch.float32).tiny)
+def logit_diff_direction(model, adapter, pair) -> torch.Tensor:
+    """The logit-difference direction ``g ⊙ (W_U[cand_new] - W_U[cand_old])``, ``[D]`` fp32
+    (first tokens; ``g`` the final norm's effective gain, :meth:`Adapter.final_norm_gain`). Not
+    normalised: ``σ · v · x`` is the logit difference of the final residual ``x``."""
+    W = adapter.module(model, "unembed").weight
+    return adapter.final_norm_gain(model) * (W[pair.cand_new[0]] - W[pair.cand_old[0]]).float()
 
 
-def contributions(old: dict, new: dict, u: torch.Tensor, p: int) -> dict:
-    """Projections of new-minus-old residual parts at position ``p`` onto ``u``: ``embed``,
-    ``attn`` / ``mlp`` per layer (lists), ``final``, and ``sum_error`` (|embed + Σ - final|)."""
-    e = float((new["embed"][p] - old["embed"][p]) @ u)
-    a = ((new["attn"][:, p] - old["attn"][:, p]) @ u).tolist()
-    m = ((new["mlp"][:, p] - old["mlp"][:, p]) @ u).tolist()
-    f = float((new["final"][p] - old["final"][p]) @ u)
-    return {"embed": e, "attn": a, "mlp": m, "final": f, "sum_error": abs(e + sum(a) + sum(m) - f)}
+def final_scale(final: torch.Tensor, eps: float) -> torch.Tensor:
+    """The final RMSNorm's scale ``1 / sqrt(mean(x²) + eps)`` per position of the final
+    pre-norm residual ``final`` ``[T, D]``; returns ``[T]`` fp32."""
+    return torch.rsqrt(final.float().pow(2).mean(-1) + eps)
+
+
+def direct_logit_attribution(parts: dict[str, torch.Tensor], v: torch.Tensor, p: int, eps: float) -> dict:
+    """Direct logit attribution of one run at position ``p``: every residual part (``embed``,
+    ``attn`` / ``mlp`` per layer, ``final``) projected on ``v`` and scaled by the run's frozen
+    final RMS scale, in nats. ``final`` is the logit difference itself."""
+    s = final_scale(parts["final"][p:p + 1], eps)[0]
+    return {"embed": float(s * (parts["embed"][p] @ v)), "attn": (s * (parts["attn"][:, p] @ v)).tolist(),
+            "mlp": (s * (parts["mlp"][:, p] @ v)).tolist(), "final": float(s * (parts["final"][p] @ v))}
+
+
+def contributions(old: dict, new: dict, v: torch.Tensor, p: int, eps: float) -> dict:
+    """New-minus-old direct logit attribution at position ``p`` (:func:`direct_logit_attribution`
+    of each run): ``embed``, ``attn`` / ``mlp`` per layer (lists), ``final`` (the change of the
+    logit difference), ``sum_error`` (|embed + Σ - final|), all in nats."""
+    a, b = direct_logit_attribution(old, v, p, eps), direct_logit_attribution(new, v, p, eps)
+    out = {"embed": b["embed"] - a["embed"], "final": b["final"] - a["final"],
+           "attn": [y - x for x, y in zip(a["attn"], b["attn"])], "mlp": [y - x for x, y in zip(a["mlp"], b["mlp"])]}
+    return out | {"sum_error": abs(out["embed"] + sum(out["attn"]) + sum(out["mlp"]) - out["final"])}
 
 
 def position_map(model, run: PairRun, budget_bytes: int) -> np.ndarray:
@@ -104,6 +128,7 @@ def run(ctx) -> dict:
     model = ctx.bundle.model
     engine = make_engine(model, cfg.get("backend", "nnsight"))
     L = engine.adapter.n_layers
+    eps = engine.adapter.final_norm_eps(model)
     n_boot = int(cfg.n_boot)
     fs = flipping_pairs(ctx, keep_caches=True)
     rows, sel, held = C.with_split(fs.rows, float(cfg.selection_fraction), ctx.seed)
@@ -125,15 +150,16 @@ def run(ctx) -> dict:
         with ctx.timer("decompose"):
             old = residual_parts(engine, run_.pair.old.ids)
             new = residual_parts(engine, run_.pair.new.ids)
-        u = unembed_direction(model, engine, run_.pair)
+        v = logit_diff_direction(model, engine.adapter, run_.pair)
         row["decomposition_error"] = max(decomposition_error(old), decomposition_error(new))
-        row["at_decision"] = contributions(old, new, u, run_.pair.decision)
+        row["at_decision"] = contributions(old, new, v, run_.pair.decision, eps)
+        row["logit_diff_error"] = abs(row["at_decision"]["final"] - (run_.s_new - run_.s_old))
         o = offsets.get(row["family"])
         b, d = row["field"][1], row["decision"]
         if o is not None and b <= d - o["offset"] < d:
             row["note_position"] = d - o["offset"]
-            row["at_note"] = contributions(old, new, u, row["note_position"])
-        fs.runs[i] = C.release(run_)
+            row["at_note"] = contributions(old, new, v, row["note_position"], eps)
+        fs.runs[i] = run_.released()
     held_rows = [r for r in rows if r["split"] == "heldout"]
     with ctx.timer("statistics"):
         def per_layer(rs, where, comp):
@@ -154,13 +180,16 @@ def run(ctx) -> dict:
                 contrib[where][f] = {"attn": per_layer(rs, where, "attn"), "mlp": per_layer(rs, where, "mlp"),
                                      "embed": scalar(rs, where, "embed"), "final": scalar(rs, where, "final")}
     checks = {"max_decomposition_error": max((r["decomposition_error"] for r in rows), default=None),
+              # first-token scores are logit differences: the attribution's total must equal them
+              "max_logit_diff_error": max((r["logit_diff_error"] for r in rows), default=None),
               "max_projection_sum_error": max((r[w]["sum_error"] for r in rows for w in ("at_note", "at_decision")
                                                if w in r), default=None),
               "offset_pairs_in_heldout": sum(p in {r["pair"] for r in held_rows}
                                              for o in offsets.values() for p in o["pairs"])}
     aggregates = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
                   "n_selection": len(rows) - len(held_rows), "n_heldout": len(held_rows), "families": families,
-                  "n_layers": L, "direction": "unembedding difference W_U[cand_new] - W_U[cand_old], unit norm",
+                  "n_layers": L, "direction": "logit difference: final-norm gain * (W_U[cand_new] - W_U[cand_old]), "
+                  "scaled by each run's final RMS scale (direct logit attribution, nats)",
                   "note_offsets": offsets, "contributions": contrib, "checks": checks,
                   "post_norms": engine.adapter.has_post_norms,
                   "per_family": C.no_circuit_note(families, rows, fs.excluded),

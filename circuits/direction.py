@@ -1,54 +1,60 @@
 """``direction``: a difference-of-means conclusion direction in the residual stream at the note
-positions, tested for sufficiency and necessity (DESIGN.md §6 "Directions").
+positions, tested for sufficiency and necessity (``docs/design.md``, "Circuits").
 
-**Note positions (choice).** All downstream positions ``[b, d)`` of a pair (DESIGN.md §3): they
-are fixed by the pair's spans, so choosing them uses no data at all (a top-k offset set would be a
-second selection step on top of the layer choice). The decision position ``d`` is not a note
+**Note positions (choice).** All downstream positions ``[b, d)`` of a pair: they are fixed by the
+pair's spans, so choosing them uses no data at all. The decision position ``d`` is not a note
 position and is never intervened on.
 
-**Residuals.** Site ``resid`` of :mod:`circuits.engine` (decoder layer ``l``'s output), fp32, at
-the note positions, from the clean old and clean new runs. They are captured by resuming the
-prefill at ``b`` on a view of the clean prefix cache ``[0, b)`` (identical in both runs up to the
-field, which is inside the prefix and keeps its own value) and feeding ``[b, d]``; the decision
-score of that forward must equal the pair's clean score (``checks.max_resume_score_error``).
+**Residuals.** Site ``resid`` of :mod:`circuits.engine` (decoder layer ``l``'s output,
+TransformerLens ``resid_post``), fp32, at the note positions, from the clean old and clean new
+runs. They are captured by resuming the prefill at ``b`` on a view of the clean prefix cache
+``[0, b)`` and feeding ``[b, d]``; the decision score of that forward must equal the pair's clean
+score (``checks.max_resume_score_error``).
 
-**Direction.** At layer ``l``: ``u_l = mean_new_l - mean_old_l`` over the residuals at every note
-position of every *new-value* run minus the same over every *old-value* run (positions pooled:
-longer downstreams weigh more), unit-normalised to ``û_l``. The two conclusions are the two runs of
-flipping pairs (old run decides ``cand_old``, new run ``cand_new``). Fitted **leave-one-scenario-
-out**: the direction used for a pair of scenario ``S`` is fitted on **selection** pairs of other
-scenarios only — of the same family (``fit_scope: family``, default) or of every family
-(``fit_scope: all``). Held-out instances are never fitted on, so neither the direction nor the
-layer choice sees them (DESIGN.md §10).
+**Runs labelled by conclusion.** Each clean run is labelled by the outcome it decides (its expected
+candidate, e.g. "Berlin"; under the ``owned`` flip rule the model's own top-1 answer), not by
+whether its field value is listed first in the scenario file. Fitting residuals are summed per
+instance and per *outcome pair* (order-free, e.g. ``Berlin|Madrid``) and per outcome.
+
+**Direction.** For an evaluated pair whose old run decides ``A`` and new run ``B``, at layer ``l``:
+``u_l = mean_B - mean_A`` over the note residuals of the fitting runs deciding ``B`` minus those
+deciding ``A`` (positions pooled), unit-normalised to ``û_l``: signs are aligned so ``û`` points
+from the pair's old conclusion to its new one. Only fitting instances that share the pair's
+outcome pair are used, and only **selection** instances: ``fit_scope: all`` (default) fits on
+every other scenario, ``family`` on other scenarios of the same family (both
+leave-one-scenario-out), ``scenario`` on the other selection instances of the pair's own scenario
+(within-scenario). A pair with no fitting source is skipped and counted
+(``no_shared_outcome_pair``). Held-out instances are never fitted on.
 
 **Sufficiency** (corrupt = old run, resumed at ``b``): add at layer ``l``, at each note position
 ``p``, ``c_p û`` with ``c_p = (x_new[p] - x_old[p]) · û`` (the projection of the clean-corrupt
 difference on the direction). Recovery ``r = (s - s_old) / (s_new - s_old)`` (unclipped,
-first-token score). Controls in the same batched forward, all k-matched (same positions, one
-dimension for the random ones):
+first-token logit difference). Controls in the same batched forward, at the same positions:
 
 - ``random``: ``c_p r̂`` for ``n_draws`` unit random directions ``r̂`` (Gaussian, normalised; a
-  ``numpy.random.Generator`` seeded with ``(ctx.seed, crc32(pair id))``): per position, hence per
-  pair, exactly the norm of the real injection (``checks.max_random_norm_rel_error``);
+  ``numpy.random.Generator`` seeded with ``(ctx.seed, crc32(pair id))``): per position exactly the
+  norm of the real injection (``checks.max_random_norm_rel_error``);
+- ``random_subspace``: ``(Δ_p · r̂) r̂``, the part of the actual difference inside a random
+  one-dimensional subspace, rescaled to the total norm of the real injection: the k-matched,
+  norm-matched counterpart of the direction's own subspace;
 - ``orthogonal``: ``Δ_p - c_p û``, the part of the difference orthogonal to ``û``;
 - ``full``: ``Δ_p`` (the reference: the note residuals at layer ``l`` become the new run's).
 
 **Necessity** (clean = new run, resumed at ``b``): mean-ablate the projection: at layer ``l``,
-note position ``p``, ``x_p -> x_p + (μ - x_p · û) û``, with ``μ`` the mean projection over the
-fitting runs' note residuals — over *all* runs, old and new (``ablate_to: all``, default: a mean
-ablation that removes the pair-specific component) or over the old-value runs (``ablate_to: old``:
-moves the projection to the other conclusion's mean). Reported as the drop fraction
+note position ``p``, ``x_p -> x_p + (μ - x_p · û) û``, with ``μ`` the mean projection of the
+fitting runs' note residuals, over both outcomes (``ablate_to: all``, default) or over the runs
+deciding the pair's old-run outcome (``ablate_to: old``). Reported as the drop fraction
 ``(s_new - s) / (s_new - s_old)`` (1 = the whole effect removed), the drop in nats, and the share
 of pairs whose decision reverts to the old candidate. Control: the same ablation along each random
-direction (its ``μ`` from the same fitting runs).
+direction.
 
 **Layer.** ``n_layers_scan`` layers evenly spaced over ``[0, n_layers - 2]`` (or ``layers``); the
 last layer is left out because its output at positions before ``d`` cannot reach the readout. The
 layer per family is the argmax of the mean sufficiency recovery over the family's **selection**
 pairs (every selection pair when the family has none). Reported numbers are on **held-out** pairs
-only: the per-layer curves (every variant, for the figure) and each family at its chosen layer.
-``max_pairs_per_family`` bounds the evaluated pairs per family and split (seeded draw); all
-selection pairs are still fitted on.
+only. ``max_pairs_per_family`` bounds the evaluated pairs per family and split by drawing whole
+instances across scenarios (:func:`kvnotes.probing.sample_instances`); all selection pairs are
+still fitted on.
 """
 
 from __future__ import annotations
@@ -62,12 +68,12 @@ from tqdm import tqdm
 
 from circuits import _common as C
 from circuits.engine import Engine, Intervention, Site, make_engine
-from kvnotes.probing import flipping_pairs
+from kvnotes.probing import flipping_pairs, sample_instances
 from kvnotes.readout import PairRun
 
-SCOPES = ("family", "all")
+SCOPES = ("all", "family", "scenario")
 ABLATE_TO = ("all", "old")
-SUFF = ("direction", "orthogonal", "full", "random")
+SUFF = ("direction", "orthogonal", "full", "random", "random_subspace")
 NEC = ("direction", "random")
 
 
@@ -108,13 +114,28 @@ def capture_notes(engine: Engine, ids: torch.Tensor, prefix, b: int, d: int, lay
     return acts, out.logprobs[:, -1]
 
 
-def accumulate(stats: dict, scenario: str, family: str, x_old: torch.Tensor, x_new: torch.Tensor,
-               pair: str | None = None) -> None:
-    """Add one fitting pair's note residuals to the per-scenario sums of ``stats`` (in place).
+def outcomes(run: PairRun) -> tuple[str, str]:
+    """The outcomes the clean old and new runs of a flipping pair decide: their expected
+    candidates' text (stripped), e.g. ``("Berlin", "Madrid")``. Under the ``owned`` flip rule these
+    are the model's own top-1 answers."""
+    return run.pair.spec.cand_old.strip(), run.pair.spec.cand_new.strip()
+
+
+def outcome_pair(o_old: str, o_new: str) -> str:
+    """Order-free key of an outcome pair (``"A|B"`` with ``A < B``): runs are grouped by the
+    conclusion they reach, not by which value the scenario file lists first."""
+    return "|".join(sorted((o_old, o_new)))
+
+
+def accumulate(stats: dict, row: dict, outs: tuple[str, str], x_old: torch.Tensor, x_new: torch.Tensor) -> None:
+    """Add one fitting pair's note residuals to the per-instance, per-outcome sums of ``stats``
+    (in place): the old run's residuals count for the outcome it decides, the new run's for its own.
 
     Args:
-        stats: ``{scenario: {"family", "n_pairs", "n_pos", "sum_old", "sum_new", "pairs"}}``; sums
-            are ``[n_scan, hidden]`` fp32 over note positions; ``pairs`` lists the pair ids.
+        stats: ``{instance: {"scenario", "family", "pairs", "by_outcome_pair": {key: {"n_pairs",
+            "n_pos", "sums": {outcome: [n_scan, hidden] fp32 sum over note positions}}}}}``.
+        row: the pair row (``pair``, ``scenario``, ``instance``, ``family``).
+        outs: ``(outcome of the old run, outcome of the new run)`` (:func:`outcomes`).
         x_old, x_new: ``[n_scan, P, hidden]`` residuals of the old and new runs.
 
     Raises:
@@ -122,38 +143,42 @@ def accumulate(stats: dict, scenario: str, family: str, x_old: torch.Tensor, x_n
     """
     if x_old.shape != x_new.shape:
         raise ValueError(f"old/new residual shapes differ: {tuple(x_old.shape)} vs {tuple(x_new.shape)}")
-    s = stats.setdefault(scenario, {"family": family, "n_pairs": 0, "n_pos": 0, "pairs": [],
-                                    "sum_old": torch.zeros(x_old.shape[0], x_old.shape[2]),
-                                    "sum_new": torch.zeros(x_old.shape[0], x_old.shape[2])})
-    s["n_pairs"] += 1
-    s["pairs"].append(pair)
-    s["n_pos"] += int(x_old.shape[1])
-    s["sum_old"] += x_old.float().sum(1)
-    s["sum_new"] += x_new.float().sum(1)
+    inst = stats.setdefault(row["instance"], {"scenario": row["scenario"], "family": row["family"], "pairs": [],
+                                              "by_outcome_pair": {}})
+    inst["pairs"].append(row["pair"])
+    e = inst["by_outcome_pair"].setdefault(outcome_pair(*outs), {"n_pairs": 0, "n_pos": 0, "sums": {}})
+    e["n_pairs"] += 1
+    e["n_pos"] += int(x_old.shape[1])
+    for o, x in zip(outs, (x_old, x_new)):
+        e["sums"][o] = e["sums"].get(o, 0) + x.float().sum(1)
 
 
 @dataclass
 class Fit:
-    """A leave-one-scenario-out difference-of-means fit (all tensors fp32, per scanned layer).
+    """A difference-of-means fit for one outcome pair (all tensors fp32, per scanned layer).
 
     Attributes:
-        mean_old, mean_new: ``[n_scan, hidden]`` mean note residual of old-value / new-value runs.
-        u: ``[n_scan, hidden]`` unit direction ``(mean_new - mean_old) / ||·||``.
-        scenarios: the scenarios fitted on (never the held-out one).
-        n_pairs, n_pos: fitting pairs and note positions per run type.
+        mean_old, mean_new: ``[n_scan, hidden]`` mean note residual of the fitting runs that decide
+            the evaluated pair's old-run outcome / new-run outcome.
+        u: ``[n_scan, hidden]`` unit direction ``(mean_new - mean_old) / ||·||`` (signs aligned to
+            the evaluated pair: it points from its old conclusion to its new one).
+        scenarios: the scenarios fitted on; instances: the instances fitted on.
+        n_pairs, n_pos: fitting pairs and note positions per outcome.
     """
 
     mean_old: torch.Tensor
     mean_new: torch.Tensor
     u: torch.Tensor
     scenarios: list[str]
+    instances: list[str]
     n_pairs: int
     n_pos: int
 
     def mu(self, li: int, dirs: torch.Tensor, ablate_to: str = "all") -> torch.Tensor:
         """Mean projection, at scanned layer index ``li``, of the fitting runs' note residuals on
-        unit directions ``dirs`` ``[K, hidden]``: over old and new runs (``"all"``; equal position
-        counts, so the mean of the two means) or over old-value runs (``"old"``). Returns ``[K]``.
+        unit directions ``dirs`` ``[K, hidden]``: over both outcomes (``"all"``; equal position
+        counts, so the mean of the two means) or over the runs deciding the old-run outcome
+        (``"old"``). Returns ``[K]``.
 
         Raises:
             ValueError: unknown ``ablate_to``.
@@ -164,27 +189,42 @@ class Fit:
         return dirs @ m
 
 
-def fit_direction(stats: dict, scenario: str, family: str, scope: str = "family") -> Fit | None:
-    """Difference-of-means direction from every scenario of ``stats`` except ``scenario`` (and,
-    with ``scope="family"``, only scenarios of ``family``). None when nothing is left to fit on or
-    the two means coincide.
+def fit_direction(stats: dict, row: dict, outs: tuple[str, str], scope: str = "all") -> Fit | None:
+    """Difference-of-means direction for the outcome pair of ``row``, from the fitting instances
+    that share that outcome pair, signs aligned so it points from ``outs[0]`` to ``outs[1]``.
+
+    Sources by ``scope``: ``all`` — every other scenario; ``family`` — other scenarios of the
+    row's family (both leave-one-scenario-out); ``scenario`` — the other fitting instances of the
+    row's own scenario (a within-scenario fit; never the row's own instance). None when no source
+    shares the outcome pair or the two means coincide.
 
     Raises:
         ValueError: unknown scope.
     """
     if scope not in SCOPES:
         raise ValueError(f"fit_scope must be one of {SCOPES}, got {scope!r}")
-    src = sorted(s for s, v in stats.items() if s != scenario and (scope == "all" or v["family"] == family))
+    key = outcome_pair(*outs)
+
+    def usable(inst: str, v: dict) -> bool:
+        if key not in v["by_outcome_pair"]:
+            return False
+        if scope == "scenario":
+            return v["scenario"] == row["scenario"] and inst != row["instance"]
+        return v["scenario"] != row["scenario"] and (scope == "all" or v["family"] == row["family"])
+
+    src = sorted(i for i, v in stats.items() if usable(i, v))
     if not src:
         return None
-    n = sum(stats[s]["n_pos"] for s in src)
-    mean_old = sum(stats[s]["sum_old"] for s in src) / n
-    mean_new = sum(stats[s]["sum_new"] for s in src) / n
+    entries = [stats[i]["by_outcome_pair"][key] for i in src]
+    n = sum(e["n_pos"] for e in entries)
+    mean_old = sum(e["sums"][outs[0]] for e in entries) / n
+    mean_new = sum(e["sums"][outs[1]] for e in entries) / n
     diff = mean_new - mean_old
     norm = diff.norm(dim=-1, keepdim=True)
     if bool((norm == 0).any()):
         return None
-    return Fit(mean_old, mean_new, diff / norm, src, sum(stats[s]["n_pairs"] for s in src), n)
+    return Fit(mean_old, mean_new, diff / norm, sorted({stats[i]["scenario"] for i in src}), src,
+               sum(e["n_pairs"] for e in entries), n)
 
 
 def random_directions(rng: np.random.Generator, n: int, dim: int) -> torch.Tensor:
@@ -204,12 +244,16 @@ def injections(delta: torch.Tensor, u: torch.Tensor, rand: torch.Tensor) -> dict
     Returns:
         ``direction`` ``[P, hidden]`` = ``(delta·u) u``; ``orthogonal`` = ``delta - direction``;
         ``full`` = ``delta``; ``random`` ``[R, P, hidden]`` = ``(delta·u) r̂`` (same norm as
-        ``direction`` at every position, hence per pair).
+        ``direction`` at every position, hence per pair); ``random_subspace`` ``[R, P, hidden]`` =
+        ``(delta·r̂) r̂``, the part of the difference inside a random one-dimensional subspace,
+        rescaled per draw to the total norm of ``direction`` (zero where that norm is zero).
     """
     c = delta @ u                                             # [P]
     along = c[:, None] * u[None]
+    sub = (delta @ rand.T).T[:, :, None] * rand[:, None, :]   # [R, P, hidden]
+    scale = along.norm() / sub.flatten(1).norm(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
     return {"direction": along, "orthogonal": delta - along, "full": delta,
-            "random": c[None, :, None] * rand[:, None, :]}
+            "random": c[None, :, None] * rand[:, None, :], "random_subspace": sub * scale[:, None, None]}
 
 
 def ablations(x: torch.Tensor, dirs: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
@@ -248,17 +292,9 @@ def added_scores(engine: Engine, run: PairRun, ids: torch.Tensor, prefix, layer:
 
 
 def eval_pairs(rows: list[dict], per_family: int | None, seed: int) -> set[str]:
-    """Pairs evaluated by interventions: all, or at most ``per_family`` per family and split, drawn
-    without replacement by ``numpy.random.default_rng(seed)``."""
-    if per_family is None:
-        return {r["pair"] for r in rows}
-    rng = np.random.default_rng(seed)
-    out = set()
-    for split in ("selection", "heldout"):
-        for f in sorted({r["family"] for r in rows}):
-            ids = sorted(r["pair"] for r in rows if r["split"] == split and r["family"] == f)
-            out.update(ids[i] for i in rng.permutation(len(ids))[: int(per_family)])
-    return out
+    """Pairs evaluated by interventions: all, or whole instances drawn across scenarios until each
+    family and split holds ``per_family`` pairs (:func:`kvnotes.probing.sample_instances`)."""
+    return sample_instances(rows, per_family, seed, by=("family", "split"))
 
 
 def choose_layers(rows: list[dict], layers: Sequence[int], families: Sequence[str]) -> dict:
@@ -290,32 +326,38 @@ def _heldout_layer(engine, run_, x_old, x_new, fit, li, layer, rand, ablate_to, 
     pair = run_.pair
     u = fit.u[li]
     inj = injections(x_new[li] - x_old[li], u, rand)
-    vals = torch.cat([inj["direction"][None], inj["orthogonal"][None], inj["full"][None], inj["random"]])
+    R = rand.shape[0]
+    vals = torch.cat([inj["direction"][None], inj["orthogonal"][None], inj["full"][None], inj["random"],
+                      inj["random_subspace"]])
     s = added_scores(engine, run_, pair.old.ids, prefixes[0], layer, vals)
     r = run_.recovery(s).numpy()
     fl = run_.decision_flipped(s).numpy()
+    rnd, sub = slice(3, 3 + R), slice(3 + R, 3 + 2 * R)
     dirs = torch.cat([u[None], rand])
     mu = fit.mu(li, dirs, ablate_to)
     s_abl = added_scores(engine, run_, pair.new.ids, prefixes[1], layer, ablations(x_new[li], dirs, mu))
     drop = (run_.s_new - s_abl).numpy()
     back = ((s_abl > 0) == (run_.s_old > 0)).numpy()
-    R = rand.shape[0]
     inj_norm = float(inj["direction"].norm())
     rand_norms = [float(inj["random"][k].norm()) for k in range(R)]
     pos_err = float((inj["random"].norm(dim=-1) - inj["direction"].norm(dim=-1)[None]).abs().max()) if R else 0.0
     denom = max(inj_norm, torch.finfo(torch.float32).tiny)
     return {
         "suff": {"direction": float(r[0]), "orthogonal": float(r[1]), "full": float(r[2]),
-                 "random": float(r[3:].mean()) if R else None, "random_draws": r[3:].tolist()},
+                 "random": float(r[rnd].mean()) if R else None, "random_draws": r[rnd].tolist(),
+                 "random_subspace": float(r[sub].mean()) if R else None, "random_subspace_draws": r[sub].tolist()},
         "suff_flipped": {"direction": bool(fl[0]), "orthogonal": bool(fl[1]), "full": bool(fl[2]),
-                         "random": bool(fl[3:].mean() > 0.5) if R else None},
+                         "random": bool(fl[rnd].mean() > 0.5) if R else None,
+                         "random_subspace": bool(fl[sub].mean() > 0.5) if R else None},
         "nec": {"direction": float(drop[0] / run_.effect),
                 "random": float(drop[1:].mean() / run_.effect) if R else None,
                 "random_draws": (drop[1:] / run_.effect).tolist()},
         "nec_nats": {"direction": float(drop[0]), "random": float(drop[1:].mean()) if R else None},
         "nec_flipped": {"direction": bool(back[0]), "random": bool(back[1:].mean() > 0.5) if R else None},
         "inj_norm": inj_norm, "random_norms": rand_norms,
-        "random_norm_rel_error": max([abs(n - inj_norm) / denom for n in rand_norms] + [pos_err / denom]),
+        "random_norm_rel_error": max([abs(n - inj_norm) / denom for n in rand_norms] + [pos_err / denom]
+                                     + [abs(float(inj["random_subspace"][k].norm()) - inj_norm) / denom
+                                        for k in range(R)] if inj_norm > 0 else [0.0]),
         "orth_norm": float(inj["orthogonal"].norm()), "delta_norm": float(inj["full"].norm()),
         "cos_mean_delta": float(torch.nn.functional.cosine_similarity((x_new[li] - x_old[li]).mean(0), u, dim=0)),
         "random_k": [int(inj["random"][k].shape[0]) for k in range(R)], "k": int(inj["direction"].shape[0]),
@@ -369,22 +411,23 @@ def run(ctx) -> dict:
             x_new, lp_new = capture_notes(engine, pair.new.ids, pre[1], b, d, layers)
         resume_err.append(max(abs(float(C.scores(lp_old, pair)[0]) - run_.s_old),
                               abs(float(C.scores(lp_new, pair)[0]) - run_.s_new)))
+        row["outcomes"] = list(outcomes(run_))
         if row["split"] == "selection":
-            accumulate(stats, row["scenario"], row["family"], x_old, x_new, row["pair"])
+            accumulate(stats, row, outcomes(run_), x_old, x_new)
         if row["pair"] in evaluated:
             caps[row["pair"]] = (x_old, x_new)
             prefixes[row["pair"]] = pre
     fits = {}
     for row in rows:
         if row["pair"] in evaluated:
-            fits[row["pair"]] = fit_direction(stats, row["scenario"], row["family"], scope)
+            fits[row["pair"]] = fit_direction(stats, row, tuple(row["outcomes"]), scope)
     def fitted(split: str):
         """Evaluated pairs of one split that have a fit: ``(run, row, fit, x_old, x_new)``."""
         for run_, row in tqdm(list(zip(fs.runs, rows)), desc=f"direction: {split}", disable=not progress):
             if row["split"] != split or row["pair"] not in evaluated:
                 continue
             if fits[row["pair"]] is None:
-                row["skipped"] = "no_fit_data"
+                row["skipped"] = "no_shared_outcome_pair"
                 continue
             yield run_, row, fits[row["pair"]], *caps[row["pair"]]
 
@@ -397,12 +440,12 @@ def run(ctx) -> dict:
                 s = added_scores(engine, run_, run_.pair.old.ids, prefixes[row["pair"]][0], layer, v[None])
             curve.append(float(run_.recovery(s)[0]))
         row["selection_suff"] = curve
-        row["fit_scenarios"] = fit.scenarios
+        row["fit_scenarios"], row["fit_instances"] = fit.scenarios, fit.instances
     chosen = choose_layers(rows, layers, families)
     # 3. every variant per layer on evaluated held-out pairs
     for run_, row, fit, x_old, x_new in fitted("heldout"):
         rand = random_directions(C.pair_rng(ctx.seed, row["pair"]), n_draws, x_old.shape[-1])
-        row["fit_scenarios"], row["fit_n_pairs"] = fit.scenarios, fit.n_pairs
+        row["fit_scenarios"], row["fit_instances"], row["fit_n_pairs"] = fit.scenarios, fit.instances, fit.n_pairs
         row["layers"] = {}
         for li, layer in enumerate(layers):
             with ctx.timer("heldout_scan"):
@@ -410,7 +453,7 @@ def run(ctx) -> dict:
                                                            ablate_to, prefixes[row["pair"]])
         if row["family"] in chosen:
             row["chosen_layer"] = chosen[row["family"]]["layer"]
-    fs.runs = [C.release(r) for r in fs.runs]
+    fs.runs = [r.released() for r in fs.runs]
     caps.clear()
     prefixes.clear()
     held_rows = [r for r in rows if r["split"] == "heldout" and "layers" in r]
@@ -435,9 +478,12 @@ def run(ctx) -> dict:
     held_ids = {r["pair"] for r in rows if r["split"] == "heldout"}
     checks = {
         "layer_choice_pairs_in_heldout": sum(p in held_ids for c in chosen.values() for p in c["pairs"]),
-        "fit_scenario_equals_own": sum(r["scenario"] in r.get("fit_scenarios", []) for r in rows),
+        # leave-one-scenario-out scopes never fit on the pair's scenario; no scope on its instance
+        "fit_scenario_equals_own": (sum(r["scenario"] in r.get("fit_scenarios", []) for r in rows)
+                                    if scope != "scenario" else None),
+        "fit_instance_equals_own": sum(r["instance"] in r.get("fit_instances", []) for r in rows),
         "fit_pairs_in_heldout": sum(p in held_ids for v in stats.values() for p in v["pairs"]),
-        "fit_pairs": sum(v["n_pairs"] for v in stats.values()),
+        "fit_pairs": sum(len(v["pairs"]) for v in stats.values()),
         "max_resume_score_error": max(resume_err, default=None),
         "max_random_norm_rel_error": max((lv["random_norm_rel_error"] for r in held_rows
                                           for lv in r["layers"].values()), default=None),
@@ -449,11 +495,14 @@ def run(ctx) -> dict:
         "n_selection": len(sel_ids), "n_heldout": len(held_ids),
         "n_evaluated": {"selection": sum(r["pair"] in evaluated for r in rows if r["split"] == "selection"),
                         "heldout": len(held_rows)},
-        "n_skipped": {"no_fit_data": sum(r.get("skipped") == "no_fit_data" for r in rows)},
+        "n_skipped": {"no_shared_outcome_pair": sum(r.get("skipped") == "no_shared_outcome_pair" for r in rows)},
         "families": families, "layers": layers, "n_layers": L, "fit_scope": scope, "ablate_to": ablate_to,
         "n_draws": n_draws, "note_positions": "downstream [b, d)", "site": "resid (decoder layer output)",
         "chosen_layers": chosen, "curves": curves, "at_chosen": at_chosen, "checks": checks,
-        "fit_scenarios_per_family": {f: sorted(s for s, v in stats.items() if v["family"] == f) for f in families},
+        "fit_scenarios_per_family": {f: sorted({v["scenario"] for v in stats.values() if v["family"] == f})
+                                     for f in families},
+        "outcome_pairs": {f: sorted({outcome_pair(*r["outcomes"]) for r in rows if r["family"] == f and "outcomes" in r})
+                          for f in families},
         "per_family": C.no_circuit_note(families, rows, fs.excluded),
         "exclusions_by_family": C.exclusions_by_family(fs.excluded, families),
     }

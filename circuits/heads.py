@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from circuits import _common as C
 from circuits.engine import Engine, Intervention, Site, make_engine
-from kvnotes.probing import flipping_pairs
+from kvnotes.probing import flipping_pairs, sample_instances
 from kvnotes.readout import PairRun
 
 MODES = ("read", "write")
@@ -134,18 +134,11 @@ def random_head_sets(rng: np.random.Generator, n_layers: int, n_heads: int, k: i
 
 
 def map_pairs(rows: list[dict], per_family: int | None, seed: int) -> set[str]:
-    """Selection pairs that get single-head maps: all of them, or at most ``per_family`` per family
-    drawn without replacement by ``numpy.random.default_rng(seed)`` (the write sweep costs
-    ``n_layers * n_heads`` resumed prefills per pair). Held-out pairs are never returned."""
-    sel = [r for r in rows if r["split"] == "selection"]
-    if per_family is None:
-        return {r["pair"] for r in sel}
-    rng = np.random.default_rng(seed)
-    out = set()
-    for f in sorted({r["family"] for r in sel}):
-        ids = sorted(r["pair"] for r in sel if r["family"] == f)
-        out.update(ids[i] for i in rng.permutation(len(ids))[: int(per_family)])
-    return out
+    """Selection pairs that get single-head maps: all of them, or whole instances drawn across
+    scenarios until a family holds ``per_family`` pairs (:func:`kvnotes.probing.sample_instances`;
+    the write sweep costs ``n_layers * n_heads`` resumed prefills per pair). Held-out pairs are
+    never returned."""
+    return sample_instances([r for r in rows if r["split"] == "selection"], per_family, seed)
 
 
 def _ranking_by_family(rows: list[dict], maps: dict, mode: str, families: list[str]) -> dict:
@@ -229,7 +222,7 @@ def run(ctx) -> dict:
                                                      "draws": rr.tolist(), "k_sizes": [len(x) for x in rand[i]]}
                 row[f"ranking_pairs_{mode}"] = rk["pairs"]
         out_rows.append(row)
-    fs.runs = [C.release(r) for r in fs.runs]
+    fs.runs = [r.released() for r in fs.runs]
     held_rows = [r for r in out_rows if r["split"] == "heldout"]
     with ctx.timer("statistics"):
         curves = {}

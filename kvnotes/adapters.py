@@ -3,7 +3,7 @@
 An :class:`Adapter` tells the probes and circuits where a decoder layer's attention, ``o_proj``,
 MLP, norms and rotary embedding live, and gives the head geometry and per-layer attention type read
 from the Hugging Face config. Nothing here is model-specific code: a new architecture is a new YAML
-entry (see DESIGN.md §9).
+entry (``docs/design.md``, "Models and adapters").
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ class Adapter:
         layer_types: per layer ``"full_attention"`` or ``"sliding_attention"``.
         sliding_window: window length in tokens for sliding layers, or None.
         rope_theta: per layer rotary base (Gemma-3 uses a local theta on sliding layers).
+        norm_gain_offset: an RMSNorm's effective gain is ``weight + norm_gain_offset`` (Gemma
+            ``1 + w``, others ``w``).
+        final_logit_softcapping: the cap ``c`` of ``logits = c * tanh(z / c)`` (Gemma-2), or None.
     """
 
     model_type: str
@@ -68,6 +71,8 @@ class Adapter:
     layer_types: tuple[str, ...]
     sliding_window: int | None
     rope_theta: tuple[float | None, ...] = field(default=())
+    norm_gain_offset: float = 0.0
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> "Adapter":
@@ -107,6 +112,8 @@ class Adapter:
             layer_types=tuple(types),
             sliding_window=window if any(t == "sliding_attention" for t in types) else None,
             rope_theta=tuple(thetas),
+            norm_gain_offset=float(table[config.model_type].get("norm_gain_offset", 0.0)),
+            final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
         )
 
     def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -122,6 +129,16 @@ class Adapter:
         if layer is None:
             raise ValueError(f"piece '{piece}' is per layer: pass layer=")
         return _get(self.layers(model)[layer], self.paths[piece])
+
+    def final_norm_gain(self, model: torch.nn.Module) -> torch.Tensor:
+        """The final RMSNorm's effective per-dimension gain ``[D]`` (fp32): ``weight +
+        norm_gain_offset``."""
+        return _get(model, self.paths["final_norm"]).weight.float() + self.norm_gain_offset
+
+    def final_norm_eps(self, model: torch.nn.Module) -> float:
+        """The final RMSNorm's epsilon (``variance_epsilon`` on Llama-style norms, ``eps`` on Gemma)."""
+        norm = _get(model, self.paths["final_norm"])
+        return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
     @property
     def has_post_norms(self) -> bool:

@@ -34,21 +34,21 @@ class FlippingSet:
 
 
 def flipping_pairs(ctx, desc: str = "clean runs", keep_caches: bool = True) -> FlippingSet:
-    """Run every aligned pair of ``ctx`` and keep those that flip (DESIGN.md §3).
+    """Run every aligned pair of ``ctx`` and keep those that flip under ``ctx.flip_rule``
+    (``docs/design.md``, "Flip rules").
 
-    Non-flipping pairs are excluded with reason ``no_decision_change`` or ``small_effect``; pairs
+    Non-flipping pairs are excluded with reason ``no_decision_change``, ``small_effect`` or
+    ``not_owned`` (flips between the candidates that are not the model's top-1 answers); pairs
     excluded at tokenisation keep their reason. With ``keep_caches=False`` the prefix caches of
     flipping pairs are dropped (the runs keep their scores).
     """
     out = FlippingSet(excluded=list(ctx.pairs.excluded))
     for pair in tqdm(ctx.pairs.pairs, desc=desc, disable=not ctx.cfg.get("progress", True)):
         with ctx.timer("clean_runs"):
-            run, status = screen_pair(ctx.bundle.model, pair, ctx.readout, ctx.min_effect)
+            run, status = screen_pair(ctx.bundle.model, pair, ctx.readout, ctx.min_effect, ctx.flip_rule)
         row = pair_row(pair) | status
         if status["flips"]:
-            if not keep_caches:
-                run = PairRun(pair, None, None, run.s_old, run.s_new)
-            out.runs.append(run)
+            out.runs.append(run if keep_caches else run.released())
             out.rows.append(row)
         else:
             out.excluded.append(row)
@@ -79,6 +79,45 @@ def split_instances(rows: list[dict], selection_fraction: float = 0.5, seed: int
         sel.update(order[:k])
         held.update(order[k:])
     return sel, held
+
+
+def sample_instances(rows: list[dict], max_pairs: int | None, seed: int, by: tuple[str, ...] = ("family",)) -> set[str]:
+    """Pair ids of whole instances, drawn round-robin across scenarios within each group.
+
+    For each group of rows with equal ``row[k] for k in by`` (e.g. family and split), scenarios are
+    visited in a seeded random order, each contributing one randomly drawn whole instance (all of
+    its pairs) per round, until the group holds at least ``max_pairs`` pairs or runs out. So a cap
+    keeps whole instances (pairs of one instance are not independent) spread over as many
+    scenarios as the cap allows, never the first ``k`` pairs of one scenario.
+
+    Args:
+        rows: pair rows with ``pair``, ``scenario``, ``instance`` and the ``by`` columns.
+        max_pairs: the cap per group; None returns every pair.
+        seed: seed of the ``numpy.random.Generator``.
+
+    Returns:
+        the chosen pair ids.
+    """
+    if max_pairs is None:
+        return {r["pair"] for r in rows}
+    rng = np.random.default_rng(seed)
+    out: set[str] = set()
+    for key in sorted({tuple(r[k] for k in by) for r in rows}):
+        insts: dict[str, dict[str, list[str]]] = {}
+        for r in rows:
+            if tuple(r[k] for k in by) == key:
+                insts.setdefault(r["scenario"], {}).setdefault(r["instance"], []).append(r["pair"])
+        scens = sorted(insts)
+        scens = [scens[i] for i in rng.permutation(len(scens))]
+        queues = {s: [sorted(insts[s])[i] for i in rng.permutation(len(insts[s]))] for s in scens}
+        taken = 0
+        while taken < int(max_pairs) and any(queues.values()):
+            for s in scens:
+                if queues[s] and taken < int(max_pairs):
+                    pairs = insts[s][queues[s].pop(0)]
+                    out.update(pairs)
+                    taken += len(pairs)
+    return out
 
 
 def pair_rng(seed: int, pair_id: str) -> np.random.Generator:

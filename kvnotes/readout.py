@@ -4,8 +4,11 @@
   fp32 (not raw logits); candidates are tokenised in context. ``mode="first_token"`` (default)
   reads the candidates' first tokens; ``mode="full"`` sums the log-probs of the whole
   continuation, teacher-forced.
-- a pair *flips* when the candidate decision (sign of ``s``) differs between the old and new runs
-  AND ``|s_new - s_old| >= min_effect`` (nats).
+- a pair *flips* under the ``relative`` rule when the candidate decision (sign of ``s``) differs
+  between the old and new runs AND ``|s_new - s_old| >= min_effect`` (nats); under the ``owned``
+  rule (the default) each clean run's vocabulary top-1 token must in addition be its expected
+  candidate's first token, so the flip is the model's own answer and not a shift between two
+  candidates it does not say (``docs/design.md``, "Decision ownership").
 - recovery of an intervention on the old run: ``r = (s_patched - s_old) / (s_new - s_old)``;
   never clipped.
 """
@@ -21,8 +24,11 @@ from kvnotes import cache as kvcache
 from kvnotes.tokens import TokenizedPair
 
 MODES = ("first_token", "full")
+#: Flip rules: ``owned`` (top-1 answers + margin) and ``relative`` (candidate sign change + margin).
+FLIP_RULES = ("owned", "relative")
 NO_DECISION_CHANGE = "no_decision_change"
 SMALL_EFFECT = "small_effect"
+NOT_OWNED = "not_owned"
 
 
 def _check_mode(mode: str) -> None:
@@ -58,12 +64,57 @@ def variant_scores(model, pair: TokenizedPair, base: DynamicCache, source: Dynam
 
 
 @dataclass(frozen=True)
+class Decision:
+    """What one clean run says at the decision position, over the whole vocabulary.
+
+    Attributes:
+        top1: the vocabulary top-1 token id.
+        p_top1: its probability.
+        expected: the first token id of the candidate this run is expected to answer.
+        cand_mass: total probability of the two candidates' first tokens.
+    """
+
+    top1: int
+    p_top1: float
+    expected: int
+    cand_mass: float
+
+    @property
+    def owns(self) -> bool:
+        """The model's own answer (top-1) is the expected candidate."""
+        return self.top1 == self.expected
+
+
+def clean_decisions(logprobs: torch.Tensor, pair: TokenizedPair) -> tuple[Decision, Decision]:
+    """The old and new runs' :class:`Decision` from decision-position log-probs ``[2, vocab]``
+    (row 0 the old run, row 1 the new run; fp32 log-softmax)."""
+    p = logprobs.float().exp()
+    cands = [pair.cand_old[0], pair.cand_new[0]]
+    out = []
+    for i, expected in enumerate(cands):
+        top = int(p[i].argmax())
+        out.append(Decision(top, float(p[i, top]), expected, float(p[i, cands].sum())))
+    return out[0], out[1]
+
+
+def ownership_columns(decisions: tuple[Decision, Decision]) -> dict:
+    """Row columns of the two clean runs' :class:`Decision`: ``top1_id_<run>``, ``p_top1_<run>``,
+    ``cand_mass_<run>``, ``owns_<run>`` and ``owned`` (both runs answer their expected candidate)."""
+    out = {}
+    for name, dec in zip(("old", "new"), decisions):
+        out |= {f"top1_id_{name}": dec.top1, f"p_top1_{name}": dec.p_top1, f"cand_mass_{name}": dec.cand_mass,
+                f"owns_{name}": dec.owns}
+    return out | {"owned": all(d.owns for d in decisions)}
+
+
+@dataclass(frozen=True)
 class PairRun:
     """The prefix caches and clean scores of a token-aligned pair.
 
     Attributes:
         old_cache, new_cache: batch-1 prefix caches over ``[0, d)``.
         s_old, s_new: scores of the unpatched old and new runs (nats).
+        decisions: the clean runs' vocabulary decisions (old, new), for the ``owned`` flip rule.
     """
 
     pair: TokenizedPair
@@ -71,6 +122,7 @@ class PairRun:
     new_cache: DynamicCache
     s_old: float
     s_new: float
+    decisions: tuple[Decision, Decision] | None = None
 
     @property
     def effect(self) -> float:
@@ -84,38 +136,39 @@ class PairRun:
         """Bool: the patched run takes the new run's candidate decision."""
         return (s_patched > 0) == (self.s_new > 0)
 
+    def status(self, min_effect: float = 1.0, flip_rule: str = "owned") -> dict:
+        """:func:`pair_status` columns of this run (with ownership columns when known)."""
+        return pair_status(self.s_old, self.s_new, min_effect, flip_rule, self.decisions)
+
+    def released(self) -> "PairRun":
+        """The run without its prefix caches (frees memory; scores and decisions kept)."""
+        return PairRun(self.pair, None, None, self.s_old, self.s_new, self.decisions)
+
 
 @torch.no_grad()
 def run_pair(model, pair: TokenizedPair, mode: str = "first_token") -> PairRun:
     """Prefill both prompts of a pair (positions ``[0, d)``) and score the clean runs.
 
     The clean scores come from the same code path as patched scores (mask none / all), so recovery
-    is exactly 0 and 1 for them.
+    is exactly 0 and 1 for them; the same forward gives each run's vocabulary decision
+    (:class:`Decision`).
     """
+    _check_mode(mode)
     d = pair.decision
     old_cache = kvcache.prefill(model, pair.old.ids[:d])
     new_cache = kvcache.prefill(model, pair.new.ids[:d])
     masks = torch.zeros(2, len(old_cache.layers), d, dtype=torch.bool)
     masks[1] = True
-    s = variant_scores(model, pair, old_cache, new_cache, masks, mode)
-    return PairRun(pair, old_cache, new_cache, float(s[0]), float(s[1]))
-
-
-@torch.no_grad()
-def clean_top1(model, run: PairRun) -> tuple[int, int]:
-    """The model's own top-1 next token (whole vocabulary) at the decision position of the clean
-    old and new runs: tells whether a flip between the two candidates is also the model's answer."""
-    d = run.pair.decision
-    tok = run.pair.old.ids[d: d + 1]
-    out = []
-    for c in (run.old_cache, run.new_cache):
-        lp = kvcache.continuation_logprobs(model, kvcache.view(c, model.config), tok, d)
-        out.append(int(lp[0, -1].argmax()))
-    return out[0], out[1]
+    lps = kvcache.patched_logprobs(model, old_cache, new_cache, masks, pair.old.ids[d: d + 1])[:, 0]
+    if mode == "first_token":
+        s = lps[:, pair.cand_new[0]] - lps[:, pair.cand_old[0]]
+    else:
+        s = variant_scores(model, pair, old_cache, new_cache, masks, mode)
+    return PairRun(pair, old_cache, new_cache, float(s[0]), float(s[1]), clean_decisions(lps, pair))
 
 
 def flip_status(s_old: float, s_new: float, min_effect: float = 1.0) -> str | None:
-    """None when the pair flips, else the exclusion reason.
+    """None when the pair flips under the ``relative`` rule, else the exclusion reason.
 
     Returns:
         ``None`` (flips), ``"no_decision_change"`` (same sign of score in both runs) or
@@ -128,13 +181,34 @@ def flip_status(s_old: float, s_new: float, min_effect: float = 1.0) -> str | No
     return None
 
 
-def pair_status(s_old: float, s_new: float, min_effect: float = 1.0) -> dict:
-    """Columns describing a pair's clean decision: ``s_old, s_new, effect, flips, reason,
-    correct_direction`` (``reason`` is None for flipping pairs; ``correct_direction`` says the old
-    run prefers the old candidate and the new run the new one)."""
-    reason = flip_status(s_old, s_new, min_effect)
-    return {"s_old": s_old, "s_new": s_new, "effect": s_new - s_old, "flips": reason is None,
-            "reason": reason, "correct_direction": s_old < 0 < s_new}
+def pair_status(s_old: float, s_new: float, min_effect: float = 1.0, flip_rule: str = "owned",
+                decisions: tuple[Decision, Decision] | None = None) -> dict:
+    """Columns describing a pair's clean decision under a flip rule.
+
+    Columns: ``s_old, s_new, effect``; ``flips_relative`` (candidate sign change with
+    ``|effect| >= min_effect``); ``flips_owned`` (that, and each clean run's vocabulary top-1 is its
+    expected candidate's first token; None without ``decisions``); ``flip_rule``; ``flips`` (the
+    configured rule); ``reason`` (None for flipping pairs, else ``no_decision_change``,
+    ``small_effect`` or ``not_owned``); ``correct_direction`` (the old run prefers the old
+    candidate and the new run the new one); and the :func:`ownership_columns` when ``decisions``
+    are given.
+
+    Raises:
+        ValueError: unknown ``flip_rule``, or ``owned`` without ``decisions``.
+    """
+    if flip_rule not in FLIP_RULES:
+        raise ValueError(f"flip_rule must be one of {FLIP_RULES}, got '{flip_rule}'")
+    if flip_rule == "owned" and decisions is None:
+        raise ValueError("the owned flip rule needs the clean runs' vocabulary decisions")
+    relative = flip_status(s_old, s_new, min_effect)
+    owned = None if decisions is None else relative is None and all(d.owns for d in decisions)
+    reason = relative
+    if reason is None and flip_rule == "owned" and not owned:
+        reason = NOT_OWNED
+    out = {"s_old": s_old, "s_new": s_new, "effect": s_new - s_old, "flips_relative": relative is None,
+           "flips_owned": owned, "flip_rule": flip_rule, "flips": reason is None, "reason": reason,
+           "correct_direction": s_old < 0 < s_new}
+    return out | (ownership_columns(decisions) if decisions is not None else {})
 
 
 def first_token_score(logprobs: torch.Tensor, pair: TokenizedPair) -> float:
@@ -142,11 +216,13 @@ def first_token_score(logprobs: torch.Tensor, pair: TokenizedPair) -> float:
     return float(logprobs[pair.cand_new[0]] - logprobs[pair.cand_old[0]])
 
 
-def screen_pair(model, pair: TokenizedPair, mode: str = "first_token", min_effect: float = 1.0) -> tuple[PairRun, dict]:
-    """Run a pair (prefix caches + clean scores) and describe its clean decision.
+def screen_pair(model, pair: TokenizedPair, mode: str = "first_token", min_effect: float = 1.0,
+                flip_rule: str = "owned") -> tuple[PairRun, dict]:
+    """Run a pair (prefix caches + clean scores + vocabulary decisions) and describe its clean
+    decision under ``flip_rule``.
 
     Returns:
         (the :class:`PairRun`, :func:`pair_status` columns).
     """
     run = run_pair(model, pair, mode)
-    return run, pair_status(run.s_old, run.s_new, min_effect)
+    return run, run.status(min_effect, flip_rule)

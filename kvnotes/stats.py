@@ -1,10 +1,19 @@
-"""Statistics that keep the probes honest (DESIGN.md §8).
+"""Statistics that keep the probes honest (``docs/design.md``, "Statistics").
 
 - :func:`cluster_bootstrap_ci`: percentile bootstrap that resamples scenarios (clusters) with
   replacement, then instances within each drawn scenario, keeping all pairs of a drawn instance
   together; seeded ``numpy.random.Generator`` (never ``hash()`` or a fixed permutation).
+- :func:`t_interval`: Student-t interval over cluster means, for few clusters.
 - :func:`wilson`: Wilson score interval for a proportion (``scipy.stats.binomtest``).
-- :func:`summarize`: n, n_scenarios, mean, median, CIs, in the form every aggregate uses.
+- :func:`summarize`: n, n_scenarios, n_instances, mean, median and an interval whose method fits
+  the number of clusters (``ci_method``), in the form every aggregate uses.
+
+Why the method depends on the number of clusters: a cluster bootstrap over ``k`` scenarios draws
+from only ``k`` distinct scenario means; with one scenario its interval has zero width from the
+scenario level and with three it spans about the range of the three means, which is not a 95%
+interval. Below :data:`MIN_BOOTSTRAP_CLUSTERS` scenarios the mean's interval is a t-interval over
+scenario means (``k - 1`` degrees of freedom), over instance means when there is one scenario, and
+no interval at all when there is a single cluster.
 """
 
 from __future__ import annotations
@@ -13,6 +22,15 @@ from collections.abc import Sequence
 
 import numpy as np
 from scipy.stats import binomtest
+from scipy.stats import t as student_t
+
+#: Fewest scenario clusters for which the two-stage cluster bootstrap is reported as the CI.
+MIN_BOOTSTRAP_CLUSTERS = 5
+#: ``ci_method`` values.
+CLUSTER_BOOTSTRAP = "cluster_bootstrap"
+T_SCENARIO_MEANS = "t_over_scenario_means"
+T_INSTANCE_MEANS = "t_over_instance_means"
+SINGLE_CLUSTER = "none_single_cluster"
 
 
 def _instance_index(scenarios: Sequence, instances: Sequence) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -117,23 +135,70 @@ def proportion(k: int, n: int, level: float = 0.95) -> dict:
     return {"k": int(k), "n": int(n), "p": (k / n) if n else None, "ci": wilson(k, n, level)}
 
 
+def t_interval(means: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
+    """Student-t interval for the mean of cluster means: ``m +- t_{k-1} * sd / sqrt(k)``.
+
+    Args:
+        means: one mean per cluster (``k`` of them).
+
+    Returns:
+        (low, high), or None with fewer than two clusters.
+    """
+    m = np.asarray(means, dtype=float)
+    if len(m) < 2:
+        return None
+    half = student_t.ppf(0.5 + level / 2, len(m) - 1) * m.std(ddof=1) / np.sqrt(len(m))
+    return float(m.mean() - half), float(m.mean() + half)
+
+
+def cluster_means(values: np.ndarray, labels: Sequence) -> np.ndarray:
+    """Mean of ``values`` per distinct label, in order of first appearance."""
+    groups: dict = {}
+    for v, g in zip(values, labels, strict=True):
+        groups.setdefault(g, []).append(v)
+    return np.array([np.mean(v) for v in groups.values()])
+
+
 def summarize(values: Sequence[float], scenarios: Sequence, instances: Sequence, n_boot: int = 2000,
               seed: int = 0, level: float = 0.95) -> dict:
-    """The standard aggregate: n, n_scenarios, mean and median with cluster-bootstrap CIs.
+    """The standard aggregate: n, clusters, mean and median with an interval fit for the clusters.
 
-    Non-finite values are dropped and counted in ``n_nonfinite``.
+    With at least :data:`MIN_BOOTSTRAP_CLUSTERS` scenarios, ``ci_mean`` and ``ci_median`` are
+    two-stage cluster-bootstrap percentile intervals (``ci_method = "cluster_bootstrap"``). With 2-4
+    scenarios, ``ci_mean`` is a t-interval over the scenario means (``"t_over_scenario_means"``,
+    centred on ``mean_of_clusters``, the mean of scenario means); with one scenario and several
+    instances, a t-interval over instance means (``"t_over_instance_means"``); with a single
+    instance of a single scenario, no interval (``"none_single_cluster"``). ``ci_median`` is given
+    only with the bootstrap. Non-finite values are dropped and counted in ``n_nonfinite``.
+
+    Returns:
+        ``{n, n_scenarios, n_instances, n_nonfinite, mean, median, mean_of_clusters, ci_mean,
+        ci_median, ci_method, ci_level}``.
     """
     vals = np.asarray(values, dtype=float)
     finite = np.isfinite(vals)
     vals = vals[finite]
     scen = [s for s, f in zip(scenarios, finite) if f]
-    inst = [i for i, f in zip(instances, finite) if f]
-    out = {"n": int(len(vals)), "n_scenarios": len(set(scen)), "n_nonfinite": int((~finite).sum()),
-           "mean": None, "median": None, "ci_mean": None, "ci_median": None, "ci_level": level}
-    if len(vals):
-        out.update(mean=float(vals.mean()), median=float(np.median(vals)),
+    inst = [(s, i) for s, i, f in zip(scenarios, instances, finite) if f]
+    n_scen, n_inst = len(set(scen)), len(set(inst))
+    out = {"n": int(len(vals)), "n_scenarios": n_scen, "n_instances": n_inst,
+           "n_nonfinite": int((~finite).sum()), "mean": None, "median": None, "mean_of_clusters": None,
+           "ci_mean": None, "ci_median": None, "ci_method": None, "ci_level": level}
+    if not len(vals):
+        return out
+    out.update(mean=float(vals.mean()), median=float(np.median(vals)))
+    if n_scen >= MIN_BOOTSTRAP_CLUSTERS:
+        out.update(ci_method=CLUSTER_BOOTSTRAP, mean_of_clusters=float(cluster_means(vals, scen).mean()),
                    ci_mean=cluster_bootstrap_ci(vals, scen, inst, "mean", n_boot, level, seed),
                    ci_median=cluster_bootstrap_ci(vals, scen, inst, "median", n_boot, level, seed))
+    elif n_scen >= 2:
+        means = cluster_means(vals, scen)
+        out.update(ci_method=T_SCENARIO_MEANS, mean_of_clusters=float(means.mean()), ci_mean=t_interval(means, level))
+    elif n_inst >= 2:
+        means = cluster_means(vals, inst)
+        out.update(ci_method=T_INSTANCE_MEANS, mean_of_clusters=float(means.mean()), ci_mean=t_interval(means, level))
+    else:
+        out.update(ci_method=SINGLE_CLUSTER, mean_of_clusters=float(vals.mean()))
     return out
 
 

@@ -23,15 +23,17 @@ from kvnotes.records import Timer
 
 @dataclass
 class ProbeContext:
-    """What a probe gets: the model, the pairs, its config, the readout definition (mode and
-    ``min_effect`` of the flip rule, DESIGN.md §3), a seed, a stage timer and the memory budget
-    (bytes) for one chunk of batched variant caches (``budget_mb`` of the run config)."""
+    """What a probe gets: the model, the pairs, its config, the readout definition (mode, the flip
+    rule ``owned``/``relative`` and its ``min_effect`` margin; ``docs/design.md``), a seed, a stage
+    timer and the memory budget (bytes) for one chunk of batched variant caches (``budget_mb`` of
+    the run config)."""
 
     bundle: ModelBundle
     pairs: PairSet
     cfg: Any
     readout: str = "first_token"
     min_effect: float = 1.0
+    flip_rule: str = "owned"
     seed: int = 0
     timer: Timer = field(default_factory=Timer)
     scenario_cfg: Any = None
@@ -39,30 +41,50 @@ class ProbeContext:
 
 
 def names() -> list[str]:
-    """Registered probe names (modules of the ``probes`` and ``circuits`` packages with ``run``)."""
+    """Registered probe names: modules of the ``probes`` and ``circuits`` packages with ``run``."""
     import circuits
 
     found = []
     for pkg in (__import__(__name__), circuits):
         for info in pkgutil.iter_modules(pkg.__path__):
-            if not info.name.startswith("_"):
+            if not info.name.startswith("_") and hasattr(importlib.import_module(f"{pkg.__name__}.{info.name}"), "run"):
                 found.append(info.name)
     return sorted(found)
 
 
-def get(name: str) -> Callable[[ProbeContext], dict]:
-    """The ``run`` function of probe ``name``.
+def module(name: str):
+    """The module of probe ``name`` (it has ``run(ctx) -> dict``; ``SUPPORTS_COT = True`` when it
+    generates the reasoning of ``scenario.variant=cot`` before reading the decision).
 
     Raises:
         KvnotesError: no probe of that name.
     """
     for pkg in ("probes", "circuits"):
         try:
-            module = importlib.import_module(f"{pkg}.{name}")
+            mod = importlib.import_module(f"{pkg}.{name}")
         except ModuleNotFoundError as exc:
             if exc.name != f"{pkg}.{name}":
                 raise
             continue
-        if hasattr(module, "run"):
-            return module.run
+        if hasattr(mod, "run"):
+            return mod
     raise KvnotesError(f"unknown probe '{name}' (known: {', '.join(names())})")
+
+
+def get(name: str) -> Callable[[ProbeContext], dict]:
+    """The ``run`` function of probe ``name`` (see :func:`module`)."""
+    return module(name).run
+
+
+def check_variant(name: str, variant: str) -> None:
+    """Refuse a chain-of-thought prompt variant for a probe that would score the decision right
+    after the reasoning opener, with no reasoning generated.
+
+    Raises:
+        KvnotesError: ``variant == "cot"`` and the probe does not declare ``SUPPORTS_COT``.
+    """
+    if variant == "cot" and not getattr(module(name), "SUPPORTS_COT", False):
+        able = [n for n in names() if getattr(module(n), "SUPPORTS_COT", False)]
+        raise KvnotesError(f"probe '{name}' reads the decision right after the answer prefix and generates no "
+                           f"reasoning, so it does not support scenario.variant=cot"
+                           f" (probes that do: {', '.join(able) or 'none'})")

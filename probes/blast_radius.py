@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from kvnotes.capture import capture_attention
 from kvnotes.pairs import pair_row
-from kvnotes.readout import first_token_score, pair_status, screen_pair
+from kvnotes.readout import clean_decisions, first_token_score, pair_status, screen_pair
 from kvnotes.stats import summarize_rows
 
 METRICS = ("k_cos", "k_rel", "v_cos", "v_rel", "attn_rel")
@@ -47,9 +47,9 @@ def _kv_deviation(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 @torch.no_grad()
-def deviation_maps(model, pair) -> tuple[dict[str, torch.Tensor], tuple[float, float]]:
+def deviation_maps(model, pair) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The five layer x position maps of one pair, each ``[n_layers, T]`` with ``T = d + 1``, and
-    the clean first-token scores ``(s_old, s_new)`` read from the same forwards."""
+    the clean runs' decision-position log-probs ``[2, vocab]`` (old, new) from the same forwards."""
     old, lp_old = capture_attention(model, pair.old.ids)
     new, lp_new = capture_attention(model, pair.new.ids)
     a, b = pair.field
@@ -64,8 +64,7 @@ def deviation_maps(model, pair) -> tuple[dict[str, torch.Tensor], tuple[float, f
         attn = (fr - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(EPS)
         for m, v in zip(METRICS, (k_cos, k_rel, v_cos, v_rel, attn)):
             maps[m].append(v.cpu())
-    scores = (first_token_score(lp_old, pair), first_token_score(lp_new, pair))
-    return {m: torch.stack(v) for m, v in maps.items()}, scores
+    return {m: torch.stack(v) for m, v in maps.items()}, torch.stack([lp_old, lp_new])
 
 
 def summarize_pair(maps: dict[str, torch.Tensor], field: tuple[int, int], decision: int,
@@ -106,12 +105,13 @@ def run(ctx) -> dict:
     rows, examples = [], {}
     for pair in tqdm(ctx.pairs.pairs, desc="blast_radius", disable=not cfg.get("progress", True)):
         with ctx.timer("deviation"):
-            maps, scores = deviation_maps(model, pair)
-        if ctx.readout == "first_token":       # the capture forwards already hold the clean scores
-            status = pair_status(*scores, ctx.min_effect)
+            maps, lps = deviation_maps(model, pair)
+        if ctx.readout == "first_token":       # the capture forwards already hold the clean decisions
+            status = pair_status(first_token_score(lps[0], pair), first_token_score(lps[1], pair), ctx.min_effect,
+                                 ctx.flip_rule, clean_decisions(lps, pair))
         else:
             with ctx.timer("readout"):
-                _, status = screen_pair(model, pair, ctx.readout, ctx.min_effect)
+                _, status = screen_pair(model, pair, ctx.readout, ctx.min_effect, ctx.flip_rule)
         row = pair_row(pair) | status | summarize_pair(maps, pair.field, pair.decision, thresholds)
         rows.append(row)
         fam = row["family"]

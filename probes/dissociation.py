@@ -32,7 +32,7 @@ from tqdm import tqdm
 from kvnotes import cache as kvcache
 from kvnotes.errors import KvnotesError
 from kvnotes.pairs import pair_row
-from kvnotes.readout import pair_status, run_pair, variant_scores
+from kvnotes.readout import run_pair, variant_scores
 from kvnotes.stats import proportion, summarize
 from kvnotes.tokens import PolarityPair, tokenize_polarity_pair
 from scenarios.instances import build_polarity_pairs
@@ -83,18 +83,20 @@ def orientation(pair: PolarityPair) -> float:
 
 @torch.no_grad()
 def dissociate_pair(model, pair: PolarityPair, mode: str = "first_token",
-                    budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> dict:
+                    budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES, min_effect: float = 1.0,
+                    flip_rule: str = "owned") -> dict:
     """Clean scores and the patched scores of one polarity pair.
 
     Returns:
-        columns ``s_old, s_new`` and per variant ``s_<v>`` (score), ``shift_<v>`` (``s_<v> - s_old``,
+        the clean decision's :func:`kvnotes.readout.pair_status` columns (``s_old, s_new``, flip
+        status under ``flip_rule``, ownership) and per variant ``s_<v>`` (score), ``shift_<v>`` (``s_<v> - s_old``,
         nats), ``r_<v>`` (recovery; None when ``s_new == s_old``), ``flipped_<v>`` (the patched run
         takes the inverted run's decision).
     """
     pr = run_pair(model, pair, mode)
     s = variant_scores(model, pair, pr.old_cache, pr.new_cache, variant_masks(len(pr.old_cache.layers), pair),
                        mode, budget_bytes)
-    out = {"s_old": pr.s_old, "s_new": pr.s_new}
+    out = pr.status(min_effect, flip_rule)
     for i, v in enumerate(VARIANTS):
         sv = float(s[i])
         out |= {f"s_{v}": sv, f"shift_{v}": sv - pr.s_old,
@@ -186,11 +188,11 @@ def run(ctx) -> dict:
     rows = []
     for pair in tqdm(pairs, desc="dissociation", disable=not cfg.get("progress", True)):
         with ctx.timer("patching"):
-            cols = dissociate_pair(model, pair, ctx.readout, budget)
+            cols = dissociate_pair(model, pair, ctx.readout, budget, ctx.min_effect, ctx.flip_rule)
         sgn = orientation(pair)
         sc = pair.spec.instance.scenario
         t0, t1 = pair.trigger
-        rows.append(pair_row(pair) | pair_status(cols["s_old"], cols["s_new"], ctx.min_effect) | cols | {
+        rows.append(pair_row(pair) | cols | {
             "value": pair.spec.value, "value_outcome": "A" if sgn < 0 else "B",
             "trigger": [t0, t1], "value_field": list(pair.value_field),
             "trigger_normal": sc.polarity_values["normal"], "trigger_inverted": sc.polarity_values["inverted"],

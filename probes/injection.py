@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from kvnotes import cache as kvcache
 from kvnotes.pairs import pair_row
-from kvnotes.readout import pair_status, run_pair, variant_scores
+from kvnotes.readout import run_pair, variant_scores
 from kvnotes.stats import proportion, summarize
 
 DIRECTIONS = {
@@ -46,11 +46,13 @@ def injection_masks(n_layers: int, field: tuple[int, int], decision: int) -> tor
 
 
 @torch.no_grad()
-def inject_pair(model, pair, mode: str = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> dict:
+def inject_pair(model, pair, mode: str = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES,
+                min_effect: float = 1.0, flip_rule: str = "owned") -> dict:
     """Clean scores and both injections of one pair.
 
     Returns:
-        columns ``s_old, s_new`` and, per direction ``D`` in :data:`DIRECTIONS`: ``D_s_notes``
+        the clean decision's :func:`kvnotes.readout.pair_status` columns (``s_old, s_new``, flip
+        status under ``flip_rule``, ownership) and, per direction ``D`` in :data:`DIRECTIONS`: ``D_s_notes``
         (score with the source's notes), ``D_s_all`` (field + notes from the source),
         ``D_follows_notes`` (sign matches the source run), ``D_r_notes`` and ``D_r_all``
         (``(s - s_base) / (s_source - s_base)``, None when the two runs score equally).
@@ -59,7 +61,7 @@ def inject_pair(model, pair, mode: str = "first_token", budget_bytes: int = kvca
     caches = {"old": pr.old_cache, "new": pr.new_cache}
     clean = {"old": pr.s_old, "new": pr.s_new}
     masks = injection_masks(len(pr.old_cache.layers), pair.field, pair.decision)
-    out = {"s_old": pr.s_old, "s_new": pr.s_new}
+    out = pr.status(min_effect, flip_rule)
     for name, (base, source) in DIRECTIONS.items():
         s = variant_scores(model, pair, caches[base], caches[source], masks, mode, budget_bytes)
         s_notes, s_all = float(s[0]), float(s[1])
@@ -106,8 +108,8 @@ def run(ctx) -> dict:
     rows = []
     for pair in tqdm(ctx.pairs.pairs, desc="injection", disable=not cfg.get("progress", True)):
         with ctx.timer("injection"):
-            cols = inject_pair(model, pair, ctx.readout, budget)
-        rows.append(pair_row(pair) | pair_status(cols["s_old"], cols["s_new"], ctx.min_effect) | cols)
+            cols = inject_pair(model, pair, ctx.readout, budget, ctx.min_effect, ctx.flip_rule)
+        rows.append(pair_row(pair) | cols)
     flipping = [r for r in rows if r["flips"]]
     excluded = list(ctx.pairs.excluded) + [{k: r[k] for k in ("pair", "scenario", "family", "instance", "reason")}
                                            for r in rows if not r["flips"]]

@@ -50,7 +50,7 @@ from kvnotes import cache as kvcache
 from kvnotes.capture import attention_hook
 from kvnotes.errors import KvnotesError
 from kvnotes.pairs import pair_row
-from kvnotes.readout import pair_status, run_pair
+from kvnotes.readout import run_pair
 from kvnotes.stats import bootstrap_weights, proportion, summarize
 
 GROUPS = ("sinks", "prefix", "field", "downstream", "decision")
@@ -479,7 +479,7 @@ def run(ctx) -> dict:
     for pair in tqdm(ctx.pairs.pairs, desc="read_location", disable=not cfg.get("progress", True)):
         with ctx.timer("clean_runs"):
             pr = run_pair(model, pair, ctx.readout)
-        status = pair_status(pr.s_old, pr.s_new, ctx.min_effect)
+        status = pr.status(ctx.min_effect, ctx.flip_rule)
         groups = key_groups(pair.field, pair.decision, n_sinks)
         masks = torch.cat([torch.zeros(1, n_layers, pair.decision, dtype=torch.bool)] +
                           [knockout_masks(n_layers, pair.decision, groups, [(v["groups"], v["layers"])])

@@ -1,10 +1,12 @@
-"""``screen``: which pairs flip, per model, family and scenario (DESIGN.md §3, issue #2).
+"""``screen``: which pairs flip, per model, family and scenario, under both flip rules.
 
-For every token-aligned pair: the clean scores ``s_old``/``s_new``, the flip rule
-(decision differs AND ``|s_new - s_old| >= min_effect``), and whether a flip was expected (the two
-field values imply different outcomes). Control scenarios must not flip; a flip there is reported
-as ``unexpected_flips``. A flip compares two candidates only; ``own_answer`` says whether each clean
-run's top-1 token over the whole vocabulary is also its candidate (the model's actual answer).
+For every token-aligned pair: the clean scores ``s_old``/``s_new`` (logit difference of the two
+candidates' first tokens, in nats), each clean run's vocabulary top-1 token, its probability and
+the candidates' probability mass, and whether the pair flips under the ``relative`` rule (the
+candidates' sign changes and ``|s_new - s_old| >= min_effect``) and under the ``owned`` rule (that,
+and each clean run's top-1 is its expected candidate: the model's own answer). ``flips`` follows the
+configured ``flip_rule``. Whether a flip was expected comes from the scenario (the two field values
+imply different outcomes); control scenarios must not flip (``unexpected_flips``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections import Counter
 from tqdm import tqdm
 
 from kvnotes.pairs import pair_row
-from kvnotes.readout import clean_top1, screen_pair
+from kvnotes.readout import screen_pair
 from kvnotes.stats import proportion, summarize_rows
 
 
@@ -30,11 +32,13 @@ def table(rows: list[dict], excluded: list[dict], key: str) -> dict:
             "n_pairs": len(rs),
             "n_flip": len(flips),
             "flip_rate": proportion(len(flips), len(rs)),
+            "n_flip_relative": sum(r["flips_relative"] for r in rs),
+            "n_flip_owned": sum(bool(r["flips_owned"]) for r in rs),
             "n_expected_flip": len(expected),
             "n_flip_when_expected": sum(r["flips"] for r in expected),
+            "owned_when_expected": proportion(sum(bool(r["flips_owned"]) for r in expected), len(expected)),
             "unexpected_flips": sum(r["flips"] and not r["expect_flip"] for r in rs),
             "n_correct_direction": sum(r["flips"] and r["correct_direction"] for r in rs),
-            "n_own_answer_flips": sum(r["flips"] and r["own_answer"] for r in rs),
             "n_scenarios": len({r["scenario"] for r in rs}),
             "excluded": dict(Counter(r["reason"] for r in ex)),
             "not_flipping": dict(Counter(r["reason"] for r in rs if not r["flips"])),
@@ -49,10 +53,9 @@ def run(ctx) -> dict:
     rows = []
     with ctx.timer("screen"):
         for pair in tqdm(ctx.pairs.pairs, desc="screen", disable=not cfg.get("progress", True)):
-            run_, status = screen_pair(ctx.bundle.model, pair, ctx.readout, ctx.min_effect)
-            t_old, t_new = clean_top1(ctx.bundle.model, run_)
-            status |= {"top1_old": tok.convert_ids_to_tokens(t_old), "top1_new": tok.convert_ids_to_tokens(t_new),
-                       "own_answer": t_old == pair.cand_old[0] and t_new == pair.cand_new[0]}
+            _, status = screen_pair(ctx.bundle.model, pair, ctx.readout, ctx.min_effect, ctx.flip_rule)
+            status |= {"top1_old": tok.convert_ids_to_tokens(status["top1_id_old"]),
+                       "top1_new": tok.convert_ids_to_tokens(status["top1_id_new"])}
             rows.append(pair_row(pair) | status)
     excluded = ctx.pairs.excluded
     flipping = [r for r in rows if r["flips"]]
@@ -65,6 +68,9 @@ def run(ctx) -> dict:
             "by_scenario": table(rows, excluded, "scenario"),
             "n_pairs": len(rows),
             "n_flip": len(flipping),
+            "flip_rule": ctx.flip_rule,
+            "n_flip_relative": sum(r["flips_relative"] for r in rows),
+            "n_flip_owned": sum(bool(r["flips_owned"]) for r in rows),
             "flip_families": sorted({r["family"] for r in flipping}),
             "effect_flipping": summarize_rows(flipping, "effect", seed=ctx.seed),
         },

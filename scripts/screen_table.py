@@ -27,14 +27,15 @@ def main() -> None:
     table = rec["result"]["aggregates"]["by_family"]
     print(f"Model `{rec['model']['name']}`, scenario `{rec['scenario']['name']}` "
           f"({rec['config']['scenario']['n_instances']} instances per scenario, seed {rec['config']['scenario']['seed']}), "
-          f"readout `{rec['config']['readout']}`, min_effect {rec['config']['min_effect']} nats.\n")
-    print("| family | scenarios | aligned pairs | flipping (95% Wilson CI) | flips when expected | flips that are the top-1 answer | unexpected flips | not flipping | excluded |")
+          f"readout `{rec['config']['readout']}`, flip rule `{rec['config'].get('flip_rule', 'relative')}`, "
+          f"min_effect {rec['config']['min_effect']} nats.\n")
+    print("| family | scenarios | aligned pairs | flipping, relative rule | flipping, owned rule | owned flips when expected (95% Wilson CI) | unexpected flips | not flipping (configured rule) | excluded |")
     print("|---|---|---|---|---|---|---|---|---|")
     for fam, t in table.items():
-        ci = t["flip_rate"]["ci"]
-        rate = f"{t['n_flip']} ({ci[0]:.2f}-{ci[1]:.2f})" if ci else str(t["n_flip"])
-        print(f"| {fam} | {t['n_scenarios']} | {t['n_pairs']} | {rate} | {t['n_flip_when_expected']}/{t['n_expected_flip']} "
-              f"| {t['n_own_answer_flips']} | {t['unexpected_flips']} | {fmt_counts(t['not_flipping'])} | {fmt_counts(t['excluded'])} |")
+        own = t["owned_when_expected"]
+        rate = f"{own['k']}/{own['n']} = {own['p']:.2f} ({own['ci'][0]:.2f}-{own['ci'][1]:.2f})" if own["ci"] else "-"
+        print(f"| {fam} | {t['n_scenarios']} | {t['n_pairs']} | {t['n_flip_relative']} | {t['n_flip_owned']} | {rate} "
+              f"| {t['unexpected_flips']} | {fmt_counts(t['not_flipping'])} | {fmt_counts(t['excluded'])} |")
     agg = rec["result"]["aggregates"]
     print(f"\nTotal: {agg['n_flip']} flipping of {agg['n_pairs']} aligned pairs, in families {', '.join(agg['flip_families']) or 'none'}.")
 

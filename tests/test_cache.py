@@ -11,11 +11,11 @@ import torch
 from transformers import DynamicCache
 
 from kvnotes import cache as kvcache
-from tests.conftest import VOCAB, WINDOW
+from tests.conftest import BATCH_TOL, LOGPROB_TOL, VOCAB, WINDOW
 
 T = 3 * WINDOW            # prefix length
 FIELD = (5, 8)            # field span [a, b)
-TOL = 1e-5
+TOL = LOGPROB_TOL
 
 
 def prompts(seed: int = 1):
@@ -90,7 +90,8 @@ def test_patch_all_none_and_prefix(caches):
     ref_old, ref_new = full_logprobs(model, old), full_logprobs(model, new)
     assert torch.allclose(lp[0], ref_new, atol=TOL)          # everything patched = the new run
     assert torch.allclose(lp[1], ref_old, atol=TOL)          # nothing patched = the old run
-    assert torch.equal(lp[2], lp[1])                          # positions before the field change nothing
+    # positions before the field change nothing (rows of one batch: equal up to kernel rounding)
+    assert torch.allclose(lp[2], lp[1], atol=BATCH_TOL)
     assert torch.allclose(lp[3], ref_new, atol=TOL)          # field + downstream = everything that differs
     assert (ref_new - ref_old).abs().max() > 1e-3            # the pair actually differs
 
@@ -124,9 +125,9 @@ def test_batched_equals_unbatched_and_chunking(caches):
     masks = kvcache.position_masks(L, T, sets)
     big = kvcache.patched_logprobs(model, c_old, c_new, masks, old[T:])
     one = kvcache.patched_logprobs(model, c_old, c_new, masks, old[T:], budget_bytes=1)  # chunks of 1
-    assert torch.allclose(big, one, atol=TOL)
+    assert torch.allclose(big, one, atol=BATCH_TOL)
     singles = torch.cat([kvcache.patched_logprobs(model, c_old, c_new, masks[i:i + 1], old[T:]) for i in range(3)])
-    assert torch.allclose(big[:3], singles, atol=TOL)
+    assert torch.allclose(big[:3], singles, atol=BATCH_TOL)
 
 
 def test_multi_token_continuation_matches_full_forward(caches):

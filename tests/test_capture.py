@@ -20,7 +20,7 @@ def test_capture_is_transparent_and_recompute_exact(tiny):
     assert len(layers) == tiny.config.num_hidden_layers
     with torch.no_grad():
         after = tiny(ids[None], position_ids=pos).logits
-    assert torch.equal(ref, after)
+    assert torch.equal(ref, after)              # the same forward, same shapes, same machine: identical
     assert torch.allclose(logprobs, torch.log_softmax(ref[0, -1], -1), atol=1e-6)
     for la in layers:
         assert la.query.shape[1] == 4 and la.key.shape[1] == 2      # GQA not expanded

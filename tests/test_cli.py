@@ -45,11 +45,18 @@ def test_offline_hub_model_names_model_and_remedy(tmp_path):
     assert not (tmp_path / "qwen3-0.6b").exists()
 
 
+@pytest.mark.embedded
 def test_field_missing_from_template(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({**BASE, "context": "Profile of {name}."}))
     one_line_error(run(f"scenario.paths=[{bad}]", f"out_root={tmp_path / 'runs'}"), str(bad), "key 'context'")
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("record.json"))
+
+
+def test_cot_variant_refused_by_probes_that_do_not_generate(tmp_path):
+    proc = run("probe=field_refresh", "scenario.variant=cot", f"out_root={tmp_path}")
+    one_line_error(proc, "field_refresh", "scenario.variant=cot")
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from circuits.components import contributions, decomposition_error, residual_parts, top_offset
+from circuits.components import (contributions, decomposition_error, direct_logit_attribution, logit_diff_direction,
+                                  residual_parts, top_offset)
 from circuits.engine import NNsightEngine
+from kvnotes.adapters import Adapter
 from tests.conftest import VOCAB
 
 TOL = 1e-4
+# fp32 logits of a tiny model are O(1); the attribution re-derives them through the final norm in a
+# different order of operations, so they agree to a few ulps times the hidden size
+LOGIT_TOL = 1e-4
 
 
 def _ids(seed):
@@ -38,13 +43,59 @@ def test_decomposition_sums_to_final_residual(tiny):
         assert (pre_norm - parts["attn"][0]).abs().max() > 1e-3
 
 
-def test_projections_add_up(tiny):
+class _Pair:
+    cand_old, cand_new = (3,), (11,)
+
+
+def _logits(model, ids):
+    """Decision-position logits of a full forward, before Gemma-2's final soft-capping."""
+    with torch.no_grad():
+        z = model(ids[None]).logits[0].float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return cap * torch.atanh(z / cap) if cap else z
+
+
+def test_direct_logit_attribution_sums_to_the_logit_difference(tiny):
+    """Contributions times the final RMS scale add up to the model's own logit difference, with the
+    final norm's gain (Gemma: 1 + w) in the direction; without the gain they would not."""
     engine = NNsightEngine(tiny)
+    adapter = Adapter.for_model(tiny)
+    # a non-trivial final-norm gain, so that leaving it out (or using w for 1 + w) fails
+    norm = adapter.module(tiny, "final_norm")
+    saved = norm.weight.detach().clone()
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-0.5, 0.8, norm.weight.numel()))
+    try:
+        ids = _ids(2)
+        parts = residual_parts(engine, ids)
+        v = logit_diff_direction(tiny, adapter, _Pair)
+        eps = adapter.final_norm_eps(tiny)
+        logits = _logits(tiny, ids)
+        for p in (0, 5, 11):
+            dla = direct_logit_attribution(parts, v, p, eps)
+            target = float(logits[p, 11] - logits[p, 3])
+            total = dla["embed"] + sum(dla["attn"]) + sum(dla["mlp"])
+            assert abs(dla["final"] - target) < LOGIT_TOL * max(1.0, abs(target))
+            assert abs(total - target) < LOGIT_TOL * max(1.0, abs(target))
+        W = adapter.module(tiny, "unembed").weight
+        raw = (W[11] - W[3]).float()             # the unembedding difference alone (old definition)
+        wrong = direct_logit_attribution(parts, raw, 11, eps)["final"]
+        assert abs(wrong - float(logits[11, 11] - logits[11, 3])) > 1e-3
+    finally:
+        with torch.no_grad():
+            norm.weight.copy_(saved)
+
+
+def test_contributions_add_up_to_the_change_of_the_logit_difference(tiny):
+    engine = NNsightEngine(tiny)
+    adapter = Adapter.for_model(tiny)
     old, new = residual_parts(engine, _ids(0)), residual_parts(engine, _ids(1))
-    u = torch.nn.functional.normalize(torch.randn(tiny.config.hidden_size, generator=torch.Generator().manual_seed(0)), dim=0)
-    c = contributions(old, new, u, 7)
+    v = logit_diff_direction(tiny, adapter, _Pair)
+    c = contributions(old, new, v, 7, adapter.final_norm_eps(tiny))
+    lo, ln = _logits(tiny, _ids(0)), _logits(tiny, _ids(1))
+    target = float((ln[7, 11] - ln[7, 3]) - (lo[7, 11] - lo[7, 3]))
     assert c["sum_error"] < TOL * max(1.0, abs(c["final"]))
-    assert abs(c["embed"] + sum(c["attn"]) + sum(c["mlp"]) - c["final"]) < TOL * max(1.0, abs(c["final"]))
+    assert abs(c["final"] - target) < LOGIT_TOL * max(1.0, abs(target))
     assert len(c["attn"]) == tiny.config.num_hidden_layers
 
 

@@ -55,38 +55,71 @@ def test_random_controls_are_norm_and_k_matched():
 
 
 def _stats():
+    """Fitting residuals of five scenarios; B2 lists its values the other way round (its old run
+    decides Y), C decides another outcome pair, A is 1000x larger (a leak would show)."""
     g = torch.Generator().manual_seed(1)
-    stats = {}
-    vals = {}
-    for scen, fam, n_pos, scale in (("A", "f", 3, 1000.0), ("B", "f", 4, 1.0), ("B2", "f", 2, 1.0), ("Z", "g", 5, 1.0)):
-        xo = torch.randn(2, n_pos, HID, generator=g) * scale
-        xn = torch.randn(2, n_pos, HID, generator=g) * scale + 3.0
-        D.accumulate(stats, scen, fam, xo, xn, f"{scen}/0:p")
-        vals[scen] = (xo, xn)
+    stats, vals = {}, {}
+    for scen, fam, outs, n_pos, scale in (("A", "f", ("X", "Y"), 3, 1000.0), ("B", "f", ("X", "Y"), 4, 1.0),
+                                          ("B2", "f", ("Y", "X"), 2, 1.0), ("C", "f", ("P", "Q"), 3, 1.0),
+                                          ("Z", "g", ("X", "Y"), 5, 1.0)):
+        for i in range(2):
+            xo = torch.randn(2, n_pos, HID, generator=g) * scale
+            xn = torch.randn(2, n_pos, HID, generator=g) * scale + 3.0
+            row = {"pair": f"{scen}/{i}:p", "scenario": scen, "instance": f"{scen}/{i}", "family": fam}
+            D.accumulate(stats, row, outs, xo, xn)
+            vals[row["instance"]] = dict(zip(outs, (xo, xn)))
     return stats, vals
 
 
-def test_leave_one_scenario_out_excludes_the_scenario():
+def _pooled(vals, insts, outcome):
+    return torch.cat([vals[i][outcome] for i in insts], 1).mean(1)
+
+
+def test_fits_group_runs_by_conclusion_and_share_outcome_pairs():
     stats, vals = _stats()
-    fit = D.fit_direction(stats, "A", "f", "family")
-    assert fit.scenarios == ["B", "B2"] and fit.n_pairs == 2 and fit.n_pos == 6
-    exp_old = torch.cat([vals["B"][0], vals["B2"][0]], 1).mean(1)            # pooled over positions
-    exp_new = torch.cat([vals["B"][1], vals["B2"][1]], 1).mean(1)
-    assert torch.allclose(fit.mean_old, exp_old, atol=1e-5) and torch.allclose(fit.mean_new, exp_new, atol=1e-5)
+    row = {"pair": "A/0:p", "scenario": "A", "instance": "A/0", "family": "f"}
+    fit = D.fit_direction(stats, row, ("X", "Y"), "family")
+    # leave-one-scenario-out, same family, same outcome pair: B and B2 (B2's runs by conclusion)
+    assert fit.scenarios == ["B", "B2"] and fit.n_pairs == 4 and fit.n_pos == 12
+    insts = ["B/0", "B/1", "B2/0", "B2/1"]
+    exp_x, exp_y = _pooled(vals, insts, "X"), _pooled(vals, insts, "Y")
+    assert torch.allclose(fit.mean_old, exp_x, atol=1e-5) and torch.allclose(fit.mean_new, exp_y, atol=1e-5)
+    assert torch.allclose(fit.u, torch.nn.functional.normalize(exp_y - exp_x, dim=-1), atol=1e-5)
+    # labelling by list order instead (B2's old run counted as X) gives a different direction
+    by_order = torch.cat([vals["B/0"]["X"], vals["B/1"]["X"], vals["B2/0"]["Y"], vals["B2/1"]["Y"]], 1).mean(1)
+    assert (by_order - exp_x).abs().max() > 0.5
     # A is 1000x larger: had it leaked into the fit the means would be far away
-    with_a = torch.cat([vals["A"][0], vals["B"][0], vals["B2"][0]], 1).mean(1)
-    assert (fit.mean_old - with_a).abs().max() > 1.0
-    assert torch.allclose(fit.u, torch.nn.functional.normalize(exp_new - exp_old, dim=-1), atol=1e-5)
-    assert torch.allclose(fit.mu(1, fit.u[1:2], "all"), ((exp_old[1] + exp_new[1]) / 2 @ fit.u[1])[None], atol=1e-4)
-    assert torch.allclose(fit.mu(1, fit.u[1:2], "old"), (exp_old[1] @ fit.u[1])[None], atol=1e-4)
-    every = D.fit_direction(stats, "A", "f", "all")
-    assert every.scenarios == ["B", "B2", "Z"]
-    exp_all = torch.cat([vals["B"][0], vals["B2"][0], vals["Z"][0]], 1).mean(1)
-    assert torch.allclose(every.mean_old, exp_all, atol=1e-5)
-    assert D.fit_direction(stats, "Z", "g", "family") is None                # nothing else in family g
-    assert "Z" not in D.fit_direction(stats, "Z", "g", "all").scenarios
+    assert (fit.mean_old - _pooled(vals, ["A/1"] + insts, "X")).abs().max() > 1.0
+    # signs aligned to the evaluated pair: the reverse pair gets the opposite direction
+    rev = D.fit_direction(stats, row, ("Y", "X"), "family")
+    assert torch.allclose(rev.u, -fit.u, atol=1e-5)
+    assert torch.allclose(fit.mu(1, fit.u[1:2], "all"), ((exp_x[1] + exp_y[1]) / 2 @ fit.u[1])[None], atol=1e-4)
+    assert torch.allclose(fit.mu(1, fit.u[1:2], "old"), (exp_x[1] @ fit.u[1])[None], atol=1e-4)
+    assert D.fit_direction(stats, row, ("X", "Y"), "all").scenarios == ["B", "B2", "Z"]
+    # C decides another outcome pair: nothing shares it
+    c_row = {"pair": "C/0:p", "scenario": "C", "instance": "C/0", "family": "f"}
+    assert D.fit_direction(stats, c_row, ("P", "Q"), "all") is None
+    # within-scenario scope: the scenario's other instance only, never the pair's own
+    own = D.fit_direction(stats, row, ("X", "Y"), "scenario")
+    assert own.instances == ["A/1"] and own.scenarios == ["A"]
+    assert torch.allclose(own.mean_old, vals["A/1"]["X"].mean(1), atol=1e-3)
     with pytest.raises(ValueError):
-        D.fit_direction(stats, "A", "f", "bogus")
+        D.fit_direction(stats, row, ("X", "Y"), "bogus")
+
+
+def test_random_subspace_control_is_norm_matched_and_inside_its_subspace():
+    g = torch.Generator().manual_seed(5)
+    delta = torch.randn(6, HID, generator=g)
+    u = torch.nn.functional.normalize(torch.randn(HID, generator=g), dim=0)
+    rand = D.random_directions(C.pair_rng(1, "pair/y"), 3, HID)
+    inj = D.injections(delta, u, rand)
+    for k in range(3):
+        sub = inj["random_subspace"][k]
+        assert sub.norm() == pytest.approx(float(inj["direction"].norm()), rel=1e-5)
+        # every position lies in the random one-dimensional subspace, proportional to delta's projection
+        assert torch.allclose(sub, (sub @ rand[k])[:, None] * rand[k][None], atol=1e-5)
+        ratio = (sub @ rand[k]) / (delta @ rand[k])
+        assert torch.allclose(ratio, ratio[0].expand(6), rtol=1e-4)
 
 
 def test_no_heldout_instance_in_layer_selection():
@@ -103,6 +136,9 @@ def test_no_heldout_instance_in_layer_selection():
     ev = D.eval_pairs(rows, 2, 0)
     assert sum(r["pair"] in ev and r["split"] == "selection" for r in rows) == 2
     assert sum(r["pair"] in ev and r["split"] == "heldout" for r in rows) == 2
+    # whole instances, spread over scenarios: a cap of 4 pairs takes two instances of two scenarios
+    ev4 = [r for r in rows if r["pair"] in D.eval_pairs(rows, 4, 0) and r["split"] == "heldout"]
+    assert len(ev4) == 4 and len({r["scenario"] for r in ev4}) == 2 and len({r["instance"] for r in ev4}) == 2
     assert D.eval_pairs(rows, None, 0) == {r["pair"] for r in rows}
     assert D.scan_layers(30, None, 6) == [0, 6, 11, 17, 22, 28]
     assert D.scan_layers(4, None, None) == [0, 1, 2] and D.scan_layers(4, [2, 0, 2], 1) == [0, 2]
@@ -175,6 +211,7 @@ def _cfg(**over):
     return cfg
 
 
+@pytest.mark.embedded
 def test_run_on_embedded_model_is_finite_and_clean(smol):
     from kvnotes.pairs import PairSet, prepare_pairs
     from probes import ProbeContext
@@ -191,28 +228,29 @@ def test_run_on_embedded_model_is_finite_and_clean(smol):
     accumulated = []
     orig = D.accumulate
 
-    def spy(stats, scenario, family, x_old, x_new, pair=None):
-        accumulated.append(pair)
-        return orig(stats, scenario, family, x_old, x_new, pair)
+    def spy(stats, row, outs, x_old, x_new):
+        accumulated.append(row["pair"])
+        return orig(stats, row, outs, x_old, x_new)
 
     mp = pytest.MonkeyPatch()
     mp.setattr(D, "accumulate", spy)
     try:
-        res = D.run(ProbeContext(bundle=smol, pairs=PairSet(keep, ps.excluded, ps.scenarios), cfg=_cfg(), seed=0,
-                                 budget_bytes=64 << 20))
+        # recall scenarios share no outcome pair, so the within-scenario fit is the one that applies
+        res = D.run(ProbeContext(bundle=smol, pairs=PairSet(keep, ps.excluded, ps.scenarios),
+                                 cfg=_cfg(fit_scope="scenario"), seed=0, budget_bytes=64 << 20))
     finally:
         mp.undo()
     agg = res["aggregates"]
     held = {r["pair"] for r in res["rows"] if r["split"] == "heldout"}
     assert accumulated and not held & set(accumulated)                         # fits never see held-out
     assert agg["checks"]["layer_choice_pairs_in_heldout"] == 0 and agg["checks"]["fit_pairs_in_heldout"] == 0
-    assert agg["checks"]["fit_scenario_equals_own"] == 0
+    assert agg["checks"]["fit_instance_equals_own"] == 0
     assert agg["checks"]["max_resume_score_error"] < 1e-3
     assert agg["checks"]["max_random_norm_rel_error"] < 1e-4 and agg["checks"]["random_k_matched"]
     assert len(agg["layers"]) == 2 and agg["n_evaluated"]["heldout"] >= 1
     rows = [r for r in res["rows"] if "layers" in r]
     for r in rows:
-        assert r["scenario"] not in r["fit_scenarios"]
+        assert r["instance"] not in r["fit_instances"] and r["fit_scenarios"] == [r["scenario"]]
         for lv in r["layers"].values():
             vals = [lv["suff"][k] for k in D.SUFF] + [lv["nec"][k] for k in D.NEC]
             assert all(math.isfinite(v) for v in vals)

@@ -81,3 +81,50 @@ def test_wilson_known_values():
 def test_summarize_counts():
     out = summarize([1.0, float("nan"), 3.0], ["a", "a", "b"], ["a0", "a1", "b0"], n_boot=100)
     assert out["n"] == 2 and out["n_scenarios"] == 2 and out["n_nonfinite"] == 1 and out["mean"] == 2.0
+
+
+def _rows(n_scen, n_inst, per_inst=2, seed=0):
+    rng = np.random.default_rng(seed)
+    vals, scen, inst = [], [], []
+    for s in range(n_scen):
+        mu = rng.normal()
+        for i in range(n_inst):
+            for _ in range(per_inst):
+                vals.append(mu + 0.3 * rng.normal())
+                scen.append(f"s{s}")
+                inst.append(f"s{s}/{i}")
+    return vals, scen, inst
+
+
+def test_few_clusters_get_a_t_interval_over_scenario_means_not_a_bootstrap():
+    from scipy.stats import t as student_t
+
+    vals, scen, inst = _rows(3, 4)
+    out = summarize(vals, scen, inst, n_boot=500)
+    assert out["ci_method"] == "t_over_scenario_means" and out["n_scenarios"] == 3 and out["n_instances"] == 12
+    means = np.array([np.mean([v for v, s in zip(vals, scen) if s == k]) for k in ("s0", "s1", "s2")])
+    half = student_t.ppf(0.975, 2) * means.std(ddof=1) / np.sqrt(3)
+    assert out["ci_mean"] == pytest.approx((means.mean() - half, means.mean() + half), rel=1e-9)
+    assert out["mean_of_clusters"] == pytest.approx(means.mean())
+    assert out["ci_median"] is None                      # no bootstrap median with few clusters
+    # the cluster bootstrap on the same data is about the range of the three means: much narrower
+    boot = cluster_bootstrap_ci(vals, scen, inst, n_boot=500)
+    assert (boot[1] - boot[0]) < 0.5 * (out["ci_mean"][1] - out["ci_mean"][0])
+
+
+def test_one_scenario_uses_instance_means_and_one_cluster_gets_no_interval():
+    vals, scen, inst = _rows(1, 4)
+    out = summarize(vals, scen, inst, n_boot=200)
+    assert out["ci_method"] == "t_over_instance_means" and out["ci_mean"] is not None
+    assert out["ci_mean"][0] < out["mean"] < out["ci_mean"][1]
+    one = summarize([0.2, 0.4], ["s", "s"], ["s/0", "s/0"], n_boot=200)
+    assert one["ci_method"] == "none_single_cluster" and one["ci_mean"] is None and one["mean"] == pytest.approx(0.3)
+
+
+def test_five_or_more_scenarios_use_the_cluster_bootstrap():
+    vals, scen, inst = _rows(5, 2)
+    out = summarize(vals, scen, inst, n_boot=300, seed=1)
+    assert out["ci_method"] == "cluster_bootstrap"
+    assert out["ci_mean"] == pytest.approx(cluster_bootstrap_ci(vals, scen, [(s, i) for s, i in zip(scen, inst)],
+                                                                n_boot=300, seed=1))
+    assert out["ci_median"] is not None

@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import LogNorm
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import ci_bounds, plotter, save, title
 
 
 def _heatmap(ax, example: dict, metric: str, label: str) -> None:
@@ -49,8 +49,7 @@ def plot_blast_radius(record: dict, out_dir: Path) -> list[Path]:
         for metric, ls in (("k_rel", "-"), ("attn_rel", "--")):
             pts = [s[f] for s in shares[metric]]
             mean = np.array([p["mean"] for p in pts], dtype=float)
-            lo = np.array([p["ci_mean"][0] for p in pts], dtype=float)
-            hi = np.array([p["ci_mean"][1] for p in pts], dtype=float)
+            lo, hi = ci_bounds(pts)
             n = pts[0]["n"]
             ax.plot(thresholds, mean, ls=ls, color=colors[i % 10],
                     label=f"{f} (n={n})" if metric == "k_rel" else None)
@@ -61,7 +60,7 @@ def plot_blast_radius(record: dict, out_dir: Path) -> list[Path]:
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("threshold on layer-mean relative L2")
     ax.set_ylabel("share of downstream positions above")
-    ax.set_title("share of downstream positions that moved (95% cluster-bootstrap CI)", fontsize=9)
+    ax.set_title("share of downstream positions that moved (95% CI)", fontsize=9)
     ax.legend(fontsize=7)
     fig.suptitle(title(record))
     fig.tight_layout()

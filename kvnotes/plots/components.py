@@ -1,7 +1,7 @@
-"""Figures of the ``components`` circuit probe: per-layer attention vs MLP contributions (held-out
-means with 95% cluster-bootstrap CIs) to the candidates' unembedding-difference direction, at the
-top note position and at the decision position, as stacked bars per family. Numbers come from the
-record only."""
+"""Figures of the ``components`` circuit probe: per-layer attention vs MLP direct logit
+attribution (held-out means with 95% CIs, method in the title) to the candidates' logit
+difference, at the top note position and at the decision position, as stacked bars per family.
+Numbers come from the record only."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import ci_bounds, plotter, save, title
 
 
 def _vals(summaries: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     mean = np.array([s["mean"] if s.get("n") else np.nan for s in summaries], dtype=float)
-    err = np.array([[s["mean"] - s["ci_mean"][0], s["ci_mean"][1] - s["mean"]] if s.get("n") else [np.nan, np.nan]
-                    for s in summaries], dtype=float).T
-    return mean, err
+    lo, hi = ci_bounds(summaries)
+    return mean, np.stack([mean - lo, hi - mean])
 
 
 @plotter("components")
@@ -49,11 +48,11 @@ def plot_components(record: dict, out_dir: Path) -> list[Path]:
             ax.axhline(0, color="grey", lw=0.6)
             n = c["final"]["n"]
             pos = "top note position" if where == "at_note" else "decision position"
-            ax.set_title(f"{f}: {pos}; total Δ·û = {c['final']['mean']:.3g}, embed {c['embed']['mean']:.3g} (n={n})",
+            ax.set_title(f"{f}: {pos}; total Δ logit diff = {c['final']['mean']:.3g}, embed {c['embed']['mean']:.3g} (n={n})",
                          fontsize=9)
             ax.set_xlabel("layer")
-            ax.set_ylabel("Δ residual addition · û")
+            ax.set_ylabel("Δ direct logit attribution (nats)")
             ax.legend(fontsize=7)
-    fig.suptitle(title(record) + " · new − old, projected on unit W_U[cand_new] − W_U[cand_old]")
+    fig.suptitle(title(record) + " · new − old direct logit attribution to the candidates' logit difference")
     fig.tight_layout()
     return [save(fig, out_dir, "components.png")]

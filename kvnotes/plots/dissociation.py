@@ -7,15 +7,14 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import ci_bounds, plotter, save, title
 
 CELLS = ("A_normal", "A_inverted", "B_normal", "B_inverted")
 
 
 def _bars(ax, x, stats, width, label, color=None):
     m = np.array([s["mean"] if s["mean"] is not None else np.nan for s in stats], dtype=float)
-    lo = np.array([s["ci_mean"][0] if s["ci_mean"] else np.nan for s in stats], dtype=float)
-    hi = np.array([s["ci_mean"][1] if s["ci_mean"] else np.nan for s in stats], dtype=float)
+    lo, hi = ci_bounds(stats)
     ax.bar(x, np.nan_to_num(m), width, label=label, color=color)
     ax.errorbar(x, m, yerr=[m - lo, hi - m], fmt="none", ecolor="k", lw=0.8, capsize=2)
 

@@ -57,7 +57,7 @@ def plot_field_refresh(record: dict, out_dir: Path) -> list[Path]:
         ax.axhline(0, color="k", lw=0.6)
         ax.axhline(1, color="gray", lw=0.6, ls=":")
     axes[0].set_ylabel("recovery (s_patched - s_old) / (s_new - s_old)")
-    axes[0].set_title("mean recovery, 95% cluster-bootstrap CI", fontsize=9)
+    axes[0].set_title("mean recovery, 95% CI", fontsize=9)
     axes[0].legend(fontsize=7)
     axes[1].set_ylabel("share of pairs whose decision the patch flipped")
     axes[1].set_ylim(0, 1.05)

@@ -7,7 +7,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import ci_bounds, plotter, save, title
 
 
 @plotter("injection")
@@ -28,14 +28,12 @@ def plot_injection(record: dict, out_dir: Path) -> list[Path]:
         spec = res["directions"][d]
         lab = f"{spec['notes_from']} notes into {spec['base']} cache"
         p = np.array([agg[f][d]["follow_notes"]["p"] for f in fams], dtype=float)
-        lo = np.array([agg[f][d]["follow_notes"]["ci"][0] for f in fams], dtype=float)
-        hi = np.array([agg[f][d]["follow_notes"]["ci"][1] for f in fams], dtype=float)
+        lo, hi = ci_bounds([agg[f][d]["follow_notes"] for f in fams], "ci")
         axes[0].bar(x + off, p, width, label=lab)
         axes[0].errorbar(x + off, p, yerr=[p - lo, hi - p], fmt="none", ecolor="k", lw=0.8, capsize=2)
         r = [agg[f][d]["r_notes"] for f in fams]
         m = np.array([s["mean"] for s in r], dtype=float)
-        rlo = np.array([s["ci_mean"][0] for s in r], dtype=float)
-        rhi = np.array([s["ci_mean"][1] for s in r], dtype=float)
+        rlo, rhi = ci_bounds(r)
         axes[1].bar(x + off, m, width, label=lab)
         axes[1].errorbar(x + off, m, yerr=[m - rlo, rhi - m], fmt="none", ecolor="k", lw=0.8, capsize=2)
     labels = [f"{f}\n(n={agg[f][dirs[0]]['follow_notes']['n']})" for f in fams]

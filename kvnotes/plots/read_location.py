@@ -8,7 +8,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import ci_bounds, plotter, save, title
 
 
 def _subset(agg: dict, family: str) -> tuple[str, dict]:
@@ -71,8 +71,9 @@ def knockout_figure(record: dict) -> plt.Figure:
                         continue
                     xs.append(b + (g - (len(groups) - 1) / 2) * width)
                     ys.append(c["delta"]["mean"])
-                    lo.append(c["delta"]["ci_mean"][0])
-                    hi.append(c["delta"]["ci_mean"][1])
+                    (c_lo,), (c_hi,) = ci_bounds([c["delta"]])
+                    lo.append(c_lo)
+                    hi.append(c_hi)
                     coll.append((c["n_collapsed"], c["n"], c["flip_intact"]["k"]))
                 ys, lo, hi = np.asarray(ys), np.asarray(lo), np.asarray(hi)
                 ax.bar(xs, ys, width, color=colors[g], label=group if i == 0 and j == 0 else None)
@@ -86,7 +87,7 @@ def knockout_figure(record: dict) -> plt.Figure:
             n = next(iter(cells.values()))["n"]
             ax.set_title(f"{fam} · {run} run · {label}, n={n}", fontsize=9)
     fig.legend(loc="center right", fontsize=8, title="knocked keys")
-    fig.suptitle(f"{title(record)}\ndecision-row knockout per layer band (95% cluster-bootstrap CI; "
+    fig.suptitle(f"{title(record)}\ndecision-row knockout per layer band (95% CI; "
                  f"k/n collapsed = readout destroyed, not a flip)", fontsize=10)
     fig.tight_layout(rect=(0, 0, 0.88, 0.95))
     return fig

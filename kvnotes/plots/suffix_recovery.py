@@ -7,7 +7,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import ci_bounds, plotter, save, title
 from kvnotes.plots.field_refresh import bar_with_ci
 
 COLORS = {"suffix": "tab:blue", "prefix": "tab:orange", "topk": "tab:green", "random": "tab:gray"}
@@ -16,8 +16,7 @@ COLORS = {"suffix": "tab:blue", "prefix": "tab:orange", "topk": "tab:green", "ra
 def _curve(ax, xs, cells: list[dict], group: str, color, label: str, ls: str = "-") -> None:
     """Mean over grid points with its CI band; grid points without pairs are gaps."""
     mean = np.array([c[group]["mean"] if c[group]["mean"] is not None else np.nan for c in cells], dtype=float)
-    lo = np.array([c[group]["ci_mean"][0] if c[group]["ci_mean"] else np.nan for c in cells], dtype=float)
-    hi = np.array([c[group]["ci_mean"][1] if c[group]["ci_mean"] else np.nan for c in cells], dtype=float)
+    lo, hi = ci_bounds([c[group] for c in cells])
     ax.plot(xs, mean, ls=ls, marker=".", color=color, label=label)
     ax.fill_between(xs, lo, hi, color=color, alpha=0.15, lw=0)
 
@@ -56,7 +55,7 @@ def _curves_figure(record: dict, out_dir: Path) -> Path:
             ax.set_ylabel(f"{g}: recovery")
             ax.set_title(("field + set" if with_field else "downstream set only") + f", {scope}", fontsize=8)
             ax.legend(fontsize=6)
-    fig.suptitle(f"{title(record)} · mean recovery, 95% cluster-bootstrap CI")
+    fig.suptitle(f"{title(record)} · mean recovery, 95% CI")
     fig.tight_layout()
     return save(fig, out_dir, "suffix_recovery_curves.png")
 
@@ -106,7 +105,7 @@ def _bands_figure(record: dict, out_dir: Path) -> Path:
     axes[0].set_xticks(x, [f"L{b[0]}-{b[-1]}" for b in bands])
     axes[0].axhline(0, color="k", lw=0.5)
     axes[0].set_ylabel("recovery (all downstream positions, one layer band)")
-    axes[0].set_title("per-layer-band recovery, 95% cluster-bootstrap CI", fontsize=9)
+    axes[0].set_title("per-layer-band recovery, 95% CI", fontsize=9)
     axes[0].legend(fontsize=7)
     by = agg["single"]["by_offset"]["decision"]
     for j, g in enumerate(groups):
