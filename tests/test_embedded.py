@@ -29,6 +29,17 @@ def test_clean_scores_equal_full_forward(smol, recall_pair, pair_run):
             lp = torch.log_softmax(smol.model(prompt.ids[None]).logits[0, -1].float(), -1)
         assert s == pytest.approx(float(lp[recall_pair.cand_new[0]] - lp[recall_pair.cand_old[0]]), abs=1e-4)
     assert flip_status(pair_run.s_old, pair_run.s_new) is None          # this recall pair flips
+    # ... and it is the model's own answer: each run's vocabulary top-1 is its expected candidate,
+    # read from the same full forward
+    for prompt, dec, cand in ((recall_pair.old, pair_run.decisions[0], recall_pair.cand_old),
+                              (recall_pair.new, pair_run.decisions[1], recall_pair.cand_new)):
+        with torch.no_grad():
+            p = torch.softmax(smol.model(prompt.ids[None]).logits[0, -1].float(), -1)
+        assert dec.top1 == int(p.argmax()) == cand[0] and dec.owns
+        assert dec.p_top1 == pytest.approx(float(p.max()), abs=1e-5)
+        assert dec.cand_mass == pytest.approx(float(p[recall_pair.cand_old[0]] + p[recall_pair.cand_new[0]]), abs=1e-5)
+    status = pair_run.status(1.0, "owned")
+    assert status["flips"] and status["flips_owned"] and status["flips_relative"] and status["owned"]
 
 
 def test_recovery_invariants(smol, recall_pair, pair_run):
@@ -49,8 +60,10 @@ def test_recovery_invariants(smol, recall_pair, pair_run):
 
 
 def test_blast_radius_maps(smol, recall_pair, pair_run):
-    maps, scores = deviation_maps(smol.model, recall_pair)
-    assert scores == pytest.approx((pair_run.s_old, pair_run.s_new), abs=1e-4)
+    maps, lps = deviation_maps(smol.model, recall_pair)
+    scores = [float(lp[recall_pair.cand_new[0]] - lp[recall_pair.cand_old[0]]) for lp in lps]
+    assert scores == pytest.approx([pair_run.s_old, pair_run.s_new], abs=1e-4)
+    assert [int(lp.argmax()) for lp in lps] == [d.top1 for d in pair_run.decisions]
     a, b = recall_pair.field
     d = recall_pair.decision
     assert maps["k_rel"].shape == (30, d + 1)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvnotes.probing import recovery_summary, split_instances
+from kvnotes.readout import Decision, pair_status
 
 
 def rows(n_scen=5, n_inst=4, n_pair=3):
@@ -29,3 +32,26 @@ def test_recovery_summary():
     out = recovery_summary(rows(), "r", "f")
     assert out["n"] == 60 and out["n_scenarios"] == 5
     assert out["decision_flipped"]["k"] == 30 and out["ci_mean"][0] <= out["mean"] <= out["ci_mean"][1]
+
+
+def _dec(top1, expected):
+    return Decision(top1=top1, p_top1=0.4, expected=expected, cand_mass=0.5)
+
+
+def test_flip_rules_owned_and_relative():
+    owned = (_dec(7, 7), _dec(9, 9))
+    not_owned = (_dec(3, 7), _dec(9, 9))            # the old run's top-1 is a distractor
+    st = pair_status(-2.0, 1.5, 1.0, "owned", owned)
+    assert st["flips"] and st["flips_owned"] and st["flips_relative"] and st["reason"] is None and st["owned"]
+    st = pair_status(-2.0, 1.5, 1.0, "owned", not_owned)
+    assert not st["flips"] and st["flips_relative"] and st["flips_owned"] is False and st["reason"] == "not_owned"
+    assert st["top1_id_old"] == 3 and st["owns_old"] is False and st["owns_new"] is True
+    st = pair_status(-2.0, 1.5, 1.0, "relative", not_owned)
+    assert st["flips"] and st["reason"] is None and st["flips_owned"] is False
+    # the margin still applies under both rules; a sign change is still needed
+    assert pair_status(-0.2, 0.3, 1.0, "owned", owned)["reason"] == "small_effect"
+    assert pair_status(1.0, 3.0, 1.0, "owned", owned)["reason"] == "no_decision_change"
+    with pytest.raises(ValueError):
+        pair_status(-2.0, 1.5, 1.0, "owned", None)
+    with pytest.raises(ValueError):
+        pair_status(-2.0, 1.5, 1.0, "bogus", owned)
