@@ -14,7 +14,7 @@ from kvnotes.probing import (exclusions_by_family, families_of, pair_rng, split_
 
 
 def require_first_token(ctx) -> None:
-    """Circuit probes read the first-token score (DESIGN.md §3) from the engine's decision-position
+    """Circuit probes read the first-token score (docs/design.md §3) from the engine's decision-position
     log-probs.
 
     Raises:

@@ -1,4 +1,4 @@
-"""Activation intervention engine (DESIGN.md §6): read and replace/add activations at
+"""Activation intervention engine (docs/design.md §6): read and replace/add activations at
 (layer, positions[, heads]) in one batched forward, through nnsight or TransformerLens 4.
 
 Sites (``kind``), all per decoder layer ``layer`` and per token position:
@@ -24,7 +24,7 @@ variants patches a different head each in one forward. Captured activations are 
 flow on *after* any intervention at that site.
 
 A forward may resume on a prefix cache (``cache``, positions ``[0, start)``): inputs are fed at
-``position_ids = start ..`` with a full-length attention mask (DESIGN.md §4), batch ``V`` =
+``position_ids = start ..`` with a full-length attention mask (docs/design.md §4), batch ``V`` =
 the largest batch among ids, cache and intervention values (batch-1 pieces broadcast).
 
 Backends: :class:`NNsightEngine` (``nnsight.NNsight`` wrapping the loaded HF model, the default)

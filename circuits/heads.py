@@ -1,20 +1,20 @@
-"""``heads``: which attention heads read and write the notes (DESIGN.md §6).
+"""``heads``: which attention heads read and write the notes (docs/design.md §6).
 
 Per-head outputs (the ``o_proj`` input slice of head ``h``, :mod:`circuits.engine`) are patched
 from the clean **new** run into the corrupt **old** run of every flipping pair; recovery
-``r = (s_patched - s_old) / (s_new - s_old)`` (DESIGN.md §3, first-token score, unclipped).
+``r = (s_patched - s_old) / (s_new - s_old)`` (docs/design.md §3, first-token score, unclipped).
 
 - **read** heads: head outputs at the decision position ``d`` only. The old prefix cache ``[0, d)``
   is reused and only token ``d`` is fed, so one forward covers a chunk of head variants.
   Patching every head at ``d`` gives recovery 1 (the residual at ``d`` becomes the new run's; a
   check recorded as ``r_read_all``).
 - **write** heads: head outputs at the note positions ``[b, d)`` during the prefill. The prefill
-  resumes at ``b`` on a copy (view) of the old run's clean prefix cache ``[0, b)`` (DESIGN.md §4)
+  resumes at ``b`` on a copy (view) of the old run's clean prefix cache ``[0, b)`` (docs/design.md §4)
   and feeds ``[b, d]``. Patching every head there equals patching the downstream KV of every
   layer (``r_write_all``; tests/test_heads.py checks it against :mod:`kvnotes.cache` patching).
 
 Single-head sweeps batch ``chunk_heads`` head variants per forward (a per-variant ``where`` mask
-of one intervention per layer). Selection (DESIGN.md §10): instances are split per scenario
+of one intervention per layer). Selection (docs/design.md §10): instances are split per scenario
 (:func:`kvnotes.probing.split_instances`, ``selection_fraction``, ``ctx.seed``). Single-head maps
 are computed on **selection** pairs (and, with ``heldout_maps``, on held-out pairs for figures
 only); the ranking of heads per family is the mean single-head recovery over that family's
@@ -111,7 +111,7 @@ def single_head_map(engine: Engine, run: PairRun, source: torch.Tensor, mode: st
 
 def rank_heads(selection_maps: Sequence[np.ndarray]) -> list[tuple[int, int]]:
     """Heads ordered by mean single-head recovery over selection maps (descending; ties by
-    (layer, head)). Only selection maps may be passed (DESIGN.md §10).
+    (layer, head)). Only selection maps may be passed (docs/design.md §10).
 
     Args:
         selection_maps: each ``[n_layers, n_heads]``.

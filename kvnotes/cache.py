@@ -1,4 +1,4 @@
-"""Cache surgery on the real ``transformers`` ``DynamicCache`` (transformers 5.x, DESIGN.md §4).
+"""Cache surgery on the real ``transformers`` ``DynamicCache`` (transformers 5.x, docs/design.md §4).
 
 Layout: ``cache.layers[i].keys/values`` are ``[batch, kv_heads, slots, head_dim]``, keys post-RoPE,
 GQA not expanded. Caches are built with ``config=`` so sliding-window layers keep their window: once

@@ -7,7 +7,7 @@ with ``query``/``key`` post-RoPE (and post q/k-norm), ``key``/``value`` not expa
 is replaced by a wrapper that hands the call to a user function together with the original
 implementation. The original is always called with keyword arguments: Gemma orders
 ``(dropout, scaling)`` differently from Llama, and positional calls silently make attention
-uniform (DESIGN.md §4, §10).
+uniform (docs/design.md §4, §10).
 """
 
 from __future__ import annotations

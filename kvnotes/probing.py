@@ -122,7 +122,7 @@ def sample_instances(rows: list[dict], max_pairs: int | None, seed: int, by: tup
 
 def pair_rng(seed: int, pair_id: str) -> np.random.Generator:
     """A pair's own generator for random controls: seeded with ``(seed, crc32(pair id))``, never
-    ``hash()`` (DESIGN.md §10)."""
+    ``hash()`` (docs/design.md §10)."""
     return np.random.default_rng([int(seed), zlib.crc32(pair_id.encode())])
 
 

@@ -1,4 +1,4 @@
-"""Decision readout, the flip rule and recovery (DESIGN.md §3).
+"""Decision readout, the flip rule and recovery (docs/design.md §3).
 
 - score ``s = log p(cand_new) - log p(cand_old)`` at the decision position, from log-softmax in
   fp32 (not raw logits); candidates are tokenised in context. ``mode="first_token"`` (default)

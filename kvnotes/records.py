@@ -1,4 +1,4 @@
-"""Run records: one self-describing JSON file per job (DESIGN.md §8).
+"""Run records: one self-describing JSON file per job (docs/design.md §8).
 
 A record holds ``schema`` name and version, the resolved config with Hydra choices and overrides,
 model provenance (id, revision or file hash, dtype, attention implementation), package versions,

@@ -1,4 +1,4 @@
-"""Prompt rendering, tokenisation and span location (DESIGN.md §3-4).
+"""Prompt rendering, tokenisation and span location (docs/design.md §3-4).
 
 A prompt is rendered once as text (through the model's chat template when it has one), tokenised
 once with ``return_offsets_mapping``, and the field span is located from character offsets, never
@@ -207,7 +207,7 @@ def tokenize_pair(tokenizer, spec: PairSpec, chat_template: bool = True,
 
 @dataclass(frozen=True)
 class PolarityPair(TokenizedPair):
-    """A token-aligned polarity pair (field fixed, rule trigger flipped; DESIGN.md §5 ``dissociation``).
+    """A token-aligned polarity pair (field fixed, rule trigger flipped; docs/design.md §5 ``dissociation``).
 
     The two prompts differ only in the trigger span, so the inherited :attr:`field` — the span in
     which old and new differ, which all cache machinery patches — is the *trigger* span ``[t0, t1)``

@@ -1,4 +1,4 @@
-"""``blast_radius``: how far a field change spreads through the KV cache (DESIGN.md §5).
+"""``blast_radius``: how far a field change spreads through the KV cache (docs/design.md §5).
 
 For each token-aligned pair, per layer x position:
 

@@ -1,4 +1,4 @@
-"""``dissociation``: the polarity 2x2 — field fixed, the rule's trigger word flipped (DESIGN.md §5).
+"""``dissociation``: the polarity 2x2 — field fixed, the rule's trigger word flipped (docs/design.md §5).
 
 A scenario with a ``polarity`` block has a trigger slot in its rule whose ``normal``/``inverted``
 word swaps the two outcomes. For every instance and every field value ``v`` a *polarity pair* is
@@ -16,7 +16,7 @@ Patching the normal run's prefix cache towards the inverted run (every layer):
 
 Recovery ``r = (s_patched - s_old) / (s_new - s_old)`` (unclipped) and the share of pairs whose
 decision the patch flips are aggregated per family over *flipping* polarity pairs only (flip rule,
-DESIGN.md §3); every aligned pair keeps its raw score shifts ``s_patched - s_old`` (nats). The clean
+docs/design.md §3); every aligned pair keeps its raw score shifts ``s_patched - s_old`` (nats). The clean
 2x2 (scores of a fixed orientation in the four cells) is reported for all aligned pairs. Scenarios
 without a polarity block are skipped and counted by reason; a family without flipping pairs says so
 in ``notes`` with its counts instead of reporting an effect.

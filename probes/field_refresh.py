@@ -1,6 +1,6 @@
-"""``field_refresh``: how much of a field change the field's own KV carries (DESIGN.md §3, §5).
+"""``field_refresh``: how much of a field change the field's own KV carries (docs/design.md §3, §5).
 
-For every flipping pair (flip rule of DESIGN.md §3; the rest are counted by reason) the old run's
+For every flipping pair (flip rule of docs/design.md §3; the rest are counted by reason) the old run's
 prefix cache ``[0, d)`` is patched from the new run's, all layers, at these position sets:
 
 - ``none`` (nothing; recovery 0 by definition) and ``all`` (``[0, d)``; recovery 1) — checks;
@@ -10,7 +10,7 @@ prefix cache ``[0, d)`` is patched from the new run's, all layers, at these posi
   attention over identical tokens), so this equals ``all``: recovery 1 **by construction**. It is
   reported as a check (``checks.max_abs_field_downstream_minus_1``), not as a finding.
 
-Recovery ``r = (s_patched - s_old) / (s_new - s_old)`` (DESIGN.md §3), unclipped.
+Recovery ``r = (s_patched - s_old) / (s_new - s_old)`` (docs/design.md §3), unclipped.
 
 **Exact refresh.** Copying the new run's field KV into the old cache is exact because the field
 only attends to ``[0, a)``, identical in both runs. The probe verifies that instead of assuming
@@ -91,7 +91,7 @@ def truncated_view(cache: DynamicCache, config, a: int) -> DynamicCache | None:
 def recompute_span(model, prefix: DynamicCache, ids: torch.Tensor, start: int) -> DynamicCache:
     """Run ``ids`` at positions ``start .. start + n - 1`` on top of ``prefix`` (extended in place).
 
-    This is the write-side resume of DESIGN.md §4: the prefill continues from ``start`` on a cache
+    This is the write-side resume of docs/design.md §4: the prefill continues from ``start`` on a cache
     of ``[0, start)`` instead of re-running the prefix. Explicit ``position_ids`` and a full-length
     attention mask, as every forward on an edited cache.
 
@@ -176,7 +176,7 @@ def refresh_pair(model, run: PairRun, mode: str = "first_token",
 
     Args:
         run: the pair's clean run with its prefix caches over ``[0, d)``.
-        mode: readout mode (``first_token`` or ``full``, DESIGN.md §3).
+        mode: readout mode (``first_token`` or ``full``, docs/design.md §3).
         budget_bytes: memory budget for one chunk of variant caches.
         exact: also recompute the field against the old prefix (:func:`exact_field_source`).
 

@@ -1,5 +1,5 @@
 """``injection``: write the other run's downstream notes over a self-consistent cache — does the
-decision follow the notes or the field? (DESIGN.md §3, §5)
+decision follow the notes or the field? (docs/design.md §3, §5)
 
 For each token-aligned pair, two injections into prefix caches over ``[0, d)``:
 
@@ -14,7 +14,7 @@ exactly one holds). Score-based: ``r_notes = (s_inj - s_base) / (s_source - s_ba
 notes fully decide, 0 = the field fully decides; never clipped.
 
 Follow rates (Wilson CIs) and ``r_notes`` (cluster-bootstrap CIs) are reported only over flipping
-pairs (the flip rule, DESIGN.md §3); the rest are excluded and counted by reason. As a check, each
+pairs (the flip rule, docs/design.md §3); the rest are excluded and counted by reason. As a check, each
 direction also injects field + downstream ``[a, d)``, which must reproduce the source run exactly
 (``r = 1``).
 """

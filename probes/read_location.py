@@ -1,5 +1,5 @@
 """``read_location``: where the decision query reads, and what a knockout of that read does
-(DESIGN.md §3, §5).
+(docs/design.md §3, §5).
 
 **Attention masses.** For each token-aligned pair and each run (old, new), the decision token is
 fed at position ``d`` on the run's prefix cache ``[0, d)``. Inside :func:`kvnotes.capture.attention_hook`
@@ -32,7 +32,7 @@ score). A knockout can change the decision merely by destroying the readout, so 
 - ``flip_intact``: decision changed and not collapsed — the only case that counts as a flip.
 
 Aggregates are per family (and ``all``), over flipping pairs and over all aligned pairs, with
-cluster-bootstrap CIs (scenarios, then instances; DESIGN.md §8).
+cluster-bootstrap CIs (scenarios, then instances; docs/design.md §8).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def eager_probabilities(module, query: torch.Tensor, key: torch.Tensor, value: t
     """Attention probabilities and output from the model's own eager attention function, in fp32.
 
     The function is the ``eager_attention_forward`` of the module's modeling file (Gemma-2's applies
-    logit soft-capping), called with keyword arguments (DESIGN.md §4, §10).
+    logit soft-capping), called with keyword arguments (docs/design.md §4, §10).
 
     Args:
         query: ``[B, heads, r, head_dim]`` (the rows of interest).

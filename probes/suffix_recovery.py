@@ -1,6 +1,6 @@
-"""``suffix_recovery``: where in the downstream the notes live (DESIGN.md §3, §5).
+"""``suffix_recovery``: where in the downstream the notes live (docs/design.md §3, §5).
 
-For every flipping pair (flip rule of DESIGN.md §3; the others are counted by reason) the old
+For every flipping pair (flip rule of docs/design.md §3; the others are counted by reason) the old
 run's prefix cache ``[0, d)`` is patched from the new run's at sets of **downstream** positions
 ``[b, d)``, every layer; the field ``[a, b)`` itself is **not** patched in these sets (they measure
 what the downstream KV carries on its own). Recovery ``r = (s_patched - s_old) / (s_new - s_old)``,

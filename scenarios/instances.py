@@ -2,7 +2,7 @@
 
 Instances vary real surface content — slot values (names, ids, items) and the choice and order of
 filler sentences — drawn from a ``numpy`` generator seeded by ``(suite seed, crc32(scenario id),
-instance index)``, so a run is reproducible and independent of Python's ``hash()`` (DESIGN.md §10).
+instance index)``, so a run is reproducible and independent of Python's ``hash()`` (docs/design.md §10).
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def build_pairs(scenarios: list[Scenario], n_instances: int, seed: int, variant:
 
 @dataclass(frozen=True)
 class PolaritySpec:
-    """One instance rendered with the field fixed and the rule's trigger word flipped (DESIGN.md §5,
+    """One instance rendered with the field fixed and the rule's trigger word flipped (docs/design.md §5,
     ``dissociation``): the *old* prompt uses the ``normal`` trigger, the *new* one the ``inverted``.
 
     Attributes:

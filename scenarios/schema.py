@@ -1,4 +1,4 @@
-"""The scenario schema and its validation (DESIGN.md §3).
+"""The scenario schema and its validation (docs/design.md §3).
 
 A scenario file is YAML with these keys (see ``scenarios/suites/*/*.yaml`` for examples)::
 

@@ -1,4 +1,4 @@
-"""Cache-surgery invariants on tiny random models of every supported architecture (DESIGN.md §4).
+"""Cache-surgery invariants on tiny random models of every supported architecture (docs/design.md §4).
 
 Prompts are longer than the sliding window, so sliding layers hold fewer slots than positions and
 an off-by-one in the slot <-> position map changes the numbers.
