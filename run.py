@@ -76,10 +76,11 @@ def job(cfg) -> None:
 
             bundle = load_model(cfg.model, cfg.device)
         with timer("pairs"):
-            from kvnotes.pairs import prepare_pairs
+            from kvnotes.pairs import prepare_pairs, prepare_polarity_pairs
 
             template_kwargs = OmegaConf.to_container(cfg.model.chat_template_kwargs) if cfg.model.get("chat_template_kwargs") else {}
-            pairs = prepare_pairs(bundle.tokenizer, cfg.scenario, template_kwargs=template_kwargs)
+            prepare = prepare_polarity_pairs if cfg.probe.get("pairs", "field") == "polarity" else prepare_pairs
+            pairs = prepare(bundle.tokenizer, cfg.scenario, template_kwargs=template_kwargs)
         if not pairs.pairs:
             raise KvnotesError(f"no token-aligned pairs in scenario '{cfg.scenario.name}' "
                                f"(excluded: {pairs.exclusion_counts()})")

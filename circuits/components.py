@@ -35,12 +35,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from circuits import _common as C
 from circuits.engine import Engine, Site, make_engine
-from kvnotes import cache as kvcache
-from kvnotes.probing import flipping_pairs
-from kvnotes.readout import PairRun, variant_scores
-from kvnotes.stats import summarize
+from kvnotes import kit as K
+from kvnotes.selection import with_split
 
 
 def residual_parts(engine: Engine, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -98,16 +95,6 @@ def contributions(old: dict, new: dict, v: torch.Tensor, p: int, eps: float) -> 
     return out | {"sum_error": abs(out["embed"] + sum(out["attn"]) + sum(out["mlp"]) - out["final"])}
 
 
-def position_map(model, run: PairRun, budget_bytes: int) -> np.ndarray:
-    """Recovery of patching each downstream position alone (all layers) from the new cache:
-    ``[d - b]``, index ``i`` = position ``b + i``."""
-    pair = run.pair
-    b, d = pair.field[1], pair.decision
-    masks = kvcache.position_masks(len(run.old_cache.layers), d, [[p] for p in range(b, d)])
-    s = variant_scores(model, pair, run.old_cache, run.new_cache, masks, "first_token", budget_bytes)
-    return run.recovery(s).numpy()
-
-
 def top_offset(maps: list[np.ndarray]) -> int | None:
     """Offset ``d - p`` (1 = last downstream position) with the highest mean recovery over the
     given position maps (each aligned so index ``i`` is position ``b + i``); None without maps."""
@@ -123,22 +110,23 @@ def top_offset(maps: list[np.ndarray]) -> int | None:
 
 def run(ctx) -> dict:
     """Attention vs MLP contributions per layer; see the module docstring."""
-    C.require_first_token(ctx)
+    K.require_first_token(ctx)
     cfg = ctx.cfg
     model = ctx.bundle.model
     engine = make_engine(model, cfg.get("backend", "nnsight"))
     L = engine.adapter.n_layers
     eps = engine.adapter.final_norm_eps(model)
     n_boot = int(cfg.n_boot)
-    fs = flipping_pairs(ctx, keep_caches=True)
-    rows, sel, held = C.with_split(fs.rows, float(cfg.selection_fraction), ctx.seed)
+    fs = K.flipping_pairs(ctx, keep_caches=True)
+    rows, sel, held = with_split(fs.rows, float(cfg.selection_fraction), ctx.seed)
     progress = bool(cfg.get("progress", True))
     # 1. the top note offset per family, from selection pairs only
     for run_, row in tqdm(list(zip(fs.runs, rows)), desc="components: position maps", disable=not progress):
         if row["split"] == "selection":
             with ctx.timer("position_map"):
-                row["position_map"] = position_map(model, run_, ctx.budget_bytes).tolist()
-    families = C.families_of(ctx, rows + fs.excluded)
+                row["position_map"] = run_.recovery(
+                    K.single_position_scores(model, run_, "first_token", ctx.budget_bytes)).tolist()
+    families = K.families_of(ctx, rows + fs.excluded)
     offsets = {}
     for f in families:
         src = [r for r in rows if r["split"] == "selection" and r["family"] == f]
@@ -164,13 +152,11 @@ def run(ctx) -> dict:
     with ctx.timer("statistics"):
         def per_layer(rs, where, comp):
             rs = [r for r in rs if where in r]
-            return [summarize([r[where][comp][l] for r in rs], [r["scenario"] for r in rs],
-                              [r["instance"] for r in rs], n_boot, ctx.seed) for l in range(L)]
+            return [K.summary(rs, lambda r, l=l: r[where][comp][l], n_boot, ctx.seed) for l in range(L)]
 
         def scalar(rs, where, comp):
             rs = [r for r in rs if where in r]
-            return summarize([r[where][comp] for r in rs], [r["scenario"] for r in rs], [r["instance"] for r in rs],
-                             n_boot, ctx.seed)
+            return K.summary(rs, lambda r: r[where][comp], n_boot, ctx.seed)
 
         contrib = {}
         for where in ("at_note", "at_decision"):
@@ -192,7 +178,7 @@ def run(ctx) -> dict:
                   "scaled by each run's final RMS scale (direct logit attribution, nats)",
                   "note_offsets": offsets, "contributions": contrib, "checks": checks,
                   "post_norms": engine.adapter.has_post_norms,
-                  "per_family": C.no_circuit_note(families, rows, fs.excluded),
-                  "exclusions_by_family": C.exclusions_by_family(fs.excluded, families)}
+                  "per_family": K.no_circuit_note(families, rows, fs.excluded),
+                  "exclusions_by_family": K.exclusions_by_family(fs.excluded, families)}
     return {"rows": rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
             "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates}

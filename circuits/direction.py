@@ -53,7 +53,7 @@ last layer is left out because its output at positions before ``d`` cannot reach
 layer per family is the argmax of the mean sufficiency recovery over the family's **selection**
 pairs (every selection pair when the family has none). Reported numbers are on **held-out** pairs
 only. ``max_pairs_per_family`` bounds the evaluated pairs per family and split by drawing whole
-instances across scenarios (:func:`kvnotes.probing.sample_instances`); all selection pairs are
+instances across scenarios (:func:`kvnotes.selection.sample_instances`); all selection pairs are
 still fitted on.
 """
 
@@ -66,10 +66,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from circuits import _common as C
 from circuits.engine import Engine, Intervention, Site, make_engine
-from kvnotes.probing import flipping_pairs, sample_instances
-from kvnotes.readout import PairRun
+from kvnotes import kit as K
+from kvnotes import cache as kvcache
+from kvnotes.readout import PairRun, first_token_scores
+from kvnotes.selection import pair_rng, sample_instances, selection_source, with_split
 
 SCOPES = ("all", "family", "scenario")
 ABLATE_TO = ("all", "old")
@@ -288,12 +289,12 @@ def added_scores(engine: Engine, run: PairRun, ids: torch.Tensor, prefix, layer:
     b, d = pair.field[1], pair.decision
     iv = Intervention(Site("resid", layer), list(range(b, d)), values, mode="add")
     lp = engine.run(ids[b: d + 1][None].expand(values.shape[0], -1), [iv], cache=prefix, start=b).logprobs
-    return C.scores(lp, pair)
+    return first_token_scores(lp[:, -1], pair).float().cpu()
 
 
 def eval_pairs(rows: list[dict], per_family: int | None, seed: int) -> set[str]:
     """Pairs evaluated by interventions: all, or whole instances drawn across scenarios until each
-    family and split holds ``per_family`` pairs (:func:`kvnotes.probing.sample_instances`)."""
+    family and split holds ``per_family`` pairs (:func:`kvnotes.selection.sample_instances`)."""
     return sample_instances(rows, per_family, seed, by=("family", "split"))
 
 
@@ -309,7 +310,7 @@ def choose_layers(rows: list[dict], layers: Sequence[int], families: Sequence[st
     sel = [r for r in rows if r.get("split") == "selection" and "selection_suff" in r]
     out = {}
     for f in families:
-        src = [r for r in sel if r["family"] == f] or sel
+        src, level = selection_source(sel, {"family": f}, ("family", "all"))
         if not src:
             continue
         curve = np.nanmean(np.asarray([r["selection_suff"] for r in src], dtype=float), axis=0)
@@ -317,7 +318,7 @@ def choose_layers(rows: list[dict], layers: Sequence[int], families: Sequence[st
             continue
         out[f] = {"layer": int(layers[int(np.nanargmax(curve))]), "curve": curve.tolist(),
                   "pairs": [r["pair"] for r in src],
-                  "source": "family" if any(r["family"] == f for r in sel) else "all_selection"}
+                  "source": "family" if level == "family" else "all_selection"}
     return out
 
 
@@ -376,7 +377,7 @@ def run(ctx) -> dict:
         KvnotesError: a readout other than ``first_token``.
         ValueError: bad ``fit_scope`` / ``ablate_to`` / ``layers``, or ``random.n_draws < 1``.
     """
-    C.require_first_token(ctx)
+    K.require_first_token(ctx)
     cfg = ctx.cfg
     model = ctx.bundle.model
     engine = make_engine(model, cfg.get("backend", "nnsight"))
@@ -390,10 +391,10 @@ def run(ctx) -> dict:
         raise ValueError("random.n_draws must be >= 1: the norm-matched random control is required")
     n_boot = int(cfg.n_boot)
     progress = bool(cfg.get("progress", True))
-    fs = flipping_pairs(ctx, keep_caches=True)
-    rows, sel, held = C.with_split(fs.rows, float(cfg.selection_fraction), ctx.seed)
+    fs = K.flipping_pairs(ctx, keep_caches=True)
+    rows, sel, held = with_split(fs.rows, float(cfg.selection_fraction), ctx.seed)
     evaluated = eval_pairs(rows, cfg.get("max_pairs_per_family"), ctx.seed)
-    families = C.families_of(ctx, rows + fs.excluded)
+    families = K.families_of(ctx, rows + fs.excluded)
     # 1. clean note residuals: every selection pair (fitting) and every evaluated pair
     stats: dict = {}
     caps: dict = {}
@@ -405,12 +406,12 @@ def run(ctx) -> dict:
         pair = run_.pair
         b, d = pair.field[1], pair.decision
         with ctx.timer("capture"):
-            pre = (C.prefix_cache(model, run_.old_cache, pair.old.ids, b),
-                   C.prefix_cache(model, run_.new_cache, pair.new.ids, b))
+            pre = (kvcache.prefix_cache(model, run_.old_cache, pair.old.ids, b),
+                   kvcache.prefix_cache(model, run_.new_cache, pair.new.ids, b))
             x_old, lp_old = capture_notes(engine, pair.old.ids, pre[0], b, d, layers)
             x_new, lp_new = capture_notes(engine, pair.new.ids, pre[1], b, d, layers)
-        resume_err.append(max(abs(float(C.scores(lp_old, pair)[0]) - run_.s_old),
-                              abs(float(C.scores(lp_new, pair)[0]) - run_.s_new)))
+        resume_err.append(max(abs(float(first_token_scores(lp_old, pair)[0]) - run_.s_old),
+                              abs(float(first_token_scores(lp_new, pair)[0]) - run_.s_new)))
         row["outcomes"] = list(outcomes(run_))
         if row["split"] == "selection":
             accumulate(stats, row, outcomes(run_), x_old, x_new)
@@ -444,7 +445,7 @@ def run(ctx) -> dict:
     chosen = choose_layers(rows, layers, families)
     # 3. every variant per layer on evaluated held-out pairs
     for run_, row, fit, x_old, x_new in fitted("heldout"):
-        rand = random_directions(C.pair_rng(ctx.seed, row["pair"]), n_draws, x_old.shape[-1])
+        rand = random_directions(pair_rng(ctx.seed, row["pair"]), n_draws, x_old.shape[-1])
         row["fit_scenarios"], row["fit_instances"], row["fit_n_pairs"] = fit.scenarios, fit.instances, fit.n_pairs
         row["layers"] = {}
         for li, layer in enumerate(layers):
@@ -464,16 +465,16 @@ def run(ctx) -> dict:
 
         curves = {}
         for kind, variants in (("suff", SUFF), ("nec", NEC)):
-            curves[kind] = {v: {str(l): C.by_family(flat(held_rows, lambda r, l=l: l, kind, v), "_r", "_f",
+            curves[kind] = {v: {str(l): K.summaries_by_family(flat(held_rows, lambda r, l=l: l, kind, v), "_r", "_f",
                                                     families, n_boot, ctx.seed) for l in layers}
                             for v in variants}
         at_chosen = {}
         hc = [r for r in held_rows if "chosen_layer" in r]
         for kind, variants in (("suff", SUFF), ("nec", NEC)):
-            at_chosen[kind] = {v: C.by_family(flat(hc, lambda r: r["chosen_layer"], kind, v), "_r", "_f",
+            at_chosen[kind] = {v: K.summaries_by_family(flat(hc, lambda r: r["chosen_layer"], kind, v), "_r", "_f",
                                               families, n_boot, ctx.seed) for v in variants}
         nats = [r | {"_d": r["layers"][str(r["chosen_layer"])]["nec_nats"]["direction"]} for r in hc]
-        at_chosen["nec_nats_direction"] = C.by_family(nats, "_d", None, families, n_boot, ctx.seed)
+        at_chosen["nec_nats_direction"] = K.summaries_by_family(nats, "_d", None, families, n_boot, ctx.seed)
     sel_ids = {r["pair"] for r in rows if r["split"] == "selection"}
     held_ids = {r["pair"] for r in rows if r["split"] == "heldout"}
     checks = {
@@ -503,8 +504,8 @@ def run(ctx) -> dict:
                                      for f in families},
         "outcome_pairs": {f: sorted({outcome_pair(*r["outcomes"]) for r in rows if r["family"] == f and "outcomes" in r})
                           for f in families},
-        "per_family": C.no_circuit_note(families, rows, fs.excluded),
-        "exclusions_by_family": C.exclusions_by_family(fs.excluded, families),
+        "per_family": K.no_circuit_note(families, rows, fs.excluded),
+        "exclusions_by_family": K.exclusions_by_family(fs.excluded, families),
     }
     return {"rows": rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
             "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates}

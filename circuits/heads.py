@@ -15,7 +15,7 @@ from the clean **new** run into the corrupt **old** run of every flipping pair; 
 
 Single-head sweeps batch ``chunk_heads`` head variants per forward (a per-variant ``where`` mask
 of one intervention per layer). Selection (docs/design.md §10): instances are split per scenario
-(:func:`kvnotes.probing.split_instances`, ``selection_fraction``, ``ctx.seed``). Single-head maps
+(:func:`kvnotes.selection.split_instances`, ``selection_fraction``, ``ctx.seed``). Single-head maps
 are computed on **selection** pairs (and, with ``heldout_maps``, on held-out pairs for figures
 only); the ranking of heads per family is the mean single-head recovery over that family's
 selection pairs (a family without selection pairs uses every selection pair), and the top-k sets
@@ -33,10 +33,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from circuits import _common as C
 from circuits.engine import Engine, Intervention, Site, make_engine
-from kvnotes.probing import flipping_pairs, sample_instances
-from kvnotes.readout import PairRun
+from kvnotes import kit as K
+from kvnotes import cache as kvcache
+from kvnotes.readout import PairRun, first_token_scores
+from kvnotes.selection import pair_rng, rank_by_mean, sample_instances, selection_source, with_split
 
 MODES = ("read", "write")
 
@@ -97,7 +98,7 @@ def patched_scores(engine: Engine, run: PairRun, source: torch.Tensor, masks: to
                             where=m[:, l][:, None, :].expand(-1, P, -1))
                for l in range(m.shape[1]) if bool(m[:, l].any())]
         lp = engine.run(ids[None].expand(m.shape[0], -1), ivs, cache=prefix, start=start).logprobs
-        out.append(C.scores(lp, pair))
+        out.append(first_token_scores(lp[:, -1], pair).float().cpu())
     return torch.cat(out) if out else torch.empty(0)
 
 
@@ -109,24 +110,6 @@ def single_head_map(engine: Engine, run: PairRun, source: torch.Tensor, mode: st
     return run.recovery(s).view(L, H).numpy()
 
 
-def rank_heads(selection_maps: Sequence[np.ndarray]) -> list[tuple[int, int]]:
-    """Heads ordered by mean single-head recovery over selection maps (descending; ties by
-    (layer, head)). Only selection maps may be passed (docs/design.md §10).
-
-    Args:
-        selection_maps: each ``[n_layers, n_heads]``.
-
-    Raises:
-        ValueError: no maps.
-    """
-    if not len(selection_maps):
-        raise ValueError("no selection maps to rank heads on")
-    mean = np.mean(np.stack(selection_maps), axis=0)
-    L, H = mean.shape
-    order = sorted(((l, h) for l in range(L) for h in range(H)), key=lambda lh: (-mean[lh], lh))
-    return order
-
-
 def random_head_sets(rng: np.random.Generator, n_layers: int, n_heads: int, k: int, n_draws: int) -> list[list[tuple[int, int]]]:
     """``n_draws`` sets of ``k`` distinct (layer, head) pairs drawn uniformly without replacement."""
     flat = [(l, h) for l in range(n_layers) for h in range(n_heads)]
@@ -135,28 +118,29 @@ def random_head_sets(rng: np.random.Generator, n_layers: int, n_heads: int, k: i
 
 def map_pairs(rows: list[dict], per_family: int | None, seed: int) -> set[str]:
     """Selection pairs that get single-head maps: all of them, or whole instances drawn across
-    scenarios until a family holds ``per_family`` pairs (:func:`kvnotes.probing.sample_instances`;
+    scenarios until a family holds ``per_family`` pairs (:func:`kvnotes.selection.sample_instances`;
     the write sweep costs ``n_layers * n_heads`` resumed prefills per pair). Held-out pairs are
     never returned."""
     return sample_instances([r for r in rows if r["split"] == "selection"], per_family, seed)
 
 
 def _ranking_by_family(rows: list[dict], maps: dict, mode: str, families: list[str]) -> dict:
-    """Per family: the head order and the pair ids it came from (selection rows only)."""
+    """Per family: the head order (:func:`kvnotes.selection.rank_by_mean` over the family's
+    selection maps, else every selection map) and the pair ids it came from."""
     sel = [r for r in rows if r["split"] == "selection" and r["pair"] in maps]
     out = {}
     for f in families:
-        src = [r for r in sel if r["family"] == f] or sel
+        src, level = selection_source(sel, {"family": f}, ("family", "all"))
         if src:
-            out[f] = {"order": rank_heads([maps[r["pair"]][mode] for r in src]),
+            out[f] = {"order": rank_by_mean([maps[r["pair"]][mode] for r in src]),
                       "pairs": [r["pair"] for r in src],
-                      "source": "family" if any(r["family"] == f for r in sel) else "all_selection"}
+                      "source": "family" if level == "family" else "all_selection"}
     return out
 
 
 def run(ctx) -> dict:
     """Read/write head patching, top-k transfer to held-out instances; see the module docstring."""
-    C.require_first_token(ctx)
+    K.require_first_token(ctx)
     cfg = ctx.cfg
     model = ctx.bundle.model
     engine = make_engine(model, cfg.get("backend", "nnsight"))
@@ -165,8 +149,8 @@ def run(ctx) -> dict:
     ks = sorted({int(k) for k in cfg.ks if 0 < int(k) <= L * H})
     n_draws = int(cfg.random.n_draws)
     n_boot = int(cfg.n_boot)
-    fs = flipping_pairs(ctx, keep_caches=True)
-    rows, sel, held = C.with_split(fs.rows, float(cfg.selection_fraction), ctx.seed)
+    fs = K.flipping_pairs(ctx, keep_caches=True)
+    rows, sel, held = with_split(fs.rows, float(cfg.selection_fraction), ctx.seed)
     maps: dict[str, dict] = {}
     progress = bool(cfg.get("progress", True))
     # 1. single-head maps (selection pairs, at most max_map_pairs_per_family of them per family,
@@ -181,9 +165,9 @@ def run(ctx) -> dict:
         maps[row["pair"]] = {}
         for mode in MODES:
             with ctx.timer(f"{mode}_map"):
-                prefix = run_.old_cache if mode == "read" else C.prefix_cache(model, run_.old_cache, pair.old.ids, pair.field[1])
+                prefix = run_.old_cache if mode == "read" else kvcache.prefix_cache(model, run_.old_cache, pair.old.ids, pair.field[1])
                 maps[row["pair"]][mode] = single_head_map(engine, run_, source, mode, prefix, chunk)
-    families = C.families_of(ctx, rows + fs.excluded)
+    families = K.families_of(ctx, rows + fs.excluded)
     rankings = {mode: _ranking_by_family(rows, maps, mode, families) for mode in MODES}
     # 2. cumulative top-k vs random on held-out pairs
     out_rows = []
@@ -195,7 +179,7 @@ def run(ctx) -> dict:
         if row["split"] == "heldout":
             with ctx.timer("head_outputs"):
                 source = head_outputs(engine, pair.new.ids)
-            rng = C.pair_rng(ctx.seed, row["pair"])
+            rng = pair_rng(ctx.seed, row["pair"])
             all_heads = [(l, h) for l in range(L) for h in range(H)]
             for mode in MODES:
                 rk = rankings[mode].get(row["family"])
@@ -205,7 +189,7 @@ def run(ctx) -> dict:
                 sets += [rk["order"][:k] for k in ks]
                 rand = [random_head_sets(rng, L, H, k, n_draws) for k in ks]
                 sets += [s for draws in rand for s in draws]
-                prefix = run_.old_cache if mode == "read" else C.prefix_cache(model, run_.old_cache, pair.old.ids, pair.field[1])
+                prefix = run_.old_cache if mode == "read" else kvcache.prefix_cache(model, run_.old_cache, pair.old.ids, pair.field[1])
                 with ctx.timer(f"{mode}_topk"):
                     s = patched_scores(engine, run_, source, set_masks(sets, L, H), mode, prefix, chunk)
                 r = run_.recovery(s).numpy()
@@ -234,8 +218,8 @@ def run(ctx) -> dict:
                 for k in ks:
                     flat = [r | {"_r": r[f"{kind}_{mode}"][str(k)]["r"], "_f": r[f"{kind}_{mode}"][str(k)]["flipped"]}
                             for r in hr]
-                    curves[mode][kind][str(k)] = C.by_family(flat, "_r", "_f", families, n_boot, ctx.seed)
-            curves[mode]["all_heads"] = C.by_family([r | {"_r": r[f"r_{mode}_all"]} for r in hr], "_r", None,
+                    curves[mode][kind][str(k)] = K.summaries_by_family(flat, "_r", "_f", families, n_boot, ctx.seed)
+            curves[mode]["all_heads"] = K.summaries_by_family([r | {"_r": r[f"r_{mode}_all"]} for r in hr], "_r", None,
                                                     families, n_boot, ctx.seed)
         sel_maps = {}
         for mode in MODES:
@@ -255,10 +239,10 @@ def run(ctx) -> dict:
                   "n_selection": sum(r["split"] == "selection" for r in out_rows), "n_heldout": len(held_rows),
                   "families": families, "ks": ks, "n_layers": L, "n_heads": H, "curves": curves,
                   "selection_maps": sel_maps, "checks": checks,
-                  "per_family": C.no_circuit_note(families, out_rows, fs.excluded),
+                  "per_family": K.no_circuit_note(families, out_rows, fs.excluded),
                   "rankings": {m: {f: {"top": [list(x) for x in rk["order"][:max(ks, default=0)]],
                                        "pairs": rk["pairs"], "source": rk["source"]}
                                    for f, rk in rankings[m].items()} for m in MODES},
-                  "exclusions_by_family": C.exclusions_by_family(fs.excluded, families)}
+                  "exclusions_by_family": K.exclusions_by_family(fs.excluded, families)}
     return {"rows": out_rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
             "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates}

@@ -78,6 +78,45 @@ def expand_cache(cache: DynamicCache, config, V: int) -> DynamicCache:
     return cache_from_tensors(config, keys, values, seq_length(cache))
 
 
+def prefix_view(cache: DynamicCache, config, p: int) -> DynamicCache | None:
+    """The cache over positions ``[0, p)`` as a view of ``cache`` (no copy): the one cache
+    truncation of the project.
+
+    Full layers keep slots ``[0, p)``. A sliding-window layer (window ``w``) keeps what it would
+    hold after seeing ``p`` positions: ``[max(0, p - w + 1), p)``. Forwards on the result leave
+    ``cache`` unchanged.
+
+    Args:
+        cache: batch-1 cache over ``[0, T)`` with ``T >= p``.
+        p: number of positions to keep.
+
+    Returns:
+        the truncated cache, or None when a layer no longer holds a position it would need (a
+        sliding window filled past ``p``, or ``T < p``); then ``[0, p)`` must be prefilled.
+    """
+    if p == 0:
+        return DynamicCache(config=config)
+    keys, values = [], []
+    for layer in cache.layers:
+        pos = slot_positions(layer)
+        lo = max(0, p - layer.sliding_window + 1) if getattr(layer, "is_sliding", False) else 0
+        if len(pos) == 0 or int(pos[0]) > lo or int(pos[-1]) < p - 1:
+            return None
+        keep = ((pos >= lo) & (pos < p)).nonzero().flatten()
+        keys.append(layer.keys[:, :, keep])
+        values.append(layer.values[:, :, keep])
+    return cache_from_tensors(config, keys, values, p)
+
+
+def prefix_cache(model, cache: DynamicCache | None, ids: torch.Tensor, p: int) -> DynamicCache:
+    """A cache over positions ``[0, p)`` of the prompt ``ids`` (``[T]``): :func:`prefix_view` of
+    ``cache`` when it still holds them, else a :func:`prefill` of ``ids[:p]``. This is the start of
+    a write-side resume (docs/design.md §4): the prefill continues from ``p`` instead of re-running
+    ``[0, p)``."""
+    view_ = prefix_view(cache, model.config, p) if cache is not None else None
+    return view_ if view_ is not None else prefill(model, ids[:p])
+
+
 @torch.no_grad()
 def prefill(model, ids: torch.Tensor) -> DynamicCache:
     """Run the prompt prefix ``ids`` (``[T]`` or ``[1, T]``) and return its cache.

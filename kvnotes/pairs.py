@@ -10,8 +10,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvnotes.tokens import TokenizedPair, tokenize_pair
+from kvnotes.errors import KvnotesError
+from kvnotes.tokens import TokenizedPair, tokenize_pair, tokenize_polarity_pair
 from scenarios import build_pairs, load_suite
+from scenarios.instances import build_polarity_pairs
 
 
 @dataclass
@@ -22,11 +24,14 @@ class PairSet:
         pairs: token-aligned pairs, in suite order.
         excluded: rows ``{pair, scenario, family, reason}`` for pairs set aside at tokenisation.
         scenarios: the loaded scenarios (for per-family reporting of empty families).
+        skipped: rows ``{scenario, family, reason}`` of scenarios that give no pairs of this kind
+            (polarity pairs: scenarios without a ``polarity`` block).
     """
 
     pairs: list[TokenizedPair]
     excluded: list[dict] = field(default_factory=list)
     scenarios: list = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
 
     def exclusion_counts(self) -> dict[str, int]:
         return dict(Counter(r["reason"] for r in self.excluded))
@@ -51,6 +56,42 @@ def prepare_pairs(tokenizer, scenario_cfg: Any, polarity: str = "normal",
     out = PairSet([], [], scenarios)
     for spec in specs:
         tp = tokenize_pair(tokenizer, spec, bool(scenario_cfg.get("chat_template", True)), template_kwargs)
+        if isinstance(tp, str):
+            out.excluded.append(pair_meta(spec) | {"reason": tp})
+        else:
+            out.pairs.append(tp)
+    return out
+
+
+#: Kinds of pairs a probe can ask for (probe config key ``pairs``).
+PAIR_KINDS = ("field", "polarity")
+
+
+def prepare_polarity_pairs(tokenizer, scenario_cfg: Any, template_kwargs: dict | None = None,
+                           scenarios: list | None = None) -> PairSet:
+    """The polarity pairs (field fixed, the rule's trigger word flipped normal -> inverted;
+    :class:`kvnotes.tokens.PolarityPair`) of the scenarios a ``conf/scenario/*.yaml`` config selects.
+
+    Args:
+        scenarios: the loaded scenarios (default: loaded from ``scenario_cfg``).
+
+    Returns:
+        a :class:`PairSet` whose ``skipped`` lists scenarios without a polarity block; pairs whose
+        trigger words tokenise to different lengths are excluded (``unequal_trigger_length``).
+
+    Raises:
+        KvnotesError: invalid scenario files, or no selected scenario has a polarity block.
+    """
+    if scenarios is None:
+        scenarios = load_suite(list(scenario_cfg.paths), scenario_cfg.get("families"), scenario_cfg.get("ids"))
+    specs, skipped = build_polarity_pairs(scenarios, int(scenario_cfg.n_instances), int(scenario_cfg.seed),
+                                          scenario_cfg.get("variant", "direct"))
+    out = PairSet([], [], scenarios, skipped)
+    if not specs:
+        raise KvnotesError(f"no scenario with a polarity block among the selected ones ({len(skipped)} skipped: "
+                           f"{dict(Counter(s['reason'] for s in skipped))}); select e.g. scenario.families=[policy_gate]")
+    for spec in specs:
+        tp = tokenize_polarity_pair(tokenizer, spec, bool(scenario_cfg.get("chat_template", True)), template_kwargs)
         if isinstance(tp, str):
             out.excluded.append(pair_meta(spec) | {"reason": tp})
         else:

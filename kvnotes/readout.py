@@ -36,10 +36,49 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"readout mode must be one of {MODES}, got '{mode}'")
 
 
+def first_token_scores(logprobs: torch.Tensor, pair: TokenizedPair) -> torch.Tensor:
+    """First-token logit differences ``log p(cand_new[0]) - log p(cand_old[0])`` (nats) from
+    decision-position log-probs ``[V, vocab]`` (fp32 log-softmax). Returns ``[V]``."""
+    return logprobs[:, pair.cand_new[0]] - logprobs[:, pair.cand_old[0]]
+
+
+def candidate_scores(forward, pair: TokenizedPair, mode: str = "first_token"):
+    """The one scoring path of the project: the score ``s`` of every variant of a forward.
+
+    Args:
+        forward: ``forward(tokens, first) -> (logprobs, extra)``: feeds ``tokens`` (``[n]``: the
+            decision token, then any teacher-forced continuation) at the decision position of every
+            variant and returns fp32 log-probs ``[V, n, vocab]`` and anything else the caller
+            wants back; ``first`` is True for the first call of this scoring.
+        mode: ``first_token`` (the candidates' first tokens) or ``full`` (sum of the log-probs of
+            each candidate's whole continuation, teacher-forced; one forward per candidate).
+
+    Returns:
+        (``[V]`` scores in nats, ``extra`` of the first forward).
+
+    Raises:
+        ValueError: unknown mode.
+    """
+    _check_mode(mode)
+    d_tok = pair.old.ids[pair.decision: pair.decision + 1]
+    if mode == "first_token":
+        lps, extra = forward(d_tok, True)
+        return first_token_scores(lps[:, 0], pair), extra
+    totals, first = [], None
+    for i, cand in enumerate((pair.cand_old, pair.cand_new)):
+        tokens = torch.cat([d_tok, torch.tensor(cand[:-1], dtype=torch.long)])
+        lps, extra = forward(tokens, i == 0)
+        first = extra if i == 0 else first
+        idx = torch.tensor(cand, device=lps.device)
+        totals.append(lps.gather(2, idx.view(1, -1, 1).expand(lps.shape[0], -1, 1)).sum(dim=(1, 2)))
+    return totals[1] - totals[0], first
+
+
 @torch.no_grad()
 def variant_scores(model, pair: TokenizedPair, base: DynamicCache, source: DynamicCache, masks: torch.Tensor,
                    mode: str = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> torch.Tensor:
-    """Scores of patch variants of the pair's prefix caches.
+    """Scores of patch variants of the pair's prefix caches (:func:`candidate_scores` over
+    :func:`kvnotes.cache.patched_logprobs`).
 
     Args:
         pair: the token-aligned pair (gives the decision token and candidate ids).
@@ -49,18 +88,9 @@ def variant_scores(model, pair: TokenizedPair, base: DynamicCache, source: Dynam
     Returns:
         ``[V]`` fp32 scores ``log p(cand_new) - log p(cand_old)`` in nats.
     """
-    _check_mode(mode)
-    d_tok = pair.old.ids[pair.decision: pair.decision + 1]
-    if mode == "first_token":
-        lps = kvcache.patched_logprobs(model, base, source, masks, d_tok, budget_bytes)[:, 0]
-        return lps[:, pair.cand_new[0]] - lps[:, pair.cand_old[0]]
-    totals = []
-    for cand in (pair.cand_old, pair.cand_new):
-        tokens = torch.cat([d_tok, torch.tensor(cand[:-1], dtype=torch.long)])
-        lps = kvcache.patched_logprobs(model, base, source, masks, tokens, budget_bytes)
-        idx = torch.tensor(cand, device=lps.device)
-        totals.append(lps.gather(2, idx.view(1, -1, 1).expand(lps.shape[0], -1, 1)).sum(dim=(1, 2)))
-    return totals[1] - totals[0]
+    return candidate_scores(
+        lambda tokens, _: (kvcache.patched_logprobs(model, base, source, masks, tokens, budget_bytes), None),
+        pair, mode)[0]
 
 
 @dataclass(frozen=True)
@@ -140,6 +170,15 @@ class PairRun:
         """:func:`pair_status` columns of this run (with ownership columns when known)."""
         return pair_status(self.s_old, self.s_new, min_effect, flip_rule, self.decisions)
 
+    def with_caches(self, model) -> "PairRun":
+        """This run with its prefix caches, prefilled again if they were released (a probe that
+        must see every pair before it can process one keeps only scores in between)."""
+        if self.old_cache is not None:
+            return self
+        d = self.pair.decision
+        return PairRun(self.pair, kvcache.prefill(model, self.pair.old.ids[:d]),
+                       kvcache.prefill(model, self.pair.new.ids[:d]), self.s_old, self.s_new, self.decisions)
+
     def released(self) -> "PairRun":
         """The run without its prefix caches (frees memory; scores and decisions kept)."""
         return PairRun(self.pair, None, None, self.s_old, self.s_new, self.decisions)
@@ -161,7 +200,7 @@ def run_pair(model, pair: TokenizedPair, mode: str = "first_token") -> PairRun:
     masks[1] = True
     lps = kvcache.patched_logprobs(model, old_cache, new_cache, masks, pair.old.ids[d: d + 1])[:, 0]
     if mode == "first_token":
-        s = lps[:, pair.cand_new[0]] - lps[:, pair.cand_old[0]]
+        s = first_token_scores(lps, pair)
     else:
         s = variant_scores(model, pair, old_cache, new_cache, masks, mode)
     return PairRun(pair, old_cache, new_cache, float(s[0]), float(s[1]), clean_decisions(lps, pair))
@@ -213,7 +252,7 @@ def pair_status(s_old: float, s_new: float, min_effect: float = 1.0, flip_rule: 
 
 def first_token_score(logprobs: torch.Tensor, pair: TokenizedPair) -> float:
     """First-token score from decision-position log-probs ``[vocab]`` (e.g. of a full forward)."""
-    return float(logprobs[pair.cand_new[0]] - logprobs[pair.cand_old[0]])
+    return float(first_token_scores(logprobs[None], pair)[0])
 
 
 def screen_pair(model, pair: TokenizedPair, mode: str = "first_token", min_effect: float = 1.0,

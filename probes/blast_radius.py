@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from kvnotes.capture import capture_attention
+from kvnotes import kit as K
 from kvnotes.pairs import pair_row
 from kvnotes.readout import clean_decisions, first_token_score, pair_status, screen_pair
 from kvnotes.stats import summarize_rows
@@ -103,7 +104,7 @@ def run(ctx) -> dict:
     thresholds = [float(t) for t in cfg.thresholds]
     model = ctx.bundle.model
     rows, examples = [], {}
-    for pair in tqdm(ctx.pairs.pairs, desc="blast_radius", disable=not cfg.get("progress", True)):
+    for pair in tqdm(ctx.pairs.pairs, desc="blast_radius", disable=not K.progress(ctx)):
         with ctx.timer("deviation"):
             maps, lps = deviation_maps(model, pair)
         if ctx.readout == "first_token":       # the capture forwards already hold the clean decisions

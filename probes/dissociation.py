@@ -1,6 +1,8 @@
 """``dissociation``: the polarity 2x2 — field fixed, the rule's trigger word flipped (docs/design.md §5).
 
-A scenario with a ``polarity`` block has a trigger slot in its rule whose ``normal``/``inverted``
+The polarity pairs come from ``run.py`` like every probe's pairs (``pairs: polarity`` in
+``conf/probe/dissociation.yaml``; :func:`kvnotes.pairs.prepare_polarity_pairs`). A scenario with a
+``polarity`` block has a trigger slot in its rule whose ``normal``/``inverted``
 word swaps the two outcomes. For every instance and every field value ``v`` a *polarity pair* is
 rendered: old = the normal rule, new = the inverted rule, same ``v`` (the 2x2 is field value x
 trigger). The prompts differ only in the trigger span ``[t0, t1)`` (token-aligned; pairs whose
@@ -27,42 +29,15 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from tqdm import tqdm
 
 from kvnotes import cache as kvcache
-from kvnotes.errors import KvnotesError
-from kvnotes.pairs import pair_row
-from kvnotes.readout import run_pair, variant_scores
-from kvnotes.stats import proportion, summarize
-from kvnotes.tokens import PolarityPair, tokenize_polarity_pair
-from scenarios.instances import build_polarity_pairs
+from kvnotes import kit as K
+from kvnotes.readout import PairRun, variant_scores
+from kvnotes.stats import proportion
+from kvnotes.tokens import PolarityPair
 
 VARIANTS = ("trigger", "notes", "both", "prefix")
 REPORTED = ("trigger", "notes", "both")
-
-
-def polarity_pairs(tokenizer, scenarios, scenario_cfg, template_kwargs: dict | None = None
-                   ) -> tuple[list[PolarityPair], list[dict], list[dict]]:
-    """Render and tokenise the polarity pairs of ``scenarios``.
-
-    Args:
-        scenario_cfg: mapping with ``n_instances``, ``seed``, ``variant``, ``chat_template``.
-
-    Returns:
-        (aligned pairs, excluded pair rows ``{pair, scenario, family, instance, reason}``, skipped
-        scenario rows ``{scenario, family, reason}``).
-    """
-    specs, skipped = build_polarity_pairs(scenarios, int(scenario_cfg.n_instances), int(scenario_cfg.seed),
-                                          scenario_cfg.get("variant", "direct"))
-    pairs, excluded = [], []
-    for spec in specs:
-        tp = tokenize_polarity_pair(tokenizer, spec, bool(scenario_cfg.get("chat_template", True)), template_kwargs)
-        if isinstance(tp, str):
-            excluded.append({"pair": spec.id, "scenario": spec.instance.scenario.id,
-                             "family": spec.instance.scenario.family, "instance": spec.instance.id, "reason": tp})
-        else:
-            pairs.append(tp)
-    return pairs, excluded, skipped
 
 
 def variant_masks(n_layers: int, pair: PolarityPair) -> torch.Tensor:
@@ -81,32 +56,24 @@ def orientation(pair: PolarityPair) -> float:
     return -1.0 if sc.outcome(pair.spec.value, "normal") == outcome_a else 1.0
 
 
-@torch.no_grad()
-def dissociate_pair(model, pair: PolarityPair, mode: str = "first_token",
-                    budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES, min_effect: float = 1.0,
-                    flip_rule: str = "owned") -> dict:
-    """Clean scores and the patched scores of one polarity pair.
+def patch_scores(model, run: PairRun, mode: str = "first_token",
+                 budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> dict:
+    """The patched scores of one polarity pair's clean run (prefix caches over ``[0, d)``).
 
     Returns:
-        the clean decision's :func:`kvnotes.readout.pair_status` columns (``s_old, s_new``, flip
-        status under ``flip_rule``, ownership) and per variant ``s_<v>`` (score), ``shift_<v>`` (``s_<v> - s_old``,
-        nats), ``r_<v>`` (recovery; None when ``s_new == s_old``), ``flipped_<v>`` (the patched run
-        takes the inverted run's decision).
+        per variant ``s_<v>`` (score), ``shift_<v>`` (``s_<v> - s_old``, nats), ``r_<v>``
+        (recovery; None when ``s_new == s_old``), ``flipped_<v>`` (the patched run takes the
+        inverted run's decision).
     """
-    pr = run_pair(model, pair, mode)
-    s = variant_scores(model, pair, pr.old_cache, pr.new_cache, variant_masks(len(pr.old_cache.layers), pair),
+    pair = run.pair
+    s = variant_scores(model, pair, run.old_cache, run.new_cache, variant_masks(len(run.old_cache.layers), pair),
                        mode, budget_bytes)
-    out = pr.status(min_effect, flip_rule)
+    out = {}
     for i, v in enumerate(VARIANTS):
         sv = float(s[i])
-        out |= {f"s_{v}": sv, f"shift_{v}": sv - pr.s_old,
-                f"r_{v}": (sv - pr.s_old) / pr.effect if pr.effect else None,
-                f"flipped_{v}": (sv > 0) == (pr.s_new > 0)}
+        out |= {f"s_{v}": sv, f"shift_{v}": sv - run.s_old, f"r_{v}": run.recovery(sv) if run.effect else None,
+                f"flipped_{v}": bool(run.decision_flipped(sv))}
     return out
-
-
-def _cluster(rs):
-    return [r["scenario"] for r in rs], [r["instance"] for r in rs]
 
 
 def _two_by_two(rows: list[dict], n_boot: int, seed: int) -> dict:
@@ -118,14 +85,14 @@ def _two_by_two(rows: list[dict], n_boot: int, seed: int) -> dict:
     for val in ("A", "B"):
         rs = [r for r in rows if r["value_outcome"] == val]
         for pol, key in (("normal", "s_fixed_normal"), ("inverted", "s_fixed_inverted")):
-            cells[f"{val}_{pol}"] = summarize([r[key] for r in rs], *_cluster(rs), n_boot, seed)
+            cells[f"{val}_{pol}"] = K.summary(rs, key, n_boot, seed)
     by_inst: dict[str, dict] = {}
     for r in rows:
         by_inst.setdefault(r["instance"], {"scenario": r["scenario"], "instance": r["instance"]})[r["value_outcome"]] = r
     inter = [(i["A"]["s_fixed_normal"] - i["B"]["s_fixed_normal"]) - (i["A"]["s_fixed_inverted"] - i["B"]["s_fixed_inverted"])
              for i in by_inst.values() if "A" in i and "B" in i]
     complete = [i for i in by_inst.values() if "A" in i and "B" in i]
-    return {"cells": cells, "interaction": summarize(inter, *_cluster(complete), n_boot, seed)}
+    return {"cells": cells, "interaction": K.summary([i | {"_v": v} for i, v in zip(complete, inter)], "_v", n_boot, seed)}
 
 
 def _aggregate(rows: list[dict], excluded: list[dict], n_boot: int, seed: int) -> tuple[dict, dict]:
@@ -140,14 +107,11 @@ def _aggregate(rows: list[dict], excluded: list[dict], n_boot: int, seed: int) -
             "flip_rate": proportion(len(flips), len(rs)),
             "not_flipping": dict(Counter(r["reason"] for r in rs if not r["flips"])),
             "excluded": dict(Counter(r["reason"] for r in ex)),
-            "effect_all": summarize([r["effect"] for r in rs], *_cluster(rs), n_boot, seed),
-            "abs_effect_all": summarize([abs(r["effect"]) for r in rs], *_cluster(rs), n_boot, seed),
-            "shift_all": {v: summarize([r[f"shift_{v}"] for r in rs], *_cluster(rs), n_boot, seed) for v in VARIANTS},
-            "abs_shift_all": {v: summarize([abs(r[f"shift_{v}"]) for r in rs], *_cluster(rs), n_boot, seed)
-                              for v in VARIANTS},
-            "recovery": {v: summarize([r[f"r_{v}"] for r in flips], *_cluster(flips), n_boot, seed)
-                         | {"decision_flipped": proportion(sum(r[f"flipped_{v}"] for r in flips), len(flips))}
-                         for v in REPORTED},
+            "effect_all": K.summary(rs, "effect", n_boot, seed),
+            "abs_effect_all": K.summary(rs, lambda r: abs(r["effect"]), n_boot, seed),
+            "shift_all": {v: K.summary(rs, f"shift_{v}", n_boot, seed) for v in VARIANTS},
+            "abs_shift_all": {v: K.summary(rs, lambda r, v=v: abs(r[f"shift_{v}"]), n_boot, seed) for v in VARIANTS},
+            "recovery": {v: K.recovery_summary(flips, f"r_{v}", f"flipped_{v}", n_boot, seed) for v in REPORTED},
             "two_by_two": _two_by_two(rs, n_boot, seed),
         }
         out[fam] = entry
@@ -159,47 +123,35 @@ def _aggregate(rows: list[dict], excluded: list[dict], n_boot: int, seed: int) -
 
 
 def run(ctx) -> dict:
-    """Render polarity pairs from the scenario config, patch trigger / notes / both; see the module
-    docstring.
+    """Patch trigger / notes / both of every polarity pair (``pairs: polarity`` in the probe config:
+    ``run.py`` prepares them, :func:`kvnotes.pairs.prepare_polarity_pairs`); see the module docstring.
 
     Returns:
         ``rows`` (every aligned polarity pair: spans, clean status, per-variant scores, shifts,
         recoveries), ``aggregates`` (per family and ``all``), ``notes`` (families without flips),
         ``exclusions`` (pair reason -> count: tokenisation and non-flipping), ``excluded``,
         ``skipped_scenarios`` (reason -> count of scenarios) and ``skipped`` (their rows).
-
-    Raises:
-        KvnotesError: the context has no scenario config, or no scenario has a polarity block.
     """
     cfg = ctx.cfg
-    if ctx.scenario_cfg is None:
-        raise KvnotesError("dissociation renders its own polarity pairs and needs the scenario config (ctx.scenario_cfg)")
-    model, tok = ctx.bundle.model, ctx.bundle.tokenizer
-    kwargs = cfg.get("chat_template_kwargs")
-    kwargs = dict(kwargs) if kwargs else {}
+    model = ctx.bundle.model
     n_boot = int(cfg.get("n_boot", 2000))
-    budget = getattr(ctx, "budget_bytes", kvcache.DEFAULT_BUDGET_BYTES)  # budget_mb
-    with ctx.timer("polarity_pairs"):
-        pairs, tok_excluded, skipped = polarity_pairs(tok, ctx.pairs.scenarios, ctx.scenario_cfg, kwargs)
-    if not pairs and not tok_excluded:
-        raise KvnotesError(f"dissociation: no scenario with a polarity block among the selected ones "
-                           f"({len(skipped)} skipped: {dict(Counter(s['reason'] for s in skipped))}); "
-                           f"select e.g. scenario.families=[policy_gate]")
     rows = []
-    for pair in tqdm(pairs, desc="dissociation", disable=not cfg.get("progress", True)):
+    for run_, row in K.each_pair(ctx, desc="dissociation"):
+        pair = run_.pair
         with ctx.timer("patching"):
-            cols = dissociate_pair(model, pair, ctx.readout, budget, ctx.min_effect, ctx.flip_rule)
+            cols = patch_scores(model, run_, ctx.readout, ctx.budget_bytes)
         sgn = orientation(pair)
         sc = pair.spec.instance.scenario
         t0, t1 = pair.trigger
-        rows.append(pair_row(pair) | cols | {
+        rows.append(row | cols | {
             "value": pair.spec.value, "value_outcome": "A" if sgn < 0 else "B",
             "trigger": [t0, t1], "value_field": list(pair.value_field),
             "trigger_normal": sc.polarity_values["normal"], "trigger_inverted": sc.polarity_values["inverted"],
-            "s_fixed_normal": sgn * cols["s_old"], "s_fixed_inverted": sgn * cols["s_new"],
+            "s_fixed_normal": sgn * row["s_old"], "s_fixed_inverted": sgn * row["s_new"],
         })
-    excluded = tok_excluded + [{k: r[k] for k in ("pair", "scenario", "family", "instance", "reason")}
-                               for r in rows if not r["flips"]]
+    tok_excluded = ctx.pairs.excluded
+    skipped = ctx.pairs.skipped
+    excluded = K.excluded_rows(tok_excluded, rows)
     with ctx.timer("statistics"):
         aggregates, notes = _aggregate(rows, tok_excluded, n_boot, ctx.seed)
     aggregates["checks"] = {
@@ -208,6 +160,6 @@ def run(ctx) -> dict:
         "max_prefix_shift": max((abs(r["shift_prefix"]) for r in rows), default=None),
     }
     return {"rows": rows, "aggregates": aggregates, "notes": notes,
-            "exclusions": dict(Counter(r["reason"] for r in excluded)), "excluded": excluded,
+            "exclusions": K.exclusion_counts(excluded), "excluded": excluded,
             "skipped_scenarios": dict(Counter(s["reason"] for s in skipped)), "skipped": skipped,
             "variants": list(VARIANTS)}

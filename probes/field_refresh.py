@@ -15,7 +15,7 @@ Recovery ``r = (s_patched - s_old) / (s_new - s_old)`` (docs/design.md §3), unc
 **Exact refresh.** Copying the new run's field KV into the old cache is exact because the field
 only attends to ``[0, a)``, identical in both runs. The probe verifies that instead of assuming
 it: the new field tokens are run at positions ``a .. b-1`` on a view of the old cache truncated to
-``[0, a)`` (:func:`truncated_view`; for a sliding-window layer whose window already dropped part
+``[0, a)`` (:func:`kvnotes.cache.prefix_view`; for a sliding-window layer whose window already dropped part
 of ``[0, a)`` the prefix is prefilled instead, recorded as ``exact_method``), and the recomputed
 field KV (:func:`recompute_span`) is compared to the copied one (``k_max_abs_diff``,
 ``v_max_abs_diff``: max over layers, KV heads, field positions and head dims) and patched into the
@@ -24,7 +24,7 @@ nats).
 
 All variants of a pair are scored in one batched call of
 :func:`kvnotes.readout.variant_scores` (variant caches chunked to ``ctx.budget_bytes``).
-Aggregates per family (and ``all``) come from :func:`kvnotes.probing.recovery_summary`: mean,
+Aggregates per family (and ``all``) come from :func:`kvnotes.kit.summaries_by_family`: mean,
 median, cluster-bootstrap CIs (scenarios, then instances) and the share of pairs whose decision the
 patch flipped (Wilson CI).
 """
@@ -32,13 +32,14 @@ patch flipped (Wilson CI).
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 
 import torch
-from tqdm import tqdm
 from transformers import DynamicCache
 
 from kvnotes import cache as kvcache
-from kvnotes.probing import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
+from kvnotes import kit as K
+from kvnotes.kit import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
 from kvnotes.readout import PairRun, variant_scores
 
 #: Position sets patched (all layers) from the new run into the old run, in scoring order.
@@ -57,34 +58,6 @@ def variant_positions(field: tuple[int, int], decision: int) -> dict[str, list[i
     d = decision
     return {"none": [], "field": list(range(a, b)), "downstream": list(range(b, d)),
             "field_downstream": list(range(a, d)), "all": list(range(d))}
-
-
-def truncated_view(cache: DynamicCache, config, a: int) -> DynamicCache | None:
-    """A cache over positions ``[0, a)`` sharing the tensors of ``cache`` (no copy).
-
-    Full layers keep slots ``[0, a)``. A sliding-window layer (window ``w``) keeps what it would
-    hold after seeing ``a`` positions: ``[max(0, a - w + 1), a)``.
-
-    Args:
-        cache: batch-1 cache over ``[0, T)`` with ``T >= a``.
-        a: number of positions to keep.
-
-    Returns:
-        the truncated cache, or None when a sliding layer has already dropped positions it would
-        need (its window filled past ``a``); then ``[0, a)`` must be prefilled instead.
-    """
-    if a == 0:
-        return DynamicCache(config=config)
-    keys, values = [], []
-    for layer in cache.layers:
-        pos = kvcache.slot_positions(layer)
-        lo = max(0, a - layer.sliding_window + 1) if getattr(layer, "is_sliding", False) else 0
-        if len(pos) == 0 or int(pos[0]) > lo or int(pos[-1]) < a - 1:
-            return None
-        keep = ((pos >= lo) & (pos < a)).nonzero().flatten()
-        keys.append(layer.keys[:, :, keep])
-        values.append(layer.values[:, :, keep])
-    return kvcache.cache_from_tensors(config, keys, values, a)
 
 
 @torch.no_grad()
@@ -123,7 +96,7 @@ def exact_field_source(model, run: PairRun) -> tuple[DynamicCache, dict]:
     """The old prefix cache with the field's KV recomputed from the new field tokens.
 
     The new field tokens ``new.ids[a:b]`` are run at positions ``a .. b-1`` on the old cache
-    truncated to ``[0, a)`` (:func:`truncated_view`, else a prefill of ``old.ids[:a]``); the
+    truncated to ``[0, a)`` (:func:`kvnotes.cache.prefix_view`, else a prefill of ``old.ids[:a]``); the
     resulting K/V of the field positions replace the old ones in a copy of the old cache.
 
     Returns:
@@ -139,7 +112,7 @@ def exact_field_source(model, run: PairRun) -> tuple[DynamicCache, dict]:
     pair = run.pair
     a, b = pair.field
     config = model.config
-    prefix = truncated_view(run.old_cache, config, a)
+    prefix = kvcache.prefix_view(run.old_cache, config, a)
     method = "truncated_view"
     if prefix is None:
         prefix = kvcache.prefill(model, pair.old.ids[:a])
@@ -210,39 +183,27 @@ def refresh_pair(model, run: PairRun, mode: str = "first_token",
     return out
 
 
-def with_caches(model, run: PairRun) -> PairRun:
-    """``run`` with its prefix caches (re)computed: probes keep only scores for all pairs and
-    prefill each pair when it is processed, so memory holds one pair's caches at a time."""
-    if run.old_cache is not None:
-        return run
-    d = run.pair.decision
-    return PairRun(run.pair, kvcache.prefill(model, run.pair.old.ids[:d]), kvcache.prefill(model, run.pair.new.ids[:d]),
-                   run.s_old, run.s_new)
-
-
 def run(ctx) -> dict:
-    """Field-only vs field+downstream refresh of every flipping pair; see the module docstring."""
+    """Field-only vs field+downstream refresh of every flipping pair; see the module docstring.
+
+    Each flipping pair is refreshed right after its clean run (its prefix caches are used once and
+    dropped), so every pair is prefilled once per job."""
     cfg = ctx.cfg
     model = ctx.bundle.model
     n_boot = int(cfg.get("n_boot", 2000))
     exact = bool(cfg.get("exact", True))
-    fs = flipping_pairs(ctx, keep_caches=bool(cfg.get("keep_caches", False)))
-    rows = []
-    for i, row in enumerate(tqdm(fs.rows, desc="field_refresh", disable=not cfg.get("progress", True))):
-        with ctx.timer("prefill"):
-            full = with_caches(model, fs.runs[i])
+
+    def refresh(run_, row):
         with ctx.timer("variants"):
-            rows.append(row | refresh_pair(model, full, ctx.readout, ctx.budget_bytes, exact))
-        fs.runs[i] = PairRun(full.pair, None, None, full.s_old, full.s_new)          # free the caches
+            return refresh_pair(model, run_, ctx.readout, ctx.budget_bytes, exact)
+
+    fs = flipping_pairs(ctx, desc="field_refresh", keep_caches=bool(cfg.get("keep_caches", False)), process=refresh)
+    rows = fs.rows
     families = families_of(ctx, rows + fs.excluded)
     with ctx.timer("statistics"):
-        recovery = {v: summaries_by_family(rows, lambda r, v=v: r[f"r_{v}"], lambda r, v=v: r[f"flipped_{v}"],
-                                           families, n_boot, ctx.seed)
+        recovery = {v: summaries_by_family(rows, f"r_{v}", f"flipped_{v}", families, n_boot, ctx.seed)
                     for v in VARIANTS + (("field_exact",) if exact else ())}
-
-    def worst(key, ref=0.0):
-        return max((abs(r[key] - ref) for r in rows), default=None)
-
+    worst = partial(K.worst, rows)
     checks = {"max_abs_none": worst("r_none"), "max_abs_field_downstream_minus_1": worst("r_field_downstream", 1.0),
               "max_abs_all_minus_1": worst("r_all", 1.0)}
     if exact:

@@ -24,12 +24,11 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from tqdm import tqdm
 
 from kvnotes import cache as kvcache
-from kvnotes.pairs import pair_row
-from kvnotes.readout import run_pair, variant_scores
-from kvnotes.stats import proportion, summarize
+from kvnotes import kit as K
+from kvnotes.readout import PairRun, run_pair, variant_scores
+from kvnotes.stats import proportion
 
 DIRECTIONS = {
     # name: (base run = whose field stays, source run = whose notes are written)
@@ -46,22 +45,21 @@ def injection_masks(n_layers: int, field: tuple[int, int], decision: int) -> tor
 
 
 @torch.no_grad()
-def inject_pair(model, pair, mode: str = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES,
-                min_effect: float = 1.0, flip_rule: str = "owned") -> dict:
-    """Clean scores and both injections of one pair.
+def inject_run(model, run: PairRun, mode: str = "first_token",
+               budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> dict:
+    """Both injections of one pair's clean run (prefix caches over ``[0, d)``).
 
     Returns:
-        the clean decision's :func:`kvnotes.readout.pair_status` columns (``s_old, s_new``, flip
-        status under ``flip_rule``, ownership) and, per direction ``D`` in :data:`DIRECTIONS`: ``D_s_notes``
-        (score with the source's notes), ``D_s_all`` (field + notes from the source),
-        ``D_follows_notes`` (sign matches the source run), ``D_r_notes`` and ``D_r_all``
-        (``(s - s_base) / (s_source - s_base)``, None when the two runs score equally).
+        per direction ``D`` in :data:`DIRECTIONS`: ``D_s_notes`` (score with the source's notes),
+        ``D_s_all`` (field + notes from the source), ``D_follows_notes`` (sign matches the source
+        run), ``D_r_notes`` and ``D_r_all`` (``(s - s_base) / (s_source - s_base)``, None when the
+        two runs score equally).
     """
-    pr = run_pair(model, pair, mode)
-    caches = {"old": pr.old_cache, "new": pr.new_cache}
-    clean = {"old": pr.s_old, "new": pr.s_new}
-    masks = injection_masks(len(pr.old_cache.layers), pair.field, pair.decision)
-    out = pr.status(min_effect, flip_rule)
+    pair = run.pair
+    caches = {"old": run.old_cache, "new": run.new_cache}
+    clean = {"old": run.s_old, "new": run.s_new}
+    masks = injection_masks(len(run.old_cache.layers), pair.field, pair.decision)
+    out = {}
     for name, (base, source) in DIRECTIONS.items():
         s = variant_scores(model, pair, caches[base], caches[source], masks, mode, budget_bytes)
         s_notes, s_all = float(s[0]), float(s[1])
@@ -75,18 +73,24 @@ def inject_pair(model, pair, mode: str = "first_token", budget_bytes: int = kvca
     return out
 
 
+def inject_pair(model, pair, mode: str = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES,
+                min_effect: float = 1.0, flip_rule: str = "owned") -> dict:
+    """Clean run of ``pair`` (:func:`kvnotes.readout.run_pair`): its :func:`kvnotes.readout.pair_status`
+    columns under ``flip_rule`` and :func:`inject_run`'s columns."""
+    run = run_pair(model, pair, mode)
+    return run.status(min_effect, flip_rule) | inject_run(model, run, mode, budget_bytes)
+
+
 def _aggregate(rows: list[dict], n_boot: int, seed: int) -> dict:
     out = {}
-    fams = {"all": rows} | {f: [r for r in rows if r["family"] == f] for f in sorted({r["family"] for r in rows})}
-    for fam, rs in fams.items():
+    for fam, rs in K.by_family(rows).items():
         out[fam] = {}
         for name in DIRECTIONS:
             follows = sum(bool(r[f"{name}_follows_notes"]) for r in rs)
             out[fam][name] = {
                 "follow_notes": proportion(follows, len(rs)),
                 "follow_field": proportion(len(rs) - follows, len(rs)),
-                "r_notes": summarize([r[f"{name}_r_notes"] for r in rs], [r["scenario"] for r in rs],
-                                     [r["instance"] for r in rs], n_boot, seed),
+                "r_notes": K.summary(rs, f"{name}_r_notes", n_boot, seed),
             }
     return out
 
@@ -104,15 +108,13 @@ def run(ctx) -> dict:
     cfg = ctx.cfg
     model = ctx.bundle.model
     n_boot = int(cfg.get("n_boot", 2000))
-    budget = getattr(ctx, "budget_bytes", kvcache.DEFAULT_BUDGET_BYTES)  # budget_mb
+    budget = ctx.budget_bytes
     rows = []
-    for pair in tqdm(ctx.pairs.pairs, desc="injection", disable=not cfg.get("progress", True)):
+    for run_, row in K.each_pair(ctx, desc="injection"):
         with ctx.timer("injection"):
-            cols = inject_pair(model, pair, ctx.readout, budget, ctx.min_effect, ctx.flip_rule)
-        rows.append(pair_row(pair) | cols)
+            rows.append(row | inject_run(model, run_, ctx.readout, budget))
     flipping = [r for r in rows if r["flips"]]
-    excluded = list(ctx.pairs.excluded) + [{k: r[k] for k in ("pair", "scenario", "family", "instance", "reason")}
-                                           for r in rows if not r["flips"]]
+    excluded = K.excluded_rows(ctx.pairs.excluded, rows)
     all_err = [abs(r[f"{n}_r_all"] - 1) for r in rows for n in DIRECTIONS if r[f"{n}_r_all"] is not None]
     score_err = [abs(r[f"{n}_s_all"] - r[f"s_{src}"]) for r in rows for n, (_, src) in DIRECTIONS.items()]
     with ctx.timer("statistics"):
@@ -129,5 +131,5 @@ def run(ctx) -> dict:
                  f"for this family and not reported")
              for f, n in aggregates["n_pairs_by_family"].items() if f not in aggregates["n_flip_by_family"]}
     return {"rows": rows, "aggregates": aggregates, "notes": notes,
-            "exclusions": dict(Counter(r["reason"] for r in excluded)), "excluded": excluded,
+            "exclusions": K.exclusion_counts(excluded), "excluded": excluded,
             "directions": {n: {"base": b, "notes_from": s} for n, (b, s) in DIRECTIONS.items()}}

@@ -37,30 +37,23 @@ cluster-bootstrap CIs (scenarios, then instances; docs/design.md §8).
 
 from __future__ import annotations
 
-import math
-import sys
 from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from kvnotes import cache as kvcache
-from kvnotes.capture import attention_hook
-from kvnotes.errors import KvnotesError
-from kvnotes.pairs import pair_row
-from kvnotes.readout import run_pair
-from kvnotes.stats import bootstrap_weights, proportion, summarize
+from kvnotes import kit as K
+from kvnotes.knockout import DecisionRead, decision_forward, knockout_masks
+from kvnotes.readout import candidate_scores
+from kvnotes.stats import bootstrap_weights, proportion
 
 GROUPS = ("sinks", "prefix", "field", "downstream", "decision")
-KNOCKABLE = ("sinks", "prefix", "field", "downstream")
 RUNS = ("old", "new")
-SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
 # --------------------------------------------------------------------------------------------
-# key groups and layer bands
+# key groups
 
 
 def key_groups(field: tuple[int, int], decision: int, n_sinks: int) -> dict[str, tuple[int, int]]:
@@ -84,233 +77,6 @@ def key_groups(field: tuple[int, int], decision: int, n_sinks: int) -> dict[str,
             "decision": (decision, decision + 1)}
 
 
-def layer_bands(n_layers: int, bands, units: str = "fraction") -> list[dict]:
-    """Resolve configured bands to layer ranges.
-
-    Args:
-        bands: list of ``[lo, hi]``; with ``units="fraction"`` fractions of depth (layer range
-            ``[floor(lo * L + 0.5), floor(hi * L + 0.5))``), with ``units="layer"`` layer indices
-            ``[lo, hi)``.
-
-    Returns:
-        ``[{"name": "L<lo>-<hi-1>", "layers": [lo, hi)}]``.
-
-    Raises:
-        ValueError: unknown units or an empty / out-of-range band.
-    """
-    out = []
-    for lo, hi in bands:
-        if units == "fraction":
-            l0, l1 = math.floor(float(lo) * n_layers + 0.5), math.floor(float(hi) * n_layers + 0.5)
-        elif units == "layer":
-            l0, l1 = int(lo), int(hi)
-        else:
-            raise ValueError(f"band units must be 'fraction' or 'layer', got {units!r}")
-        if not 0 <= l0 < l1 <= n_layers:
-            raise ValueError(f"band [{lo}, {hi}] ({units}) gives an empty or out-of-range layer range "
-                             f"[{l0}, {l1}) for {n_layers} layers")
-        out.append({"name": f"L{l0}-{l1 - 1}", "layers": [l0, l1]})
-    return out
-
-
-def knockout_masks(n_layers: int, decision: int, groups: dict[str, tuple[int, int]],
-                   variants: list[tuple[list[str], list[int]]]) -> torch.Tensor:
-    """Knockout masks: variant ``v`` hides the keys of its groups in its layers.
-
-    Args:
-        variants: ``(group names, [l0, l1))`` per variant; an empty group list knocks out nothing.
-
-    Returns:
-        bool ``[V, n_layers, d]`` over prefix positions (the decision token's own key is never hidden).
-
-    Raises:
-        ValueError: a group that cannot be knocked out (``decision``) or is unknown.
-    """
-    masks = torch.zeros(len(variants), n_layers, decision, dtype=torch.bool)
-    for v, (names, (l0, l1)) in enumerate(variants):
-        for g in names:
-            if g not in KNOCKABLE:
-                raise ValueError(f"cannot knock out group '{g}' (knockable: {KNOCKABLE})")
-            s, e = groups[g]
-            masks[v, l0:l1, s:e] = True
-    return masks
-
-
-# --------------------------------------------------------------------------------------------
-# the decision-row hook
-
-
-def _causal(q_len: int, kv_len: int, device) -> torch.Tensor:
-    """Bool ``[1, 1, q_len, kv_len]``: query ``i`` sees key ``j`` iff ``j <= kv_len - q_len + i``
-    (queries are the last ``q_len`` positions of the keys)."""
-    i = torch.arange(q_len, device=device)[:, None]
-    j = torch.arange(kv_len, device=device)[None, :]
-    return (j <= kv_len - q_len + i)[None, None]
-
-
-def additive_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, device) -> torch.Tensor:
-    """The mask an attention implementation received, as an fp32 additive mask ``[B|1, 1, q, kv]``.
-
-    ``None`` means what sdpa does without a mask: all keys for a single query row, causal
-    (bottom-right aligned) otherwise. Bool masks are True where attending is allowed.
-    """
-    if mask is None:
-        allowed = torch.ones(1, 1, q_len, kv_len, dtype=torch.bool, device=device) if q_len == 1 \
-            else _causal(q_len, kv_len, device)
-        mask = allowed
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
-    return mask.float().clamp_min(torch.finfo(torch.float32).min)
-
-
-def eager_probabilities(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        mask: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention probabilities and output from the model's own eager attention function, in fp32.
-
-    The function is the ``eager_attention_forward`` of the module's modeling file (Gemma-2's applies
-    logit soft-capping), called with keyword arguments (docs/design.md §4, §10).
-
-    Args:
-        query: ``[B, heads, r, head_dim]`` (the rows of interest).
-        key, value: ``[B, kv_heads, kv_len, head_dim]``.
-        mask: additive fp32 ``[B|1, 1, r, kv_len]``.
-
-    Returns:
-        (probabilities ``[B, heads, r, kv_len]``, output ``[B, r, heads, head_dim]``), fp32.
-    """
-    eager = sys.modules[type(module).__module__].eager_attention_forward
-    kw = dict(kwargs)
-    kw["dropout"] = 0.0
-    out, weights = eager(module, query.float(), key.float(), value.float(), mask, **kw)
-    return weights.float(), out.float()
-
-
-class DecisionRowHook:
-    """``attention_hook`` function that knocks out keys for the decision row and/or records its
-    attention probabilities.
-
-    Queries fed in the hooked forward sit at positions ``start .. start + q_len - 1`` and the keys
-    are the contiguous positions ending at the last query (true for prefix caches built by
-    :mod:`kvnotes.cache`, including filled sliding windows).
-
-    Args:
-        decision: position ``d`` of the decision query.
-        start: position of the first fed token.
-        knock: optional bool ``[V, n_layers, P]``: hide key position ``p < P`` from the decision
-            row in layer ``l`` for batch row ``v``.
-        capture: record per layer the decision row's head-mean probabilities over positions.
-        keep_heads: with ``capture``, also keep the per-head probabilities.
-
-    Attributes:
-        probs: layer -> fp32 ``[B, d + 1]`` head-mean probabilities by absolute position.
-        head_probs: layer -> fp32 ``[B, heads, d + 1]`` (only with ``keep_heads``).
-        recon_err: layer -> max |eager output - executed output| at the decision row.
-
-    Raises:
-        KvnotesError: (when called) a knockout under an attention implementation other than sdpa/eager.
-    """
-
-    def __init__(self, model, decision: int, start: int, knock: torch.Tensor | None = None, capture: bool = False,
-                 keep_heads: bool = False):
-        self.impl = model.config._attn_implementation
-        self.decision, self.start, self.knock, self.capture = decision, start, knock, capture
-        self.keep_heads = keep_heads
-        self.probs: dict[int, torch.Tensor] = {}
-        self.head_probs: dict[int, torch.Tensor] = {}
-        self.recon_err: dict[int, float] = {}
-
-    def _knocked(self, mask, q_len, kv_len, layer, row, k_pos, device):
-        if self.impl not in SUPPORTED_IMPLEMENTATIONS:
-            raise KvnotesError(f"attention knockout needs attn_implementation sdpa or eager, got '{self.impl}'")
-        V, _, P = self.knock.shape
-        hide = torch.zeros(V, kv_len, dtype=torch.bool, device=device)
-        valid = (k_pos >= 0) & (k_pos < P)
-        hide[:, valid] = self.knock[:, layer, k_pos[valid]].to(device)
-        if mask is None or mask.dtype == torch.bool:
-            allowed = _causal(q_len, kv_len, device) if (mask is None and q_len > 1) else \
-                (torch.ones(1, 1, q_len, kv_len, dtype=torch.bool, device=device) if mask is None else mask)
-            allowed = allowed.expand(V, allowed.shape[1], q_len, kv_len).clone()
-            allowed[:, :, row, :] &= ~hide[:, None, :]
-            return allowed
-        out = mask.expand(V, mask.shape[1], q_len, kv_len).clone()
-        out[:, :, row, :] = out[:, :, row, :].masked_fill(hide[:, None, :], torch.finfo(out.dtype).min)
-        return out
-
-    def __call__(self, base, module, query, key, value, attention_mask, **kwargs):
-        q_len, kv_len = query.shape[2], key.shape[2]
-        row = self.decision - self.start
-        if not 0 <= row < q_len:
-            return base(module, query, key, value, attention_mask, **kwargs)
-        layer = module.layer_idx
-        end = self.start + q_len
-        k_pos = torch.arange(end - kv_len, end, device=query.device)
-        if self.knock is not None and bool(self.knock[:, layer].any()):
-            attention_mask = self._knocked(attention_mask, q_len, kv_len, layer, row, k_pos, query.device)
-        out, weights = base(module, query, key, value, attention_mask, **kwargs)
-        if self.capture:
-            mask = additive_mask(attention_mask, q_len, kv_len, query.device)[..., row:row + 1, :]
-            probs, eout = eager_probabilities(module, query[:, :, row:row + 1], key, value, mask, **kwargs)
-            seen = k_pos <= self.decision                     # later keys (teacher-forced tokens) are masked
-            full = torch.zeros(*probs.shape[:2], self.decision + 1, dtype=torch.float32, device=query.device)
-            full[:, :, k_pos[seen]] = probs[:, :, 0, seen]
-            self.probs[layer] = full.mean(1).cpu()
-            if self.keep_heads:
-                self.head_probs[layer] = full.cpu()
-            ref = out[:, row:row + 1].float()
-            self.recon_err[layer] = float((eout - ref).abs().max())
-        return out, weights
-
-
-@dataclass
-class DecisionRead:
-    """Output of :func:`decision_forward`.
-
-    Attributes:
-        logprobs: fp32 ``[V, n, vocab]`` log-probs after each fed token.
-        probs: fp32 ``[V, n_layers, d + 1]`` head-mean decision-row attention by position, or None.
-        recon_err: max over layers of |eager - executed attention output| at the decision row, or None.
-    """
-
-    logprobs: torch.Tensor
-    probs: torch.Tensor | None
-    recon_err: float | None
-
-
-@torch.no_grad()
-def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | None = None,
-                     capture: bool = False, budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> DecisionRead:
-    """Feed ``tokens`` (the first at the decision position ``d = seq_length(cache)``) on a prefix
-    cache, optionally knocking out keys for the decision row and capturing its attention.
-
-    Variants run batched over an expanded view of ``cache``, in chunks whose materialised variant
-    caches fit ``budget_bytes``.
-
-    Args:
-        cache: batch-1 prefix cache over ``[0, d)`` (left unchanged).
-        tokens: ``[n]`` token ids (decision token, then any teacher-forced continuation).
-        knock: bool ``[V, n_layers, d]`` (see :func:`knockout_masks`); None = one clean variant.
-        capture: compute the decision row's attention probabilities per layer.
-
-    Returns:
-        :class:`DecisionRead`.
-
-    Raises:
-        KvnotesError: a knockout under an attention implementation other than sdpa/eager.
-    """
-    d = kvcache.seq_length(cache)
-    V = 1 if knock is None else knock.shape[0]
-    lps, probs, errs = [], [], []
-    for sl in kvcache.chunks(V, kvcache.variant_bytes(cache), budget_bytes):
-        hook = DecisionRowHook(model, d, d, None if knock is None else knock[sl].to(model.device), capture)
-        with attention_hook(model, hook):
-            lps.append(kvcache.continuation_logprobs(model, kvcache.expand_cache(cache, model.config, sl.stop - sl.start),
-                                                     tokens, d))
-        if capture:
-            probs.append(torch.stack([hook.probs[l] for l in sorted(hook.probs)], dim=1))
-            errs.append(max(hook.recon_err.values()))
-    return DecisionRead(torch.cat(lps), torch.cat(probs) if capture else None, max(errs) if capture else None)
-
-
 def group_masses(probs: torch.Tensor, groups: dict[str, tuple[int, int]]) -> torch.Tensor:
     """Sum probabilities over each key group.
 
@@ -325,24 +91,13 @@ def group_masses(probs: torch.Tensor, groups: dict[str, tuple[int, int]]) -> tor
 
 def _scores(model, pair, cache, knock, mode: str, capture: bool,
             budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> tuple[torch.Tensor, DecisionRead]:
-    """Scores ``[V]`` of knockout variants and the first forward's :class:`DecisionRead`."""
-    d_tok = pair.old.ids[pair.decision: pair.decision + 1]
-    if mode == "first_token":
-        read = decision_forward(model, cache, d_tok, knock, capture, budget_bytes)
-        lp = read.logprobs[:, 0]
-        return lp[:, pair.cand_new[0]] - lp[:, pair.cand_old[0]], read
-    if mode != "full":
-        raise ValueError(f"readout mode must be 'first_token' or 'full', got {mode!r}")
-    totals, first = [], None
-    for cand in (pair.cand_old, pair.cand_new):
-        tokens = torch.cat([d_tok, torch.tensor(cand[:-1], dtype=torch.long)])
-        read = decision_forward(model, cache, tokens, knock, capture and first is None, budget_bytes)
-        if first is None:
-            first = read
-        idx = torch.tensor(cand, device=read.logprobs.device)
-        lps = read.logprobs
-        totals.append(lps.gather(2, idx.view(1, -1, 1).expand(lps.shape[0], -1, 1)).sum(dim=(1, 2)))
-    return totals[1] - totals[0], first
+    """Scores ``[V]`` of knockout variants (:func:`kvnotes.readout.candidate_scores`) and the first
+    forward's :class:`kvnotes.knockout.DecisionRead`."""
+    def forward(tokens, first):
+        read = decision_forward(model, cache, tokens, knock, capture and first, budget_bytes)
+        return read.logprobs, read
+
+    return candidate_scores(forward, pair, mode)
 
 
 def collapse_flags(lp: torch.Tensor, cands: tuple[int, int], drop_nats: float, top_k: int) -> dict[str, torch.Tensor]:
@@ -383,20 +138,13 @@ def _mass_matrix_summary(rows: list[dict], key: str, n_boot: int, seed: int, lev
             "ci_low": lo.tolist(), "ci_high": hi.tolist(), "ci_level": level}
 
 
-def _by_family(rows: list[dict]) -> dict[str, list[dict]]:
-    out = {"all": rows}
-    for f in sorted({r["family"] for r in rows}):
-        out[f] = [r for r in rows if r["family"] == f]
-    return out
-
-
 def _attention_aggregates(rows, bands, n_boot, seed) -> dict:
     """Per family and subset (flipping / all) and run: the layer x group mass matrix with CIs and
     the band-mean mass per group (summarize)."""
     out = {}
     for subset, sel in (("flipping", [r for r in rows if r["flips"]]), ("all", rows)):
         out[subset] = {}
-        for fam, rs in _by_family(sel).items():
+        for fam, rs in K.by_family(sel).items():
             entry = {}
             for run in RUNS:
                 key = f"mass_{run}"
@@ -404,8 +152,7 @@ def _attention_aggregates(rows, bands, n_boot, seed) -> dict:
                 for band in bands:
                     l0, l1 = band["layers"]
                     band_stats[band["name"]] = {
-                        g: summarize([float(np.mean([m[gi] for m in r[key][l0:l1]])) for r in rs],
-                                     [r["scenario"] for r in rs], [r["instance"] for r in rs], n_boot, seed)
+                        g: K.summary(rs, lambda r, gi=gi: float(np.mean([m[gi] for m in r[key][l0:l1]])), n_boot, seed)
                         for gi, g in enumerate(GROUPS)}
                 entry[run] = {"layers": _mass_matrix_summary(rs, key, n_boot, seed), "bands": band_stats}
             out[subset][fam] = entry
@@ -417,7 +164,7 @@ def _knockout_aggregates(ko_rows, variants, n_boot, seed) -> dict:
     out = {}
     for subset, sel in (("flipping", [r for r in ko_rows if r["flips"]]), ("all", ko_rows)):
         out[subset] = {}
-        for fam, rs in _by_family(sel).items():
+        for fam, rs in K.by_family(sel).items():
             out[subset][fam] = {}
             for run in RUNS:
                 cells = {}
@@ -429,11 +176,8 @@ def _knockout_aggregates(ko_rows, variants, n_boot, seed) -> dict:
                     intact = sum(r["flip_intact"] for r in cell)
                     cells[v["name"]] = {
                         "group": v["group"], "band": v["band"], "layers": v["layers"],
-                        "delta": summarize([r["delta"] for r in cell], [r["scenario"] for r in cell],
-                                           [r["instance"] for r in cell], n_boot, seed),
-                        "delta_toward_other": summarize([r["delta_toward_other"] for r in cell],
-                                                        [r["scenario"] for r in cell],
-                                                        [r["instance"] for r in cell], n_boot, seed),
+                        "delta": K.summary(cell, "delta", n_boot, seed),
+                        "delta_toward_other": K.summary(cell, "delta_toward_other", n_boot, seed),
                         "n": n, "n_decision_changed": changed, "n_collapsed": collapsed,
                         "n_collapsed_drop": sum(r["collapse_drop"] for r in cell),
                         "n_collapsed_topk": sum(r["collapse_topk"] for r in cell),
@@ -445,7 +189,7 @@ def _knockout_aggregates(ko_rows, variants, n_boot, seed) -> dict:
 
 
 def _variants(cfg, n_layers: int) -> tuple[list[dict], list[dict]]:
-    bands = layer_bands(n_layers, [list(b) for b in cfg.bands], cfg.get("band_units", "fraction"))
+    bands = K.layer_bands(n_layers, [list(b) for b in cfg.bands], cfg.get("band_units", "fraction"))
     variants = []
     for names in cfg.knockout_groups:
         names = [str(g) for g in (names if not isinstance(names, str) else [names])]
@@ -473,18 +217,16 @@ def run(ctx) -> dict:
     n_sinks = int(cfg.n_sinks)
     drop_nats, top_k = float(cfg.collapse.drop_nats), int(cfg.collapse.top_k)
     n_boot = int(cfg.get("n_boot", 2000))
-    budget = getattr(ctx, "budget_bytes", kvcache.DEFAULT_BUDGET_BYTES)  # budget_mb
+    budget = ctx.budget_bytes
     bands, variants = _variants(cfg, n_layers)
     rows, ko_rows, examples = [], [], {}
-    for pair in tqdm(ctx.pairs.pairs, desc="read_location", disable=not cfg.get("progress", True)):
-        with ctx.timer("clean_runs"):
-            pr = run_pair(model, pair, ctx.readout)
-        status = pr.status(ctx.min_effect, ctx.flip_rule)
+    for pr, row in K.each_pair(ctx, desc="read_location"):
+        pair = pr.pair
         groups = key_groups(pair.field, pair.decision, n_sinks)
         masks = torch.cat([torch.zeros(1, n_layers, pair.decision, dtype=torch.bool)] +
                           [knockout_masks(n_layers, pair.decision, groups, [(v["groups"], v["layers"])])
                            for v in variants])
-        row = pair_row(pair) | status | {"groups": {g: list(s) for g, s in groups.items()}}
+        row |= {"groups": {g: list(s) for g, s in groups.items()}}
         base = {k: row[k] for k in ("pair", "scenario", "family", "instance", "flips")}
         null_err = 0.0
         for run_name, cache, s_clean, s_other in (("old", pr.old_cache, pr.s_old, pr.s_new),
@@ -520,8 +262,7 @@ def run(ctx) -> dict:
         if fam not in examples or (row["flips"] and not examples[fam]["flips"]):
             examples[fam] = {"pair": row["pair"], "flips": row["flips"], "field": list(pair.field),
                              "decision": pair.decision, "mass_new": row["mass_new"]}
-    excluded = list(ctx.pairs.excluded) + [r for r in rows if not r["flips"]]
-    excluded = [{k: r[k] for k in ("pair", "scenario", "family", "instance", "reason")} for r in excluded]
+    excluded = K.excluded_rows(ctx.pairs.excluded, rows)
     with ctx.timer("statistics"):
         aggregates = {
             "n_pairs": len(rows), "n_flip": sum(r["flips"] for r in rows),
@@ -538,7 +279,7 @@ def run(ctx) -> dict:
             "knockout": _knockout_aggregates(ko_rows, variants, n_boot, ctx.seed),
         }
     return {"rows": rows, "knockout_rows": ko_rows, "aggregates": aggregates,
-            "exclusions": dict(Counter(r["reason"] for r in excluded)), "excluded": excluded,
+            "exclusions": K.exclusion_counts(excluded), "excluded": excluded,
             "groups": list(GROUPS), "n_sinks": n_sinks, "bands": bands,
             "variants": [{k: v[k] for k in ("name", "group", "band", "layers")} for v in variants],
             "collapse": {"drop_nats": drop_nats, "top_k": top_k,

@@ -11,12 +11,7 @@ imply different outcomes); control scenarios must not flip (``unexpected_flips``
 
 from __future__ import annotations
 
-from collections import Counter
-
-from tqdm import tqdm
-
-from kvnotes.pairs import pair_row
-from kvnotes.readout import screen_pair
+from kvnotes import kit as K
 from kvnotes.stats import proportion, summarize_rows
 
 
@@ -40,23 +35,18 @@ def table(rows: list[dict], excluded: list[dict], key: str) -> dict:
             "unexpected_flips": sum(r["flips"] and not r["expect_flip"] for r in rs),
             "n_correct_direction": sum(r["flips"] and r["correct_direction"] for r in rs),
             "n_scenarios": len({r["scenario"] for r in rs}),
-            "excluded": dict(Counter(r["reason"] for r in ex)),
-            "not_flipping": dict(Counter(r["reason"] for r in rs if not r["flips"])),
+            "excluded": K.exclusion_counts(ex),
+            "not_flipping": K.exclusion_counts([r for r in rs if not r["flips"]]),
         }
     return out
 
 
 def run(ctx) -> dict:
     """Screen every pair; see the module docstring."""
-    cfg = ctx.cfg
     tok = ctx.bundle.tokenizer
-    rows = []
-    with ctx.timer("screen"):
-        for pair in tqdm(ctx.pairs.pairs, desc="screen", disable=not cfg.get("progress", True)):
-            _, status = screen_pair(ctx.bundle.model, pair, ctx.readout, ctx.min_effect, ctx.flip_rule)
-            status |= {"top1_old": tok.convert_ids_to_tokens(status["top1_id_old"]),
-                       "top1_new": tok.convert_ids_to_tokens(status["top1_id_new"])}
-            rows.append(pair_row(pair) | status)
+    rows = [row | {"top1_old": tok.convert_ids_to_tokens(row["top1_id_old"]),
+                   "top1_new": tok.convert_ids_to_tokens(row["top1_id_new"])}
+            for _, row in K.each_pair(ctx, desc="screen")]
     excluded = ctx.pairs.excluded
     flipping = [r for r in rows if r["flips"]]
     return {

@@ -29,7 +29,7 @@ secondary curve. Reference variants of every pair: ``none`` (nothing; 0 by defin
 equal bands, or explicit ``[lo, hi)`` layer ranges).
 
 **Top-k selection and transfer.** Instances are split per scenario into selection and held-out
-sets (:func:`kvnotes.probing.split_instances`, ``selection_fraction``, ``ctx.seed``). Positions
+sets (:func:`kvnotes.selection.split_instances`, ``selection_fraction``, ``ctx.seed``). Positions
 differ between instances, so a position is described by its offset from an anchor
 (``topk_anchor``): ``decision`` (default; offset ``d - p``, 1 = the last downstream position — the
 chat-template tail, request and answer prefix are shared text aligned from the end) or
@@ -42,7 +42,7 @@ the pair ids its profile was built from (``topk_profile_pairs``).
 
 All variants of one pair are evaluated in one call of :func:`kvnotes.readout.variant_scores` on
 batched variant caches (chunked to ``ctx.budget_bytes``); identical masks are evaluated once.
-Aggregates per family (and ``all``) come from :func:`kvnotes.probing.recovery_summary`.
+Aggregates per family (and ``all``) come from :func:`kvnotes.kit.summaries_by_family`.
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ import torch
 from tqdm import tqdm
 
 from kvnotes import cache as kvcache
-from kvnotes.probing import (exclusions_by_family, families_of, flipping_pairs, pair_rng, split_instances,
-                             summaries_by_family)
+from kvnotes import kit as K
+from kvnotes.kit import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
 from kvnotes.readout import PairRun, variant_scores
-from probes.field_refresh import with_caches
+from kvnotes.selection import pair_rng, split_instances
 
 SET_FAMILIES = ("suffix", "prefix", "topk", "random")
 REFERENCES = ("none", "field", "downstream", "field_downstream")
@@ -120,24 +120,6 @@ def random_sets(rng: np.random.Generator, downstream: tuple[int, int], k: int, n
     if not 0 <= k <= d - b:
         raise ValueError(f"cannot draw {k} distinct positions from [{b}, {d})")
     return [sorted(int(p) for p in rng.choice(np.arange(b, d), size=k, replace=False)) for _ in range(n_draws)]
-
-
-def layer_bands(n_layers: int, spec) -> list[list[int]]:
-    """Layer bands: ``spec`` is a number of (near-)equal contiguous bands or a list of ``[lo, hi)``.
-
-    Raises:
-        ValueError: bands outside ``[0, n_layers)``, empty, or more bands than layers.
-    """
-    if isinstance(spec, int | np.integer):
-        if not 1 <= spec <= n_layers:
-            raise ValueError(f"cannot split {n_layers} layers into {spec} bands")
-        return [a.tolist() for a in np.array_split(np.arange(n_layers), int(spec))]
-    bands = []
-    for lo, hi in spec:
-        if not 0 <= lo < hi <= n_layers:
-            raise ValueError(f"layer band [{lo}, {hi}) outside [0, {n_layers})")
-        bands.append(list(range(int(lo), int(hi))))
-    return bands
 
 
 def offsets(downstream: tuple[int, int], anchor: str) -> np.ndarray:
@@ -246,21 +228,7 @@ class VariantPlan:
 
 
 @torch.no_grad()
-def single_position_scores(model, run: PairRun, mode: str = "first_token",
-                           budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> torch.Tensor:
-    """The single-position map alone: scores of patching each downstream position ``p`` in
-    ``[b, d)`` by itself, every layer, in one batched sweep (:func:`kvnotes.readout.variant_scores`).
-
-    Returns:
-        ``[d - b]`` fp32 scores in nats (``run.recovery`` turns them into recoveries).
-    """
-    b, d = run.pair.downstream
-    masks = kvcache.position_masks(len(run.old_cache.layers), d, [[p] for p in range(b, d)])
-    return variant_scores(model, run.pair, run.old_cache, run.new_cache, masks, mode, budget_bytes)
-
-
-@torch.no_grad()
-def evaluate_pair(model, run: PairRun, grid: list[dict], bands: list[list[int]], rng: np.random.Generator,
+def evaluate_pair(model, run: PairRun, grid: list[dict], bands: list[dict], rng: np.random.Generator,
                   n_draws: int, topk_order: list[int] | None = None, with_field: bool = True,
                   mode: str = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES,
                   store_sets: bool = False) -> dict:
@@ -269,7 +237,7 @@ def evaluate_pair(model, run: PairRun, grid: list[dict], bands: list[list[int]],
     Args:
         run: the pair's clean run with prefix caches over ``[0, d)``.
         grid: :func:`grid_points`.
-        bands: :func:`layer_bands`.
+        bands: :func:`kvnotes.kit.layer_bands`.
         rng: the pair's generator for random sets (:func:`pair_rng`).
         n_draws: random sets per grid point.
         topk_order: downstream positions ranked by the selection profile (held-out pairs), or None.
@@ -296,7 +264,7 @@ def evaluate_pair(model, run: PairRun, grid: list[dict], bands: list[list[int]],
     refs = {"none": plan.add([]), "field": plan.add(field), "downstream": plan.add(range(b, d)),
             "field_downstream": plan.add(range(a, d))}
     single = [plan.add([p]) for p in range(b, d)]
-    band_idx = [plan.add(range(b, d), layers) for layers in bands]
+    band_idx = [plan.add(range(b, d), range(*band["layers"])) for band in bands]
     ks = [k_for(pt, n) for pt in grid]
     fams = [f for f in SET_FAMILIES if f != "topk" or topk_order is not None]
     sets: dict[str, list] = {f: [] for f in fams}
@@ -423,7 +391,7 @@ def run(ctx) -> dict:
     n_layers = model.config.get_text_config().num_hidden_layers
     grid = grid_points(list(cfg.grid.fractions), list(cfg.grid.counts))
     bands_spec = cfg.layer_bands
-    bands = layer_bands(n_layers, bands_spec if isinstance(bands_spec, int) else [list(x) for x in bands_spec])
+    bands = K.layer_bands(n_layers, bands_spec if isinstance(bands_spec, int) else [list(x) for x in bands_spec])
     anchor = str(cfg.topk_anchor)
     offsets((0, 1), anchor)                                     # validate the anchor before any work
     n_draws = int(cfg.random.n_draws)
@@ -438,9 +406,7 @@ def run(ctx) -> dict:
         else:
             runs.append(r)
             rows.append(row)
-    exclusions = {}
-    for e in excluded:
-        exclusions[e["reason"]] = exclusions.get(e["reason"], 0) + 1
+    exclusions = K.exclusion_counts(excluded)
     sel, held = split_instances(rows, float(cfg.selection_fraction), ctx.seed)
     order = sorted(range(len(rows)), key=lambda i: rows[i]["instance"] not in sel)   # selection first, stable
     out_rows: list[dict | None] = [None] * len(rows)
@@ -456,7 +422,7 @@ def run(ctx) -> dict:
             if prof is not None:
                 topk_order = rank_positions(prof, runs[i].pair.downstream, anchor)
         with ctx.timer("prefill"):
-            full = with_caches(model, runs[i])
+            full = runs[i].with_caches(model)
         with ctx.timer("variants"):
             row |= evaluate_pair(model, full, grid, bands, pair_rng(ctx.seed, row["pair"]), n_draws, topk_order,
                                  bool(cfg.with_field), ctx.readout, ctx.budget_bytes,
@@ -474,14 +440,11 @@ def run(ctx) -> dict:
     with ctx.timer("statistics"):
         aggregates = _aggregates(rows, held_rows, grid, bands, families, n_boot, ctx.seed, anchor)
 
-    def worst(key, ref):
-        return max((abs(r[key] - ref) for r in rows), default=None)
-
     inst_of = {r["pair"]: r["instance"] for r in rows}
     full_idx = [g for g, pt in enumerate(grid) if pt["kind"] == "fraction" and pt["value"] == 1.0]
     aggregates["checks"] = {
-        "max_abs_none": worst("r_none", 0.0),
-        "max_abs_field_downstream_minus_1": worst("r_field_downstream", 1.0),
+        "max_abs_none": K.worst(rows, "r_none"),
+        "max_abs_field_downstream_minus_1": K.worst(rows, "r_field_downstream", 1.0),
         "max_abs_full_set_minus_downstream": max((abs(r["curves"][f][g] - r["r_downstream"]) for r in rows
                                                   for f in r["curves"] if not f.startswith("field+") for g in full_idx),
                                                  default=None),

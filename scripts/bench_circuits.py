@@ -28,7 +28,7 @@ def main() -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from circuits import _common as C
+    from kvnotes import cache as kvcache
     from circuits.heads import head_outputs, patched_scores, set_masks
     from circuits.engine import make_engine
     from kvnotes.models import load_model
@@ -58,7 +58,7 @@ def main() -> None:
         plain = best(lambda: model(ids))
     sets = [[(l % L, h % H)] for l, h in zip(range(args.chunk), range(args.chunk))]
     masks = set_masks(sets, L, H)
-    prefix = C.prefix_cache(model, run.old_cache, pair.old.ids, pair.field[1])
+    prefix = kvcache.prefix_cache(model, run.old_cache, pair.old.ids, pair.field[1])
     for mode, pre in (("read", run.old_cache), ("write", prefix)):
         t = best(lambda: patched_scores(engine, run, src, masks, mode, pre, args.chunk)) / args.chunk
         print(f"bench_circuits: {mode} head patch {t * 1e3:.1f} ms/head (batch {args.chunk}, T={len(pair.old.ids)}, "

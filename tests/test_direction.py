@@ -12,9 +12,10 @@ import torch
 from omegaconf import OmegaConf
 
 import circuits.direction as D
-from circuits import _common as C
 from circuits.engine import Intervention, NNsightEngine, Site
-from kvnotes.readout import run_pair
+from kvnotes import cache as kvcache
+from kvnotes.readout import first_token_scores, run_pair
+from kvnotes.selection import pair_rng, with_split
 from tests.conftest import build_tiny
 from tests.test_heads import synthetic_pair
 
@@ -25,7 +26,7 @@ def test_random_controls_are_norm_and_k_matched():
     g = torch.Generator().manual_seed(0)
     delta = torch.randn(7, HID, generator=g) * torch.linspace(0.1, 5, 7)[:, None]   # uneven norms per position
     u = torch.nn.functional.normalize(torch.randn(HID, generator=g), dim=0)
-    rand = D.random_directions(C.pair_rng(3, "pair/x"), 4, HID)
+    rand = D.random_directions(pair_rng(3, "pair/x"), 4, HID)
     inj = D.injections(delta, u, rand)
     assert inj["random"].shape == (4,) + inj["direction"].shape                 # same positions, same width
     real = inj["direction"].norm(dim=-1)
@@ -42,8 +43,8 @@ def test_random_controls_are_norm_and_k_matched():
     assert torch.allclose(inj["direction"] + inj["orthogonal"], delta, atol=1e-5)
     assert (inj["orthogonal"] @ u).abs().max() < 1e-4
     assert torch.allclose(rand.norm(dim=-1), torch.ones(4), atol=1e-6)
-    assert torch.equal(rand, D.random_directions(C.pair_rng(3, "pair/x"), 4, HID))
-    assert not torch.equal(rand, D.random_directions(C.pair_rng(4, "pair/x"), 4, HID))
+    assert torch.equal(rand, D.random_directions(pair_rng(3, "pair/x"), 4, HID))
+    assert not torch.equal(rand, D.random_directions(pair_rng(4, "pair/x"), 4, HID))
     # necessity: every variant sets the projection on its own direction to its target, same positions
     x = torch.randn(7, HID, generator=g)
     dirs = torch.cat([u[None], rand])
@@ -111,7 +112,7 @@ def test_random_subspace_control_is_norm_matched_and_inside_its_subspace():
     g = torch.Generator().manual_seed(5)
     delta = torch.randn(6, HID, generator=g)
     u = torch.nn.functional.normalize(torch.randn(HID, generator=g), dim=0)
-    rand = D.random_directions(C.pair_rng(1, "pair/y"), 3, HID)
+    rand = D.random_directions(pair_rng(1, "pair/y"), 3, HID)
     inj = D.injections(delta, u, rand)
     for k in range(3):
         sub = inj["random_subspace"][k]
@@ -125,7 +126,7 @@ def test_random_subspace_control_is_norm_matched_and_inside_its_subspace():
 def test_no_heldout_instance_in_layer_selection():
     rows = [{"pair": f"s{s}/{i}:{j}", "scenario": f"s{s}", "instance": f"s{s}/{i}", "family": "recall"}
             for s in range(3) for i in range(4) for j in range(2)]
-    rows, sel, held = C.with_split(rows, 0.5, seed=0)
+    rows, sel, held = with_split(rows, 0.5, seed=0)
     layers = [0, 3, 6]
     for r in rows:
         r["selection_suff"] = [0.1, 0.5, 0.2] if r["split"] == "selection" else [9.0, -9.0, -9.0]
@@ -153,7 +154,7 @@ def tiny_run(request):
     pair = synthetic_pair(model)
     run = run_pair(model, pair)
     b, d = pair.field[1], pair.decision
-    pre = (C.prefix_cache(model, run.old_cache, pair.old.ids, b), C.prefix_cache(model, run.new_cache, pair.new.ids, b))
+    pre = (kvcache.prefix_cache(model, run.old_cache, pair.old.ids, b), kvcache.prefix_cache(model, run.new_cache, pair.new.ids, b))
     layers = list(range(engine.adapter.n_layers))
     caps = [D.capture_notes(engine, ids, p, b, d, layers) for ids, p in zip((pair.old.ids, pair.new.ids), pre)]
     return model, engine, pair, run, pre, layers, caps
@@ -163,8 +164,8 @@ def test_full_difference_injection_reproduces_clean_run(tiny_run):
     model, engine, pair, run, pre, layers, ((x_old, lp_old), (x_new, lp_new)) = tiny_run
     a, b, d = pair.field[0], pair.field[1], pair.decision
     # the resumed captures score exactly like the clean runs
-    assert float(C.scores(lp_old, pair)[0]) == pytest.approx(run.s_old, abs=1e-4)
-    assert float(C.scores(lp_new, pair)[0]) == pytest.approx(run.s_new, abs=1e-4)
+    assert float(first_token_scores(lp_old, pair)[0]) == pytest.approx(run.s_old, abs=1e-4)
+    assert float(first_token_scores(lp_new, pair)[0]) == pytest.approx(run.s_new, abs=1e-4)
     for li in (0, len(layers) // 2):
         l = layers[li]
         delta = x_new[li] - x_old[li]
@@ -177,18 +178,18 @@ def test_full_difference_injection_reproduces_clean_run(tiny_run):
         full = engine.run(pair.new.ids, capture=[Site("resid", l)]).acts[Site("resid", l)][0]
         old_full = engine.run(pair.old.ids, capture=[Site("resid", l)]).acts[Site("resid", l)][0]
         iv_all = Intervention(Site("resid", l), list(range(0, d + 1)), (full - old_full)[None], mode="add")
-        s_all = float(C.scores(engine.run(pair.old.ids[: d + 1], [iv_all]).logprobs, pair)[0])
+        s_all = float(first_token_scores(engine.run(pair.old.ids[: d + 1], [iv_all]).logprobs[:, -1], pair)[0])
         assert float(run.recovery(torch.tensor(s_all))) == pytest.approx(1.0, abs=1e-3)
         assert (full[:a] - old_full[:a]).abs().max() < 1e-5          # nothing before the field moves
         # the probe's own variants: zero addition = old run, direction + orthogonal = full
         u = torch.nn.functional.normalize(delta.mean(0), dim=0)
-        inj = D.injections(delta, u, D.random_directions(C.pair_rng(0, "t"), 2, delta.shape[1]))
+        inj = D.injections(delta, u, D.random_directions(pair_rng(0, "t"), 2, delta.shape[1]))
         vals = torch.stack([torch.zeros_like(delta), inj["full"], inj["direction"] + inj["orthogonal"]])
         s = D.added_scores(engine, run, pair.old.ids, pre[0], l, vals)
         assert float(s[0]) == pytest.approx(run.s_old, abs=1e-4)
         assert float(s[1]) == pytest.approx(float(s[2]), abs=1e-4)
         ref = engine.run(pair.old.ids[b: d + 1], [iv], cache=pre[0], start=b).logprobs
-        assert float(s[1]) == pytest.approx(float(C.scores(ref, pair)[0]), abs=1e-4)
+        assert float(s[1]) == pytest.approx(float(first_token_scores(ref[:, -1], pair)[0]), abs=1e-4)
         # necessity: after the ablation the captured note residuals of the new run project on u
         # exactly at the target mean, and everything orthogonal to u is untouched
         mu = torch.tensor([0.37])

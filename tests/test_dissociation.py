@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kvnotes.pairs import PairSet, prepare_pairs
+from kvnotes.pairs import prepare_polarity_pairs
 from kvnotes.tokens import UNEQUAL_TRIGGER_LENGTH, PolarityPair, tokenize_pair, tokenize_polarity_pair
 from probes import ProbeContext
 from probes.dissociation import VARIANTS, orientation, variant_masks
@@ -95,13 +95,11 @@ def test_variant_masks_and_orientation(smol):
 def test_probe_runs_on_embedded_model(smol, tmp_path):
     scen = OmegaConf.merge(OmegaConf.load("conf/scenario/default.yaml"),
                            {"ids": ["account_role", "visa_status", "favourite_colour"], "n_instances": 1})
-    pairs = prepare_pairs(smol.tokenizer, scen)
     # one more scenario whose trigger words tokenise to different lengths
     odd = scenario(rule="Colour rules {gate} apply.",
                    polarity={"slot": "gate", "values": {"normal": "always", "inverted": "absolutely never ever"}})
-    pairs = PairSet(pairs.pairs, pairs.excluded, pairs.scenarios + [odd])
-    cfg = OmegaConf.merge(OmegaConf.load("conf/probe/dissociation.yaml"),
-                          {"n_boot": 200, "progress": False, "chat_template_kwargs": None})
+    pairs = prepare_polarity_pairs(smol.tokenizer, scen, scenarios=load_suite(list(scen.paths), None, scen.ids) + [odd])
+    cfg = OmegaConf.merge(OmegaConf.load("conf/probe/dissociation.yaml"), {"n_boot": 200, "progress": False})
     res = run_dissociation(ProbeContext(bundle=smol, pairs=pairs, cfg=cfg, scenario_cfg=scen))
     rows, agg = res["rows"], res["aggregates"]
     assert res["skipped_scenarios"] == {NO_POLARITY_BLOCK: 1}                  # favourite_colour

@@ -14,8 +14,7 @@ from kvnotes.pairs import PairSet
 from kvnotes.plots import plot_record
 from kvnotes.readout import PairRun, variant_scores
 from probes import ProbeContext
-from probes.field_refresh import (VARIANTS, exact_field_source, refresh_pair, truncated_view,
-                                  variant_positions)
+from probes.field_refresh import VARIANTS, exact_field_source, refresh_pair, variant_positions
 from probes.field_refresh import run as run_probe
 from tests.conftest import VOCAB, WINDOW, recall_pairs
 
@@ -51,7 +50,7 @@ def test_truncated_view_matches_prefix_prefill(tiny):
     [0, a); where a sliding window has dropped part of it, it refuses (None)."""
     ids = torch.arange(1, T + 1) % VOCAB
     short = kvcache.prefill(tiny, ids[:WINDOW - 2])
-    view = truncated_view(short, tiny.config, 4)
+    view = kvcache.prefix_view(short, tiny.config, 4)
     ref = kvcache.prefill(tiny, ids[:4])
     assert view is not None and kvcache.seq_length(view) == 4
     for lv, lr in zip(view.layers, ref.layers, strict=True):
@@ -59,7 +58,7 @@ def test_truncated_view_matches_prefix_prefill(tiny):
         assert torch.allclose(lv.values, lr.values, atol=KV_TOL)
     long = kvcache.prefill(tiny, ids[:T])
     sliding = any(getattr(layer, "is_sliding", False) for layer in long.layers)
-    assert (truncated_view(long, tiny.config, FIELD[0]) is None) == sliding
+    assert (kvcache.prefix_view(long, tiny.config, FIELD[0]) is None) == sliding
 
 
 # (prefix length, field): a short prompt that every window still holds, and a long one whose

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from circuits import _common as C
 from circuits.engine import Intervention, NNsightEngine, Site
-from circuits.heads import (head_outputs, map_pairs, patched_scores, random_head_sets, rank_heads, set_masks,
+from kvnotes.selection import pair_rng, rank_by_mean, with_split
+from circuits.heads import (head_outputs, map_pairs, patched_scores, random_head_sets, set_masks,
                             single_head_map)
 from kvnotes import cache as kvcache
-from kvnotes.readout import run_pair, variant_scores
+from kvnotes.readout import first_token_scores, run_pair, variant_scores
 from tests.conftest import VOCAB, build_tiny
 
 T, A, B = 15, 4, 6          # prompt length, field span [A, B); decision d = T - 1
@@ -58,7 +58,7 @@ def test_write_all_heads_equals_downstream_kv_patch(setup):
     checks the resumed prefill against kvnotes.cache patching."""
     model, engine, pair, run, src = setup
     L, H = engine.adapter.n_layers, engine.adapter.n_heads
-    prefix = C.prefix_cache(model, run.old_cache, pair.old.ids, B)
+    prefix = kvcache.prefix_cache(model, run.old_cache, pair.old.ids, B)
     s = patched_scores(engine, run, src, set_masks([[(l, h) for l in range(L) for h in range(H)]], L, H), "write",
                        prefix, 4)
     ref = variant_scores(model, pair, run.old_cache, run.new_cache,
@@ -71,7 +71,7 @@ def test_resumed_write_equals_full_rerun_and_batching_is_exact(setup):
     model, engine, pair, run, src = setup
     L, H = engine.adapter.n_layers, engine.adapter.n_heads
     d = pair.decision
-    prefix = C.prefix_cache(model, run.old_cache, pair.old.ids, B)
+    prefix = kvcache.prefix_cache(model, run.old_cache, pair.old.ids, B)
     sets = [[(l, h)] for l in range(L) for h in range(H)]
     batched = patched_scores(engine, run, src, set_masks(sets, L, H), "write", prefix, 7)
     one = patched_scores(engine, run, src, set_masks(sets, L, H), "write", prefix, 1)
@@ -80,7 +80,7 @@ def test_resumed_write_equals_full_rerun_and_batching_is_exact(setup):
     for v, [(l, h)] in enumerate(sets[:: max(1, len(sets) // 3)]):
         iv = Intervention(Site("head", l), pos, src[l, pos][None, :, [h]], heads=[h])
         lp = engine.run(pair.old.ids[: d + 1], [iv]).logprobs          # full prefill from 0
-        full = float(C.scores(lp, pair)[0])
+        full = float(first_token_scores(lp[:, -1], pair)[0])
         idx = sets.index([(l, h)])
         assert full == pytest.approx(float(batched[idx]), abs=1e-4)
     m = single_head_map(engine, run, src, "read", run.old_cache, 5)
@@ -90,7 +90,7 @@ def test_resumed_write_equals_full_rerun_and_batching_is_exact(setup):
 def test_selection_never_uses_heldout_instances():
     rows = [{"pair": f"s{s}/{i}:{j}", "scenario": f"s{s}", "instance": f"s{s}/{i}", "family": "recall"}
             for s in range(3) for i in range(4) for j in range(2)]
-    rows, sel, held = C.with_split(rows, 0.5, seed=0)
+    rows, sel, held = with_split(rows, 0.5, seed=0)
     assert sel and held and not sel & held
     mapped = map_pairs(rows, None, 0)
     assert all(r["split"] == "selection" for r in rows if r["pair"] in mapped)
@@ -98,18 +98,18 @@ def test_selection_never_uses_heldout_instances():
     # a poisoned held-out map cannot change the ranking: rank_heads only sees what it is given,
     # and the probe passes it selection maps only
     sel_maps = [np.array([[0.1, 0.5], [0.2, 0.0]]) for _ in range(2)]
-    order = rank_heads(sel_maps)
+    order = rank_by_mean(sel_maps)
     assert order[0] == (0, 1) and order[1] == (1, 0)
     with pytest.raises(ValueError):
-        rank_heads([])
+        rank_by_mean([])
 
 
 def test_random_head_sets_are_k_matched_distinct_and_seeded():
-    draws = random_head_sets(C.pair_rng(0, "p"), 3, 4, 5, 6)
+    draws = random_head_sets(pair_rng(0, "p"), 3, 4, 5, 6)
     assert len(draws) == 6 and all(len(d) == 5 and len(set(d)) == 5 for d in draws)
     assert all(0 <= l < 3 and 0 <= h < 4 for d in draws for l, h in d)
-    assert draws == random_head_sets(C.pair_rng(0, "p"), 3, 4, 5, 6)
-    assert draws != random_head_sets(C.pair_rng(1, "p"), 3, 4, 5, 6)
+    assert draws == random_head_sets(pair_rng(0, "p"), 3, 4, 5, 6)
+    assert draws != random_head_sets(pair_rng(1, "p"), 3, 4, 5, 6)
 
 
 def test_probe_run_on_embedded_model_with_capped_maps(smol):

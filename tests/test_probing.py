@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvnotes.probing import recovery_summary, split_instances
+from kvnotes.kit import recovery_summary
+from kvnotes.selection import split_instances
 from kvnotes.readout import Decision, pair_status
 
 

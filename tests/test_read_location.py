@@ -17,15 +17,13 @@ from kvnotes.adapters import Adapter
 from kvnotes.capture import attention_hook
 from kvnotes.pairs import prepare_pairs
 from probes import ProbeContext
+from kvnotes.kit import layer_bands
+from kvnotes.knockout import DecisionRowHook, decision_forward, knockout_masks
 from probes.read_location import (
     GROUPS,
-    DecisionRowHook,
     collapse_flags,
-    decision_forward,
     group_masses,
     key_groups,
-    knockout_masks,
-    layer_bands,
 )
 from probes.read_location import run as run_read_location
 from tests.conftest import ARCHS, VOCAB, WINDOW, build_tiny, check_figures
@@ -213,11 +211,11 @@ def test_key_groups_bands_and_masks():
     assert g == {"sinks": (0, 2), "prefix": (2, 5), "field": (5, 8), "downstream": (8, 20), "decision": (20, 21)}
     assert key_groups((1, 3), 9, 4)["sinks"] == (0, 1)                     # sinks clipped at the field
     assert sum(e - s for s, e in g.values()) == 21 and list(g) == list(GROUPS)
-    assert [b["layers"] for b in layer_bands(30, [[0, 0.25], [0.25, 0.5], [0.75, 1.0], [0, 1]])] == \
+    assert [b["layers"] for b in layer_bands(30, [[0, 0.25], [0.25, 0.5], [0.75, 1.0], [0, 1]], "fraction")] == \
         [[0, 8], [8, 15], [23, 30], [0, 30]]
     assert layer_bands(30, [[2, 5]], "layer") == [{"name": "L2-4", "layers": [2, 5]}]
     with pytest.raises(ValueError):
-        layer_bands(4, [[0.5, 0.5]])
+        layer_bands(4, [[0.5, 0.5]], "fraction")
     with pytest.raises(ValueError):
         key_groups((5, 8), 20, -1)
     m = knockout_masks(3, 20, g, [(["field", "sinks"], [1, 3])])

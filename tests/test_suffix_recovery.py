@@ -9,6 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import probes.suffix_recovery as sr
+from kvnotes.kit import layer_bands
 from kvnotes.pairs import PairSet
 from kvnotes.plots import plot_record
 from probes import ProbeContext
@@ -47,11 +48,12 @@ def test_random_sets_are_k_matched_and_seeded():
 
 
 def test_layer_bands():
-    bands = sr.layer_bands(30, 4)
-    assert [len(b) for b in bands] == [8, 8, 7, 7] and sum(bands, []) == list(range(30))
-    assert sr.layer_bands(6, [[0, 2], [2, 6]]) == [[0, 1], [2, 3, 4, 5]]
+    bands = layer_bands(30, 4)
+    assert [b["layers"] for b in bands] == [[0, 8], [8, 16], [16, 23], [23, 30]]
+    assert bands[0]["name"] == "L0-7"
+    assert layer_bands(6, [[0, 2], [2, 6]]) == [{"name": "L0-1", "layers": [0, 2]}, {"name": "L2-5", "layers": [2, 6]}]
     with pytest.raises(ValueError):
-        sr.layer_bands(6, [[4, 8]])
+        layer_bands(6, [[4, 8]])
 
 
 def test_offsets_and_ranking_transfer_between_lengths():

@@ -102,7 +102,7 @@ def _bands_figure(record: dict, out_dir: Path) -> Path:
         for i in range(len(bands)):
             bar_with_ci(axes[0], x[i] + (j - (len(groups) - 1) / 2) * w, agg["bands"][i][g], "mean", w, color,
                         label=f"{g} (n={agg['bands'][i][g]['n']})" if i == 0 else None)
-    axes[0].set_xticks(x, [f"L{b[0]}-{b[-1]}" for b in bands])
+    axes[0].set_xticks(x, [b["name"] if isinstance(b, dict) else f"L{b[0]}-{b[-1]}" for b in bands])
     axes[0].axhline(0, color="k", lw=0.5)
     axes[0].set_ylabel("recovery (all downstream positions, one layer band)")
     axes[0].set_title("per-layer-band recovery, 95% CI", fontsize=9)

@@ -1,0 +1,254 @@
+"""The probe kit: the steps every probe and circuit shares, in one place.
+
+- **Clean runs and the flip filter.** :func:`each_pair` prefills every token-aligned pair once and
+  describes its clean decision under the run's flip rule (``docs/design.md``, "Flip rules");
+  :func:`flipping_pairs` keeps the flipping ones and counts the rest by reason;
+  :func:`excluded_rows` gives the exclusion rows of a probe that reports on every pair.
+- **Aggregation straight from rows.** :func:`summary` (mean/median with the interval that fits the
+  number of clusters, :func:`kvnotes.stats.summarize`), :func:`by_family` (``"all"`` and each
+  family), :func:`summaries_by_family` (recovery with the share of flipped decisions),
+  :func:`exclusions_by_family`, :func:`worst` (a check's largest deviation).
+- Selection and held-out splits live in :mod:`kvnotes.selection`; scoring in
+  :mod:`kvnotes.readout`; cache truncation in :mod:`kvnotes.cache`; knockouts in
+  :mod:`kvnotes.knockout`; layer bands here (:func:`layer_bands`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvnotes import cache as kvcache
+from kvnotes.errors import KvnotesError
+from kvnotes.pairs import pair_row
+from kvnotes.readout import PairRun, screen_pair, variant_scores
+from kvnotes.selection import pair_rng, sample_instances, split_instances, with_split  # noqa: F401  (re-exported)
+from kvnotes.stats import proportion, summarize
+
+#: Columns of an exclusion row.
+EXCLUSION_COLUMNS = ("pair", "scenario", "family", "instance", "reason")
+
+
+@dataclass
+class FlippingSet:
+    """Flipping pairs with their clean runs, and everything else counted by reason.
+
+    Attributes:
+        runs: :class:`PairRun` of each flipping pair (prefix caches + clean scores).
+        rows: identifying columns + clean status of each flipping pair (same order as ``runs``).
+        exclusions: reason -> count, over tokenisation exclusions and non-flipping pairs.
+        excluded: one row per excluded pair, with its reason.
+    """
+
+    runs: list[PairRun] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)
+    exclusions: dict[str, int] = field(default_factory=dict)
+    excluded: list[dict] = field(default_factory=list)
+
+
+def progress(ctx) -> bool:
+    """The probe config's ``progress`` flag (progress bars on stderr)."""
+    return bool(ctx.cfg.get("progress", True))
+
+
+def each_pair(ctx, pairs=None, desc: str = "clean runs") -> Iterator[tuple[PairRun, dict]]:
+    """Prefill and screen every pair (``ctx.pairs.pairs`` by default), in suite order.
+
+    Yields:
+        (the pair's :class:`PairRun` with its prefix caches over ``[0, d)``, its row:
+        :func:`kvnotes.pairs.pair_row` columns and :func:`kvnotes.readout.pair_status` columns under
+        ``ctx.flip_rule`` / ``ctx.min_effect`` / ``ctx.readout``). Each pair is prefilled once here;
+        a probe that uses the caches right away never prefills it again.
+    """
+    for pair in tqdm(ctx.pairs.pairs if pairs is None else pairs, desc=desc, disable=not progress(ctx)):
+        with ctx.timer("clean_runs"):
+            run, status = screen_pair(ctx.bundle.model, pair, ctx.readout, ctx.min_effect, ctx.flip_rule)
+        yield run, pair_row(pair) | status
+
+
+def exclusion_counts(excluded: list[dict]) -> dict[str, int]:
+    """reason -> count over exclusion rows."""
+    return dict(Counter(r["reason"] for r in excluded))
+
+
+def excluded_rows(tokenisation: list[dict], rows: list[dict]) -> list[dict]:
+    """Exclusion rows (:data:`EXCLUSION_COLUMNS`) of a probe that measures every aligned pair and
+    averages over the flipping ones: the tokenisation exclusions, then every row with
+    ``flips == False`` (its reason from the flip rule)."""
+    return [{k: r[k] for k in EXCLUSION_COLUMNS} for r in [*tokenisation, *(r for r in rows if not r["flips"])]]
+
+
+def flipping_pairs(ctx, desc: str = "clean runs", keep_caches: bool = True,
+                   process: Callable[[PairRun, dict], dict] | None = None) -> FlippingSet:
+    """Run every aligned pair of ``ctx`` and keep those that flip under ``ctx.flip_rule``
+    (``docs/design.md``, "Flip rules").
+
+    Non-flipping pairs are excluded with reason ``no_decision_change``, ``small_effect`` or
+    ``not_owned`` (flips between the candidates that are not the model's top-1 answers); pairs
+    excluded at tokenisation keep their reason.
+
+    Args:
+        keep_caches: keep the prefix caches of flipping pairs in ``runs`` (else only scores).
+        process: ``(run with caches, row) -> extra columns``, called on each flipping pair right
+            after its clean run, so a probe that needs no other pair first uses the caches without
+            prefilling the pair a second time; the row in ``rows`` is ``row | process(...)``.
+    """
+    out = FlippingSet(excluded=list(ctx.pairs.excluded))
+    for run, row in each_pair(ctx, desc=desc):
+        if row["flips"]:
+            if process is not None:
+                row = row | process(run, row)
+            out.runs.append(run if keep_caches else run.released())
+            out.rows.append(row)
+        else:
+            out.excluded.append(row)
+    out.exclusions = exclusion_counts(out.excluded)
+    return out
+
+
+def require_first_token(ctx) -> None:
+    """Circuit probes read the first-token logit difference (docs/design.md) from the engine's
+    decision-position log-probs.
+
+    Raises:
+        KvnotesError: ``readout`` is not ``first_token``.
+    """
+    if ctx.readout != "first_token":
+        raise KvnotesError(f"circuit probes use the first-token readout; got readout={ctx.readout}")
+
+
+@torch.no_grad()
+def single_position_scores(model, run: PairRun, mode: str = "first_token",
+                           budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> torch.Tensor:
+    """The single-position map: scores of patching each downstream position ``p`` in ``[b, d)``
+    alone, every layer, from the new run's cache into the old run's, in one batched sweep
+    (:func:`kvnotes.readout.variant_scores`).
+
+    Returns:
+        ``[d - b]`` fp32 scores in nats, index ``i`` = position ``b + i`` (``run.recovery`` turns
+        them into recoveries).
+    """
+    b, d = run.pair.field[1], run.pair.decision
+    masks = kvcache.position_masks(len(run.old_cache.layers), d, [[p] for p in range(b, d)])
+    return variant_scores(model, run.pair, run.old_cache, run.new_cache, masks, mode, budget_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# aggregation
+
+
+def _value_fn(value: str | Callable[[dict], float | None]) -> Callable[[dict], float | None]:
+    return (lambda r: r[value]) if isinstance(value, str) else value
+
+
+def summary(rows: list[dict], value: str | Callable[[dict], float | None], n_boot: int = 2000, seed: int = 0) -> dict:
+    """:func:`kvnotes.stats.summarize` of ``value`` (a column name or ``row -> float``) over rows,
+    clustered by their ``scenario`` and ``instance`` columns."""
+    get = _value_fn(value)
+    return summarize([get(r) for r in rows], [r["scenario"] for r in rows], [r["instance"] for r in rows],
+                     n_boot, seed)
+
+
+def by_family(rows: list[dict], families: Sequence[str] | None = None) -> dict[str, list[dict]]:
+    """``{"all": rows, family: its rows, ...}`` over ``families`` (default: those of the rows)."""
+    fams = sorted({r["family"] for r in rows}) if families is None else families
+    return {"all": rows} | {f: [r for r in rows if r["family"] == f] for f in fams}
+
+
+def recovery_summary(rows: list[dict], key: str, flipped_key: str | None = None, n_boot: int = 2000,
+                     seed: int = 0) -> dict:
+    """Mean/median recovery with intervals (unclipped), plus the share of pairs whose decision the
+    intervention actually flipped (Wilson CI) when ``flipped_key`` is given."""
+    out = summary(rows, key, n_boot, seed)
+    if flipped_key:
+        out["decision_flipped"] = proportion(sum(bool(r[flipped_key]) for r in rows), len(rows))
+    return out
+
+
+def families_of(ctx, rows: list[dict]) -> list[str]:
+    """Every family of the loaded scenarios (also those without flipping pairs), sorted."""
+    return sorted({s.family for s in ctx.pairs.scenarios} | {r["family"] for r in rows})
+
+
+def summaries_by_family(rows: list[dict], value, flipped, families: list[str], n_boot: int = 2000,
+                        seed: int = 0) -> dict:
+    """:func:`recovery_summary` over all rows (``"all"``) and per family.
+
+    Args:
+        value: column name or ``row -> float | None``; rows giving None are left out (not counted
+            as non-finite).
+        flipped: column name or ``row -> bool``: the patched run took the new run's decision; None
+            to omit the flip share.
+
+    Returns:
+        ``{"all": summary, <family>: summary, ...}``; families without rows get ``n = 0``.
+    """
+    get, flip = _value_fn(value), (_value_fn(flipped) if flipped else None)
+    out = {}
+    for g, rs in by_family(rows, families).items():
+        tmp = [{"scenario": r["scenario"], "instance": r["instance"], "_v": v,
+                "_f": flip(r) if flip else None} for r in rs if (v := get(r)) is not None]
+        out[g] = recovery_summary(tmp, "_v", "_f" if flip else None, n_boot, seed)
+    return out
+
+
+def exclusions_by_family(excluded: list[dict], families: list[str]) -> dict:
+    """``{family: {reason: count}}`` over excluded pair rows."""
+    return {f: exclusion_counts([r for r in excluded if r.get("family") == f]) for f in families}
+
+
+def no_circuit_note(families: list[str], rows: list[dict], excluded: list[dict]) -> dict:
+    """Per family: ``"no flipping pairs: no circuit to find"`` where a family has no flipping pair
+    (e.g. policy_gate on a 135M model), else the number of flipping pairs."""
+    out = {}
+    for f in families:
+        n = sum(r["family"] == f for r in rows)
+        out[f] = n if n else f"no flipping pairs ({sum(r.get('family') == f for r in excluded)} excluded): no circuit to find"
+    return out
+
+
+def worst(rows: list[dict], value: str | Callable[[dict], float | None], ref: float = 0.0) -> float | None:
+    """A check's largest deviation ``max |value(row) - ref|`` over rows (None values skipped;
+    None without rows)."""
+    get = _value_fn(value)
+    return max((abs(v - ref) for r in rows if (v := get(r)) is not None), default=None)
+
+
+# ----------------------------------------------------------------------------------------------
+# layer bands
+
+
+def layer_bands(n_layers: int, spec, units: str = "layer") -> list[dict]:
+    """Layer bands, one convention for every probe: ``{"name": "L<lo>-<hi-1>", "layers": [lo, hi)}``.
+
+    Args:
+        spec: a number of (near-)equal contiguous bands (``numpy.array_split``), or a list of
+            ``[lo, hi]``: with ``units="layer"`` layer indices ``[lo, hi)``, with
+            ``units="fraction"`` fractions of depth (``[floor(lo * L + 0.5), floor(hi * L + 0.5))``).
+
+    Raises:
+        ValueError: unknown units, more bands than layers, or an empty / out-of-range band.
+    """
+    if isinstance(spec, int | np.integer):
+        if not 1 <= spec <= n_layers:
+            raise ValueError(f"cannot split {n_layers} layers into {spec} bands")
+        spec, units = [[int(a[0]), int(a[-1]) + 1] for a in np.array_split(np.arange(n_layers), int(spec))], "layer"
+    out = []
+    for lo, hi in spec:
+        if units == "fraction":
+            l0, l1 = math.floor(float(lo) * n_layers + 0.5), math.floor(float(hi) * n_layers + 0.5)
+        elif units == "layer":
+            l0, l1 = int(lo), int(hi)
+        else:
+            raise ValueError(f"band units must be 'fraction' or 'layer', got {units!r}")
+        if not 0 <= l0 < l1 <= n_layers:
+            raise ValueError(f"band [{lo}, {hi}] ({units}) gives an empty or out-of-range layer range "
+                             f"[{l0}, {l1}) for {n_layers} layers")
+        out.append({"name": f"L{l0}-{l1 - 1}", "layers": [l0, l1]})
+    return out

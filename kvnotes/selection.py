@@ -1,0 +1,127 @@
+"""Selection on one split, evaluation on the other (``docs/design.md``, "Traps": never select on
+the data you evaluate on).
+
+Every probe that chooses something from data — top-k positions (``suffix_recovery``), heads
+(``heads``), the note offset (``components``), the layer (``direction``) — splits the instances of
+each scenario into a **selection** set and a **held-out** set (:func:`split_instances`), ranks on
+selection rows only (:func:`rank_by_mean`, :func:`selection_source`) and reports numbers on held-out
+rows. Capped sweeps draw whole instances across scenarios (:func:`sample_instances`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+
+SELECTION, HELDOUT = "selection", "heldout"
+
+
+def split_instances(rows: list[dict], selection_fraction: float = 0.5, seed: int = 0) -> tuple[set[str], set[str]]:
+    """Split instance ids into a selection set and a held-out set, within each scenario.
+
+    Each scenario's instances are shuffled by a generator seeded with ``(seed, crc32(scenario))``;
+    the first ``round(fraction * n)`` (at least one, and at most ``n - 1`` when ``n >= 2``) are
+    for selection. Scenarios with a single instance go to the held-out side.
+
+    Returns:
+        (selection instance ids, held-out instance ids); disjoint.
+    """
+    by: dict[str, list[str]] = {}
+    for r in rows:
+        if r["instance"] not in by.setdefault(r["scenario"], []):
+            by[r["scenario"]].append(r["instance"])
+    sel, held = set(), set()
+    for scen, insts in by.items():
+        insts = sorted(insts)
+        rng = np.random.default_rng([seed, zlib.crc32(scen.encode())])
+        order = [insts[i] for i in rng.permutation(len(insts))]
+        k = 0 if len(order) < 2 else min(len(order) - 1, max(1, round(selection_fraction * len(order))))
+        sel.update(order[:k])
+        held.update(order[k:])
+    return sel, held
+
+
+def with_split(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict], set[str], set[str]]:
+    """Copies of ``rows`` tagged with ``split`` = ``"selection"`` / ``"heldout"`` by instance
+    (:func:`split_instances`). Returns (rows, selection instance ids, held-out instance ids)."""
+    sel, held = split_instances(rows, fraction, seed)
+    return [r | {"split": SELECTION if r["instance"] in sel else HELDOUT} for r in rows], sel, held
+
+
+def sample_instances(rows: list[dict], max_pairs: int | None, seed: int, by: tuple[str, ...] = ("family",)) -> set[str]:
+    """Pair ids of whole instances, drawn round-robin across scenarios within each group.
+
+    For each group of rows with equal ``row[k] for k in by`` (e.g. family and split), scenarios are
+    visited in a seeded random order, each contributing one randomly drawn whole instance (all of
+    its pairs) per round, until the group holds at least ``max_pairs`` pairs or runs out. So a cap
+    keeps whole instances (pairs of one instance are not independent) spread over as many
+    scenarios as the cap allows, never the first ``k`` pairs of one scenario.
+
+    Args:
+        rows: pair rows with ``pair``, ``scenario``, ``instance`` and the ``by`` columns.
+        max_pairs: the cap per group; None returns every pair.
+        seed: seed of the ``numpy.random.Generator``.
+
+    Returns:
+        the chosen pair ids.
+    """
+    if max_pairs is None:
+        return {r["pair"] for r in rows}
+    rng = np.random.default_rng(seed)
+    out: set[str] = set()
+    for key in sorted({tuple(r[k] for k in by) for r in rows}):
+        insts: dict[str, dict[str, list[str]]] = {}
+        for r in rows:
+            if tuple(r[k] for k in by) == key:
+                insts.setdefault(r["scenario"], {}).setdefault(r["instance"], []).append(r["pair"])
+        scens = sorted(insts)
+        scens = [scens[i] for i in rng.permutation(len(scens))]
+        queues = {s: [sorted(insts[s])[i] for i in rng.permutation(len(insts[s]))] for s in scens}
+        taken = 0
+        while taken < int(max_pairs) and any(queues.values()):
+            for s in scens:
+                if queues[s] and taken < int(max_pairs):
+                    pairs = insts[s][queues[s].pop(0)]
+                    out.update(pairs)
+                    taken += len(pairs)
+    return out
+
+
+def pair_rng(seed: int, pair_id: str) -> np.random.Generator:
+    """A pair's own generator for random controls: seeded with ``(seed, crc32(pair id))``, never
+    ``hash()`` (docs/design.md, "Traps")."""
+    return np.random.default_rng([int(seed), zlib.crc32(pair_id.encode())])
+
+
+def selection_source(selection_rows: list[dict], row: dict, levels: Sequence[str] = ("family", "all")
+                     ) -> tuple[list[dict], str | None]:
+    """The selection rows a held-out ``row`` is ranked by: those sharing its ``levels[0]`` column
+    (e.g. its scenario), else its ``levels[1]`` (e.g. family), ...; ``"all"`` means every selection
+    row.
+
+    Returns:
+        (rows, the level they came from), or ``([], None)`` when no level has rows.
+    """
+    for level in levels:
+        src = selection_rows if level == "all" else [r for r in selection_rows if r[level] == row[level]]
+        if src:
+            return src, level
+    return [], None
+
+
+def rank_by_mean(selection_maps: Sequence[np.ndarray]) -> list[tuple[int, ...]]:
+    """Indices of a map (e.g. ``(layer, head)``) ordered by their mean over selection maps,
+    descending; ties by index. Only selection maps may be passed (docs/design.md, "Traps").
+
+    Args:
+        selection_maps: arrays of one shape.
+
+    Raises:
+        ValueError: no maps.
+    """
+    if not len(selection_maps):
+        raise ValueError("no selection maps to rank on")
+    mean = np.mean(np.stack(selection_maps), axis=0)
+    return sorted(np.ndindex(*mean.shape), key=lambda ix: (-mean[ix], ix))
