@@ -57,7 +57,7 @@ def job(cfg) -> None:
     from omegaconf import OmegaConf
 
     import probes
-    from kvnotes.errors import KvnotesError
+    from kvnotes.errors import USER_ERRORS, KvnotesError
     from kvnotes.records import RECORD_NAME, Timer, is_complete, new_record, write_atomic
 
     hc = HydraConfig.get()
@@ -89,7 +89,7 @@ def job(cfg) -> None:
                                   scenario_cfg=cfg.scenario, budget_bytes=int(float(cfg.budget_mb) * (1 << 20)))
         with timer("probe"):
             result = probe_run(ctx)
-    except KvnotesError as exc:
+    except USER_ERRORS as exc:
         remove_empty_dirs(out_dir, Path(cfg.out_root))
         fail(str(exc))
     hydra_info = {"choices": dict(hc.runtime.choices), "overrides": list(hc.overrides.task),

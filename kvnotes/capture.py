@@ -2,10 +2,10 @@
 
 Every attention module in transformers 5.x calls
 ``attention_interface(module, query, key, value, attention_mask, dropout=..., scaling=..., **kw)``
-with ``query``/``key`` post-RoPE (and post q/k-norm), ``key``/``value`` not expanded for GQA. While
-:func:`attention_hook` is active, the function registered under the model's implementation name
-is replaced by a wrapper that hands the call to a user function together with the original
-implementation. The original is always called with keyword arguments: Gemma orders
+with ``query``/``key`` post-RoPE (and post q/k-norm), ``key``/``value`` not expanded for GQA. kvnotes
+registers, with the public ``AttentionInterface.register``, a dispatcher under the model's
+implementation name; while :func:`attention_hook` is active it hands each call to a user function
+together with the original implementation (and calls the original alone otherwise). The original is always called with keyword arguments: Gemma orders
 ``(dropout, scaling)`` differently from Llama, and positional calls silently make attention
 uniform (docs/design.md §4, §10).
 """
@@ -18,7 +18,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers import AttentionInterface
+
+#: implementation name -> the function it ran before kvnotes registered its dispatcher (None:
+#: "eager", which each modeling file defines itself).
+_ORIGINALS: dict[str, Callable | None] = {}
+#: implementation name -> the active hook functions (innermost last).
+_ACTIVE: dict[str, list[Callable]] = {}
 
 
 def _base_function(name: str, module: torch.nn.Module) -> Callable:
@@ -30,7 +36,21 @@ def _base_function(name: str, module: torch.nn.Module) -> Callable:
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
-_ORIGINALS: dict[str, Callable | None] = {}
+def _install(name: str) -> None:
+    """Register (public ``AttentionInterface.register``) a dispatcher under ``name`` once: it calls
+    the innermost active hook, or the implementation that was there before when none is active."""
+    if name in _ORIGINALS:
+        return
+    _ORIGINALS[name] = AttentionInterface().get(name)
+
+    def dispatcher(module, query, key, value, attention_mask, **kwargs):
+        base = _base_function(name, module)
+        hooks = _ACTIVE.get(name)
+        if not hooks:
+            return base(module, query, key, value, attention_mask, **kwargs)
+        return hooks[-1](base, module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(name, dispatcher)
 
 
 @contextmanager
@@ -43,26 +63,17 @@ def attention_hook(model, fn: Callable):
             ``[B, heads, q_len, head_dim]``, ``key``/``value`` ``[B, kv_heads, kv_len, head_dim]``,
             output ``[B, q_len, heads, head_dim]``.
 
-    Note: the replacement is global to the process for the implementation name in use (e.g.
-    ``"sdpa"``), and is undone on exit.
+    Note: the hook is found through a dispatcher registered once per implementation name with
+    transformers' public ``AttentionInterface.register``; outside a hook block the dispatcher calls
+    the original implementation unchanged. Active hooks are global to the process for that name.
     """
     name = model.config._attn_implementation
-    mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
-    had = name in mapping
-    _ORIGINALS[name] = mapping.get(name)
-
-    def wrapper(module, query, key, value, attention_mask, **kwargs):
-        return fn(_base_function(name, module), module, query, key, value, attention_mask, **kwargs)
-
-    mapping[name] = wrapper
+    _install(name)
+    _ACTIVE.setdefault(name, []).append(fn)
     try:
         yield
     finally:
-        if had:
-            mapping[name] = _ORIGINALS[name]
-        else:
-            mapping.pop(name, None)
-        _ORIGINALS.pop(name, None)
+        _ACTIVE[name].pop()
 
 
 @dataclass

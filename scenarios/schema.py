@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from kvnotes.errors import KvnotesError
+from scenarios.errors import ScenarioError
 
 TEXT_KEYS = ("context", "rule", "request")
 ROOT = Path(__file__).resolve().parent
@@ -96,17 +96,17 @@ def _placeholders(text: str) -> list[str]:
 
 
 def _fail(source: str, key: str, msg: str) -> None:
-    raise KvnotesError(f"{source}: key '{key}': {msg}")
+    raise ScenarioError(f"{source}: key '{key}': {msg}")
 
 
 def validate(raw: Any, source: str) -> Scenario:
     """Validate a parsed scenario mapping and return a :class:`Scenario`.
 
     Raises:
-        KvnotesError: naming the file and the key at fault.
+        ScenarioError: naming the file and the key at fault.
     """
     if not isinstance(raw, dict):
-        raise KvnotesError(f"{source}: a scenario file must be a mapping")
+        raise ScenarioError(f"{source}: a scenario file must be a mapping")
     for key in ("family", "domain", "field", "candidates", "context", "rule", "request", "variants"):
         if key not in raw:
             _fail(source, key, "missing")
@@ -209,13 +209,13 @@ def load_scenario(path: str | Path) -> Scenario:
     """Read and validate one scenario YAML file.
 
     Raises:
-        KvnotesError: unreadable YAML or a schema violation (the message names file and key).
+        ScenarioError: unreadable YAML or a schema violation (the message names file and key).
     """
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
-        raise KvnotesError(f"{path}: cannot read scenario ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+        raise ScenarioError(f"{path}: cannot read scenario ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
     return validate(raw, str(path))
 
 
@@ -231,7 +231,7 @@ def load_suite(paths: list[str], families: list[str] | None = None, ids: list[st
     """Load every ``*.yaml`` under the given files/directories, sorted by path, optionally filtered.
 
     Raises:
-        KvnotesError: a path does not exist, a file is invalid, two files share an id, or the filter
+        ScenarioError: a path does not exist, a file is invalid, two files share an id, or the filter
             leaves nothing.
     """
     files: list[Path] = []
@@ -242,17 +242,17 @@ def load_suite(paths: list[str], families: list[str] | None = None, ids: list[st
         elif p.is_file():
             files.append(p)
         else:
-            raise KvnotesError(f"scenario path not found: {entry}")
+            raise ScenarioError(f"scenario path not found: {entry}")
     scenarios = [load_scenario(f) for f in files]
     seen: dict[str, str] = {}
     for s in scenarios:
         if s.id in seen:
-            raise KvnotesError(f"{s.source}: key 'id': '{s.id}' already used by {seen[s.id]}")
+            raise ScenarioError(f"{s.source}: key 'id': '{s.id}' already used by {seen[s.id]}")
         seen[s.id] = s.source
     if families:
         scenarios = [s for s in scenarios if s.family in set(families)]
     if ids:
         scenarios = [s for s in scenarios if s.id in set(ids)]
     if not scenarios:
-        raise KvnotesError(f"no scenarios selected from {paths} (families={families}, ids={ids})")
+        raise ScenarioError(f"no scenarios selected from {paths} (families={families}, ids={ids})")
     return scenarios

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Timing of one head patch against one plain forward on the embedded model.
 
-    OMP_NUM_THREADS=1 python scripts/bench_circuits.py [--repeats N] [--chunk C] [--scenario-id ID]
+    OMP_NUM_THREADS=1 python -m scripts.bench_circuits [--repeats N] [--chunk C] [--scenario-id ID]
 
 Prints one line per mode: seconds per head patch (read: decision position on the old prefix
 cache; write: note positions [b, d) resumed from b) in batches of ``chunk`` heads, and the time of
@@ -11,12 +11,10 @@ one plain full forward of the same prompt.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]   # the checkout (conf/, scenarios/suites)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark the batched single-position map against a naive per-variant loop, in one process.
 
-    OMP_NUM_THREADS=1 python scripts/bench_probes.py [--n-pairs 3] [--repeats 2] [--threads 1]
+    OMP_NUM_THREADS=1 python -m scripts.bench_probes [--n-pairs 3] [--repeats 2] [--threads 1]
 
 On the same flipping recall pairs of the embedded SmolLM2-135M (``--model`` picks another zoo
 config), the single-position map (every downstream position ``p`` in ``[b, d)`` patched alone from
@@ -36,10 +36,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parent.parent   # the checkout (conf/, scenarios/suites)
 
-import torch  # noqa: E402
+import torch
 
 
 def release_free_memory() -> None:

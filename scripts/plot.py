@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Draw the figures of one or more records: ``python scripts/plot.py runs/.../record.json [-o DIR]``.
+"""Draw the figures of one or more records: ``python -m scripts.plot runs/.../record.json [-o DIR]``.
 
 Figures are written next to each record unless ``-o`` is given. Numbers come only from records.
 """
@@ -8,10 +8,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvnotes.plots import plot_record  # noqa: E402
-from kvnotes.records import load_record  # noqa: E402
+from kvnotes.plots import plot_record
+from kvnotes.records import load_record
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Per-family results table (Markdown) from the records of one model and scenario suite.
 
-    python scripts/results_table.py runs/smollm2-135m --suite small
+    python -m scripts.results_table runs/smollm2-135m --suite small
 
 Reads whichever of the ``screen``, ``field_refresh``, ``suffix_recovery`` and ``injection``
 records exist under ``<dir>/<probe>/<suite>/record.json``; a missing record leaves its columns
@@ -12,9 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvnotes.records import load_record  # noqa: E402
+from kvnotes.records import load_record
 
 
 def ci(d: dict | None) -> str:

@@ -1,16 +1,14 @@
 #!/usr/bin/env python
 """Print the per-family screen table of a ``screen`` record as Markdown (for the README).
 
-    python scripts/screen_table.py runs/smollm2-135m/screen/default/record.json
+    python -m scripts.screen_table runs/smollm2-135m/screen/default/record.json
 """
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvnotes.records import load_record  # noqa: E402
+from kvnotes.records import load_record
 
 
 def fmt_counts(d: dict) -> str:

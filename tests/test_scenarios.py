@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from kvnotes.errors import KvnotesError
+from scenarios.errors import ScenarioError
 from scenarios import load_scenario, load_suite
 from tests.test_tokens import BASE
 
@@ -28,7 +28,7 @@ def write(tmp_path, name, raw):
 ])
 def test_validation_errors_name_file_and_key(tmp_path, change, key):
     p = write(tmp_path, "bad", {**BASE, **change})
-    with pytest.raises(KvnotesError) as err:
+    with pytest.raises(ScenarioError) as err:
         load_scenario(p)
     msg = str(err.value)
     assert str(p) in msg and f"key '{key}'" in msg and "\n" not in msg
@@ -36,7 +36,7 @@ def test_validation_errors_name_file_and_key(tmp_path, change, key):
 
 def test_missing_family_is_named(tmp_path):
     raw = {k: v for k, v in BASE.items() if k != "family"}
-    with pytest.raises(KvnotesError, match="key 'family': missing"):
+    with pytest.raises(ScenarioError, match="key 'family': missing"):
         load_scenario(write(tmp_path, "nofam", raw))
 
 
