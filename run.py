@@ -69,8 +69,9 @@ def job(cfg) -> None:
     timer = Timer()
     t0 = time.perf_counter()
     try:
-        probe_run = probes.get(cfg.probe.name)
-        probes.check_variant(cfg.probe.name, cfg.scenario.get("variant", "direct"))
+        probe_cfg = probes.typed_config(cfg.probe)
+        probe_run = probes.get(probe_cfg)
+        probes.check_variant(probe_cfg, cfg.scenario.get("variant", "direct"))
         with timer("load_model"):
             from kvnotes.models import load_model
 
@@ -79,16 +80,21 @@ def job(cfg) -> None:
             from kvnotes.pairs import prepare_pairs, prepare_polarity_pairs
 
             template_kwargs = OmegaConf.to_container(cfg.model.chat_template_kwargs) if cfg.model.get("chat_template_kwargs") else {}
-            prepare = prepare_polarity_pairs if cfg.probe.get("pairs", "field") == "polarity" else prepare_pairs
+            prepare = prepare_polarity_pairs if probe_cfg.pairs == "polarity" else prepare_pairs
             pairs = prepare(bundle.tokenizer, cfg.scenario, template_kwargs=template_kwargs)
         if not pairs.pairs:
             raise KvnotesError(f"no token-aligned pairs in scenario '{cfg.scenario.name}' "
                                f"(excluded: {pairs.exclusion_counts()})")
-        ctx = probes.ProbeContext(bundle=bundle, pairs=pairs, cfg=cfg.probe, readout=cfg.readout,
+        ctx = probes.ProbeContext(bundle=bundle, pairs=pairs, cfg=probe_cfg, readout=cfg.readout,
                                   min_effect=float(cfg.min_effect), flip_rule=str(cfg.flip_rule), seed=int(cfg.seed), timer=timer,
                                   scenario_cfg=cfg.scenario, budget_bytes=int(float(cfg.budget_mb) * (1 << 20)))
         with timer("probe"):
             result = probe_run(ctx)
+        from kvnotes.records import to_jsonable
+        from kvnotes.schema import check_result, result_schema
+
+        result = to_jsonable(result)
+        check_result(result, result_schema(probes.module(probe_cfg)))       # the declared Result
     except USER_ERRORS as exc:
         remove_empty_dirs(out_dir, Path(cfg.out_root))
         fail(str(exc))

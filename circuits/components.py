@@ -15,8 +15,8 @@ soft-capping ``c · tanh(z / c)``.
 **Contributions.** For every flipping pair the old and new prompts are run once each, capturing
 what each sublayer *adds to the residual stream* (:mod:`circuits.engine` sites ``attn`` / ``mlp``:
 after the post-attention / post-MLP norm on Gemma-2/3, the raw sublayer output elsewhere), the
-embedding (``resid_in`` of layer 0, including Gemma's embedding scale) and the final pre-norm
-residual (``resid`` of the last layer). The contribution of a component ``c`` at position
+embedding (``resid_pre`` of layer 0, including Gemma's embedding scale) and the final pre-norm
+residual (``resid_post`` of the last layer). The contribution of a component ``c`` at position
 ``p`` is its change in direct logit attribution, ``σ_new · v · c_new[p] - σ_old · v · c_old[p]``
 (nats: a logit difference). By construction ``embed + Σ_l (attn_l + mlp_l) == final`` and ``final
 == s_new - s_old`` at the decision position (first-token scores are logit differences; the record
@@ -31,13 +31,27 @@ contributions are aggregated over **held-out** pairs at that offset, and at ``d`
 
 from __future__ import annotations
 
+from typing import Any
+
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from circuits.engine import Engine, Site, make_engine
+from kvnotes.schema import BaseResult, PairRow
+from kvnotes.kit import ProbeConfig
 from kvnotes import kit as K
 from kvnotes.selection import with_split
+
+
+@dataclass
+class Config(ProbeConfig):
+    """Keys of ``conf/probe/components.yaml`` (defaults there; see the module docstring)."""
+
+    backend: str = "nnsight"
+    selection_fraction: float = 0.5
 
 
 def residual_parts(engine: Engine, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -48,12 +62,12 @@ def residual_parts(engine: Engine, ids: torch.Tensor) -> dict[str, torch.Tensor]
         ``final`` ``[T, D]`` (last layer output, before the final norm); fp32.
     """
     L = engine.adapter.n_layers
-    sites = [Site("resid_in", 0), Site("resid", L - 1)] + [Site(k, l) for l in range(L) for k in ("attn", "mlp")]
+    sites = [Site("resid_pre", 0), Site("resid_post", L - 1)] + [Site(k, l) for l in range(L) for k in ("attn_out", "mlp_out")]
     acts = engine.run(ids, capture=sites).acts
-    return {"embed": acts[Site("resid_in", 0)][0].float(),
-            "attn": torch.stack([acts[Site("attn", l)][0] for l in range(L)]).float(),
-            "mlp": torch.stack([acts[Site("mlp", l)][0] for l in range(L)]).float(),
-            "final": acts[Site("resid", L - 1)][0].float()}
+    return {"embed": acts[Site("resid_pre", 0)][0].float(),
+            "attn": torch.stack([acts[Site("attn_out", l)][0] for l in range(L)]).float(),
+            "mlp": torch.stack([acts[Site("mlp_out", l)][0] for l in range(L)]).float(),
+            "final": acts[Site("resid_post", L - 1)][0].float()}
 
 
 def decomposition_error(parts: dict[str, torch.Tensor]) -> float:
@@ -106,6 +120,22 @@ def top_offset(maps: list[np.ndarray]) -> int | None:
         acc[i, : len(m)] = m[::-1]                 # column j = offset j + 1
     mean = np.nanmean(acc, axis=0)
     return int(np.nanargmax(mean)) + 1
+
+
+class ComponentsRow(PairRow):
+    """A flipping pair: its split and the DLA contributions at the decision position."""
+
+    split: str
+    at_decision: dict[str, Any]
+
+
+class Result(BaseResult):
+    """What ``run`` returns (record ``result``)."""
+
+    rows: list[ComponentsRow]
+    backend: str
+    split: dict[str, list[str]]
+
 
 
 def run(ctx) -> dict:

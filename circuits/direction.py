@@ -5,7 +5,7 @@ positions, tested for sufficiency and necessity (``docs/design.md``, "Circuits")
 pair's spans, so choosing them uses no data at all. The decision position ``d`` is not a note
 position and is never intervened on.
 
-**Residuals.** Site ``resid`` of :mod:`circuits.engine` (decoder layer ``l``'s output,
+**Residuals.** Site ``resid_post`` of :mod:`circuits.engine` (decoder layer ``l``'s output,
 TransformerLens ``resid_post``), fp32, at the note positions, from the clean old and clean new
 runs. They are captured by resuming the prefill at ``b`` on a view of the clean prefix cache
 ``[0, b)`` and feeding ``[b, d]``; the decision score of that forward must equal the pair's clean
@@ -59,14 +59,19 @@ still fitted on.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from circuits.engine import Engine, Intervention, Site, make_engine
+from kvnotes.schema import BaseResult, PairRow
+from kvnotes.kit import ProbeConfig
+from kvnotes.kit import RandomControl
 from kvnotes import kit as K
 from kvnotes import cache as kvcache
 from kvnotes.readout import PairRun, first_token_scores
@@ -76,6 +81,20 @@ SCOPES = ("all", "family", "scenario")
 ABLATE_TO = ("all", "old")
 SUFF = ("direction", "orthogonal", "full", "random", "random_subspace")
 NEC = ("direction", "random")
+
+
+@dataclass
+class Config(ProbeConfig):
+    """Keys of ``conf/probe/direction.yaml`` (defaults there; see the module docstring)."""
+
+    backend: str = "nnsight"
+    layers: Optional[list[int]] = None
+    n_layers_scan: Optional[int] = 5
+    fit_scope: str = "all"
+    ablate_to: str = "all"
+    random: RandomControl = field(default_factory=lambda: RandomControl(3))
+    selection_fraction: float = 0.5
+    max_pairs_per_family: Optional[int] = 3
 
 
 def scan_layers(n_layers: int, layers: Sequence[int] | None, n_scan: int | None) -> list[int]:
@@ -100,7 +119,7 @@ def scan_layers(n_layers: int, layers: Sequence[int] | None, n_scan: int | None)
 
 def capture_notes(engine: Engine, ids: torch.Tensor, prefix, b: int, d: int, layers: Sequence[int]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residuals (site ``resid``) at the note positions ``[b, d)`` of a clean run, resumed at ``b``.
+    """Residuals (site ``resid_post``) at the note positions ``[b, d)`` of a clean run, resumed at ``b``.
 
     Args:
         ids: ``[T]`` prompt ids (``T > d``).
@@ -110,8 +129,8 @@ def capture_notes(engine: Engine, ids: torch.Tensor, prefix, b: int, d: int, lay
     Returns:
         (``[len(layers), d - b, hidden]`` fp32 residuals, ``[1, vocab]`` fp32 log-probs at ``d``).
     """
-    out = engine.run(ids[b: d + 1], capture=[Site("resid", l) for l in layers], cache=prefix, start=b)
-    acts = torch.stack([out.acts[Site("resid", l)][0, : d - b].float() for l in layers])
+    out = engine.run(ids[b: d + 1], capture=[Site("resid_post", l) for l in layers], cache=prefix, start=b)
+    acts = torch.stack([out.acts[Site("resid_post", l)][0, : d - b].float() for l in layers])
     return acts, out.logprobs[:, -1]
 
 
@@ -275,7 +294,7 @@ def ablations(x: torch.Tensor, dirs: torch.Tensor, mu: torch.Tensor) -> torch.Te
 def added_scores(engine: Engine, run: PairRun, ids: torch.Tensor, prefix, layer: int, values: torch.Tensor
                  ) -> torch.Tensor:
     """Scores of variants of a run resumed at ``b`` with ``values`` added to the residual (site
-    ``resid`` of ``layer``) at the note positions ``[b, d)``.
+    ``resid_post`` of ``layer``) at the note positions ``[b, d)``.
 
     Args:
         ids: ``[T]`` prompt ids of the run (old for sufficiency, new for necessity).
@@ -287,7 +306,7 @@ def added_scores(engine: Engine, run: PairRun, ids: torch.Tensor, prefix, layer:
     """
     pair = run.pair
     b, d = pair.field[1], pair.decision
-    iv = Intervention(Site("resid", layer), list(range(b, d)), values, mode="add")
+    iv = Intervention(Site("resid_post", layer), list(range(b, d)), values, mode="add")
     lp = engine.run(ids[b: d + 1][None].expand(values.shape[0], -1), [iv], cache=prefix, start=b).logprobs
     return first_token_scores(lp[:, -1], pair).float().cpu()
 
@@ -363,6 +382,21 @@ def _heldout_layer(engine, run_, x_old, x_new, fit, li, layer, rand, ablate_to, 
         "cos_mean_delta": float(torch.nn.functional.cosine_similarity((x_new[li] - x_old[li]).mean(0), u, dim=0)),
         "random_k": [int(inj["random"][k].shape[0]) for k in range(R)], "k": int(inj["direction"].shape[0]),
     }
+
+
+class DirectionRow(PairRow):
+    """A flipping pair: its split; evaluated held-out pairs carry per-layer results."""
+
+    split: str
+
+
+class Result(BaseResult):
+    """What ``run`` returns (record ``result``)."""
+
+    rows: list[DirectionRow]
+    backend: str
+    split: dict[str, list[str]]
+
 
 
 def run(ctx) -> dict:
@@ -498,7 +532,7 @@ def run(ctx) -> dict:
                         "heldout": len(held_rows)},
         "n_skipped": {"no_shared_outcome_pair": sum(r.get("skipped") == "no_shared_outcome_pair" for r in rows)},
         "families": families, "layers": layers, "n_layers": L, "fit_scope": scope, "ablate_to": ablate_to,
-        "n_draws": n_draws, "note_positions": "downstream [b, d)", "site": "resid (decoder layer output)",
+        "n_draws": n_draws, "note_positions": "downstream [b, d)", "site": "resid_post (decoder layer output)",
         "chosen_layers": chosen, "curves": curves, "at_chosen": at_chosen, "checks": checks,
         "fit_scenarios_per_family": {f: sorted({v["scenario"] for v in stats.values() if v["family"] == f})
                                      for f in families},

@@ -3,18 +3,20 @@
 
 Sites (``kind``), all per decoder layer ``layer`` and per token position:
 
-- ``"head"``: per-head attention outputs before the output projection = the ``o_proj`` *input*
+- ``"hook_z"``: per-head attention outputs before the output projection = the ``o_proj`` *input*
   ``[B, T, n_heads * head_dim]`` viewed as ``[B, T, n_heads, head_dim]``; head ``h`` is the
   slice ``[h * head_dim, (h + 1) * head_dim)`` (head-major, as every adapter's o_proj expects).
-- ``"attn"``: what the attention sublayer *adds to the residual stream*: the ``post_attn_norm``
+- ``"attn_out"``: what the attention sublayer *adds to the residual stream*: the ``post_attn_norm``
   output on sandwich-norm architectures (Gemma-2/3), else the ``o_proj`` output. ``[B, T, hidden]``.
-- ``"mlp"``: what the MLP sublayer adds: the ``post_mlp_norm`` output (Gemma-2/3), else the MLP
+- ``"mlp_out"``: what the MLP sublayer adds: the ``post_mlp_norm`` output (Gemma-2/3), else the MLP
   output. ``[B, T, hidden]``.
-- ``"resid"``: the decoder layer's output (residual stream after the layer). ``[B, T, hidden]``.
-- ``"resid_in"``: the decoder layer's input (residual stream before it; at layer 0 the scaled
+- ``"resid_post"``: the decoder layer's output (residual stream after the layer). ``[B, T, hidden]``.
+- ``"resid_pre"``: the decoder layer's input (residual stream before it; at layer 0 the scaled
   embedding). ``[B, T, hidden]``.
 
-So ``resid_in[l] + attn[l] + mlp[l] == resid[l]`` on every adapter architecture
+Names are TransformerLens hook names (``blocks.l.attn.hook_z``, ``hook_attn_out``, ``hook_mlp_out``,
+``hook_resid_pre``, ``hook_resid_post``). ``resid_pre[l] + attn_out[l] + mlp_out[l] == resid_post[l]``
+on every adapter architecture
 (tests/test_components.py).
 
 An :class:`Intervention` writes ``value`` at absolute positions (``position_ids``) of one site:
@@ -44,7 +46,7 @@ from transformers import DynamicCache
 from kvnotes import cache as kvcache
 from kvnotes.adapters import Adapter
 
-KINDS = ("resid_in", "head", "attn", "mlp", "resid")
+KINDS = ("resid_pre", "hook_z", "attn_out", "mlp_out", "resid_post")
 MODES = ("set", "add")
 # Execution order of the sites inside one decoder layer (nnsight requires in-order access).
 _ORDER = {k: i for i, k in enumerate(KINDS)}
@@ -89,7 +91,7 @@ class Intervention:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"intervention mode must be one of {MODES}, got {self.mode!r}")
-        if self.heads is not None and self.site.kind != "head":
+        if self.heads is not None and self.site.kind != "hook_z":
             raise ValueError("heads= only applies to head sites")
 
 
@@ -125,7 +127,7 @@ def apply_intervention(x: torch.Tensor, iv: Intervention, start: int, n_heads: i
     if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= n):
         raise IndexError(f"positions {list(iv.positions)} outside fed span [{start}, {start + n})")
     out = x.clone()
-    if iv.site.kind == "head":
+    if iv.site.kind == "hook_z":
         hd = width // n_heads
         view = out.view(V, n, n_heads, hd)
         heads = torch.arange(n_heads, device=x.device) if iv.heads is None else \
@@ -212,7 +214,7 @@ class Engine(ABC):
         return ops
 
     def _shape_capture(self, site: Site, x: torch.Tensor) -> torch.Tensor:
-        if site.kind == "head":
+        if site.kind == "hook_z":
             return x.reshape(x.shape[0], x.shape[1], self.adapter.n_heads, -1)
         return x
 
@@ -226,7 +228,7 @@ class NNsightEngine(Engine):
 
     Module paths come from the adapter (``adapters.yaml``): head sites are the ``o_proj`` input,
     ``attn``/``mlp`` the ``post_*_norm`` output where the architecture has one, else the
-    ``o_proj``/``mlp`` output; ``resid``/``resid_in`` the decoder layer output/input.
+    ``o_proj``/``mlp`` output; ``resid_post``/``resid_pre`` the decoder layer output/input.
     """
 
     backend = "nnsight"
@@ -247,13 +249,13 @@ class NNsightEngine(Engine):
         """(envoy, 'input' | 'output') of a site."""
         p = self.adapter.paths
         layer = f"{p['layers']}.{site.layer}"
-        if site.kind == "resid_in":
+        if site.kind == "resid_pre":
             return self._envoy(layer), "input"
-        if site.kind == "resid":
+        if site.kind == "resid_post":
             return self._envoy(layer), "output"
-        if site.kind == "head":
+        if site.kind == "hook_z":
             return self._envoy(f"{layer}.{p['o_proj']}"), "input"
-        if site.kind == "attn":
+        if site.kind == "attn_out":
             return self._envoy(f"{layer}.{p['post_attn_norm'] or p['o_proj']}"), "output"
         return self._envoy(f"{layer}.{p['post_mlp_norm'] or p['mlp']}"), "output"
 
@@ -321,9 +323,9 @@ class LensEngine(Engine):
     def _hook_name(self, site: Site) -> str:
         b = f"blocks.{site.layer}"
         post = self.adapter.has_post_norms
-        return {"resid_in": f"{b}.hook_in", "resid": f"{b}.hook_out", "head": f"{b}.attn.o.hook_in",
-                "attn": f"{b}.ln1_post.hook_out" if post else f"{b}.attn.o.hook_out",
-                "mlp": f"{b}.ln2_post.hook_out" if post and self.adapter.paths["post_mlp_norm"] else f"{b}.mlp.hook_out",
+        return {"resid_pre": f"{b}.hook_in", "resid_post": f"{b}.hook_out", "hook_z": f"{b}.attn.o.hook_in",
+                "attn_out": f"{b}.ln1_post.hook_out" if post else f"{b}.attn.o.hook_out",
+                "mlp_out": f"{b}.ln2_post.hook_out" if post and self.adapter.paths["post_mlp_norm"] else f"{b}.mlp.hook_out",
                 }[site.kind]
 
     def _forward(self, kwargs, interventions, capture, start):

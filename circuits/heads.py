@@ -27,6 +27,9 @@ jointly; a pair's control value is the mean over its draws.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Optional
+
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,12 +37,28 @@ import torch
 from tqdm import tqdm
 
 from circuits.engine import Engine, Intervention, Site, make_engine
+from kvnotes.schema import BaseResult, PairRow
+from kvnotes.kit import ProbeConfig
+from kvnotes.kit import RandomControl
 from kvnotes import kit as K
 from kvnotes import cache as kvcache
 from kvnotes.readout import PairRun, first_token_scores
 from kvnotes.selection import pair_rng, rank_by_mean, sample_instances, selection_source, with_split
 
 MODES = ("read", "write")
+
+
+@dataclass
+class Config(ProbeConfig):
+    """Keys of ``conf/probe/heads.yaml`` (defaults there; see the module docstring)."""
+
+    backend: str = "nnsight"
+    chunk_heads: int = 16
+    ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    random: RandomControl = field(default_factory=lambda: RandomControl(5))
+    selection_fraction: float = 0.5
+    max_map_pairs_per_family: Optional[int] = 2
+    heldout_maps: bool = False
 
 
 def head_outputs(engine: Engine, ids: torch.Tensor) -> torch.Tensor:
@@ -49,8 +68,8 @@ def head_outputs(engine: Engine, ids: torch.Tensor) -> torch.Tensor:
         ``[n_layers, T, n_heads, head_dim]`` (the o_proj input, model dtype).
     """
     L = engine.adapter.n_layers
-    out = engine.run(ids, capture=[Site("head", l) for l in range(L)])
-    return torch.stack([out.acts[Site("head", l)][0] for l in range(L)])
+    out = engine.run(ids, capture=[Site("hook_z", l) for l in range(L)])
+    return torch.stack([out.acts[Site("hook_z", l)][0] for l in range(L)])
 
 
 def set_masks(sets: Sequence[Sequence[tuple[int, int]]], n_layers: int, n_heads: int) -> torch.Tensor:
@@ -94,7 +113,7 @@ def patched_scores(engine: Engine, run: PairRun, source: torch.Tensor, masks: to
     out = []
     for s in range(0, masks.shape[0], chunk):
         m = masks[s: s + chunk]
-        ivs = [Intervention(Site("head", l), positions, source[l, positions][None],
+        ivs = [Intervention(Site("hook_z", l), positions, source[l, positions][None],
                             where=m[:, l][:, None, :].expand(-1, P, -1))
                for l in range(m.shape[1]) if bool(m[:, l].any())]
         lp = engine.run(ids[None].expand(m.shape[0], -1), ivs, cache=prefix, start=start).logprobs
@@ -136,6 +155,21 @@ def _ranking_by_family(rows: list[dict], maps: dict, mode: str, families: list[s
                       "pairs": [r["pair"] for r in src],
                       "source": "family" if level == "family" else "all_selection"}
     return out
+
+
+class HeadsRow(PairRow):
+    """A flipping pair: its split; held-out pairs carry ``topk_<mode>`` and ``random_<mode>``."""
+
+    split: str
+
+
+class Result(BaseResult):
+    """What ``run`` returns (record ``result``)."""
+
+    rows: list[HeadsRow]
+    backend: str
+    split: dict[str, list[str]]
+
 
 
 def run(ctx) -> dict:

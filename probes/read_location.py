@@ -37,11 +37,16 @@ cluster-bootstrap CIs (scenarios, then instances; docs/design.md §8).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
 from collections import Counter
 
 import numpy as np
 import torch
 
+from kvnotes.schema import BaseResult, PairRow
+from kvnotes.kit import ProbeConfig
 from kvnotes import cache as kvcache
 from kvnotes import kit as K
 from kvnotes.knockout import DecisionRead, decision_forward, knockout_masks
@@ -54,6 +59,25 @@ RUNS = ("old", "new")
 
 # --------------------------------------------------------------------------------------------
 # key groups
+
+
+@dataclass
+class Collapse:
+    """Readout-destroyed criterion (see the module docstring)."""
+
+    drop_nats: float = 2.3
+    top_k: int = 10
+
+
+@dataclass
+class Config(ProbeConfig):
+    """Keys of ``conf/probe/read_location.yaml`` (defaults there; see the module docstring)."""
+
+    n_sinks: int = 1
+    band_units: str = "fraction"
+    bands: Any = field(default_factory=lambda: [[0.0, 1.0]])
+    knockout_groups: Any = field(default_factory=lambda: [["field"]])
+    collapse: Collapse = field(default_factory=Collapse)
 
 
 def key_groups(field: tuple[int, int], decision: int, n_sinks: int) -> dict[str, tuple[int, int]]:
@@ -197,6 +221,40 @@ def _variants(cfg, n_layers: int) -> tuple[list[dict], list[dict]]:
             variants.append({"name": f"{'+'.join(names)}@{band['name']}", "group": "+".join(names),
                              "groups": names, "band": band["name"], "layers": band["layers"]})
     return bands, variants
+
+
+class LocationRow(PairRow):
+    """A pair: per run the ``[n_layers, n_groups]`` decision-row attention masses."""
+
+    mass_old: list[list[float]]
+    mass_new: list[list[float]]
+    null_knockout_err: float
+
+
+class KnockoutRow(TypedDict):
+    """One knockout of one run of one pair."""
+
+    pair: str
+    run: str
+    variant: str
+    delta: float
+    collapsed: bool
+    decision_changed: bool
+    flip_intact: bool
+
+
+class Result(BaseResult):
+    """What ``run`` returns (record ``result``)."""
+
+    rows: list[LocationRow]
+    knockout_rows: list[KnockoutRow]
+    groups: list[str]
+    n_sinks: int
+    bands: list[dict[str, Any]]
+    variants: list[dict[str, Any]]
+    collapse: dict[str, Any]
+    examples: dict[str, dict[str, Any]]
+
 
 
 def run(ctx) -> dict:

@@ -11,8 +11,21 @@ imply different outcomes); control scenarios must not flip (``unexpected_flips``
 
 from __future__ import annotations
 
+from typing import Any, TypedDict
+
+from dataclasses import dataclass
+
+from kvnotes.schema import BaseResult, PairRow, Summary
+from kvnotes.kit import ProbeConfig
 from kvnotes import kit as K
 from kvnotes.stats import proportion, summarize_rows
+
+
+@dataclass
+class Config(ProbeConfig):
+    """Keys of ``conf/probe/screen.yaml`` (defaults there; see the module docstring)."""
+
+    pass
 
 
 def table(rows: list[dict], excluded: list[dict], key: str) -> dict:
@@ -39,6 +52,33 @@ def table(rows: list[dict], excluded: list[dict], key: str) -> dict:
             "not_flipping": K.exclusion_counts([r for r in rs if not r["flips"]]),
         }
     return out
+
+
+class ScreenRow(PairRow):
+    """A screened pair: clean status under both flip rules and each run's top-1 token."""
+
+    flips_relative: bool
+    flips_owned: bool | None
+    expect_flip: bool
+    top1_old: str
+    top1_new: str
+
+
+class ScreenAggregates(TypedDict):
+    by_family: dict[str, dict[str, Any]]
+    by_scenario: dict[str, dict[str, Any]]
+    n_pairs: int
+    n_flip: int
+    flip_rule: str
+    effect_flipping: dict[str, Summary]
+
+
+class Result(BaseResult):
+    """What ``run`` returns (record ``result``)."""
+
+    rows: list[ScreenRow]
+    aggregates: ScreenAggregates
+
 
 
 def run(ctx) -> dict:

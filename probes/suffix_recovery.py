@@ -47,6 +47,9 @@ Aggregates per family (and ``all``) come from :func:`kvnotes.kit.summaries_by_fa
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
 import math
 from collections.abc import Sequence
 
@@ -54,6 +57,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kvnotes.schema import BaseResult, PairRow
+from kvnotes.kit import ProbeConfig
+from kvnotes.kit import RandomControl
 from kvnotes import cache as kvcache
 from kvnotes import kit as K
 from kvnotes.kit import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
@@ -68,6 +74,28 @@ NO_DOWNSTREAM = "no_downstream"
 
 # ---------------------------------------------------------------------------------------------
 # position sets
+
+
+@dataclass
+class Grid:
+    """Set sizes: fractions of the downstream length and absolute counts."""
+
+    fractions: list[float] = field(default_factory=lambda: [0.1, 0.5, 1.0])
+    counts: list[int] = field(default_factory=lambda: [1, 2, 4])
+
+
+@dataclass
+class Config(ProbeConfig):
+    """Keys of ``conf/probe/suffix_recovery.yaml`` (defaults there; see the module docstring)."""
+
+    grid: Grid = field(default_factory=Grid)
+    random: RandomControl = field(default_factory=lambda: RandomControl(5))
+    topk_anchor: str = "decision"
+    selection_fraction: float = 0.5
+    layer_bands: Any = 5
+    with_field: bool = True
+    store_sets: bool = False
+    keep_caches: bool = False
 
 
 def grid_points(fractions: Sequence[float], counts: Sequence[int]) -> list[dict]:
@@ -381,6 +409,39 @@ def _aggregates(rows, held, grid, bands, families, n_boot, seed, anchor) -> dict
     }
     return {"curves": curves, "references": refs, "bands": band_aggs, "single": single,
             "random_draw_flip_share": {"heldout": draw_share(held), "all": draw_share(rows)}}
+
+
+class Band(TypedDict):
+    """A layer band (:func:`kvnotes.kit.layer_bands`)."""
+
+    name: str
+    layers: list[int]
+
+
+class SuffixRow(PairRow):
+    """A flipping pair: split, single-position map, band and curve recoveries."""
+
+    split: str
+    downstream: list[int]
+    single: list[float]
+    bands: list[float]
+    curves: dict[str, list[float | None]]
+    r_none: float
+    r_downstream: float
+
+
+class Result(BaseResult):
+    """What ``run`` returns (record ``result``)."""
+
+    rows: list[SuffixRow]
+    grid: list[dict[str, Any]]
+    layer_bands: list[Band]
+    set_families: list[str]
+    topk_anchor: str
+    split: dict[str, Any]
+    selection_pairs: list[str]
+    examples: dict[str, dict[str, Any]]
+
 
 
 def run(ctx) -> dict:

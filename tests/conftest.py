@@ -88,13 +88,29 @@ def recall_pairs(bundle, ids, n_instances=2):
 
 
 def check_figures(name: str, res: dict, tmp_path) -> None:
-    """A probe's figures render from a JSON round-trip of its result (figures come from records)."""
+    """A probe's result, computed on a real model, matches its declared ``Result`` schema after a
+    JSON round-trip (as in a record), and its figures render from it (figures come from records)."""
     import json
 
+    import probes
     from kvnotes.plots import plot_record
     from kvnotes.records import to_jsonable
+    from kvnotes.schema import check_result, result_schema
 
     record = json.loads(json.dumps(to_jsonable({"probe": name, "model": {"name": "smollm2-135m"},
                                                 "scenario": {"name": "test"}, "result": res})))
+    check_result(record["result"], result_schema(probes.module(name)))
     paths = plot_record(record, tmp_path)
     assert paths and all(p.is_file() and p.stat().st_size > 10_000 for p in paths)
+
+
+def check_schema(name: str, res: dict) -> None:
+    """A probe's result, computed on a real model, matches its declared ``Result`` schema after a
+    JSON round-trip (as in a record; ``kvnotes.schema``)."""
+    import json
+
+    import probes
+    from kvnotes.records import to_jsonable
+    from kvnotes.schema import check_result, result_schema
+
+    check_result(json.loads(json.dumps(to_jsonable(res))), result_schema(probes.module(name)))

@@ -11,12 +11,14 @@ from circuits.components import (contributions, decomposition_error, direct_logi
                                   residual_parts, top_offset)
 from circuits.engine import NNsightEngine
 from kvnotes.adapters import Adapter
-from tests.conftest import VOCAB
+from tests.conftest import VOCAB, check_schema, recall_pairs
 
 TOL = 1e-4
 # fp32 logits of a tiny model are O(1); the attribution re-derives them through the final norm in a
 # different order of operations, so they agree to a few ulps times the hidden size
 LOGIT_TOL = 1e-4
+#: DLA total vs the logit difference on the 30-layer embedded model: fp32 sums of 60 projections.
+DLA_TOL = 1e-3
 
 
 def _ids(seed):
@@ -36,7 +38,7 @@ def test_decomposition_sums_to_final_residual(tiny):
         # the raw sublayer outputs (before the post-norm) do NOT sum to the residual: the check
         # above would fail if the engine measured them instead of the residual additions
         from circuits.engine import Site
-        raw = engine.run(_ids(0), capture=[Site("head", 0)]).acts[Site("head", 0)]
+        raw = engine.run(_ids(0), capture=[Site("hook_z", 0)]).acts[Site("hook_z", 0)]
         o_proj = engine.adapter.module(tiny, "o_proj", 0)
         with torch.no_grad():
             pre_norm = o_proj(raw.flatten(2))[0]
@@ -104,3 +106,15 @@ def test_top_offset_counts_from_the_decision():
     # offsets (d - p): first map [0.2, 0.9, 0.1, 0.0], second [0.1, 0.8, 0.5] -> offset 2 wins
     assert top_offset(maps) == 2
     assert top_offset([]) is None
+
+
+def test_probe_run_on_embedded_model_matches_its_schema(smol):
+    """A small components run on the embedded model: its result matches the declared schema and
+    the direct logit attribution adds up to the logit difference of every pair."""
+    from circuits.components import run as run_components
+    from probes import ProbeContext, load_config
+
+    cfg = load_config("components", {"progress": False, "n_boot": 200})
+    res = run_components(ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"]), cfg=cfg, seed=0))
+    check_schema("components", res)
+    assert res["rows"] and res["aggregates"]["checks"]["max_logit_diff_error"] < DLA_TOL

@@ -16,7 +16,7 @@ from circuits.engine import Intervention, NNsightEngine, Site
 from kvnotes import cache as kvcache
 from kvnotes.readout import first_token_scores, run_pair
 from kvnotes.selection import pair_rng, with_split
-from tests.conftest import build_tiny
+from tests.conftest import check_schema, build_tiny
 from tests.test_heads import synthetic_pair
 
 HID = 64
@@ -169,15 +169,15 @@ def test_full_difference_injection_reproduces_clean_run(tiny_run):
     for li in (0, len(layers) // 2):
         l = layers[li]
         delta = x_new[li] - x_old[li]
-        iv = Intervention(Site("resid", l), list(range(b, d)), delta[None], mode="add")
-        out = engine.run(pair.old.ids[b: d + 1], [iv], capture=[Site("resid", l)], cache=pre[0], start=b)
+        iv = Intervention(Site("resid_post", l), list(range(b, d)), delta[None], mode="add")
+        out = engine.run(pair.old.ids[b: d + 1], [iv], capture=[Site("resid_post", l)], cache=pre[0], start=b)
         # at layer l the note residuals become the clean (new) run's ...
-        assert (out.acts[Site("resid", l)][0, : d - b] - x_new[li]).abs().max() < 1e-4
+        assert (out.acts[Site("resid_post", l)][0, : d - b] - x_new[li]).abs().max() < 1e-4
         # ... and only there: the field's KV above l is still old, so the score is not s_new
         # unless the field and d are patched too (then it is exactly the clean run)
-        full = engine.run(pair.new.ids, capture=[Site("resid", l)]).acts[Site("resid", l)][0]
-        old_full = engine.run(pair.old.ids, capture=[Site("resid", l)]).acts[Site("resid", l)][0]
-        iv_all = Intervention(Site("resid", l), list(range(0, d + 1)), (full - old_full)[None], mode="add")
+        full = engine.run(pair.new.ids, capture=[Site("resid_post", l)]).acts[Site("resid_post", l)][0]
+        old_full = engine.run(pair.old.ids, capture=[Site("resid_post", l)]).acts[Site("resid_post", l)][0]
+        iv_all = Intervention(Site("resid_post", l), list(range(0, d + 1)), (full - old_full)[None], mode="add")
         s_all = float(first_token_scores(engine.run(pair.old.ids[: d + 1], [iv_all]).logprobs[:, -1], pair)[0])
         assert float(run.recovery(torch.tensor(s_all))) == pytest.approx(1.0, abs=1e-3)
         assert (full[:a] - old_full[:a]).abs().max() < 1e-5          # nothing before the field moves
@@ -194,9 +194,9 @@ def test_full_difference_injection_reproduces_clean_run(tiny_run):
         # exactly at the target mean, and everything orthogonal to u is untouched
         mu = torch.tensor([0.37])
         add = D.ablations(x_new[li], u[None], mu)
-        iv_n = Intervention(Site("resid", l), list(range(b, d)), add, mode="add")
-        got = engine.run(pair.new.ids[b: d + 1], [iv_n], capture=[Site("resid", l)], cache=pre[1],
-                         start=b).acts[Site("resid", l)][0, : d - b].float()
+        iv_n = Intervention(Site("resid_post", l), list(range(b, d)), add, mode="add")
+        got = engine.run(pair.new.ids[b: d + 1], [iv_n], capture=[Site("resid_post", l)], cache=pre[1],
+                         start=b).acts[Site("resid_post", l)][0, : d - b].float()
         assert torch.allclose(got @ u, mu.expand(d - b), atol=1e-4)
         rest = lambda x: x - (x @ u)[:, None] * u[None]                        # noqa: E731
         assert (rest(got) - rest(x_new[li])).abs().max() < 1e-4
@@ -241,6 +241,7 @@ def test_run_on_embedded_model_is_finite_and_clean(smol):
                                  cfg=_cfg(fit_scope="scenario"), seed=0, budget_bytes=64 << 20))
     finally:
         mp.undo()
+    check_schema("direction", res)
     agg = res["aggregates"]
     held = {r["pair"] for r in res["rows"] if r["split"] == "heldout"}
     assert accumulated and not held & set(accumulated)                         # fits never see held-out

@@ -33,11 +33,11 @@ def test_no_intervention_equals_plain_forward(nn_engine):
         ref = model(ids[None], output_hidden_states=True)
     lp_ref = torch.log_softmax(ref.logits.float(), -1)
     L = model.config.num_hidden_layers
-    out = nn_engine.run(ids, capture=[Site("resid", l) for l in range(L - 1)] + [Site("resid_in", 0)], n_keep=None)
+    out = nn_engine.run(ids, capture=[Site("resid_post", l) for l in range(L - 1)] + [Site("resid_pre", 0)], n_keep=None)
     assert (out.logprobs - lp_ref).abs().max() < TOL
     for l in range(L - 1):   # HF hidden_states[l + 1] is layer l's output (the last one is normed)
-        assert (out.acts[Site("resid", l)] - ref.hidden_states[l + 1]).abs().max() < TOL
-    assert (out.acts[Site("resid_in", 0)] - ref.hidden_states[0]).abs().max() < TOL
+        assert (out.acts[Site("resid_post", l)] - ref.hidden_states[l + 1]).abs().max() < TOL
+    assert (out.acts[Site("resid_pre", 0)] - ref.hidden_states[0]).abs().max() < TOL
     prefix = kvcache.prefill(model, ids[:START])
     resumed = nn_engine.run(ids[START:], cache=prefix, start=START, n_keep=None)
     assert (resumed.logprobs - lp_ref[:, START:]).abs().max() < 1e-4
@@ -55,23 +55,23 @@ def test_interventions_land_and_identity_patch_is_exact(nn_engine):
     # per-variant head masks: variant v patches head v only at positions 3, 5
     val = torch.randn(H, 2, H, hd, generator=torch.Generator().manual_seed(0))
     where = torch.eye(H, dtype=torch.bool)[:, None, :].expand(H, 2, H)
-    out = nn_engine.run(ids, [Intervention(Site("head", 1), [3, 5], val, where=where)], capture=[Site("head", 1)],
+    out = nn_engine.run(ids, [Intervention(Site("hook_z", 1), [3, 5], val, where=where)], capture=[Site("hook_z", 1)],
                         n_keep=None)
-    got = out.acts[Site("head", 1)]
+    got = out.acts[Site("hook_z", 1)]
     for v in range(H):
         assert torch.allclose(got[v, [3, 5], v], val[v, :, v])
         others = [h for h in range(H) if h != v]
-        assert torch.allclose(got[v][:, others], base.acts[Site("head", 1)][0][:, others])
+        assert torch.allclose(got[v][:, others], base.acts[Site("hook_z", 1)][0][:, others])
     # an add on the residual moves the logits of later positions only
     delta = torch.ones(1, 1, nn_engine.adapter.hidden_size)
-    moved = nn_engine.run(ids, [Intervention(Site("resid", 0), [6], delta, mode="add")], n_keep=None).logprobs
+    moved = nn_engine.run(ids, [Intervention(Site("resid_post", 0), [6], delta, mode="add")], n_keep=None).logprobs
     assert (moved[0, :6] - base.logprobs[0, :6]).abs().max() < TOL
     assert (moved[0, 6:] - base.logprobs[0, 6:]).abs().max() > 1e-3
 
 
 def test_bad_positions_raise(nn_engine):
     ids = _ids()
-    iv = Intervention(Site("resid", 0), [T + 3], torch.zeros(1, 1, nn_engine.adapter.hidden_size))
+    iv = Intervention(Site("resid_post", 0), [T + 3], torch.zeros(1, 1, nn_engine.adapter.hidden_size))
     with pytest.raises(IndexError):
         nn_engine.run(ids, [iv])
     with pytest.raises(ValueError):
@@ -99,12 +99,12 @@ def test_backends_agree(arch):
         assert (a.acts[s] - b.acts[s]).abs().max() < TOL, s
     g = torch.Generator().manual_seed(3)
     prefix = kvcache.prefill(model, ids[:START])
-    ivs = [Intervention(Site("head", 0), [START, START + 2], torch.randn(3, 2, 2, hd, generator=g), heads=[1, 2],
+    ivs = [Intervention(Site("hook_z", 0), [START, START + 2], torch.randn(3, 2, 2, hd, generator=g), heads=[1, 2],
                         where=torch.rand(3, 2, 2, generator=g) > 0.5),
-           Intervention(Site("attn", 1), [START + 1], torch.randn(3, 1, D, generator=g), mode="add"),
-           Intervention(Site("mlp", 1), [START + 3], torch.randn(1, 1, D, generator=g)),
-           Intervention(Site("resid", L - 2), [START + 4], torch.randn(3, 1, D, generator=g), mode="add")]
-    cap = [Site("head", 1), Site("resid", L - 1)]
+           Intervention(Site("attn_out", 1), [START + 1], torch.randn(3, 1, D, generator=g), mode="add"),
+           Intervention(Site("mlp_out", 1), [START + 3], torch.randn(1, 1, D, generator=g)),
+           Intervention(Site("resid_post", L - 2), [START + 4], torch.randn(3, 1, D, generator=g), mode="add")]
+    cap = [Site("hook_z", 1), Site("resid_post", L - 1)]
     a = nn.run(ids[START:], ivs, cap, cache=prefix, start=START, n_keep=None)
     b = lens.run(ids[START:], ivs, cap, cache=prefix, start=START, n_keep=None)
     assert a.logprobs.shape == (3, T - START, VOCAB)

@@ -15,7 +15,7 @@ from circuits.heads import (head_outputs, map_pairs, patched_scores, random_head
                             single_head_map)
 from kvnotes import cache as kvcache
 from kvnotes.readout import first_token_scores, run_pair, variant_scores
-from tests.conftest import VOCAB, build_tiny
+from tests.conftest import VOCAB, build_tiny, check_schema
 
 T, A, B = 15, 4, 6          # prompt length, field span [A, B); decision d = T - 1
 
@@ -78,7 +78,7 @@ def test_resumed_write_equals_full_rerun_and_batching_is_exact(setup):
     assert (batched - one).abs().max() < 1e-4
     pos = list(range(B, d))
     for v, [(l, h)] in enumerate(sets[:: max(1, len(sets) // 3)]):
-        iv = Intervention(Site("head", l), pos, src[l, pos][None, :, [h]], heads=[h])
+        iv = Intervention(Site("hook_z", l), pos, src[l, pos][None, :, [h]], heads=[h])
         lp = engine.run(pair.old.ids[: d + 1], [iv]).logprobs          # full prefill from 0
         full = float(first_token_scores(lp[:, -1], pair)[0])
         idx = sets.index([(l, h)])
@@ -125,6 +125,7 @@ def test_probe_run_on_embedded_model_with_capped_maps(smol):
     cfg.progress, cfg.n_boot, cfg.ks, cfg.random.n_draws, cfg.max_map_pairs_per_family = False, 200, [1, 4], 2, 1
     ctx = ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"]), cfg=cfg, seed=0)
     res = run_heads(ctx)
+    check_schema("heads", res)
     agg = res["aggregates"]
     assert agg["n_selection"] >= 2 and agg["n_heldout"] >= 1
     assert sum("maps" in r for r in res["rows"]) == 1                      # one mapped selection pair

@@ -13,7 +13,7 @@ from kvnotes.kit import layer_bands
 from kvnotes.pairs import PairSet
 from kvnotes.plots import plot_record
 from probes import ProbeContext
-from tests.conftest import recall_pairs
+from tests.conftest import check_schema, recall_pairs
 
 GRID = {"fractions": [0.1, 0.5, 1.0], "counts": [1, 4, 1000]}     # 1000 exceeds every downstream
 N_DRAWS = 3
@@ -207,6 +207,7 @@ def test_exclusions_are_counted(smol, spied):
 
 def test_figures_from_record(spied, tmp_path):
     _, res, _ = spied
+    check_schema("suffix_recovery", res)
     record = {"probe": "suffix_recovery", "model": {"name": "smollm2-135m"}, "scenario": {"name": "test"},
               "result": res}
     paths = plot_record(record, tmp_path)

@@ -1,0 +1,87 @@
+"""The probe kit: registry and typed config (a misspelt key is an error), declared result schemas,
+exclusion rows, and the worked example of docs/adding_a_probe.md run verbatim on the embedded model."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+import probes
+from kvnotes import kit as K
+from kvnotes.errors import KvnotesError
+from kvnotes.schema import BaseResult, SchemaError, check_result, result_schema
+from tests.conftest import recall_pairs
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "adding_a_probe.md"
+
+
+def test_every_probe_is_found_from_its_config_and_declares_config_and_result():
+    assert {"field_refresh", "suffix_recovery", "heads", "dissociation"} <= set(probes.names())
+    for name in probes.names():
+        cfg = probes.load_config(name)
+        mod = probes.module(cfg)
+        assert cfg.name == name and mod.run is probes.get(name)
+        assert hasattr(mod, "Config") and result_schema(mod) is not BaseResult, name
+        assert cfg.progress is True and cfg.n_boot == 2000                     # shared base defaults
+    assert probes.load_config("dissociation").pairs == "polarity"
+
+
+def test_misspelt_or_mistyped_key_is_one_clear_error():
+    with pytest.raises(KvnotesError, match=r"probe 'heads': Key 'n_bot' not in 'Config'"):
+        probes.load_config("heads", {"n_bot": 10})
+    with pytest.raises(KvnotesError, match="chunk_heads"):
+        probes.load_config("heads", {"chunk_heads": "many"})
+    with pytest.raises(KvnotesError, match="unknown probe 'nope'"):
+        probes.load_config("nope")
+
+
+def test_schema_check_finds_missing_keys_and_wrong_types():
+    row = {"pair": "p", "scenario": "s", "family": "f", "instance": "i", "s_old": -1.0, "s_new": 2,
+           "effect": 3.0, "flips": True, "reason": None}
+    good = {"rows": [row], "aggregates": {}, "exclusions": {"small_effect": 1},
+            "excluded": [{"pair": "q", "scenario": "s", "family": "f", "reason": "small_effect"}]}
+    check_result(good, BaseResult)
+    with pytest.raises(SchemaError, match=r"result.rows\[0\].flips"):
+        check_result(good | {"rows": [row | {"flips": "yes"}]}, BaseResult)
+    with pytest.raises(SchemaError, match="missing key 'excluded'"):
+        check_result({k: v for k, v in good.items() if k != "excluded"}, BaseResult)
+
+
+def test_excluded_rows_and_worst():
+    rows = [{"pair": "a", "scenario": "s", "family": "f", "instance": "i", "reason": None, "flips": True, "x": 0.5},
+            {"pair": "b", "scenario": "s", "family": "f", "instance": "i", "reason": "small_effect", "flips": False,
+             "x": -2.0}]
+    tok = [{"pair": "c", "scenario": "s", "family": "f", "instance": "j", "reason": "unequal_field_length"}]
+    ex = K.excluded_rows(tok, rows)
+    assert [r["pair"] for r in ex] == ["c", "b"] and set(ex[1]) == set(K.EXCLUSION_COLUMNS)
+    assert K.exclusion_counts(ex) == {"unequal_field_length": 1, "small_effect": 1}
+    assert K.worst(rows, "x", 1.0) == 3.0 and K.worst([], "x") is None
+
+
+def _doc_blocks() -> tuple[str, str]:
+    text = DOC.read_text()
+    return (re.search(r"```python\n(.*?)```", text, re.S).group(1),
+            re.search(r"```yaml\n(.*?)```", text, re.S).group(1))
+
+
+def test_worked_example_runs_as_documented(smol, tmp_path, monkeypatch):
+    """The module and config of docs/adding_a_probe.md, written out verbatim (the module under
+    another importable name), are found from the config alone, reject a misspelt key, run on the
+    embedded model and return a result matching their own schema."""
+    code, yaml = _doc_blocks()
+    (tmp_path / "doc_field_only.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    raw = OmegaConf.create(yaml.replace("probes.field_only.run", "doc_field_only.run"))
+    cfg = OmegaConf.merge(OmegaConf.load(probes.CONF_DIR / "_base.yaml"), raw, {"progress": False, "n_boot": 200})
+    with pytest.raises(KvnotesError, match="all_layer"):
+        probes.typed_config(OmegaConf.merge(cfg, {"all_layer": False}))
+    ctx = probes.ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], n_instances=1), cfg=cfg)
+    res = probes.get(ctx.cfg)(ctx)
+    check_result(res, result_schema(probes.module(ctx.cfg)))
+    assert res["rows"] and all(math.isfinite(r["r_field"]) for r in res["rows"])
+    assert res["aggregates"]["recovery"]["all"]["n"] == len(res["rows"])
+    assert len(res["rows"]) + len(res["excluded"]) == len(ctx.pairs.pairs) + len(ctx.pairs.excluded)
