@@ -59,6 +59,7 @@ def job(cfg) -> None:
     import probes
     from kvnotes.errors import USER_ERRORS, KvnotesError
     from kvnotes.records import RECORD_NAME, Timer, is_complete, new_record, write_atomic
+    from kvnotes.tokens import rendering
 
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
@@ -108,7 +109,8 @@ def job(cfg) -> None:
                         int(cfg.seed))
     record["scenario"] = {"name": cfg.scenario.name, "n_scenarios": len(pairs.scenarios),
                           "n_pairs_aligned": len(pairs.pairs), "n_excluded": len(pairs.excluded),
-                          "families": sorted({s.family for s in pairs.scenarios})}
+                          "families": sorted({s.family for s in pairs.scenarios}),
+                          "rendering": rendering(bundle.tokenizer, bool(cfg.scenario.get("chat_template", True)))}
     record["result"] = result
     record["timing"] = timer.stages | {"total": time.perf_counter() - t0}
     record["status"] = "complete"

@@ -78,6 +78,13 @@ class TokenizedPair:
         return self.field[1], self.decision
 
 
+def rendering(tokenizer, chat_template: bool = True) -> str:
+    """How :func:`render_text` renders prompts for this tokenizer: ``"chat_template"`` when
+    ``chat_template`` is requested and the tokenizer has one, else ``"plain"`` (base models such as
+    Gemma-3-270M ship without a chat template). Records store it next to the scenario."""
+    return "chat_template" if chat_template and getattr(tokenizer, "chat_template", None) else "plain"
+
+
 def render_text(tokenizer, user_text: str, answer_prefix: str, chat_template: bool = True,
                 system: str | None = None, template_kwargs: dict | None = None) -> tuple[str, int]:
     """Render a prompt and return ``(text, char offset of user_text inside it)``.
@@ -91,7 +98,7 @@ def render_text(tokenizer, user_text: str, answer_prefix: str, chat_template: bo
     Raises:
         KvnotesError: the chat template altered the user message so it cannot be located.
     """
-    if chat_template and getattr(tokenizer, "chat_template", None):
+    if rendering(tokenizer, chat_template) == "chat_template":
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                              **(template_kwargs or {}))
