@@ -8,8 +8,9 @@ position ``cumulative_length - n_slots + j``, not ``j``. Every forward on a cach
 
 A *patch mask* is a bool tensor ``[V, n_layers, T]`` over the prefix positions ``[0, T)``: variant
 ``v`` takes layer ``l``'s key/value at position ``p`` from the source ("new") cache where the mask
-is true and from the base ("old") cache elsewhere. Variant caches are built per chunk with one
-``torch.where`` per layer from the two source caches (no per-variant clone of a whole cache).
+is true and from the base ("old") cache elsewhere. :func:`patched_logprobs` decodes on a batch view
+of the base cache and writes the masked source K/V into the attention call (no per-variant clone
+of a whole cache); :func:`build_variants` materialises the same caches explicitly (tests, engines).
 """
 
 from __future__ import annotations
@@ -190,28 +191,65 @@ def build_variants(config, base: DynamicCache, source: DynamicCache, masks: torc
     return cache_from_tensors(config, keys, values, T)
 
 
+class _Substitute:
+    """Attention hook that writes the source cache's K/V into the batched keys and values of the
+    attention call, where a patch mask is true (:func:`patched_logprobs`).
+
+    The base cache is fed as a batch-``V`` *view* (no copy); the cache update concatenates it with
+    the fed tokens' K/V into fresh ``[V, kv_heads, slots + n, head_dim]`` tensors, and this hook
+    overwrites only the masked (variant, slot) entries in place before attention runs. So no
+    variant cache is materialised besides the one the decode itself writes.
+    """
+
+    def __init__(self, base: DynamicCache, source: DynamicCache, masks: torch.Tensor) -> None:
+        self.entries = []
+        for l, (lb, ls) in enumerate(zip(base.layers, source.layers)):
+            m = masks[:, l, slot_positions(lb).to(masks.device)]                  # [V, slots]
+            v_idx, s_idx = m.nonzero(as_tuple=True)
+            self.entries.append((v_idx.to(lb.keys.device), s_idx.to(lb.keys.device), ls.keys[0], ls.values[0]))
+
+    def __call__(self, base_fn, module, query, key, value, attention_mask, **kwargs):
+        v_idx, s_idx, k_src, v_src = self.entries[module.layer_idx]
+        if len(v_idx):
+            key[v_idx, :, s_idx] = k_src[:, s_idx].transpose(0, 1).to(key.dtype)
+            value[v_idx, :, s_idx] = v_src[:, s_idx].transpose(0, 1).to(value.dtype)
+        return base_fn(module, query, key, value, attention_mask, **kwargs)
+
+
 @torch.no_grad()
 def patched_logprobs(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor,
                      tokens: torch.Tensor, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> torch.Tensor:
     """Batched activation patching on the KV cache: log-probs of every patch variant.
 
-    For each variant, builds the patched prefix cache (see :func:`build_variants`) and feeds
-    ``tokens`` from position ``T`` (the first token is the decision token ``d = T``; further tokens
-    teacher-force a multi-token continuation). Variants are processed in chunks whose variant caches
-    fit ``budget_bytes``.
+    Each variant's prefix cache is the base cache with layer ``l``'s K/V at position ``p`` taken
+    from ``source`` where ``masks[v, l, p]`` (the caches :func:`build_variants` builds): ``tokens``
+    are fed from position ``T`` on a batch-``V`` view of ``base`` and the masked K/V are written
+    into the attention call's keys and values (:class:`_Substitute`), so only the decode's own
+    concatenated copy of the cache exists per chunk. The first token is the decision token
+    ``d = T``; further tokens teacher-force a multi-token continuation. Variants are processed in
+    chunks whose variant caches fit ``budget_bytes``.
 
     Args:
+        base, source: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
         masks: bool ``[V, n_layers, T]``.
         tokens: ``[n]`` token ids fed after the prefix.
 
     Returns:
         ``[V, n, vocab]`` fp32 log-probabilities.
+
+    Raises:
+        ValueError: the mask's layer or position count does not match the caches.
     """
+    from kvnotes.capture import attention_hook
+
     T = seq_length(base)
+    if masks.shape[1] != len(base.layers) or masks.shape[2] != T or seq_length(source) != T:
+        raise ValueError(f"mask {tuple(masks.shape)} does not fit caches of {len(base.layers)} layers x {T} positions")
     out = []
     for sl in chunks(masks.shape[0], variant_bytes(base), budget_bytes):
-        cache = build_variants(model.config, base, source, masks[sl])
-        out.append(continuation_logprobs(model, cache, tokens, T))
+        V = sl.stop - sl.start
+        with attention_hook(model, _Substitute(base, source, masks[sl])):
+            out.append(continuation_logprobs(model, expand_cache(base, model.config, V), tokens, T))
     return torch.cat(out)
 
 

@@ -7,9 +7,9 @@ On the same flipping recall pairs of the embedded SmolLM2-135M (``--model`` pick
 config), the single-position map (every downstream position ``p`` in ``[b, d)`` patched alone from
 the new run into the old run, all layers, decision score read) is computed two ways:
 
-- **batched**: the probe's machinery, :func:`probes.suffix_recovery.single_position_scores`
-  (patch masks -> variant caches by ``torch.where`` from the two source caches, chunked to
-  ``--budget-mb``, one batched decode per chunk);
+- **batched**: the probe's machinery, :func:`kvnotes.kit.single_position_scores`
+  (patch masks; one batched decode per chunk of ``--budget-mb`` on a batch view of the old cache,
+  the masked K/V of the new cache written into the attention call's keys and values);
 - **naive**: per variant, ``copy.deepcopy`` of the whole old cache, the position's K/V copied from
   the new cache in every layer, one batch-1 decode of the decision token.
 
@@ -165,7 +165,7 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from kvnotes.models import load_model
-    from probes.suffix_recovery import single_position_scores
+    from kvnotes.kit import single_position_scores
 
     bundle = load_model(OmegaConf.load(ROOT / "conf/model" / f"{args.model}.yaml"), args.device)
     model, device = bundle.model, bundle.model.device
