@@ -39,11 +39,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from circuits.engine import Engine, Site, make_engine
-from kvnotes.schema import BaseResult, PairRow
+from circuits.engine import Engine, Site, start_circuit
+from kvnotes.schema import CircuitResult, SplitRow
 from kvnotes.kit import ProbeConfig
 from kvnotes import kit as K
-from kvnotes.selection import with_split
 
 
 @dataclass
@@ -122,33 +121,26 @@ def top_offset(maps: list[np.ndarray]) -> int | None:
     return int(np.nanargmax(mean)) + 1
 
 
-class ComponentsRow(PairRow):
+class ComponentsRow(SplitRow):
     """A flipping pair: its split and the DLA contributions at the decision position."""
 
-    split: str
     at_decision: dict[str, Any]
 
 
-class Result(BaseResult):
+class Result(CircuitResult):
     """What ``run`` returns (record ``result``)."""
 
     rows: list[ComponentsRow]
-    backend: str
-    split: dict[str, list[str]]
-
 
 
 def run(ctx) -> dict:
     """Attention vs MLP contributions per layer; see the module docstring."""
-    K.require_first_token(ctx)
+    engine, fs, rows, sel, held = start_circuit(ctx)
     cfg = ctx.cfg
     model = ctx.bundle.model
-    engine = make_engine(model, cfg.get("backend", "nnsight"))
     L = engine.adapter.n_layers
     eps = engine.adapter.final_norm_eps(model)
     n_boot = int(cfg.n_boot)
-    fs = K.flipping_pairs(ctx, keep_caches=True)
-    rows, sel, held = with_split(fs.rows, float(cfg.selection_fraction), ctx.seed)
     progress = bool(cfg.get("progress", True))
     # 1. the top note offset per family, from selection pairs only
     for run_, row in tqdm(list(zip(fs.runs, rows)), desc="components: position maps", disable=not progress):

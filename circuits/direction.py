@@ -68,14 +68,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from circuits.engine import Engine, Intervention, Site, make_engine
-from kvnotes.schema import BaseResult, PairRow
+from circuits.engine import Engine, Intervention, Site, start_circuit
+from kvnotes.schema import CircuitResult
 from kvnotes.kit import ProbeConfig
 from kvnotes.kit import RandomControl
 from kvnotes import kit as K
 from kvnotes import cache as kvcache
 from kvnotes.readout import PairRun, first_token_scores
-from kvnotes.selection import pair_rng, sample_instances, selection_source, with_split
+from kvnotes.selection import pair_rng, sample_instances, selection_source
 
 SCOPES = ("all", "family", "scenario")
 ABLATE_TO = ("all", "old")
@@ -384,19 +384,9 @@ def _heldout_layer(engine, run_, x_old, x_new, fit, li, layer, rand, ablate_to, 
     }
 
 
-class DirectionRow(PairRow):
-    """A flipping pair: its split; evaluated held-out pairs carry per-layer results."""
-
-    split: str
-
-
-class Result(BaseResult):
-    """What ``run`` returns (record ``result``)."""
-
-    rows: list[DirectionRow]
-    backend: str
-    split: dict[str, list[str]]
-
+class Result(CircuitResult):
+    """What ``run`` returns (record ``result``): evaluated held-out rows carry ``layers`` (per
+    scanned layer: sufficiency and necessity of every variant)."""
 
 
 def run(ctx) -> dict:
@@ -411,11 +401,9 @@ def run(ctx) -> dict:
         KvnotesError: a readout other than ``first_token``.
         ValueError: bad ``fit_scope`` / ``ablate_to`` / ``layers``, or ``random.n_draws < 1``.
     """
-    K.require_first_token(ctx)
     cfg = ctx.cfg
     model = ctx.bundle.model
-    engine = make_engine(model, cfg.get("backend", "nnsight"))
-    L = engine.adapter.n_layers
+    L = ctx.bundle.adapter.n_layers
     layers = scan_layers(L, cfg.get("layers"), cfg.get("n_layers_scan"))
     scope, ablate_to = str(cfg.fit_scope), str(cfg.ablate_to)
     if scope not in SCOPES or ablate_to not in ABLATE_TO:
@@ -423,10 +411,9 @@ def run(ctx) -> dict:
     n_draws = int(cfg.random.n_draws)
     if n_draws < 1:
         raise ValueError("random.n_draws must be >= 1: the norm-matched random control is required")
+    engine, fs, rows, sel, held = start_circuit(ctx)
     n_boot = int(cfg.n_boot)
     progress = bool(cfg.get("progress", True))
-    fs = K.flipping_pairs(ctx, keep_caches=True)
-    rows, sel, held = with_split(fs.rows, float(cfg.selection_fraction), ctx.seed)
     evaluated = eval_pairs(rows, cfg.get("max_pairs_per_family"), ctx.seed)
     families = K.families_of(ctx, rows + fs.excluded)
     # 1. clean note residuals: every selection pair (fitting) and every evaluated pair

@@ -361,3 +361,25 @@ def make_engine(model, backend: str = "nnsight") -> Engine:
     if backend not in BACKENDS:
         raise ValueError(f"unknown engine backend {backend!r} (known: {sorted(BACKENDS)})")
     return BACKENDS[backend](model)
+
+
+def start_circuit(ctx):
+    """The common start of a circuit probe: the first-token readout check, the engine of the
+    config's ``backend``, the flipping pairs with their prefix caches, and their selection /
+    held-out split (``selection_fraction``, ``ctx.seed``).
+
+    Returns:
+        (engine, :class:`kvnotes.kit.FlippingSet`, rows tagged with ``split``, selection instance
+        ids, held-out instance ids).
+
+    Raises:
+        KvnotesError: a readout other than ``first_token``.
+    """
+    from kvnotes import kit
+    from kvnotes.selection import with_split
+
+    kit.require_first_token(ctx)
+    engine = make_engine(ctx.bundle.model, ctx.cfg.get("backend", "nnsight"))
+    fs = kit.flipping_pairs(ctx, keep_caches=True)
+    rows, sel, held = with_split(fs.rows, float(ctx.cfg.selection_fraction), ctx.seed)
+    return engine, fs, rows, sel, held

@@ -36,14 +36,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from circuits.engine import Engine, Intervention, Site, make_engine
-from kvnotes.schema import BaseResult, PairRow
+from circuits.engine import Engine, Intervention, Site, start_circuit
+from kvnotes.schema import CircuitResult
 from kvnotes.kit import ProbeConfig
 from kvnotes.kit import RandomControl
 from kvnotes import kit as K
 from kvnotes import cache as kvcache
 from kvnotes.readout import PairRun, first_token_scores
-from kvnotes.selection import pair_rng, rank_by_mean, sample_instances, selection_source, with_split
+from kvnotes.selection import pair_rng, rank_by_mean, sample_instances, selection_source
 
 MODES = ("read", "write")
 
@@ -157,34 +157,21 @@ def _ranking_by_family(rows: list[dict], maps: dict, mode: str, families: list[s
     return out
 
 
-class HeadsRow(PairRow):
-    """A flipping pair: its split; held-out pairs carry ``topk_<mode>`` and ``random_<mode>``."""
-
-    split: str
-
-
-class Result(BaseResult):
-    """What ``run`` returns (record ``result``)."""
-
-    rows: list[HeadsRow]
-    backend: str
-    split: dict[str, list[str]]
-
+class Result(CircuitResult):
+    """What ``run`` returns (record ``result``): held-out rows carry ``topk_<mode>`` and
+    ``random_<mode>`` (mode ``read`` / ``write``), mapped selection rows ``maps``."""
 
 
 def run(ctx) -> dict:
     """Read/write head patching, top-k transfer to held-out instances; see the module docstring."""
-    K.require_first_token(ctx)
+    engine, fs, rows, sel, held = start_circuit(ctx)
     cfg = ctx.cfg
     model = ctx.bundle.model
-    engine = make_engine(model, cfg.get("backend", "nnsight"))
     L, H = engine.adapter.n_layers, engine.adapter.n_heads
     chunk = int(cfg.chunk_heads)
     ks = sorted({int(k) for k in cfg.ks if 0 < int(k) <= L * H})
     n_draws = int(cfg.random.n_draws)
     n_boot = int(cfg.n_boot)
-    fs = K.flipping_pairs(ctx, keep_caches=True)
-    rows, sel, held = with_split(fs.rows, float(cfg.selection_fraction), ctx.seed)
     maps: dict[str, dict] = {}
     progress = bool(cfg.get("progress", True))
     # 1. single-head maps (selection pairs, at most max_map_pairs_per_family of them per family,

@@ -31,6 +31,7 @@ from kvnotes.readout import PairRun, screen_pair, variant_scores
 from kvnotes.selection import pair_rng, sample_instances, split_instances, with_split  # noqa: F401  (re-exported)
 from kvnotes.stats import proportion, summarize
 
+
 @dataclass
 class ProbeConfig:
     """Keys every probe config has (``conf/probe/_base.yaml``). A probe module declares its own

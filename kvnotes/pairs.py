@@ -53,9 +53,14 @@ def prepare_pairs(tokenizer, scenario_cfg: Any, polarity: str = "normal",
     scenarios = load_suite(list(scenario_cfg.paths), scenario_cfg.get("families"), scenario_cfg.get("ids"))
     specs = build_pairs(scenarios, int(scenario_cfg.n_instances), int(scenario_cfg.seed),
                         scenario_cfg.get("variant", "direct"), polarity)
-    out = PairSet([], [], scenarios)
+    return _tokenized(PairSet([], [], scenarios), specs, tokenize_pair, tokenizer, scenario_cfg, template_kwargs)
+
+
+def _tokenized(out: PairSet, specs, tokenize, tokenizer, scenario_cfg: Any, template_kwargs: dict | None) -> PairSet:
+    """``out`` with every spec tokenised: aligned pairs appended to ``pairs``, the others to
+    ``excluded`` with the tokeniser's reason."""
     for spec in specs:
-        tp = tokenize_pair(tokenizer, spec, bool(scenario_cfg.get("chat_template", True)), template_kwargs)
+        tp = tokenize(tokenizer, spec, bool(scenario_cfg.get("chat_template", True)), template_kwargs)
         if isinstance(tp, str):
             out.excluded.append(pair_meta(spec) | {"reason": tp})
         else:
@@ -86,17 +91,11 @@ def prepare_polarity_pairs(tokenizer, scenario_cfg: Any, template_kwargs: dict |
         scenarios = load_suite(list(scenario_cfg.paths), scenario_cfg.get("families"), scenario_cfg.get("ids"))
     specs, skipped = build_polarity_pairs(scenarios, int(scenario_cfg.n_instances), int(scenario_cfg.seed),
                                           scenario_cfg.get("variant", "direct"))
-    out = PairSet([], [], scenarios, skipped)
     if not specs:
         raise KvnotesError(f"no scenario with a polarity block among the selected ones ({len(skipped)} skipped: "
                            f"{dict(Counter(s['reason'] for s in skipped))}); select e.g. scenario.families=[policy_gate]")
-    for spec in specs:
-        tp = tokenize_polarity_pair(tokenizer, spec, bool(scenario_cfg.get("chat_template", True)), template_kwargs)
-        if isinstance(tp, str):
-            out.excluded.append(pair_meta(spec) | {"reason": tp})
-        else:
-            out.pairs.append(tp)
-    return out
+    return _tokenized(PairSet([], [], scenarios, skipped), specs, tokenize_polarity_pair, tokenizer, scenario_cfg,
+                      template_kwargs)
 
 
 def pair_meta(spec) -> dict:

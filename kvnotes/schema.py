@@ -69,6 +69,20 @@ class BaseResult(TypedDict):
     excluded: list[ExclusionRow]
 
 
+class SplitRow(PairRow):
+    """A flipping pair of a probe that selects on one split and reports on the other."""
+
+    split: str
+
+
+class CircuitResult(BaseResult):
+    """Keys of every circuit probe result (``heads``, ``components``, ``direction``)."""
+
+    rows: list[SplitRow]
+    backend: str
+    split: dict[str, list[str]]
+
+
 def _is_typeddict(tp) -> bool:
     return isinstance(tp, type) and issubclass(tp, dict) and hasattr(tp, "__required_keys__")
 

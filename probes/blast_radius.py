@@ -126,7 +126,6 @@ class Result(BaseResult):
     examples: dict[str, dict[str, Any]]
 
 
-
 def run(ctx) -> dict:
     """Measure the blast radius of every aligned pair; see the module docstring."""
     cfg = ctx.cfg

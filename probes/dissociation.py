@@ -157,7 +157,6 @@ class Result(BaseResult):
     variants: list[str]
 
 
-
 def run(ctx) -> dict:
     """Patch trigger / notes / both of every polarity pair (``pairs: polarity`` in the probe config:
     ``run.py`` prepares them, :func:`kvnotes.pairs.prepare_polarity_pairs`); see the module docstring.

@@ -225,7 +225,6 @@ class Result(BaseResult):
     variants: list[str]
 
 
-
 def run(ctx) -> dict:
     """Field-only vs field+downstream refresh of every flipping pair; see the module docstring.
 

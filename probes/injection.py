@@ -123,7 +123,6 @@ class Result(BaseResult):
     directions: dict[str, dict[str, str]]
 
 
-
 def run(ctx) -> dict:
     """Inject the other run's notes into every aligned pair; aggregate over flipping pairs.
 

@@ -256,7 +256,6 @@ class Result(BaseResult):
     examples: dict[str, dict[str, Any]]
 
 
-
 def run(ctx) -> dict:
     """Attention masses and knockouts of every aligned pair; see the module docstring.
 

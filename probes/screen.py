@@ -80,7 +80,6 @@ class Result(BaseResult):
     aggregates: ScreenAggregates
 
 
-
 def run(ctx) -> dict:
     """Screen every pair; see the module docstring."""
     tok = ctx.bundle.tokenizer

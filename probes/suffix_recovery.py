@@ -443,7 +443,6 @@ class Result(BaseResult):
     examples: dict[str, dict[str, Any]]
 
 
-
 def run(ctx) -> dict:
     """Suffix / prefix / top-k / random recovery curves, single-position map and layer bands of
     every flipping pair; see the module docstring."""
