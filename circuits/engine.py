@@ -47,7 +47,7 @@ from kvnotes import cache as kvcache
 from kvnotes.adapters import Adapter
 
 KINDS = ("resid_pre", "hook_z", "attn_out", "mlp_out", "resid_post")
-MODES = ("set", "add")
+INTERVENTION_MODES = ("set", "add")
 # Execution order of the sites inside one decoder layer (nnsight requires in-order access).
 _ORDER = {k: i for i, k in enumerate(KINDS)}
 
@@ -89,8 +89,8 @@ class Intervention:
     where: torch.Tensor | None = None
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"intervention mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in INTERVENTION_MODES:
+            raise ValueError(f"intervention mode must be one of {INTERVENTION_MODES}, got {self.mode!r}")
         if self.heads is not None and self.site.kind != "hook_z":
             raise ValueError("heads= only applies to head sites")
 

@@ -45,7 +45,8 @@ from kvnotes import cache as kvcache
 from kvnotes.readout import PairRun, first_token_scores
 from kvnotes.selection import pair_rng, rank_by_mean, sample_instances, selection_source
 
-MODES = ("read", "write")
+#: Where head outputs are patched: at the decision position (read) or the note positions (write).
+HEAD_SITES = ("read", "write")
 
 
 @dataclass
@@ -104,8 +105,8 @@ def patched_scores(engine: Engine, run: PairRun, source: torch.Tensor, masks: to
     """
     pair = run.pair
     d, b = pair.decision, pair.field[1]
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}")
+    if mode not in HEAD_SITES:
+        raise ValueError(f"mode must be one of {HEAD_SITES}")
     start = d if mode == "read" else b
     positions = list(range(start, d))if mode == "write" else [d]
     ids = pair.old.ids[start: d + 1]
@@ -184,25 +185,25 @@ def run(ctx) -> dict:
         with ctx.timer("head_outputs"):
             source = head_outputs(engine, pair.new.ids)
         maps[row["pair"]] = {}
-        for mode in MODES:
+        for mode in HEAD_SITES:
             with ctx.timer(f"{mode}_map"):
                 prefix = run_.old_cache if mode == "read" else kvcache.prefix_cache(model, run_.old_cache, pair.old.ids, pair.field[1])
                 maps[row["pair"]][mode] = single_head_map(engine, run_, source, mode, prefix, chunk)
     families = K.families_of(ctx, rows + fs.excluded)
-    rankings = {mode: _ranking_by_family(rows, maps, mode, families) for mode in MODES}
+    rankings = {mode: _ranking_by_family(rows, maps, mode, families) for mode in HEAD_SITES}
     # 2. cumulative top-k vs random on held-out pairs
     out_rows = []
     for run_, row in tqdm(list(zip(fs.runs, rows)), desc="heads: top-k held-out", disable=not progress):
         pair = run_.pair
         row = dict(row)
         if row["pair"] in maps:
-            row["maps"] = {m: maps[row["pair"]][m].tolist() for m in MODES}
+            row["maps"] = {m: maps[row["pair"]][m].tolist() for m in HEAD_SITES}
         if row["split"] == "heldout":
             with ctx.timer("head_outputs"):
                 source = head_outputs(engine, pair.new.ids)
             rng = pair_rng(ctx.seed, row["pair"])
             all_heads = [(l, h) for l in range(L) for h in range(H)]
-            for mode in MODES:
+            for mode in HEAD_SITES:
                 rk = rankings[mode].get(row["family"])
                 if rk is None:
                     continue
@@ -231,7 +232,7 @@ def run(ctx) -> dict:
     held_rows = [r for r in out_rows if r["split"] == "heldout"]
     with ctx.timer("statistics"):
         curves = {}
-        for mode in MODES:
+        for mode in HEAD_SITES:
             hr = [r for r in held_rows if f"topk_{mode}" in r]
             curves[mode] = {}
             for kind in ("topk", "random"):
@@ -243,7 +244,7 @@ def run(ctx) -> dict:
             curves[mode]["all_heads"] = K.summaries_by_family([r | {"_r": r[f"r_{mode}_all"]} for r in hr], "_r", None,
                                                     families, n_boot, ctx.seed)
         sel_maps = {}
-        for mode in MODES:
+        for mode in HEAD_SITES:
             sel_maps[mode] = {}
             for f in families + ["all"]:
                 ms = [maps[r["pair"]][mode] for r in out_rows
@@ -251,10 +252,10 @@ def run(ctx) -> dict:
                 sel_maps[mode][f] = {"mean": np.mean(np.stack(ms), 0).tolist(), "n": len(ms)} if ms else {"n": 0}
     held_ids = {r["pair"] for r in out_rows if r["split"] == "heldout"}
     checks = {
-        "ranking_pairs_in_heldout": sum(p in held_ids for m in MODES for rk in rankings[m].values() for p in rk["pairs"]),
+        "ranking_pairs_in_heldout": sum(p in held_ids for m in HEAD_SITES for rk in rankings[m].values() for p in rk["pairs"]),
         "max_abs_read_all_minus_1": max((abs(r["r_read_all"] - 1) for r in held_rows if "r_read_all" in r), default=None),
         "random_set_sizes_match_k": all(all(sz == int(k) for sz in v["k_sizes"]) for r in held_rows
-                                        for m in MODES for k, v in r.get(f"random_{m}", {}).items()),
+                                        for m in HEAD_SITES for k, v in r.get(f"random_{m}", {}).items()),
     }
     aggregates = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(out_rows),
                   "n_selection": sum(r["split"] == "selection" for r in out_rows), "n_heldout": len(held_rows),
@@ -263,7 +264,7 @@ def run(ctx) -> dict:
                   "per_family": K.no_circuit_note(families, out_rows, fs.excluded),
                   "rankings": {m: {f: {"top": [list(x) for x in rk["order"][:max(ks, default=0)]],
                                        "pairs": rk["pairs"], "source": rk["source"]}
-                                   for f, rk in rankings[m].items()} for m in MODES},
+                                   for f, rk in rankings[m].items()} for m in HEAD_SITES},
                   "exclusions_by_family": K.exclusions_by_family(fs.excluded, families)}
     return {"rows": out_rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
             "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates}

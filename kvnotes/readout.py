@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from kvnotes import cache as kvcache
 from kvnotes.tokens import TokenizedPair
 
-MODES = ("first_token", "full")
+READOUT_MODES = ("first_token", "full")
 #: Flip rules: ``owned`` (top-1 answers + margin) and ``relative`` (candidate sign change + margin).
 FLIP_RULES = ("owned", "relative")
 NO_DECISION_CHANGE = "no_decision_change"
@@ -32,8 +32,8 @@ NOT_OWNED = "not_owned"
 
 
 def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"readout mode must be one of {MODES}, got '{mode}'")
+    if mode not in READOUT_MODES:
+        raise ValueError(f"readout mode must be one of {READOUT_MODES}, got '{mode}'")
 
 
 def first_token_scores(logprobs: torch.Tensor, pair: TokenizedPair) -> torch.Tensor:
