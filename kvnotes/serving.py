@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from kvnotes.errors import KvnotesError
 from kvnotes.stats import proportion
@@ -202,18 +203,20 @@ def full_prefill_logprobs(model, ids) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def reference_decisions(model, requests: list[Request], keep_full: set | None = None) -> tuple[dict, dict]:
+def reference_decisions(model, requests: list[Request], keep_full: set | None = None,
+                        progress: bool = False) -> tuple[dict, dict]:
     """Full-prefill reference of every distinct prompt: top-1 token and candidate log-probs.
 
     Args:
         keep_full: request keys whose whole ``[vocab]`` log-probs are also returned (cross-check).
+        progress: show a ``tqdm`` bar over the requests.
 
     Returns:
         (prompt ids -> ``{top1, cand_logprobs: {outcome: nats}}``, key -> ``[vocab]`` tensor).
     """
     ref, full = {}, {}
     keep_full = keep_full or set()
-    for r in requests:
+    for r in tqdm(requests, desc="full-prefill references", disable=not progress):
         if r.ids not in ref or r.key in keep_full:
             lp = full_prefill_logprobs(model, r.ids)
             ref[r.ids] = {"top1": int(lp.argmax()),

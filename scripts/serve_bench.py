@@ -49,15 +49,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default="smollm2-135m", help="conf/model/<name>.yaml (default: the embedded model)")
     ap.add_argument("--scenarios", default="scenarios/suites", help="scenario files or directories")
     ap.add_argument("--families", default="recall,lookup", help="comma list; the families a 135M model owns")
-    ap.add_argument("--sessions", type=int, default=4, help="sessions (scenario instances) per trace")
+    ap.add_argument("--sessions", type=int, default=2, help="sessions (scenario instances) per trace")
     ap.add_argument("--turns", type=int, default=3, help="turns per session; the field changes every turn")
-    ap.add_argument("--doc-tokens", type=int, default=1024, help="tokens of shared document around the field")
+    ap.add_argument("--doc-tokens", type=int, default=512, help="tokens of shared document around the field")
     ap.add_argument("--positions", default="early,middle,late")
     ap.add_argument("--arms", default="in_place,erratum,hoist,cold")
     ap.add_argument("--rates", default="0.5,2", help="Poisson arrival rates, requests/s")
-    ap.add_argument("--time-limit", type=float, default=60.0,
+    ap.add_argument("--time-limit", type=float, default=45.0,
                     help="seconds per run: requests due later are not sent (counted)")
-    ap.add_argument("--cross-check", type=int, default=6, help="prompts in the engine-vs-harness cross-check")
+    ap.add_argument("--cross-check", type=int, default=4, help="prompts in the engine-vs-harness cross-check")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's; 128 on CPU)")
@@ -113,7 +113,7 @@ def harness_stage(args, model_cfg):
     from kvnotes.serving import reference_decisions
 
     t0 = time.perf_counter()
-    ref, full = reference_decisions(bundle.model, requests, {r.key for r in checks})
+    ref, full = reference_decisions(bundle.model, requests, {r.key for r in checks}, progress=True)
     ref_s = time.perf_counter() - t0
     info = dict(bundle.info)
     if model_cfg.get("embedded"):
