@@ -167,12 +167,34 @@ def decision_logprobs(model, cache: DynamicCache, token: int, pos: int) -> torch
 
 
 @torch.no_grad()
-def greedy(model, cache: DynamicCache, token: int, pos: int, max_new_tokens: int,
-           stop_ids: Sequence[int] = ()) -> list[int]:
-    """Greedy decode from an edited cache: feed ``token`` at ``pos``, then the argmax repeatedly.
+def decision_logprobs_batch(model, caches: Sequence[DynamicCache], token: int, pos: int,
+                            budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> torch.Tensor:
+    """:func:`decision_logprobs` of several all-slot caches over ``[0, pos)`` in batched forwards
+    (caches stacked per chunk of ``budget_bytes``).
 
     Returns:
-        generated token ids (at most ``max_new_tokens``; stops after a token in ``stop_ids``).
+        ``[len(caches), vocab]`` fp32 log-probs.
+    """
+    out = []
+    for sl in kvcache.chunks(len(caches), kvcache.variant_bytes(caches[0]), budget_bytes):
+        group = caches[sl]
+        stacked = from_tensors([torch.cat([c.layers[l].keys[:, :, :pos] for c in group]) for l in range(len(group[0].layers))],
+                               [torch.cat([c.layers[l].values[:, :, :pos] for c in group]) for l in range(len(group[0].layers))])
+        out.append(kvcache.continuation_logprobs(model, stacked, torch.tensor([token]), pos)[:, -1])
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def greedy(model, cache: DynamicCache, token: int, pos: int, max_new_tokens: int,
+           stop_ids: Sequence[int] = (), stop=None) -> list[int]:
+    """Greedy decode from an edited cache: feed ``token`` at ``pos``, then the argmax repeatedly.
+
+    Args:
+        stop: optional ``fn(generated ids) -> bool`` checked after each token.
+
+    Returns:
+        generated token ids (at most ``max_new_tokens``; stops after a token in ``stop_ids`` or when
+        ``stop`` says so). ``cache`` is left unchanged.
     """
     work = truncate(cache, pos)
     out: list[int] = []
@@ -180,7 +202,7 @@ def greedy(model, cache: DynamicCache, token: int, pos: int, max_new_tokens: int
         lp = kvcache.continuation_logprobs(model, work, torch.tensor([token]), pos + step)
         token = int(lp[0, -1].argmax())
         out.append(token)
-        if token in stop_ids:
+        if token in stop_ids or (stop is not None and stop(out)):
             break
     return out
 
