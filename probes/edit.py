@@ -302,11 +302,20 @@ def cot_pairs(ctx, kwargs, rankings, ks) -> tuple[list[dict], list[dict]]:
     stop_ids = [i for i in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(i, int) and i >= 0]
     rows, excluded = [], list(ctx.pairs.excluded)
 
-    def decide(e, token, sc, marker):
-        ids = edit.greedy(model, e.cache, token, e.pos, max_new, stop_ids,
-                          stop=lambda out: _marker_done(tok, out, marker, after))
-        text = tok.decode(ids, skip_special_tokens=True)
-        return read_decision(text, marker, sc.candidates), text
+    def decide(items: dict, sc, marker) -> dict[str, tuple[str | None, str]]:
+        """``{name: (edited, token)}`` -> ``{name: (decision, generated text)}``; one batched greedy
+        decode per decision position."""
+        groups: dict = {}
+        for name, (e, t) in items.items():
+            groups.setdefault((e.pos, t), []).append(name)
+        res = {}
+        for (pos, t), names in groups.items():
+            gens = edit.greedy(model, [items[n][0].cache for n in names], t, pos, max_new, stop_ids,
+                               stop=lambda out: _marker_done(tok, out, marker, after))
+            for n, ids in zip(names, gens):
+                text = tok.decode(ids, skip_special_tokens=True)
+                res[n] = (read_decision(text, marker, sc.candidates), text)
+        return res
 
     order = round_robin([pair_row(p) for p in ctx.pairs.pairs])
     pairs = [ctx.pairs.pairs[i] for i in (order if limit is None else order[: int(limit)])]
@@ -318,8 +327,9 @@ def cot_pairs(ctx, kwargs, rankings, ks) -> tuple[list[dict], list[dict]]:
         o_old, o_new = outcome[pair.spec.cand_old], outcome[pair.spec.cand_new]
         with ctx.timer("cot_screen"):
             ed = PairEditor(ctx, pair, kwargs)
-            full_dec, full_text = decide(ed.full, ed.token, sc, marker)
-            stale_dec, stale_text = decide(edit.Edited(ed.stale, ed.d, 0, 0.0, 0.0), ed.token, sc, marker)
+            screen = decide({"full": (ed.full, ed.token), "stale": (edit.Edited(ed.stale, ed.d, 0, 0.0, 0.0), ed.token)},
+                            sc, marker)
+            (full_dec, full_text), (stale_dec, stale_text) = screen["full"], screen["stale"]
         base = pair_row(pair) | {"full_text": full_text, "stale_text": stale_text, "full_decision": full_dec,
                                  "stale_decision": stale_dec}
         reason = ("full_no_marker" if full_dec is None else "stale_no_marker" if stale_dec is None
@@ -330,15 +340,14 @@ def cot_pairs(ctx, kwargs, rankings, ks) -> tuple[list[dict], list[dict]]:
         methods = {"full": {"decision": full_dec, "agree": True, "reached": True, "tokens": ed.full.tokens, "frac": 1.0},
                    "stale": {"decision": stale_dec, "agree": False, "reached": True, "tokens": 0, "frac": 0.0}}
         with ctx.timer("cot_methods"):
-            named = ed.named()
-            cands = [(n, e, t) for n, (e, t) in named.items() if n not in ("full", "stale")]
-            cands += [(n, e, ed.token) for n, _, _, e in sweep_methods(ed, rankings, ks, None)]
-            for name, e, t in cands:
-                dec, _ = decide(e, t, sc, marker)
+            items = {n: v for n, v in ed.named().items() if n not in ("full", "stale")}
+            items |= {n: (e, ed.token) for n, _, _, e in sweep_methods(ed, rankings, ks, None)}
+            for name, (dec, _) in decide(items, sc, marker).items():
                 methods[name] = {"decision": dec, "agree": dec == full_dec, "reached": dec is not None,
-                                 "tokens": e.tokens, "frac": e.tokens / ed.full.tokens}
-            for name in CONTROLS:
-                methods[name]["moved"] = methods[name]["decision"] != stale_dec
+                                 "tokens": items[name][0].tokens, "frac": items[name][0].tokens / ed.full.tokens}
+            for name in CONTROLS:                          # no decision read: not moved (see reached)
+                dec = methods[name]["decision"]
+                methods[name]["moved"] = dec is not None and dec != stale_dec
         rows.append(base | {"methods": methods})
     if excluded_limit:
         excluded.append({"pair": None, "family": None, "reason": "beyond_max_pairs", "count": excluded_limit})

@@ -52,11 +52,12 @@ def plot_edit(record: dict, out_dir: Path) -> list[Path]:
         p, ci, n = _agreement(summary, variant)
         x = summary["frac"]["all"]["mean"]
         if p is not None and x is not None:
-            lines.setdefault(ranking, []).append((max(x, FLOOR), p, int(name.split("@")[1])))
+            lines.setdefault(ranking, []).append((max(x, FLOOR), p, n))
     for ranking, pts in sorted(lines.items()):
         pts.sort()
         style = {"ls": "--", "color": "0.4"} if ranking == "oracle_copy" else {"ls": "-"}
-        label = f"{ranking} (upper bound)" if ranking == "oracle_copy" else f"selective · {ranking}"
+        n = max(q[2] for q in pts)
+        label = (f"{ranking} (upper bound)" if ranking == "oracle_copy" else f"selective · {ranking}") + f" (n≤{n})"
         ax.plot([q[0] for q in pts], [q[1] for q in pts], marker=".", label=label, **style)
     ax.set_xscale("log")
     ax.set_xlabel(f"tokens recomputed / prompt tokens (mean; {FLOOR:g} = none)")
