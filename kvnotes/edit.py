@@ -167,21 +167,56 @@ def decision_logprobs(model, cache: DynamicCache, token: int, pos: int) -> torch
 
 
 @torch.no_grad()
-def greedy(model, cache: DynamicCache, token: int, pos: int, max_new_tokens: int,
-           stop_ids: Sequence[int] = ()) -> list[int]:
-    """Greedy decode from an edited cache: feed ``token`` at ``pos``, then the argmax repeatedly.
+def decision_logprobs_batch(model, caches: Sequence[DynamicCache], token: int, pos: int,
+                            budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> torch.Tensor:
+    """:func:`decision_logprobs` of several all-slot caches over ``[0, pos)`` in batched forwards
+    (caches stacked per chunk of ``budget_bytes``).
 
     Returns:
-        generated token ids (at most ``max_new_tokens``; stops after a token in ``stop_ids``).
+        ``[len(caches), vocab]`` fp32 log-probs.
     """
-    work = truncate(cache, pos)
-    out: list[int] = []
+    out = []
+    for sl in kvcache.chunks(len(caches), kvcache.variant_bytes(caches[0]), budget_bytes):
+        out.append(kvcache.continuation_logprobs(model, stack(caches[sl], pos), torch.tensor([token]), pos)[:, -1])
+    return torch.cat(out)
+
+
+def stack(caches: Sequence[DynamicCache], pos: int) -> DynamicCache:
+    """One batch-``len(caches)`` all-slot cache over ``[0, pos)`` from batch-1 caches (one copy)."""
+    n_layers = len(caches[0].layers)
+    return from_tensors([torch.cat([c.layers[l].keys[:, :, :pos] for c in caches]) for l in range(n_layers)],
+                        [torch.cat([c.layers[l].values[:, :, :pos] for c in caches]) for l in range(n_layers)])
+
+
+@torch.no_grad()
+def greedy(model, caches: Sequence[DynamicCache], token: int, pos: int, max_new_tokens: int,
+           stop_ids: Sequence[int] = (), stop=None) -> list[list[int]]:
+    """Greedy decode of several edited caches in lockstep: feed ``token`` at ``pos`` on each, then
+    each sequence's argmax repeatedly (one batched forward per step).
+
+    Args:
+        caches: batch-1 all-slot caches over ``[0, pos)`` (left unchanged).
+        stop: optional ``fn(generated ids) -> bool`` checked after each token.
+
+    Returns:
+        per cache, the generated token ids (at most ``max_new_tokens``; a sequence ends after a token
+        in ``stop_ids`` or when ``stop`` says so; decoding ends when all have).
+    """
+    work = stack(caches, pos)
+    V = len(caches)
+    tokens = torch.full((V, 1), token, dtype=torch.long)
+    out: list[list[int]] = [[] for _ in range(V)]
+    done = [False] * V
     for step in range(max_new_tokens):
-        lp = kvcache.continuation_logprobs(model, work, torch.tensor([token]), pos + step)
-        token = int(lp[0, -1].argmax())
-        out.append(token)
-        if token in stop_ids:
+        lp = kvcache.continuation_logprobs(model, work, tokens, pos + step)
+        nxt = lp[:, -1].argmax(-1).cpu()
+        for i in range(V):
+            if not done[i]:
+                out[i].append(int(nxt[i]))
+                done[i] = int(nxt[i]) in stop_ids or (stop is not None and stop(out[i]))
+        if all(done):
             break
+        tokens = nxt.view(V, 1)
     return out
 
 
