@@ -180,12 +180,12 @@ def pairs(gemma, tmp_path_factory):
     return prepare_pairs(gemma.tokenizer, scenario_cfg([short, long_path]))
 
 
-def probe_ctx(gemma, pairs, name, **over):
+def probe_ctx(gemma, pairs, name, flip_rule="owned", **over):
     cfg = OmegaConf.load(os.path.join(CONF, "probe", f"{name}.yaml"))
     cfg.progress = False
     for k, v in over.items():
         OmegaConf.update(cfg, k, v)
-    return ProbeContext(bundle=gemma, pairs=pairs, cfg=cfg, seed=0, budget_bytes=256 << 20)
+    return ProbeContext(bundle=gemma, pairs=pairs, cfg=cfg, seed=0, budget_bytes=256 << 20, flip_rule=flip_rule)
 
 
 @pytest.mark.embedded
@@ -220,7 +220,7 @@ def test_screen(gemma, screened, pairs):
     for r in rows:
         assert r["expect_flip"] and r["flips"] == (r["reason"] is None)
         own = r["top1_old"] == first(r["cand_old"][0]) and r["top1_new"] == first(r["cand_new"][0])
-        assert r["own_answer"] == own
+        assert r["owned"] == own and r["flips_owned"] == (r["flips_relative"] and own)
     assert all(r["n_tokens"] > WINDOW + 64 for r in rows if r["scenario"] == "favourite_colour_long")
     assert all(r["n_tokens"] < WINDOW for r in rows if r["scenario"] == "favourite_colour")
     assert by["favourite_colour"]["n_flip"] >= 1 and by["favourite_colour_long"]["n_flip"] >= 1
@@ -228,7 +228,9 @@ def test_screen(gemma, screened, pairs):
 
 @pytest.fixture(scope="module")
 def refreshed(gemma, pairs):
-    return run_field_refresh(probe_ctx(gemma, pairs, "field_refresh", keep_caches=True, n_boot=200))
+    # the invariants hold for any flipping pair: the relative rule keeps the long pair whatever the
+    # base model's top-1 there
+    return run_field_refresh(probe_ctx(gemma, pairs, "field_refresh", "relative", keep_caches=True, n_boot=200))
 
 
 @pytest.mark.embedded
@@ -236,9 +238,9 @@ def test_field_refresh_invariants(refreshed, screened):
     rows = refreshed["rows"]
     # the probe keeps the flips of the configured flip rule: candidate-relative flips, of which the
     # model's own top-1 answers are a subset
-    flipping = {r["pair"] for r in screened["rows"] if r["flips"]}
-    owned = {r["pair"] for r in screened["rows"] if r["flips"] and r["own_answer"]}
-    assert owned <= {r["pair"] for r in rows} <= flipping
+    flipping = {r["pair"] for r in screened["rows"] if r["flips_relative"]}
+    owned = {r["pair"] for r in screened["rows"] if r["flips_owned"]}
+    assert owned <= {r["pair"] for r in rows} == flipping
     assert {r["scenario"] for r in rows} == {"favourite_colour", "favourite_colour_long"}
     for r in rows:
         assert abs(r["r_none"]) < RECOVERY_TOL

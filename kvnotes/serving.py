@@ -1,0 +1,294 @@
+"""Serving traces for the prefix-cache experiment (paper "Models Take Notes at Prefill", §systems
+claim: an appended erratum keeps a serving engine's automatic prefix cache aligned, an in-place
+rewrite invalidates every block after the field).
+
+This module builds the multi-turn request traces from the scenario files, the harness's own
+full-prefill reference decisions (transformers, same weights) and the aggregates. It never imports
+an engine: ``scripts/serve_bench.py`` serves the traces on vLLM and hands the served results back.
+
+Trace layout. Every prompt of a session shares a long *shared document*: the filler sentences of
+the suite's scenario files, shuffled by a seeded generator and repeated to ``doc_tokens`` tokens.
+The document is split at the field *position*: the part before the field goes into the system
+message (shared by every session), the part after it extends the instance's filler, so the field
+stands ``early`` (document after it), ``middle`` or ``late`` (document before it) in the same
+total length. A session is one scenario instance; its field takes the scenario's values in turn
+(turn 0 the first value, turn ``k`` the ``k``-th, cycling) and every turn asks the decision. Arms:
+
+- ``in_place``: the field rewritten where it stands (:func:`kvnotes.edit_prompts.render_layout`, default
+  order);
+- ``erratum``: the turn-0 prompt kept and one erratum line per update appended before the request
+  (:data:`kvnotes.edit_prompts.ERRATUM_TEMPLATE`, placement ``before_request``; updates accumulate);
+- ``hoist``: the context line (with the field) moved just before the request
+  (:data:`kvnotes.edit_prompts.HOISTED_ORDER`);
+- ``cold``: the ``in_place`` prompts served with prefix caching defeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvnotes.errors import KvnotesError
+from kvnotes.stats import proportion
+from kvnotes.tokens import Prompt, build_prompt, continuation_ids
+from kvnotes.edit_prompts import DEFAULT_ORDER, HOISTED_ORDER, erratum_text, render_layout
+from scenarios.instances import Instance, draw_instances
+
+ARMS = ("in_place", "erratum", "hoist", "cold")
+#: Fraction of the shared document placed before the field.
+POSITIONS = {"early": 0.0, "middle": 0.5, "late": 1.0}
+SYSTEM_HEADER = "You are a careful assistant. Reference notes:"
+CANDIDATE_MERGES = "candidate_merges_with_prompt"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One served prompt of a trace.
+
+    Attributes:
+        arm, position: the arm (:data:`ARMS`) and the field position (:data:`POSITIONS`).
+        session: the session id (the scenario instance id); ``turn``: 0 for the first prompt.
+        value: the field value this turn asks about; ``expected``: its outcome's candidate text.
+        ids: prompt token ids (what the engine is given, BOS included once).
+        field_token: token index of the field value in this prompt (the stale value for ``erratum``).
+        candidates: outcome -> first token id of its candidate, tokenised in context.
+        expected_token: first token id of the expected candidate.
+    """
+
+    arm: str
+    position: str
+    session: str
+    scenario: str
+    family: str
+    turn: int
+    value: str
+    expected: str
+    ids: tuple[int, ...]
+    field_token: int
+    candidates: dict[str, int] = field(hash=False)
+    expected_token: int
+
+    @property
+    def key(self) -> tuple:
+        return (self.arm, self.position, self.session, self.turn)
+
+
+def shared_document(scenarios, tokenizer, n_tokens: int, seed: int) -> list[str]:
+    """Filler sentences of the scenario files (unique, file order), shuffled with a seeded
+    ``numpy`` generator and cycled until they hold at least ``n_tokens`` tokens.
+
+    Raises:
+        KvnotesError: the scenarios have no filler sentences.
+    """
+    pool = list(dict.fromkeys(s for sc in scenarios for s in sc.filler))
+    if not pool:
+        raise KvnotesError("the selected scenarios have no filler sentences to build a shared document from")
+    rng = np.random.default_rng(seed)
+    out, total = [], 0
+    while total < n_tokens:
+        for i in rng.permutation(len(pool)):
+            out.append(pool[i])
+            total += len(tokenizer(" " + pool[i], add_special_tokens=False)["input_ids"])
+            if total >= n_tokens:
+                break
+    return out
+
+
+def place(instance: Instance, document: list[str], position: str) -> Instance:
+    """The instance with the shared document split around its field: the part before the field in
+    the system message, the rest appended to the instance's filler.
+
+    Raises:
+        KvnotesError: unknown position.
+    """
+    if position not in POSITIONS:
+        raise KvnotesError(f"unknown field position '{position}' (known: {', '.join(POSITIONS)})")
+    cut = round(POSITIONS[position] * len(document))
+    before, after = document[:cut], document[cut:]
+    system = " ".join([SYSTEM_HEADER, *before])
+    return replace(instance, scenario=replace(instance.scenario, system=system),
+                   filler=tuple(instance.filler) + tuple(after))
+
+
+def _prompt(tokenizer, inst: Instance, value: str, variant: str, order, notice=None,
+            template_kwargs=None) -> Prompt:
+    user, chars, prefix = render_layout(inst, value, variant, order, notice, "before_request")
+    return build_prompt(tokenizer, user, chars, prefix, True, inst.scenario.system, template_kwargs)
+
+
+def session_values(scenario, turns: int) -> list[str]:
+    """The field value of each turn: the scenario's values in file order, cycling."""
+    values = list(scenario.values)
+    return [values[t % len(values)] for t in range(turns)]
+
+
+def pick_sessions(scenarios, n_sessions: int, seed: int) -> list[Instance]:
+    """``n_sessions`` instances, alternating between families and, within a family, between its
+    scenarios (file order); a scenario's ``k``-th use takes its instance ``k``."""
+    by_family: dict[str, list] = {}
+    for sc in scenarios:
+        by_family.setdefault(sc.family, []).append(sc)
+    order = []
+    for i in range(max(len(v) for v in by_family.values())):
+        order.extend(v[i] for v in by_family.values() if i < len(v))
+    uses = [order[i % len(order)] for i in range(n_sessions)]
+    counts: dict[str, int] = {}
+    for sc in uses:
+        counts[sc.id] = counts.get(sc.id, 0) + 1
+    drawn = {sc.id: draw_instances(sc, counts[sc.id], seed) for sc in order if sc.id in counts}
+    seen: dict[str, int] = {}
+    out = []
+    for sc in uses:
+        out.append(drawn[sc.id][seen.get(sc.id, 0)])
+        seen[sc.id] = seen.get(sc.id, 0) + 1
+    return out
+
+
+def build_trace(tokenizer, scenarios, n_sessions: int, turns: int, doc_tokens: int, positions, arms,
+                seed: int = 0, variant: str = "direct",
+                template_kwargs: dict | None = None) -> tuple[list[Request], list[dict]]:
+    """Every request of every (arm, position) for the sessions of :func:`pick_sessions`.
+
+    Returns:
+        (requests ordered by arm, position, turn, session; exclusions ``{session, arm, position,
+        turn, reason}`` for prompts whose candidate merges with the prompt's last token).
+    """
+    document = shared_document(scenarios, tokenizer, doc_tokens, seed)
+    sessions = pick_sessions(scenarios, n_sessions, seed)
+    requests, excluded = [], []
+    for arm in arms:
+        if arm not in ARMS:
+            raise KvnotesError(f"unknown arm '{arm}' (known: {', '.join(ARMS)})")
+        for pos in positions:
+            rows = []
+            for base in sessions:
+                inst, sc = place(base, document, pos), base.scenario
+                values = session_values(sc, turns)
+                for t, value in enumerate(values):
+                    if arm == "erratum" and t > 0:
+                        notice = "\n".join(erratum_text(inst, v) for v in values[1:t + 1])
+                        prompt = _prompt(tokenizer, inst, values[0], variant, DEFAULT_ORDER, notice, template_kwargs)
+                    else:
+                        order = HOISTED_ORDER if arm == "hoist" else DEFAULT_ORDER
+                        prompt = _prompt(tokenizer, inst, value, variant, order, None, template_kwargs)
+                    cands = {o: continuation_ids(tokenizer, prompt, c) for o, c in sc.candidates.items()}
+                    expected = sc.outcome(value)
+                    if any(c is None for c in cands.values()):
+                        excluded.append({"session": base.id, "arm": arm, "position": pos, "turn": t,
+                                         "reason": CANDIDATE_MERGES})
+                        continue
+                    rows.append(Request(arm, pos, base.id, sc.id, sc.family, t, value, sc.candidates[expected],
+                                        tuple(int(i) for i in prompt.ids), prompt.field[0],
+                                        {o: c[0] for o, c in cands.items()}, cands[expected][0]))
+            requests.extend(sorted(rows, key=lambda r: (r.turn, r.session)))
+    return requests, excluded
+
+
+@torch.no_grad()
+def full_prefill_logprobs(model, ids) -> torch.Tensor:
+    """The harness's reference: log-softmax (fp32) of a full forward of ``ids`` at the last position.
+
+    Args:
+        ids: prompt token ids, length ``T``.
+
+    Returns:
+        ``[vocab]`` log-probabilities of the next token.
+    """
+    x = torch.as_tensor(list(ids), dtype=torch.long, device=model.device).view(1, -1)
+    pos = torch.arange(x.shape[1], device=model.device).view(1, -1)
+    logits = model(input_ids=x, position_ids=pos, logits_to_keep=1).logits[0, -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def reference_decisions(model, requests: list[Request], keep_full: set | None = None,
+                        progress: bool = False) -> tuple[dict, dict]:
+    """Full-prefill reference of every distinct prompt: top-1 token and candidate log-probs.
+
+    Args:
+        keep_full: request keys whose whole ``[vocab]`` log-probs are also returned (cross-check).
+        progress: show a ``tqdm`` bar over the requests.
+
+    Returns:
+        (prompt ids -> ``{top1, cand_logprobs: {outcome: nats}}``, key -> ``[vocab]`` tensor).
+    """
+    ref, full = {}, {}
+    keep_full = keep_full or set()
+    for r in tqdm(requests, desc="full-prefill references", disable=not progress):
+        if r.ids not in ref or r.key in keep_full:
+            lp = full_prefill_logprobs(model, r.ids)
+            ref[r.ids] = {"top1": int(lp.argmax()),
+                          "cand_logprobs": {o: float(lp[t]) for o, t in r.candidates.items()}}
+            if r.key in keep_full:
+                full[r.key] = lp
+    return ref, full
+
+
+def percentile(values, q: float) -> float | None:
+    """``numpy.percentile`` (linear interpolation) or None for no values."""
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def summarize_run(rows: list[dict], wall_s: float) -> dict:
+    """Aggregates of one (arm, position, rate) run from its per-request rows.
+
+    Rows need ``sent`` (bool), ``n_prompt``, ``n_cached`` (vLLM ``num_cached_tokens``), ``ttft_s``,
+    ``turn``, ``owned``, ``served_correct``, ``agree`` and ``finish_s`` / ``send_s`` (seconds since
+    the run started).
+
+    Returns:
+        ``{n_sent, n_not_sent, hit_rate, hit_rate_updates, ttft_p50_s, ttft_p90_s, ttft_updates_p50_s,
+        ttft_updates_p90_s, throughput_rps, prompt_tokens_per_s, correct_owned, correct_all,
+        agreement, n_owned}``: hit rates are cached / prompt tokens summed over requests (``updates``:
+        turns >= 1 only); shares are :func:`kvnotes.stats.proportion` dicts with Wilson intervals.
+    """
+    sent = [r for r in rows if r["sent"]]
+    upd = [r for r in sent if r["turn"] > 0]
+
+    def hit(rs):
+        n = sum(r["n_prompt"] for r in rs)
+        return sum(r["n_cached"] for r in rs) / n if n else None
+
+    owned = [r for r in sent if r["owned"]]
+    span = (max(r["finish_s"] for r in sent) - min(r["send_s"] for r in sent)) if sent else 0.0
+    ttft = [r["ttft_s"] for r in sent]
+    ttft_u = [r["ttft_s"] for r in upd]
+    return {
+        "n_sent": len(sent), "n_not_sent": len(rows) - len(sent), "wall_s": wall_s,
+        "hit_rate": hit(sent), "hit_rate_updates": hit(upd),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+        "ttft_updates_p50_s": percentile(ttft_u, 50), "ttft_updates_p90_s": percentile(ttft_u, 90),
+        "throughput_rps": len(sent) / span if span > 0 else None,
+        "prompt_tokens_per_s": sum(r["n_prompt"] for r in sent) / span if span > 0 else None,
+        "n_owned": len(owned),
+        "correct_owned": proportion(sum(r["served_correct"] for r in owned), len(owned)),
+        "correct_all": proportion(sum(r["served_correct"] for r in sent), len(sent)),
+        "agreement": proportion(sum(r["agree"] for r in sent), len(sent)),
+    }
+
+
+SUMMARY_KEYS = ("n_sent", "n_not_sent", "hit_rate", "hit_rate_updates", "engine_hit_rate", "ttft_p50_s",
+                "ttft_p90_s", "ttft_updates_p50_s", "ttft_updates_p90_s", "throughput_rps", "prompt_tokens_per_s",
+                "n_owned", "correct_owned", "correct_all", "agreement", "first_request_cached_tokens", "reset_ok")
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """The measured table: ``by_run[arm][position][rate]`` = the run's summary (:data:`SUMMARY_KEYS`),
+    and ``p90_ttft_ratio_vs_in_place[arm][position][rate]`` = in-place p90 TTFT of the update turns
+    divided by the arm's (> 1: the arm answers faster than the in-place rewrite)."""
+    table: dict = {}
+    for r in runs:
+        table.setdefault(r["arm"], {}).setdefault(r["position"], {})[str(r["rate"])] = \
+            {k: r.get(k) for k in SUMMARY_KEYS}
+    ratio: dict = {}
+    base = table.get("in_place", {})
+    for arm, by_pos in table.items():
+        for pos, by_rate in by_pos.items():
+            for rate, s in by_rate.items():
+                ref = base.get(pos, {}).get(rate, {}).get("ttft_updates_p90_s")
+                mine = s.get("ttft_updates_p90_s")
+                if ref and mine:
+                    ratio.setdefault(arm, {}).setdefault(pos, {})[rate] = ref / mine
+    return {"by_run": table, "p90_ttft_ratio_vs_in_place": ratio}
