@@ -200,7 +200,7 @@ def main() -> None:
     }
     print(f"model {args.model} on {out['device']} ({out['dtype']}, {out['threads']} thread(s)); "
           f"{len(runs)} recall pairs, {n_variants} single-position variants")
-    print(f"  batched (variant caches, budget {args.budget_mb:g} MB): {t_batched:8.2f} s  "
+    print(f"  batched (K/V written in attention, {args.budget_mb:g} MB chunks): {t_batched:8.2f} s  "
           f"({1e3 * t_batched / n_variants:.1f} ms/variant), peak +{out['peak_mem_batched_mb']:.0f} MB")
     print(f"  naive (deepcopy per variant):               {t_naive:8.2f} s  "
           f"({1e3 * t_naive / n_variants:.1f} ms/variant), peak +{out['peak_mem_naive_mb']:.0f} MB")
