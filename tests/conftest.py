@@ -76,15 +76,21 @@ def smol():
     return load_model(cfg, "cpu")
 
 
-def recall_pairs(bundle, ids, n_instances=2):
-    """Token-aligned pairs of the named recall scenarios of the shipped suite."""
+def recall_pairs(bundle, ids, n_instances=2, per_instance=None):
+    """Token-aligned pairs of the named recall scenarios of the shipped suite (at most
+    ``per_instance`` pairs of each instance, to keep embedded tests short)."""
     from omegaconf import OmegaConf
 
     from kvnotes.pairs import prepare_pairs
 
     sc = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "scenario", "default.yaml"))
     sc.families, sc.ids, sc.n_instances = ["recall"], ids, n_instances
-    return prepare_pairs(bundle.tokenizer, sc)
+    ps = prepare_pairs(bundle.tokenizer, sc)
+    if per_instance is not None:
+        seen: dict = {}
+        ps.pairs = [p for p in ps.pairs if seen.setdefault(p.spec.instance.id, []).append(p) or
+                    len(seen[p.spec.instance.id]) <= per_instance]
+    return ps
 
 
 def check_figures(name: str, res: dict, tmp_path) -> None:

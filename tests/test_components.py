@@ -115,6 +115,6 @@ def test_probe_run_on_embedded_model_matches_its_schema(smol):
     from probes import ProbeContext, load_config
 
     cfg = load_config("components", {"progress": False, "n_boot": 200})
-    res = run_components(ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"]), cfg=cfg, seed=0))
+    res = run_components(ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], per_instance=2), cfg=cfg, seed=0))
     check_schema("components", res)
     assert res["rows"] and res["aggregates"]["checks"]["max_logit_diff_error"] < DLA_TOL

@@ -79,7 +79,7 @@ def test_worked_example_runs_as_documented(smol, tmp_path, monkeypatch):
     cfg = OmegaConf.merge(OmegaConf.load(probes.CONF_DIR / "_base.yaml"), raw, {"progress": False, "n_boot": 200})
     with pytest.raises(KvnotesError, match="all_layer"):
         probes.typed_config(OmegaConf.merge(cfg, {"all_layer": False}))
-    ctx = probes.ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], n_instances=1), cfg=cfg)
+    ctx = probes.ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], n_instances=1, per_instance=2), cfg=cfg)
     res = probes.get(ctx.cfg)(ctx)
     check_result(res, result_schema(probes.module(ctx.cfg)))
     assert res["rows"] and all(math.isfinite(r["r_field"]) for r in res["rows"])
