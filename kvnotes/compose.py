@@ -202,40 +202,142 @@ def _forward(model, cache, ids: torch.Tensor, start: int, logits: bool):
     return out.logits[:, -1].float() if logits else None
 
 
-def _splice_dynamic(model, cache: DynamicCache, keys, values, p: int, B: int) -> DynamicCache:
-    """Append per-layer K/V (positions ``p ..``) to a DynamicCache; sliding layers keep ``window - 1`` slots."""
-    new_k, new_v = [], []
-    n = keys[0].shape[2]
-    for layer, k, v in zip(cache.layers, keys, values, strict=True):
-        if layer.keys is None or layer.keys.numel() == 0:
-            k2, v2 = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
+def _per_row(value, B: int, what: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != B:
+            raise ValueError(f"{what}: {len(value)} values for {B} rows")
+        return list(value)
+    return [value] * B
+
+
+def _tail(model, chunk: Chunk, s: int, rotate: bool, delta: int, rots_cache: dict):
+    """Per layer ``(keys, values)`` of chunk tokens ``s ..``, keys rotated by ``delta`` when ``rotate``."""
+    keys = [k[:, :, s:] for k in chunk.keys]
+    values = [v[:, :, s:] for v in chunk.values]
+    if rotate and delta:
+        if delta not in rots_cache:
+            rots_cache[delta] = delta_rotations(model, delta)
+        keys = [rotate_into(k, c, sn, torch.empty_like(k)) for k, (c, sn) in zip(keys, rots_cache[delta])]
+    return keys, values
+
+
+def _splice_static(model, cache: StaticCache, chunks, seams, rotate, pos: int, rots_cache: dict) -> None:
+    """Write each row's chunk K/V (tokens ``seam_r ..``) into the preallocated slots ``pos + seam_r ..``.
+
+    With one row (or every row the same chunk, seam and rotation) the rotated keys are written
+    directly into the cache slice; otherwise each group of equal rows gets its tail by index."""
+    B = len(chunks)
+    n = len(chunks[0])
+    groups: dict = {}
+    for r in range(B):
+        groups.setdefault((id(chunks[r]), seams[r], rotate[r]), []).append(r)
+    for (_, s, rot), rows in groups.items():
+        if s >= n:
+            continue
+        chunk = chunks[rows[0]]
+        delta = pos - chunk.start
+        whole = len(rows) == B
+        if whole and rot and delta:
+            if delta not in rots_cache:
+                rots_cache[delta] = delta_rotations(model, delta)
         else:
-            k2 = torch.cat([layer.keys, k.to(layer.keys.dtype).expand(B, -1, -1, -1)], dim=2)
-            v2 = torch.cat([layer.values, v.to(layer.values.dtype).expand(B, -1, -1, -1)], dim=2)
+            keys, values = _tail(model, chunk, s, rot, delta, rots_cache)
+        idx = torch.tensor(rows, device=model.device)
+        for l, layer in enumerate(cache.layers):
+            if not layer.is_initialized:
+                layer.lazy_initialization(chunk.keys[l].expand(B, -1, -1, -1), chunk.values[l].expand(B, -1, -1, -1))
+            if whole:
+                dst = layer.keys[:, :, pos + s: pos + n]
+                src = chunk.keys[l][:, :, s:]
+                if rot and delta:
+                    rotate_into(src, *rots_cache[delta][l], out=dst)
+                else:
+                    dst.copy_(src.expand_as(dst))
+                layer.values[:, :, pos + s: pos + n].copy_(chunk.values[l][:, :, s:].expand(B, -1, -1, -1))
+            else:
+                layer.keys[idx, :, pos + s: pos + n] = keys[l].to(layer.keys.dtype).expand(len(rows), -1, -1, -1)
+                layer.values[idx, :, pos + s: pos + n] = values[l].to(layer.values.dtype).expand(len(rows), -1, -1, -1)
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(pos + n)
+
+
+def _splice_dynamic(model, cache: DynamicCache, chunks, seams, rotate, pos: int, rots_cache: dict) -> DynamicCache:
+    """Append each row's chunk K/V to a DynamicCache that holds ``[0, pos + max(seam))``: positions
+    ``pos + max(seam) ..`` are concatenated, and rows with a smaller seam have their recomputed
+    slots ``[pos + seam_r, pos + max(seam))`` overwritten with the precompiled K/V. Sliding layers
+    keep the last ``window - 1`` slots."""
+    B = len(chunks)
+    n = len(chunks[0])
+    s_max = max(seams)
+    tails = [_tail(model, chunks[r], seams[r], rotate[r], pos - chunks[r].start, rots_cache) for r in range(B)]
+    new_k, new_v = [], []
+    for l, layer in enumerate(cache.layers):
+        ref = chunks[0].keys[l]
+        k_app = ref.new_empty(B, ref.shape[1], n - s_max, ref.shape[3])
+        v_app = chunks[0].values[l].new_empty(B, ref.shape[1], n - s_max, chunks[0].values[l].shape[3])
+        held = layer.keys is not None and layer.keys.numel() > 0
+        if held:
+            k_old, v_old = layer.keys, layer.values
+            slot_pos = kvcache.slot_positions(layer)
+        for r, (tk, tv) in enumerate(tails):
+            s = seams[r]
+            k_app[r] = tk[l][0, :, s_max - s:]
+            v_app[r] = tv[l][0, :, s_max - s:]
+            if s < s_max and held:
+                hit = ((slot_pos >= pos + s) & (slot_pos < pos + s_max)).nonzero().flatten()
+                if len(hit):
+                    first = int(slot_pos[hit[0]]) - (pos + s)
+                    k_old[r, :, hit] = tk[l][0, :, first:first + len(hit)].to(k_old.dtype)
+                    v_old[r, :, hit] = tv[l][0, :, first:first + len(hit)].to(v_old.dtype)
+        if held:
+            k2 = torch.cat([k_old, k_app.to(k_old.dtype)], dim=2)
+            v2 = torch.cat([v_old, v_app.to(v_old.dtype)], dim=2)
+        else:
+            k2, v2 = k_app, v_app
         if getattr(layer, "is_sliding", False):
             k2, v2 = k2[:, :, -layer.sliding_window + 1:], v2[:, :, -layer.sliding_window + 1:]
         new_k.append(k2.contiguous())
         new_v.append(v2.contiguous())
-    return kvcache.cache_from_tensors(model.config, new_k, new_v, p + n)
+    return kvcache.cache_from_tensors(model.config, new_k, new_v, pos + n)
+
+
+def _broadcast(model, cache, B: int, n: int):
+    """The batch-1 cache over ``[0, n)`` repeated to ``B`` rows (a new cache of the same kind)."""
+    if isinstance(cache, StaticCache):
+        for layer in cache.layers:
+            k, v = layer.keys, layer.values
+            layer.lazy_initialization(k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1))
+            layer.keys[:, :, :n] = k[:, :, :n]
+            layer.values[:, :, :n] = v[:, :, :n]
+            layer.cumulative_length.fill_(n)
+        return cache
+    return kvcache.cache_from_tensors(model.config, [l.keys.expand(B, -1, -1, -1).contiguous() for l in cache.layers],
+                                      [l.values.expand(B, -1, -1, -1).contiguous() for l in cache.layers], n)
 
 
 @torch.no_grad()
-def compose(model, parts: Sequence[torch.Tensor | Chunk], rotate: bool = True, seam: int = 0,
+def compose(model, parts: Sequence, rotate: bool | Sequence[bool] = True, seam: int | Sequence[int] = 0,
             static: bool | None = None) -> tuple[DynamicCache | StaticCache, torch.Tensor | None]:
     """Build the cache of a prompt made of live token parts and precompiled chunks, in order.
 
-    Live parts (``[m]`` or ``[B, m]`` token ids; ``B`` rows are e.g. the old and new prompt of a
-    pair, identical outside the live parts) are forwarded at their positions against the cache so
-    far. For a chunk at position ``p``: its first ``min(seam, n)`` tokens are recomputed against the
-    real prefix (one forward), and the K/V of the rest are written at ``p + seam .. p + n - 1``,
+    Live parts (``[m]`` or ``[B, m]`` token ids) are forwarded at their positions against the cache
+    so far. For a chunk at position ``p``: its first ``min(seam, n)`` tokens are recomputed against
+    the real prefix (one forward), and the K/V of the rest are written at ``p + seam .. p + n - 1``,
     keys rotated by ``p - chunk.start`` (``rotate``) or as precompiled (``rotate=False``, the
     no-rotate control).
 
+    Rows of the batch may be different variants of one prompt: a chunk part may be a list of
+    ``B`` chunks (same tokens, e.g. precompiled behind different sinks), and ``rotate`` / ``seam``
+    may be given per row. One forward then serves every row: the seam forward recomputes
+    ``max(seam)`` tokens for all rows (a recomputed token attends only to earlier positions, so
+    a row's first ``seam_r`` recomputed tokens do not depend on how many follow) and the rows with
+    a smaller seam get their precompiled K/V written over the rest.
+
     Args:
         parts: the prompt in order; at least one part.
-        rotate: re-position the chunk keys (the method) or not (control).
+        rotate: re-position the chunk keys (the method) or not (control); one value or one per row.
         seam: chunk tokens recomputed at the start of every chunk (seam repair; ``seam >= n``
-            recomputes the whole chunk, which equals a full prefill).
+            recomputes the whole chunk, which equals a full prefill); one value or one per row.
         static: preallocate a ``StaticCache`` and write spliced K/V in place; default: True when the
             model has no sliding-window layers (a ``StaticCache`` cannot be used with them here).
 
@@ -244,7 +346,8 @@ def compose(model, parts: Sequence[torch.Tensor | Chunk], rotate: bool = True, s
         last part is live, else None).
 
     Raises:
-        ValueError: ``static=True`` on a model with sliding-window layers, or no parts.
+        ValueError: ``static=True`` on a model with sliding-window layers, no parts, per-row
+            values whose count is not the batch size, or chunks of one part with different tokens.
         KvnotesError: from :func:`delta_rotations`.
     """
     if not parts:
@@ -253,43 +356,40 @@ def compose(model, parts: Sequence[torch.Tensor | Chunk], rotate: bool = True, s
     static = (not sliding) if static is None else static
     if static and sliding:
         raise ValueError("a preallocated StaticCache is not used for models with sliding-window layers")
-    parts = [p if isinstance(p, Chunk) else (p.view(1, -1) if p.dim() == 1 else p) for p in parts]
-    B = max((p.shape[0] for p in parts if not isinstance(p, Chunk)), default=1)
-    total = sum(len(p) if isinstance(p, Chunk) else p.shape[1] for p in parts)
-    if static:
-        cache = StaticCache(config=model.config, max_cache_len=total)
-    else:
-        cache = DynamicCache(config=model.config)
-    pos, logits = 0, None
-    for part in parts:
-        if not isinstance(part, Chunk):
-            logits = _forward(model, cache, part.expand(B, -1), pos, part is parts[-1])
+    parts = [p if isinstance(p, (Chunk, list, tuple)) else (p.view(1, -1) if p.dim() == 1 else p) for p in parts]
+    sizes = [p.shape[0] for p in parts if isinstance(p, torch.Tensor)] + [len(p) for p in parts if isinstance(p, (list, tuple))]
+    for x in (rotate, seam):
+        if isinstance(x, (list, tuple)):
+            sizes.append(len(x))
+    B = max(sizes, default=1)
+    rotate, seam = _per_row(rotate, B, "rotate"), _per_row(seam, B, "seam")
+    total = sum(p.shape[1] if isinstance(p, torch.Tensor) else len(_per_row(p, B, "chunks")[0]) for p in parts)
+    cache = StaticCache(config=model.config, max_cache_len=total) if static else DynamicCache(config=model.config)
+    pos, logits, rots_cache, start = 0, None, {}, 0
+    first = parts[0]
+    if isinstance(first, torch.Tensor) and len(parts) > 1 and B > 1 and bool((first == first[:1]).all()):
+        # every row starts with the same tokens: prefill them once and broadcast the cache
+        _forward(model, cache, first[:1], 0, False)
+        cache = _broadcast(model, cache, B, first.shape[1])
+        pos, start = first.shape[1], 1
+    for i, part in enumerate(parts[start:], start):
+        if isinstance(part, torch.Tensor):
+            logits = _forward(model, cache, part.expand(B, -1), pos, i == len(parts) - 1)
             pos += part.shape[1]
             continue
-        n = len(part)
-        s = min(max(seam, 0), n)
-        if s:
-            _forward(model, cache, part.ids[:s].view(1, -1).expand(B, -1), pos, False)
+        chunks = _per_row(part, B, "chunks")
+        n = len(chunks[0])
+        if any(len(c) != n or not torch.equal(c.ids, chunks[0].ids) for c in chunks):
+            raise ValueError("the chunks of one part must have the same tokens")
+        seams = [min(max(int(s), 0), n) for s in seam]
+        s_max = max(seams)
+        if s_max:
+            _forward(model, cache, chunks[0].ids[:s_max].view(1, -1).expand(B, -1), pos, False)
         logits = None
-        if s < n:
-            rots = delta_rotations(model, pos - part.start) if rotate else None
-            keys = [k[:, :, s:] for k in part.keys]
-            values = [v[:, :, s:] for v in part.values]
-            if static:
-                for l, layer in enumerate(cache.layers):
-                    if not layer.is_initialized:
-                        layer.lazy_initialization(keys[l].expand(B, -1, -1, -1), values[l].expand(B, -1, -1, -1))
-                    dst = layer.keys[:, :, pos + s: pos + n]
-                    if rotate:
-                        rotate_into(keys[l], *rots[l], out=dst)
-                    else:
-                        dst.copy_(keys[l].expand_as(dst))
-                    layer.values[:, :, pos + s: pos + n].copy_(values[l].expand(B, -1, -1, -1))
-                    layer.cumulative_length.fill_(pos + n)
-            else:
-                if rotate:
-                    keys = [rotate_into(k, c, sn, torch.empty_like(k)) for k, (c, sn) in zip(keys, rots)]
-                cache = _splice_dynamic(model, cache, keys, values, pos + s, B)
+        if static:
+            _splice_static(model, cache, chunks, seams, rotate, pos, rots_cache)
+        elif s_max < n or min(seams) < s_max:
+            cache = _splice_dynamic(model, cache, chunks, seams, rotate, pos, rots_cache)
         pos += n
     return cache, logits
 

@@ -174,3 +174,20 @@ def test_metrics_and_refused_rope_type():
     dyn = T.AutoModelForCausalLM.from_config(cfg).eval()
     with pytest.raises(KvnotesError, match="rope type 'dynamic'"):
         compose.delta_rotations(dyn, 3)
+
+
+@torch.no_grad()
+def test_per_row_variants_equal_separate_runs():
+    """One batched compose over rows with different sinks, seams and rotation gives each row what
+    its own compose gives (static cache on Llama, sliding-aware dynamic cache on Gemma-3)."""
+    for name in ("llama", "gemma3"):
+        model = build(name)
+        prefix, c1, mid, c2, suffix = _ids(4, 11), _ids(6, 12), _ids(2, 13), _ids(7, 14), _ids(5, 15)
+        sinks = {"none": None, "bos": prefix[:1]}
+        compiled = {k: [compose.precompile(model, c, v) for c in (c1, c2)] for k, v in sinks.items()}
+        rows = [("none", True, 0), ("bos", True, 2), ("none", False, 4), ("bos", True, 99), ("bos", False, 1)]
+        parts = [prefix, [compiled[k][0] for k, _, _ in rows], mid, [compiled[k][1] for k, _, _ in rows], suffix]
+        _, batched = compose.compose(model, parts, rotate=[r for _, r, _ in rows], seam=[s for _, _, s in rows])
+        for i, (k, rot, s) in enumerate(rows):
+            _, alone = compose.compose(model, [prefix, compiled[k][0], mid, compiled[k][1], suffix], rot, s)
+            assert (batched[i] - alone[0]).abs().max() < LOGIT_ATOL, (name, i)
