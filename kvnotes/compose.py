@@ -331,7 +331,9 @@ def compose(model, parts: Sequence, rotate: bool | Sequence[bool] = True, seam: 
     may be given per row. One forward then serves every row: the seam forward recomputes
     ``max(seam)`` tokens for all rows (a recomputed token attends only to earlier positions, so
     a row's first ``seam_r`` recomputed tokens do not depend on how many follow) and the rows with
-    a smaller seam get their precompiled K/V written over the rest.
+    a smaller seam get their precompiled K/V written over the rest. A chunk's seam tokens are
+    forwarded together with the live part just before it (contiguous positions, one forward), and
+    a first live part shared by every row is prefilled once and broadcast.
 
     Args:
         parts: the prompt in order; at least one part.
@@ -365,25 +367,38 @@ def compose(model, parts: Sequence, rotate: bool | Sequence[bool] = True, seam: 
     rotate, seam = _per_row(rotate, B, "rotate"), _per_row(seam, B, "seam")
     total = sum(p.shape[1] if isinstance(p, torch.Tensor) else len(_per_row(p, B, "chunks")[0]) for p in parts)
     cache = StaticCache(config=model.config, max_cache_len=total) if static else DynamicCache(config=model.config)
-    pos, logits, rots_cache, start = 0, None, {}, 0
-    first = parts[0]
-    if isinstance(first, torch.Tensor) and len(parts) > 1 and B > 1 and bool((first == first[:1]).all()):
-        # every row starts with the same tokens: prefill them once and broadcast the cache
-        _forward(model, cache, first[:1], 0, False)
-        cache = _broadcast(model, cache, B, first.shape[1])
-        pos, start = first.shape[1], 1
-    for i, part in enumerate(parts[start:], start):
-        if isinstance(part, torch.Tensor):
-            logits = _forward(model, cache, part.expand(B, -1), pos, i == len(parts) - 1)
-            pos += part.shape[1]
+    pos, logits, rots_cache = 0, None, {}
+    items = [p if isinstance(p, torch.Tensor) else _per_row(p, B, "chunks") for p in parts]
+    seams_of = {}
+    for i, item in enumerate(items):
+        if not isinstance(item, torch.Tensor):
+            n = len(item[0])
+            if any(len(c) != n or not torch.equal(c.ids, item[0].ids) for c in item):
+                raise ValueError("the chunks of one part must have the same tokens")
+            seams_of[i] = [min(max(int(s), 0), n) for s in seam]
+    merged = set()          # chunks whose seam tokens were forwarded with the live part before them
+    for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor):
+            ids = item.expand(B, -1) if item.shape[0] == 1 else item
+            nxt = i + 1 if i + 1 < len(items) and i + 1 in seams_of else None
+            if nxt is not None and max(seams_of[nxt]):
+                # seam repair of the next chunk continues this forward (contiguous positions)
+                seam_ids = items[nxt][0].ids[:max(seams_of[nxt])].to(ids.device)
+                ids = torch.cat([ids, seam_ids.view(1, -1).expand(ids.shape[0], -1)], dim=1)
+                merged.add(nxt)
+            if i == 0 and B > 1 and bool((ids == ids[:1]).all()):
+                # every row starts with the same tokens: prefill them once and broadcast the cache
+                logits = _forward(model, cache, ids[:1], 0, i == len(items) - 1)
+                cache = _broadcast(model, cache, B, ids.shape[1])
+                logits = None if logits is None else logits.expand(B, -1)
+            else:
+                logits = _forward(model, cache, ids, pos, i == len(items) - 1)
+            pos += item.shape[1]
             continue
-        chunks = _per_row(part, B, "chunks")
+        chunks, seams = item, seams_of[i]
         n = len(chunks[0])
-        if any(len(c) != n or not torch.equal(c.ids, chunks[0].ids) for c in chunks):
-            raise ValueError("the chunks of one part must have the same tokens")
-        seams = [min(max(int(s), 0), n) for s in seam]
         s_max = max(seams)
-        if s_max:
+        if s_max and i not in merged:
             _forward(model, cache, chunks[0].ids[:s_max].view(1, -1).expand(B, -1), pos, False)
         logits = None
         if static:

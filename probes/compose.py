@@ -1,8 +1,8 @@
 """``compose``: does a prompt composed from precompiled chunks decide like its full prefill (paper §5)?
 
 Prompts use the chunked layout of :mod:`scenarios.chunks` (rule and filler precompiled as chunks;
-field, request and decision live). For every token-aligned pair, both prompts (old and new field
-value, batched) are run
+field, request and decision live). Every distinct prompt of the token-aligned pairs (an instance
+with one field value; the pairs of an instance share prompts) is run
 
 - as a **full prefill** (the reference; same tokens, same layout), and
 - **composed** (:func:`kvnotes.compose.compose`): the live prefix prefilled, each chunk precompiled
@@ -11,7 +11,8 @@ value, batched) are run
   precompiled (``no_rotate``, the control), the first ``s`` tokens of each chunk recomputed against
   the real prefix (seam repair, ``s`` in ``seams``), and the live tokens computed on top.
 
-Per variant ``<rotate|no_rotate>/sink=<sink>/seam=<s>``, at the decision position:
+Per variant ``<rotate|no_rotate>/sink=<sink>/seam=<s>``, at the decision position (prompt-level
+metrics over distinct prompts, ``result.prompts``; recovery over pairs, ``result.rows``):
 
 - ``decision_agreement``: share of prompts whose full prefill *owns* its decision (vocabulary top-1
   is the expected candidate's first token) where the composed run's vocabulary top-1 is the same
@@ -77,77 +78,71 @@ def sink_ids(ids: torch.Tensor, sink: str, first_chunk: int) -> torch.Tensor | N
     raise KvnotesError(f"unknown compose sink '{sink}' (known: {', '.join(SINKS)})")
 
 
-def score(logits: torch.Tensor, cand_old: int, cand_new: int) -> torch.Tensor:
-    """``log p(cand_new) - log p(cand_old)`` per row of fp32 logits ``[B, vocab]`` (nats)."""
-    lp = torch.log_softmax(logits, -1)
-    return lp[:, cand_new] - lp[:, cand_old]
-
-
 @torch.no_grad()
-def compose_pair(model, pair, variants: list[tuple[bool, str, int]]) -> dict:
-    """Full prefill and every composed variant of one chunked pair, all variants' old and new prompts
-    in one batched :func:`kvnotes.compose.compose`.
+def compose_prompts(model, prompts: list, chunks: tuple, variants: list[tuple[bool, str, int]]) -> list[dict]:
+    """Full prefill and every composed variant of prompts that share their chunks (the prompts of
+    one instance), all variants of all prompts in one batched :func:`kvnotes.compose.compose`.
+
+    Args:
+        prompts: :class:`kvnotes.tokens.Prompt` objects of equal length, identical at the chunk spans.
+        chunks: token spans of the chunks.
 
     Returns:
-        row columns: full-run decisions (``full_top1``, ``owned``, ``s_full``; lists [old, new]),
-        ``variants``: name -> per-prompt ``kl``, ``top1_agree``, ``logit_cosine``, ``s`` (lists
-        [old, new]), and ``max_abs_logit_diff_full_seam`` (the check).
+        per prompt: ``full`` (fp32 log-softmax ``[vocab]`` of the full prefill at the decision
+        position), ``variants``: name -> ``{kl, top1_agree, logit_cosine, logprobs}`` (composed
+        log-softmax ``[vocab]``), and ``max_abs_logit_diff_full_seam`` (whole chunks recomputed vs
+        full prefill: a check).
     """
-    ids = torch.stack([pair.old.ids, pair.new.ids])
-    co, cn = pair.cand_old[0], pair.cand_new[0]
+    ids = torch.stack([p.ids for p in prompts])
+    P = len(prompts)
     full = kvcompose.full_logits(model, ids)
-    top1 = full.argmax(-1).tolist()
-    out = {"full_top1": top1, "owned": [top1[0] == co, top1[1] == cn], "s_full": score(full, co, cn).tolist(),
-           "variants": {}}
-    first = pair.chunks[0][0]
-    chunk_ids = [pair.old.ids[a:b] for a, b in pair.chunks]
-    compiled = {sink: [kvcompose.precompile(model, c, sink_ids(pair.old.ids, sink, first)) for c in chunk_ids]
+    first = chunks[0][0]
+    chunk_ids = [prompts[0].ids[a:b] for a, b in chunks]
+    compiled = {sink: [kvcompose.precompile(model, c, sink_ids(prompts[0].ids, sink, first)) for c in chunk_ids]
                 for sink in dict.fromkeys(v[1] for v in variants)}
-    # every variant's old and new prompt in one batch: rows 2i, 2i + 1 are variant i
-    per_row = [(rot, sink, seam) for rot, sink, seam in variants for _ in (0, 1)]
+    # rows v * P + j: variant v of prompt j
+    per_row = [v for v in variants for _ in range(P)]
     chunk_parts = [[compiled[sink][k] for _, sink, _ in per_row] for k in range(len(chunk_ids))]
-    _, logits = kvcompose.compose(model, prompt_parts(ids.repeat(len(variants), 1), pair.chunks, chunk_parts),
+    _, logits = kvcompose.compose(model, prompt_parts(ids.repeat(len(variants), 1), chunks, chunk_parts),
                                   [r for r, _, _ in per_row], [s for _, _, s in per_row])
     m = kvcompose.decision_metrics(full.repeat(len(variants), 1), logits)
-    sc = score(logits, co, cn)
-    for i, v in enumerate(variants):
-        sl = slice(2 * i, 2 * i + 2)
-        out["variants"][variant_name(*v)] = {
-            "kl": m["kl"][sl].tolist(), "top1_agree": m["top1_agree"][sl].tolist(),
-            "logit_cosine": m["logit_cosine"][sl].tolist(), "s": sc[sl].tolist()}
-    whole = max(b - a for a, b in pair.chunks)
-    _, logits = kvcompose.compose(model, prompt_parts(ids, pair.chunks, compiled[variants[0][1]]), True, whole)
-    out["max_abs_logit_diff_full_seam"] = float((logits - full).abs().max())
+    lps = torch.log_softmax(logits, -1)
+    whole = max(b - a for a, b in chunks)
+    _, check = kvcompose.compose(model, prompt_parts(ids, chunks, compiled[variants[0][1]]), True, whole)
+    out = []
+    for j in range(P):
+        res = {"full": torch.log_softmax(full[j], -1), "variants": {},
+               "max_abs_logit_diff_full_seam": float((check[j] - full[j]).abs().max())}
+        for i, v in enumerate(variants):
+            r = i * P + j
+            res["variants"][variant_name(*v)] = {"kl": float(m["kl"][r]), "top1_agree": bool(m["top1_agree"][r]),
+                                                 "logit_cosine": float(m["logit_cosine"][r]), "logprobs": lps[r]}
+        out.append(res)
     return out
 
 
-def _prompt_share(rows, name: str, owned_only: bool) -> dict:
-    k = n = 0
-    for r in rows:
-        for i in (0, 1):
-            if owned_only and not r["owned"][i]:
-                continue
-            n += 1
-            k += bool(r["variants"][name]["top1_agree"][i])
-    return proportion(k, n)
+def _share(rows, name: str, owned_only: bool) -> dict:
+    rs = [r for r in rows if r["owned"] or not owned_only]
+    return proportion(sum(bool(r["variants"][name]["top1_agree"]) for r in rs), len(rs))
 
 
-def aggregate(rows: list[dict], names: list[str], families: list[str], n_boot: int, seed: int) -> dict:
+def aggregate(prompt_rows: list[dict], pair_rows: list[dict], names: list[str], families: list[str], n_boot: int,
+              seed: int) -> dict:
     """Per variant and family (and ``all``): decision agreement on owned prompts, top-1 agreement,
-    KL and logit cosine (pair means), recovery on flipping pairs (see the module docstring)."""
+    KL and logit cosine over distinct prompts, recovery on flipping pairs (see the module docstring)."""
     out = {}
     for v in names:
-        groups = {g: rows if g == "all" else [r for r in rows if r["family"] == g] for g in ["all", *families]}
+        groups = {g: prompt_rows if g == "all" else [r for r in prompt_rows if r["family"] == g]
+                  for g in ["all", *families]}
         out[v] = {
-            "decision_agreement": {g: _prompt_share(rs, v, True) for g, rs in groups.items()},
-            "top1_agreement": {g: _prompt_share(rs, v, False) for g, rs in groups.items()},
-            "kl": summaries_by_family(rows, lambda r, v=v: sum(r["variants"][v]["kl"]) / 2, None, families,
-                                      n_boot, seed),
-            "logit_cosine": summaries_by_family(rows, lambda r, v=v: sum(r["variants"][v]["logit_cosine"]) / 2, None,
+            "decision_agreement": {g: _share(rs, v, True) for g, rs in groups.items()},
+            "top1_agreement": {g: _share(rs, v, False) for g, rs in groups.items()},
+            "kl": summaries_by_family(prompt_rows, lambda r, v=v: r["variants"][v]["kl"], None, families, n_boot, seed),
+            "logit_cosine": summaries_by_family(prompt_rows, lambda r, v=v: r["variants"][v]["logit_cosine"], None,
                                                 families, n_boot, seed),
             "recovery": summaries_by_family(
-                rows, lambda r, v=v: r["variants"][v]["r"] if r["flips"] else None,
-                lambda r, v=v: (r["variants"][v]["s"][1] > 0) == (r["s_full"][1] > 0), families, n_boot, seed),
+                pair_rows, lambda r, v=v: r["variants"][v]["r"] if r["flips"] else None,
+                lambda r, v=v: (r["variants"][v]["s_new"] > 0) == (r["s_full"][1] > 0), families, n_boot, seed),
         }
     return out
 
@@ -166,30 +161,54 @@ def run(ctx) -> dict:
     names = [variant_name(*v) for v in variants]
     tk = cfg.get("template_kwargs")
     tk = OmegaConf.to_container(tk) if tk is not None and not isinstance(tk, dict) else (tk or {})
+    if ctx.scenario_cfg is None:
+        raise KvnotesError("probe compose needs the scenario config (it renders its own chunked prompts)")
     with ctx.timer("chunked_pairs"):
         cpairs = chunked_pairs(tok, ctx.scenario_cfg, tk)
     if not cpairs.pairs:
         raise KvnotesError(f"no chunked token-aligned pairs (excluded: {cpairs.exclusion_counts()})")
     fs = flipping_pairs(replace(ctx, pairs=cpairs), keep_caches=False)
     flips = {r["pair"] for r in fs.rows}
-    rows = []
+    prompt_rows, rows, memo = [], [], {}
     for pair in tqdm(cpairs.pairs, desc="compose", disable=not cfg.get("progress", True)):
-        with ctx.timer("variants"):
-            res = compose_pair(model, pair, variants)
+        inst = pair.spec.instance.id
+        if any(k[0] != inst for k in memo):
+            memo = {}                                   # pairs of one instance are consecutive
+        todo = [(v, p) for v, p in ((pair.spec.old, pair.old), (pair.spec.new, pair.new)) if (inst, v) not in memo]
+        if todo:
+            with ctx.timer("variants"):
+                res = compose_prompts(model, [p for _, p in todo], pair.chunks, variants)
+            for (value, prompt), r in zip(todo, res):
+                memo[(inst, value)] = r
+                cand = pair.cand_old if value == pair.spec.old else pair.cand_new
+                top1 = int(r["full"].argmax())
+                prompt_rows.append({"prompt": f"{inst}:{value}", "scenario": pair.spec.instance.scenario.id,
+                                    "family": pair.spec.instance.scenario.family, "instance": inst, "value": value,
+                                    "expected_first_token": cand[0], "full_top1": top1, "owned": top1 == cand[0],
+                                    "max_abs_logit_diff_full_seam": r["max_abs_logit_diff_full_seam"],
+                                    "variants": {n: {k: x for k, x in d.items() if k != "logprobs"}
+                                                 for n, d in r["variants"].items()}})
+        ro, rn = memo[(inst, pair.spec.old)], memo[(inst, pair.spec.new)]
+        co, cn = pair.cand_old[0], pair.cand_new[0]
+        s_old, s_new = float(ro["full"][cn] - ro["full"][co]), float(rn["full"][cn] - rn["full"][co])
         row = pair_row(pair) | {"chunks": [list(c) for c in pair.chunks], "chunk_names": list(pair.chunk_names),
-                                "standalone": list(pair.standalone), "flips": pair.spec.id in flips} | res
-        effect = row["s_full"][1] - row["s_full"][0]
-        for v in row["variants"].values():
-            v["r"] = (v["s"][1] - row["s_full"][0]) / effect if effect else None
+                                "standalone": list(pair.standalone), "flips": pair.spec.id in flips,
+                                "s_full": [s_old, s_new], "variants": {}}
+        for name in names:
+            lo, ln = ro["variants"][name]["logprobs"], rn["variants"][name]["logprobs"]
+            sc_old, sc_new = float(lo[cn] - lo[co]), float(ln[cn] - ln[co])
+            row["variants"][name] = {"s_old": sc_old, "s_new": sc_new,
+                                     "r": (sc_new - s_old) / (s_new - s_old) if s_new != s_old else None}
         rows.append(row)
     families = families_of(replace(ctx, pairs=cpairs), rows)
     with ctx.timer("statistics"):
-        agg = aggregate(rows, names, families, n_boot, ctx.seed)
-    checks = {"max_abs_logit_diff_full_seam": max(r["max_abs_logit_diff_full_seam"] for r in rows),
-              "chunks_tokenised_standalone": sum(all(r["standalone"]) for r in rows), "n_rows": len(rows)}
+        agg = aggregate(prompt_rows, rows, names, families, n_boot, ctx.seed)
+    checks = {"max_abs_logit_diff_full_seam": max(r["max_abs_logit_diff_full_seam"] for r in prompt_rows),
+              "pairs_with_chunks_tokenised_standalone": sum(all(r["standalone"]) for r in rows), "n_rows": len(rows)}
     aggregates = {"n_pairs": len(cpairs.pairs) + len(cpairs.excluded), "n_aligned": len(cpairs.pairs),
-                  "n_flip": len(flips), "n_owned_prompts": sum(sum(r["owned"]) for r in rows),
+                  "n_flip": len(flips), "n_prompts": len(prompt_rows),
+                  "n_owned_prompts": sum(r["owned"] for r in prompt_rows),
                   "families": families, "sinks": sinks, "seams": seams, "variants": agg, "checks": checks,
                   "exclusions_by_family": exclusions_by_family(fs.excluded, families)}
-    return {"rows": rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "variant_names": names,
+    return {"rows": rows, "prompts": prompt_rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "variant_names": names,
             "aggregates": aggregates}
