@@ -20,7 +20,8 @@ A scenario file is YAML with these keys (see ``scenarios/suites/*/*.yaml`` for e
     request: "{name} asks to ..."
     variants:
       direct: {decision: "Answer Yes or No.", answer_prefix: "Answer:"}
-      cot: {decision: "Think step by step, then answer.", answer_prefix: "Reasoning:"}
+      cot: {decision: "Think step by step, then answer.", answer_prefix: "Reasoning:",
+            answer_marker: "Answer:"}  # answer_marker (cot): the decision is read after it
     polarity:                        # optional: the rule's trigger word flipped, field fixed
       slot: gate                     # a slot used in `rule`
       values: {normal: "only", inverted: "never"}   # inverted swaps the two outcomes
@@ -50,6 +51,8 @@ class Variant:
 
     decision: str
     answer_prefix: str
+    #: chain-of-thought variants: the decision is read after this marker in the generated text
+    answer_marker: str = "Answer:"
 
 
 @dataclass(frozen=True)
@@ -164,11 +167,13 @@ def validate(raw: Any, source: str) -> Scenario:
         _fail(source, "variants", "needs at least a 'direct' variant")
     parsed_variants = {}
     for name, var in variants.items():
-        if not isinstance(var, dict) or set(var) != {"decision", "answer_prefix"}:
-            _fail(source, f"variants.{name}", "needs exactly 'decision' and 'answer_prefix'")
+        if not isinstance(var, dict) or not {"decision", "answer_prefix"} <= set(var) <= \
+                {"decision", "answer_prefix", "answer_marker"}:
+            _fail(source, f"variants.{name}", "needs 'decision' and 'answer_prefix' (and optionally 'answer_marker')")
         if "{" in str(var["answer_prefix"]) or "}" in str(var["answer_prefix"]):
             _fail(source, f"variants.{name}.answer_prefix", "takes no slots (braces are not filled here)")
-        parsed_variants[name] = Variant(str(var["decision"]), str(var["answer_prefix"]))
+        parsed_variants[name] = Variant(str(var["decision"]), str(var["answer_prefix"]),
+                                        str(var.get("answer_marker", "Answer:")))
 
     texts = {k: raw[k] for k in TEXT_KEYS}
     texts.update({f"variants.{n}.decision": v.decision for n, v in parsed_variants.items()})

@@ -1,0 +1,432 @@
+"""Probe ``edit``: edit the cached old prompt into the new one by every method of
+:mod:`kvnotes.edit` and measure quality against cost (paper "Models Take Notes at Prefill", §editing;
+``docs/editing.md``).
+
+For each flipping pair (old -> new; :func:`kvnotes.probing.flipping_pairs`) the old prompt is
+prefilled into an all-slot cache (the *stale* cache, not counted as cost) and edited by:
+
+- ``full`` (re-prefill of the new prompt, the reference), ``stale`` (no edit), ``refresh_field``;
+- ``erratum`` / ``field_plus_erratum``: :data:`scenarios.edits.ERRATUM_TEMPLATE` with the new value
+  inserted at ``placement``, forwarding only what follows the longest common token prefix;
+- ``hoist``: the new value in the hoisted layout, reusing the old hoisted prompt's cache up to the
+  field (that cache is what one would have stored with that layout; not counted);
+- ``selective@K`` for each ranking in ``rankings`` and ``K`` in ``ks`` (capped at the downstream
+  length): field refresh + true recompute of the top-K downstream positions;
+- ``oracle_copy@K`` (ranking ``oracle_ranking``): an UPPER BOUND that copies K/V from the full
+  re-prefill; never a cheap method;
+- controls on the same pairs: ``wrong_erratum`` (restates the old value) and ``irrelevant_notice``
+  (length-matched) must not move the decision from the stale one.
+
+Per method and pair: score ``s = log p(cand_new) - log p(cand_old)`` at the decision position,
+recovery ``(s - s_old) / (s_new - s_old)``, ``agree`` (its candidate decision equals full's: on
+flipping pairs, deciding the new outcome), ``KL(full || method)`` (nats, whole vocabulary),
+``top1`` (same vocabulary top-1 as full), ``tokens`` recomputed, ``frac`` = tokens / d, FLOPs and
+wall time relative to full. Over-correction: the correct erratum applied to control pairs (old and
+new clean runs take the same candidate decision) must keep that decision.
+
+**K sweep selection.** The rankings are per-pair rules (no fitted parameters); the data-driven
+choice is *which ranking* to use: it is chosen by mean agreement over K on the selection instances
+(:func:`kvnotes.probing.split_instances`) and its curve is reported on the held-out instances.
+
+**Chain of thought** (``scenario.variant=cot``): each method's cache is decoded greedily
+(``cot.max_new_tokens``) and the decision is the first candidate named after the variant's
+``answer_marker``. A pair counts when the full run reaches the marker and decides the new outcome
+while the stale run decides the old one (a generated flip; pairs are screened by generation, not by
+the first-token readout, which in CoT is the first reasoning token); the rest are excluded by
+reason (``full_no_marker``, ``stale_no_marker``, ``no_cot_flip``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvnotes import edit
+from kvnotes.errors import KvnotesError
+from kvnotes.pairs import pair_row
+from kvnotes.probing import (exclusions_by_family, families_of, flipping_pairs, pair_rng, split_instances,
+                             summaries_by_family)
+from kvnotes.stats import proportion
+from scenarios import edits as sedits
+
+NAMED = ("stale", "refresh_field", "erratum", "field_plus_erratum", "hoist", "full")
+CONTROLS = ("wrong_erratum", "irrelevant_notice")
+
+
+def _score(lp: torch.Tensor, pair) -> float:
+    return float(lp[pair.cand_new[0]] - lp[pair.cand_old[0]])
+
+
+def _metrics(lp: torch.Tensor, lp_full: torch.Tensor, e: edit.Edited, full: edit.Edited, pair, s_old, s_new) -> dict:
+    s = _score(lp, pair)
+    p_full = lp_full.exp()
+    return {"s": s, "r": (s - s_old) / (s_new - s_old), "agree": (s > 0) == (_score(lp_full, pair) > 0),
+            "kl": float((p_full * (lp_full - lp)).sum()), "top1": int(lp.argmax()) == int(lp_full.argmax()),
+            "tokens": e.tokens, "frac": e.tokens / full.tokens,
+            "flops_frac": e.flops / full.flops if np.isfinite(e.flops) else None,
+            "time_ratio": e.seconds / full.seconds if np.isfinite(e.seconds) else None}
+
+
+class PairEditor:
+    """Builds every edit of one pair (caches and costs), shared by the direct and CoT readouts."""
+
+    def __init__(self, ctx, pair, kwargs: dict):
+        self.ctx, self.pair, self.model = ctx, pair, ctx.bundle.model
+        self.tok = ctx.bundle.tokenizer
+        cfg = ctx.cfg
+        self.placement = str(cfg.get("placement", "before_request"))
+        self.template = str(cfg.get("erratum_template") or sedits.ERRATUM_TEMPLATE)
+        self.chat = bool(ctx.scenario_cfg.get("chat_template", True)) if ctx.scenario_cfg is not None else True
+        self.kwargs = kwargs
+        spec = pair.spec
+        self.inst, self.variant = spec.instance, spec.variant
+        same = sedits.edited_prompt(self.tok, self.inst, spec.old, pair.old, self.variant, chat_template=self.chat,
+                                    template_kwargs=kwargs)
+        if not torch.equal(same.prompt.ids, pair.old.ids):
+            raise KvnotesError("edit: re-rendering the old prompt does not reproduce its tokens; set "
+                               "probe.chat_template_kwargs to the model's chat_template_kwargs")
+        self.d = pair.decision
+        self.token = int(pair.old.ids[self.d])
+        self.stale = edit.prefill(self.model, pair.old.ids[: self.d])
+        self.full = edit.full(self.model, pair.new.ids, self.d)
+        self._refreshed = None
+
+    @property
+    def refreshed(self) -> edit.Edited:
+        """The field refresh of the stale cache (computed on first use)."""
+        if self._refreshed is None:
+            self._refreshed = edit.refresh_field(self.model, self.stale, self.pair.new.ids, self.pair.field)
+        return self._refreshed
+
+    def notice(self, text: str, base: edit.Edited | None = None) -> tuple[edit.Edited, int]:
+        """The stale (or ``base``) cache extended by the old prompt with ``text`` inserted."""
+        ep = sedits.edited_prompt(self.tok, self.inst, self.pair.spec.old, self.pair.old, self.variant,
+                                  notice=text, placement=self.placement, chat_template=self.chat,
+                                  template_kwargs=self.kwargs)
+        cached = self.stale if base is None else base.cache
+        e = edit.extend_from(self.model, cached, ep.prompt.ids, ep.reuse, ep.prompt.decision)
+        if base is not None:
+            e = edit.Edited(e.cache, e.pos, e.tokens + base.tokens, e.flops + base.flops, e.seconds + base.seconds)
+        return e, int(ep.prompt.ids[ep.prompt.decision])
+
+    def named(self) -> dict[str, tuple[edit.Edited, int]]:
+        """``name -> (edited, decision token)`` for :data:`NAMED` and :data:`CONTROLS`."""
+        spec = self.pair.spec
+        correct = sedits.erratum_text(self.inst, spec.new, self.template)
+        wrong = sedits.erratum_text(self.inst, spec.old, self.template)
+        irrelevant = sedits.length_matched_notice(self.tok, sedits.notice_tokens(self.tok, correct))
+        out = {"stale": (edit.Edited(self.stale, self.d, 0, 0.0, 0.0), self.token),
+               "full": (self.full, self.token), "refresh_field": (self.refreshed, self.token),
+               "erratum": self.notice(correct), "field_plus_erratum": self.notice(correct, self.refreshed),
+               "wrong_erratum": self.notice(wrong), "irrelevant_notice": self.notice(irrelevant)}
+        old_h, new_h = sedits.hoisted_pair(self.tok, self.inst, spec.old, spec.new, self.variant, self.chat, self.kwargs)
+        cached = edit.prefill(self.model, old_h.ids[: old_h.decision])
+        out["hoist"] = (edit.extend_from(self.model, cached, new_h.prompt.ids, new_h.reuse, new_h.prompt.decision),
+                        int(new_h.prompt.ids[new_h.prompt.decision]))
+        return out
+
+    def rankings(self, names) -> dict[str, tuple[list[int], dict]]:
+        down = self.pair.downstream
+        out = {}
+        for name in names:
+            if name == "attention":
+                out[name] = edit.rank_attention(self.model, self.stale, self.token, down)
+            elif name == "kv_deviation":
+                out[name] = edit.rank_kv_deviation(self.model, self.refreshed, self.pair.new.ids, down)
+            elif name == "last":
+                out[name] = (edit.rank_last(down), {"tokens": 0, "flops": 0.0, "seconds": 0.0})
+            elif name == "random":
+                rng = pair_rng(self.ctx.seed, self.pair.spec.id)
+                out[name] = (edit.rank_random(down, rng), {"tokens": 0, "flops": 0.0, "seconds": 0.0})
+            else:
+                raise KvnotesError(f"edit: unknown ranking '{name}' (known: {', '.join(edit.RANKINGS)})")
+        return out
+
+    def selective(self, order: list[int], k: int, cost: dict) -> edit.Edited:
+        return edit.selective(self.model, self.refreshed, self.pair.new.ids, order[:k], cost["seconds"],
+                              cost["tokens"], cost["flops"])
+
+
+def sweep_methods(editor: PairEditor, rankings: list[str], ks: list[int], oracle_ranking: str | None):
+    """Yield ``(method name, ranking, K, edited)`` for the selective sweep and the oracle copies."""
+    n_down = editor.pair.downstream[1] - editor.pair.downstream[0]
+    ranked = editor.rankings(sorted(set(rankings) | ({oracle_ranking} if oracle_ranking else set())))
+    for name in rankings:
+        order, cost = ranked[name]
+        for k in ks:
+            if k <= n_down:
+                yield f"selective_{name}@{k}", name, k, editor.selective(order, k, cost)
+    if oracle_ranking:
+        order, _ = ranked[oracle_ranking]
+        for k in ks:
+            if k <= n_down:
+                yield f"oracle_copy@{k}", "oracle_copy", k, edit.oracle_copy(editor.refreshed, editor.full.cache, order[:k])
+
+
+def readout(model, items: dict, budget_bytes: int) -> dict[str, torch.Tensor]:
+    """Decision log-probs of ``{name: (edited, decision token)}``, batched per (position, token)."""
+    groups: dict = {}
+    for name, (e, tok) in items.items():
+        groups.setdefault((e.pos, tok), []).append(name)
+    out = {}
+    for (pos, tok), names in groups.items():
+        lps = edit.decision_logprobs_batch(model, [items[n][0].cache for n in names], tok, pos, budget_bytes)
+        out |= dict(zip(names, lps))
+    return out
+
+
+def direct_pair(ctx, run, kwargs, rankings, ks, oracle_ranking, sweep: bool) -> dict:
+    """Metrics of every method on one flipping pair (direct readout); the K sweep when ``sweep``."""
+    model, pair = ctx.bundle.model, run.pair
+    ed = PairEditor(ctx, pair, kwargs)
+    named = ed.named()
+    lps = readout(model, named, ctx.budget_bytes)
+    lp_full = lps["full"]
+    methods = {n: _metrics(lps[n], lp_full, e, ed.full, pair, run.s_old, run.s_new) for n, (e, _) in named.items()}
+    stale_new = methods["stale"]["s"] > 0
+    for name in CONTROLS:
+        methods[name]["moved"] = (methods[name]["s"] > 0) != stale_new
+    out = {"n_downstream": pair.downstream[1] - pair.downstream[0], "full_seconds": ed.full.seconds,
+           "methods": methods, "sweep": {}}
+    if sweep:
+        variants = {name: (e, ranking, k) for name, ranking, k, e in sweep_methods(ed, rankings, ks, oracle_ranking)}
+        lps = readout(model, {n: (v[0], ed.token) for n, v in variants.items()}, ctx.budget_bytes)
+        out["sweep"] = {n: _metrics(lps[n], lp_full, e, ed.full, pair, run.s_old, run.s_new) | {"ranking": r, "k": k}
+                        for n, (e, r, k) in variants.items()}
+    return out
+
+
+def round_robin(rows: list[dict]) -> list[int]:
+    """Row indices ordered round-robin over scenarios (first pair of each scenario, then second...),
+    so a cap keeps every scenario represented."""
+    seen: Counter = Counter()
+    rank = []
+    for i, r in enumerate(rows):
+        rank.append((seen[r["scenario"]], i))
+        seen[r["scenario"]] += 1
+    return [i for _, i in sorted(rank)]
+
+
+def control_pairs(ctx, fs, kwargs, limit: int) -> tuple[list[dict], dict]:
+    """Over-correction: the correct erratum on pairs whose clean runs take the same candidate
+    decision; ``overcorrected`` = the erratum's decision differs from full's."""
+    by_id = {p.spec.id: p for p in ctx.pairs.pairs}
+    rows, skipped = [], Counter()
+    cands = [r for r in fs.excluded if r.get("s_old") is not None and (r["s_old"] > 0) == (r["s_new"] > 0)]
+    for r in cands[:limit]:
+        pair = by_id[r["pair"]]
+        ed = PairEditor(ctx, pair, kwargs)
+        lps = readout(ctx.bundle.model, {"full": (ed.full, ed.token),
+                                         "erratum": ed.notice(sedits.erratum_text(ed.inst, pair.spec.new, ed.template))},
+                      ctx.budget_bytes)
+        lp_full, lp = lps["full"], lps["erratum"]
+        rows.append({k: r[k] for k in ("pair", "scenario", "family", "instance", "old", "new", "expect_flip")}
+                    | {"s_full": _score(lp_full, pair), "s_erratum": _score(lp, pair),
+                       "overcorrected": (_score(lp, pair) > 0) != (_score(lp_full, pair) > 0)})
+    skipped["beyond_limit"] = max(0, len(cands) - limit)
+    return rows, dict(skipped)
+
+
+# ------------------------------------------------------------------------------------ aggregates
+
+def _family_means(rows, get, families) -> dict:
+    out = {}
+    for g in ["all", *families]:
+        vals = [v for r in rows if g in ("all", r["family"]) and (v := get(r)) is not None]
+        out[g] = {"n": len(vals), "mean": float(np.mean(vals)) if vals else None,
+                  "median": float(np.median(vals)) if vals else None}
+    return out
+
+
+def method_summary(rows, key: str, families, n_boot, seed, section: str = "methods") -> dict:
+    """Agreement (Wilson), recovery (cluster bootstrap), KL, top-1, cost of one method."""
+    have = [r for r in rows if key in r[section]]
+    m = lambda r: r[section][key]                                                # noqa: E731
+    out = {"recovery": summaries_by_family(have, lambda r: m(r)["r"], lambda r: m(r)["agree"], families, n_boot, seed)}
+    for name in ("kl", "frac", "flops_frac", "time_ratio"):
+        out[name] = _family_means(have, lambda r, n=name: m(r)[n], families)
+    out["top1"] = {g: proportion(sum(m(r)["top1"] for r in have if g in ("all", r["family"])),
+                                 sum(1 for r in have if g in ("all", r["family"]))) for g in ["all", *families]}
+    return out
+
+
+def choose_ranking(rows, rankings, ks, seed, fraction) -> dict:
+    """Pick the ranking with the highest mean agreement over K on selection instances; report every
+    ranking's agreement curve on the held-out instances (the chosen one is the claim)."""
+    sel, held = split_instances(rows, fraction, seed)
+
+    rows = [r for r in rows if r["swept"]]
+
+    def curve(name, ids):
+        pts = {}
+        for k in ks:
+            vals = [r["sweep"][f"selective_{name}@{k}"]["agree"] for r in rows
+                    if r["instance"] in ids and f"selective_{name}@{k}" in r["sweep"]]
+            pts[str(k)] = proportion(sum(vals), len(vals))
+        return pts
+
+    score = {}
+    for name in rankings:
+        ps = [p["p"] for p in curve(name, sel).values() if p["p"] is not None]
+        score[name] = float(np.mean(ps)) if ps else None
+    valid = {n: s for n, s in score.items() if s is not None}
+    chosen = max(valid, key=valid.get) if valid else None          # ties: the first in `rankings`
+    return {"selection_instances": sorted(sel), "held_out_instances": sorted(held), "selection_score": score,
+            "chosen": chosen, "held_out": {n: curve(n, held) for n in rankings}}
+
+
+# -------------------------------------------------------------------------------------------- cot
+
+def read_decision(text: str, marker: str, candidates: dict[str, str]) -> str | None:
+    """The outcome whose candidate text (stripped, case-insensitive) occurs first after the first
+    ``marker`` in ``text``; None when the marker is missing or no candidate follows it."""
+    at = text.find(marker)
+    if at < 0:
+        return None
+    tail = text[at + len(marker):].lower()
+    hits = [(tail.find(c.strip().lower()), o) for o, c in candidates.items() if c.strip() and c.strip().lower() in tail]
+    return min(hits)[1] if hits else None
+
+
+def cot_pairs(ctx, kwargs, rankings, ks) -> tuple[list[dict], list[dict]]:
+    """CoT readout of every method on the pairs whose generated decision flips (see module doc)."""
+    cfg = ctx.cfg
+    model, tok = ctx.bundle.model, ctx.bundle.tokenizer
+    cot = cfg.get("cot") or {}
+    max_new = int(cot.get("max_new_tokens", 48))
+    after = int(cot.get("tokens_after_marker", 4))
+    limit = cot.get("max_pairs")
+    stop_ids = [i for i in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(i, int) and i >= 0]
+    rows, excluded = [], list(ctx.pairs.excluded)
+
+    def decide(items: dict, sc, marker) -> dict[str, tuple[str | None, str]]:
+        """``{name: (edited, token)}`` -> ``{name: (decision, generated text)}``; one batched greedy
+        decode per decision position."""
+        groups: dict = {}
+        for name, (e, t) in items.items():
+            groups.setdefault((e.pos, t), []).append(name)
+        res = {}
+        for (pos, t), names in groups.items():
+            gens = edit.greedy(model, [items[n][0].cache for n in names], t, pos, max_new, stop_ids,
+                               stop=lambda out: _marker_done(tok, out, marker, after))
+            for n, ids in zip(names, gens):
+                text = tok.decode(ids, skip_special_tokens=True)
+                res[n] = (read_decision(text, marker, sc.candidates), text)
+        return res
+
+    order = round_robin([pair_row(p) for p in ctx.pairs.pairs])
+    pairs = [ctx.pairs.pairs[i] for i in (order if limit is None else order[: int(limit)])]
+    excluded_limit = len(ctx.pairs.pairs) - len(pairs)
+    for pair in tqdm(pairs, desc="edit cot", disable=not cfg.get("progress", True)):
+        sc = pair.spec.instance.scenario
+        marker = sc.variants[pair.spec.variant].answer_marker
+        outcome = {c: o for o, c in sc.candidates.items()}
+        o_old, o_new = outcome[pair.spec.cand_old], outcome[pair.spec.cand_new]
+        with ctx.timer("cot_screen"):
+            ed = PairEditor(ctx, pair, kwargs)
+            screen = decide({"full": (ed.full, ed.token), "stale": (edit.Edited(ed.stale, ed.d, 0, 0.0, 0.0), ed.token)},
+                            sc, marker)
+            (full_dec, full_text), (stale_dec, stale_text) = screen["full"], screen["stale"]
+        base = pair_row(pair) | {"full_text": full_text, "stale_text": stale_text, "full_decision": full_dec,
+                                 "stale_decision": stale_dec}
+        reason = ("full_no_marker" if full_dec is None else "stale_no_marker" if stale_dec is None
+                  else None if (full_dec == o_new and stale_dec == o_old) else "no_cot_flip")
+        if reason:
+            excluded.append(base | {"reason": reason})
+            continue
+        methods = {"full": {"decision": full_dec, "agree": True, "reached": True, "tokens": ed.full.tokens, "frac": 1.0},
+                   "stale": {"decision": stale_dec, "agree": False, "reached": True, "tokens": 0, "frac": 0.0}}
+        with ctx.timer("cot_methods"):
+            items = {n: v for n, v in ed.named().items() if n not in ("full", "stale")}
+            items |= {n: (e, ed.token) for n, _, _, e in sweep_methods(ed, rankings, ks, None)}
+            for name, (dec, _) in decide(items, sc, marker).items():
+                methods[name] = {"decision": dec, "agree": dec == full_dec, "reached": dec is not None,
+                                 "tokens": items[name][0].tokens, "frac": items[name][0].tokens / ed.full.tokens}
+            for name in CONTROLS:                          # no decision read: not moved (see reached)
+                dec = methods[name]["decision"]
+                methods[name]["moved"] = dec is not None and dec != stale_dec
+        rows.append(base | {"methods": methods})
+    if excluded_limit:
+        excluded.append({"pair": None, "family": None, "reason": "beyond_max_pairs", "count": excluded_limit})
+    return rows, excluded
+
+
+def _marker_done(tok, out: list[int], marker: str, after: int) -> bool:
+    """Stop a CoT decode ``after`` tokens past the first marker (the answer has been named)."""
+    if len(out) < after + 1:
+        return False
+    text = tok.decode(out[:-after], skip_special_tokens=True)
+    return marker in text
+
+
+# --------------------------------------------------------------------------------------------- run
+
+def run(ctx) -> dict:
+    """Every edit method on every flipping pair; see the module docstring."""
+    cfg = ctx.cfg
+    kwargs = dict(cfg.get("chat_template_kwargs") or {})
+    rankings = list(cfg.get("rankings", edit.RANKINGS))
+    ks = [int(k) for k in cfg.get("ks", [0, 1, 2, 4, 8, 16, 32, 64])]
+    n_boot, seed = int(cfg.get("n_boot", 2000)), ctx.seed
+    oracle_ranking = cfg.get("oracle_ranking", "attention")
+    variant = ctx.scenario_cfg.get("variant", "direct") if ctx.scenario_cfg is not None else "direct"
+    if variant == "cot":
+        return run_cot(ctx, kwargs, rankings, [int(k) for k in cfg.get("cot", {}).get("ks", [8, 32])], n_boot, seed)
+    fs = flipping_pairs(ctx, keep_caches=False)
+    order = round_robin(fs.rows)
+    limit, sweep_limit = cfg.get("max_pairs"), cfg.get("sweep_max_pairs")
+    if limit is not None and len(order) > int(limit):
+        fs.exclusions["beyond_max_pairs"] = len(order) - int(limit)
+        order = order[: int(limit)]
+    swept = set(order if sweep_limit is None else order[: int(sweep_limit)])
+    rows = []
+    for i in tqdm(order, desc="edit", disable=not cfg.get("progress", True)):
+        with ctx.timer("edits"):
+            rows.append(fs.rows[i] | {"swept": i in swept}
+                        | direct_pair(ctx, fs.runs[i], kwargs, rankings, ks, oracle_ranking, i in swept))
+    families = families_of(ctx, rows + fs.excluded)
+    with ctx.timer("controls"):
+        ctrl_rows, ctrl_skipped = control_pairs(ctx, fs, kwargs, int(cfg.get("max_control_pairs", 8)))
+    with ctx.timer("statistics"):
+        named = {m: method_summary(rows, m, families, n_boot, seed) for m in NAMED + CONTROLS}
+        index = {n: (v["ranking"], v["k"]) for r in rows for n, v in r["sweep"].items()}
+        sweep_names = sorted(index, key=lambda n: (index[n][0] == "oracle_copy", index[n]))
+        sweep = {n: method_summary(rows, n, families, n_boot, seed, "sweep") for n in sweep_names}
+        controls = {m: {g: proportion(sum(r["methods"][m]["moved"] for r in rows if g in ("all", r["family"])),
+                                      sum(1 for r in rows if g in ("all", r["family"]))) for g in ["all", *families]}
+                    for m in CONTROLS}
+        controls["overcorrection"] = proportion(sum(r["overcorrected"] for r in ctrl_rows), len(ctrl_rows))
+        choice = choose_ranking(rows, rankings, ks, seed, float(cfg.get("selection_fraction", 0.5)))
+    aggregates = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
+                  "families": families, "variant": "direct", "methods": named, "sweep": sweep,
+                  "sweep_index": {n: {"ranking": index[n][0], "k": index[n][1]} for n in sweep_names},
+                  "ranking_choice": choice, "controls": controls, "control_pairs_skipped": ctrl_skipped,
+                  "upper_bounds": ["oracle_copy"], "exclusions_by_family": exclusions_by_family(fs.excluded, families)}
+    return {"rows": rows, "control_rows": ctrl_rows, "exclusions": fs.exclusions, "excluded": fs.excluded,
+            "aggregates": aggregates}
+
+
+def run_cot(ctx, kwargs, rankings, ks, n_boot, seed) -> dict:
+    """CoT mode of :func:`run`: decisions read from greedy decodes of every method's cache."""
+    rows, excluded = cot_pairs(ctx, kwargs, rankings, ks)
+    families = families_of(ctx, rows + [e for e in excluded if e.get("family")])
+    names = sorted({n for r in rows for n in r["methods"]})
+    methods = {}
+    for n in names:
+        have = [r for r in rows if n in r["methods"]]
+        methods[n] = {
+            "agreement": {g: proportion(sum(r["methods"][n]["agree"] for r in have if g in ("all", r["family"])),
+                                        sum(1 for r in have if g in ("all", r["family"]))) for g in ["all", *families]},
+            "reached_marker": proportion(sum(r["methods"][n]["reached"] for r in have), len(have)),
+            "frac": _family_means(have, lambda r, n=n: r["methods"][n]["frac"], families)}
+    controls = {m: proportion(sum(r["methods"][m]["moved"] for r in rows), len(rows)) for m in CONTROLS}
+    exclusions = Counter()
+    for e in excluded:
+        exclusions[e["reason"]] += int(e.get("count", 1))
+    aggregates = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
+                  "families": families, "variant": "cot", "methods": methods, "controls": controls,
+                  "upper_bounds": [], "exclusions_by_family": exclusions_by_family(excluded, families)}
+    return {"rows": rows, "exclusions": dict(exclusions), "excluded": excluded, "aggregates": aggregates}
