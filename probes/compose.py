@@ -41,7 +41,7 @@ from kvnotes.errors import KvnotesError
 from kvnotes.pairs import pair_row
 from kvnotes.probing import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
 from kvnotes.stats import proportion
-from scenarios.chunks import chunked_pairs
+from scenarios.chunks import CHUNKED_ORDER, FIELD_CHUNK_ORDER, chunked_pairs, layout_prompt
 
 SINKS = ("none", "bos", "prefix")
 
@@ -147,6 +147,104 @@ def aggregate(prompt_rows: list[dict], pair_rows: list[dict], names: list[str], 
     return out
 
 
+def _vs_oracle(oracle: torch.Tensor, lp: torch.Tensor, cand_new: int) -> dict:
+    """Per row of fp32 log-probs ``lp`` ``[R, vocab]`` against the oracle's ``[vocab]``: KL(oracle ||
+    row), top-1 agreement, and whether the row's top-1 is the new value's candidate."""
+    m = kvcompose.decision_metrics(oracle.expand_as(lp), lp)
+    return {"kl": m["kl"].tolist(), "top1_agree": m["top1_agree"].tolist(),
+            "correct": (lp.argmax(-1) == cand_new).tolist()}
+
+
+@torch.no_grad()
+def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_template: bool = True) -> dict:
+    """Editing inside a composition, judged against a full prefill of the **edited text** (the field
+    rewritten to the new value), never of the same tokens.
+
+    - ``erratum``: the old chunked prompt with the erratum of :mod:`scenarios.edits` (new value)
+      inserted before the request; composed (chunks precompiled behind the prompt's first token,
+      keys rotated, seams ``seams``) and, as a reference, fully prefilled. Oracle: the new chunked
+      prompt (:mod:`scenarios.chunks` layout), fully prefilled.
+    - ``field_in_chunk``: the layout ``rule, context, filler, request, decision`` with the rule and
+      the context line (which holds the field) as chunks; the stale composed cache of the old
+      prompt has its field refreshed with :func:`kvnotes.edit.refresh_field` (``stale`` is the
+      same cache unrefreshed). Oracle: the new prompt in that layout, fully prefilled.
+
+    Returns:
+        ``{arm: {oracle_top1, oracle_owned, <method>: {kl, top1_agree, correct}}}`` or
+        ``{arm: {"excluded": reason}}``; lists run over ``seams``.
+    """
+    from kvnotes import edit as kvedit
+    from scenarios.edits import erratum_text
+
+    inst, variant = pair.spec.instance, pair.spec.variant
+    cn = pair.cand_new[0]
+    out = {}
+    # --- erratum appended to a composed cache
+    made = layout_prompt(tok, inst, pair.spec.old, CHUNKED_ORDER, ("rule", "filler"), variant,
+                         erratum_text(inst, pair.spec.new), chat_template, template_kwargs)
+    if isinstance(made, str) or made[1] != pair.chunks:
+        out["erratum"] = {"excluded": made if isinstance(made, str) else "chunk_spans_differ"}
+    else:
+        prompt = made[0]
+        oracle = torch.log_softmax(kvcompose.full_logits(model, pair.new.ids)[0], -1)
+        chunks = [kvcompose.precompile(model, prompt.ids[a:b], prompt.ids[:1]) for a, b in pair.chunks]
+        ids = prompt.ids.view(1, -1).expand(len(seams), -1)
+        _, comp = kvcompose.compose(model, prompt_parts(ids, pair.chunks, chunks), True, seams)
+        full = kvcompose.full_logits(model, prompt.ids)
+        top1 = int(oracle.argmax())
+        out["erratum"] = {"oracle_top1": top1, "oracle_owned": top1 == cn,
+                          "composed": _vs_oracle(oracle, torch.log_softmax(comp, -1), cn),
+                          "full": _vs_oracle(oracle, torch.log_softmax(full, -1), cn)}
+    # --- field refreshed inside a spliced chunk
+    old = layout_prompt(tok, inst, pair.spec.old, FIELD_CHUNK_ORDER, ("rule", "context"), variant, None,
+                        chat_template, template_kwargs)
+    new = layout_prompt(tok, inst, pair.spec.new, FIELD_CHUNK_ORDER, ("rule", "context"), variant, None,
+                        chat_template, template_kwargs)
+    if isinstance(old, str) or isinstance(new, str):
+        out["field_in_chunk"] = {"excluded": old if isinstance(old, str) else new}
+        return out
+    (po, so), (pn, sn) = old, new
+    if len(po.ids) != len(pn.ids) or po.field != pn.field or so != sn:
+        out["field_in_chunk"] = {"excluded": "unequal_field_length"}
+        return out
+    d = po.decision
+    oracle = torch.log_softmax(kvcompose.full_logits(model, pn.ids)[0], -1)
+    chunks = [kvcompose.precompile(model, po.ids[a:b], po.ids[:1]) for a, b in so]
+    res = {"refreshed": [], "stale": []}
+    for seam in seams:
+        cache, _ = kvcompose.compose(model, prompt_parts(po.ids[:d].view(1, -1), so, chunks), True, seam)
+        stale = kvedit.from_tensors([l.keys[:, :, :d] for l in cache.layers], [l.values[:, :, :d] for l in cache.layers])
+        edited = kvedit.refresh_field(model, stale, pn.ids, pn.field)
+        token = int(pn.ids[d])
+        res["refreshed"].append(kvedit.decision_logprobs(model, edited.cache, token, d))
+        res["stale"].append(kvedit.decision_logprobs(model, stale, token, d))
+    top1 = int(oracle.argmax())
+    out["field_in_chunk"] = {"oracle_top1": top1, "oracle_owned": top1 == cn,
+                             **{k: _vs_oracle(oracle, torch.stack(v), cn) for k, v in res.items()}}
+    return out
+
+
+def aggregate_arms(rows: list[dict], seams: list[int], families: list[str], n_boot: int, seed: int) -> dict:
+    """Per arm, method and seam: agreement with the edited-text oracle on pairs whose oracle owns its
+    decision, share with the new value's candidate as top-1 (accuracy), and mean KL(oracle || method)."""
+    out = {}
+    for arm, methods in (("erratum", ("composed", "full")), ("field_in_chunk", ("refreshed", "stale"))):
+        rs = [r for r in rows if "excluded" not in r["arms"][arm]]
+        out[arm] = {"n": len(rs), "excluded": len(rows) - len(rs)}
+        for meth in methods:
+            for i, seam in enumerate(seams):
+                if arm == "erratum" and meth == "full" and i:
+                    continue
+                key = meth if (arm == "erratum" and meth == "full") else f"{meth}/seam={seam}"
+                owned = [r for r in rs if r["arms"][arm]["oracle_owned"]]
+                out[arm][key] = {
+                    "agreement_owned": proportion(sum(r["arms"][arm][meth]["top1_agree"][i] for r in owned), len(owned)),
+                    "accuracy": proportion(sum(r["arms"][arm][meth]["correct"][i] for r in rs), len(rs)),
+                    "kl": summaries_by_family(rs, lambda r, a=arm, m=meth, i=i: r["arms"][a][m]["kl"][i], None,
+                                              families, n_boot, seed)["all"]}
+    return out
+
+
 def run(ctx) -> dict:
     """Composed vs full prefill for every chunked pair and variant; see the module docstring."""
     cfg = ctx.cfg
@@ -157,6 +255,8 @@ def run(ctx) -> dict:
     for s in sinks:
         if s not in SINKS:
             raise KvnotesError(f"unknown compose sink '{s}' (known: {', '.join(SINKS)})")
+    arm_seams = [int(s) for s in cfg.get("edit_arm_seams", [0, 4])]
+    chat = bool(ctx.scenario_cfg.get("chat_template", True)) if ctx.scenario_cfg is not None else True
     variants = [(rot, sink, seam) for rot in (True, False) for sink in sinks for seam in seams]
     names = [variant_name(*v) for v in variants]
     tk = cfg.get("template_kwargs")
@@ -199,16 +299,21 @@ def run(ctx) -> dict:
             sc_old, sc_new = float(lo[cn] - lo[co]), float(ln[cn] - ln[co])
             row["variants"][name] = {"s_old": sc_old, "s_new": sc_new,
                                      "r": (sc_new - s_old) / (s_new - s_old) if s_new != s_old else None}
+        if arm_seams:
+            with ctx.timer("edit_arms"):
+                row["arms"] = edit_arms(model, tok, pair, arm_seams, tk, chat)
         rows.append(row)
     families = families_of(replace(ctx, pairs=cpairs), rows)
     with ctx.timer("statistics"):
         agg = aggregate(prompt_rows, rows, names, families, n_boot, ctx.seed)
+        arms = aggregate_arms(rows, arm_seams, families, n_boot, ctx.seed) if arm_seams else None
     checks = {"max_abs_logit_diff_full_seam": max(r["max_abs_logit_diff_full_seam"] for r in prompt_rows),
               "pairs_with_chunks_tokenised_standalone": sum(all(r["standalone"]) for r in rows), "n_rows": len(rows)}
     aggregates = {"n_pairs": len(cpairs.pairs) + len(cpairs.excluded), "n_aligned": len(cpairs.pairs),
                   "n_flip": len(flips), "n_prompts": len(prompt_rows),
                   "n_owned_prompts": sum(r["owned"] for r in prompt_rows),
                   "families": families, "sinks": sinks, "seams": seams, "variants": agg, "checks": checks,
-                  "exclusions_by_family": exclusions_by_family(fs.excluded, families)}
+                  "exclusions_by_family": exclusions_by_family(fs.excluded, families), "edit_arms": arms,
+                  "edit_arm_seams": arm_seams}
     return {"rows": rows, "prompts": prompt_rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "variant_names": names,
             "aggregates": aggregates}

@@ -147,3 +147,38 @@ def chunked_pairs(tokenizer, scenario_cfg: Any, template_kwargs: dict | None = N
             out.pairs.append(tp)
     return out
 
+
+
+#: Line order of the layout whose field lies inside a precompiled chunk (the record chunk).
+FIELD_CHUNK_ORDER = ("rule", "context", "filler", "request", "decision")
+#: Line order of the chunked layout (rule and filler chunks, then the live field and question).
+CHUNKED_ORDER = ("rule", "filler", "context", "request", "decision")
+
+
+def layout_prompt(tokenizer, instance: Instance, value: str, order, chunk_names, variant: str = "direct",
+                  notice: str | None = None, chat_template: bool = True, template_kwargs: dict | None = None):
+    """A prompt in the line ``order`` of :func:`scenarios.edits.render_layout` (optionally with a
+    notice line before the request), with the token spans of the lines named in ``chunk_names``.
+
+    Returns:
+        ``(prompt, chunk token spans)``, or the exclusion reason ``chunk_boundary_inside_token``.
+    """
+    from scenarios.edits import render_layout, user_pieces
+
+    user, field, prefix = render_layout(instance, value, variant, order, notice)
+    prompt = build_prompt(tokenizer, user, field, prefix, chat_template, instance.scenario.system, template_kwargs)
+    start = prompt.field_chars[0] - field[0]
+    pieces, _, _ = user_pieces(instance, value, variant)
+    spans, pos = [], 0
+    for name in order:
+        if name == "request" and notice is not None:
+            pos += len(notice) + 1
+        if not pieces[name]:
+            continue
+        if name in chunk_names:
+            a, b = char_span_to_tokens(prompt.offsets, start + pos, start + pos + len(pieces[name]))
+            if int(prompt.offsets[a, 0]) < start + pos or int(prompt.offsets[b - 1, 1]) > start + pos + len(pieces[name]):
+                return CHUNK_BOUNDARY
+            spans.append((a, b))
+        pos += len(pieces[name]) + 1
+    return prompt, tuple(spans)

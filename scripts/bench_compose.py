@@ -17,8 +17,9 @@ which tokens it sees). Per length, in one process:
 - **precompile**: the chunk's own prefill (:func:`kvnotes.compose.precompile`), done once per
   chunk and reported separately (not part of the composed time).
 
-Each is run ``--warmup`` times untimed, then ``--trials`` timed; medians are printed with the ratio
-full / composed. On GPU the timings are CUDA events around each call (after a synchronise). The
+Full and composed are each run ``--warmup`` times untimed, then ``--trials`` timed; medians are
+printed with the ratio full / composed (precompile: one timed run on CPU; on GPU one warm-up and
+``trials // 2`` timed). On GPU the timings are CUDA events around each call (after a synchronise). The
 ``--gpu`` path builds a random-weight model from a Qwen3-8B-shaped config in bf16
 (``AutoModelForCausalLM.from_config`` on the GPU, no weights) and imports neither hydra nor nnsight.
 ``--json PATH`` writes the table with the command line and environment.
@@ -86,11 +87,15 @@ class Clock:
         return (time.perf_counter() - t) * 1e3
 
 
-def timed(clock: Clock, fn, warmup: int, trials: int) -> dict:
+def timed(clock: Clock, fn, warmup: int, trials: int) -> tuple[dict, object]:
+    """Median/min of ``trials`` timed calls after ``warmup`` untimed ones; also the last result."""
     for _ in range(warmup):
         fn()
-    ms = [clock(fn) for _ in range(trials)]
-    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "trials_ms": ms}
+    ms, box = [], []
+    for _ in range(trials):
+        ms.append(clock(lambda: box.append(fn())))
+        box[:-1] = []
+    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "trials_ms": ms}, box[-1]
 
 
 @torch.no_grad()
@@ -100,14 +105,11 @@ def bench_length(model, L: int, n_prefix: int, n_suffix: int, seam: int, warmup:
     vocab = model.config.get_text_config().vocab_size
     ids = torch.from_numpy(rng.integers(0, vocab, L)).long().to(model.device)
     prefix, chunk_ids, suffix = ids[:n_prefix], ids[n_prefix:L - n_suffix], ids[L - n_suffix:]
-    pre = timed(clock, lambda: kvcompose.precompile(model, chunk_ids), 0 if clock.cuda and warmup == 0 else 1,
-                max(1, trials // 2))
-    chunk = kvcompose.precompile(model, chunk_ids)
-    full = timed(clock, lambda: kvcompose.full_logits(model, ids), warmup, trials)
-    comp = timed(clock, lambda: kvcompose.compose(model, [prefix, chunk, suffix], True, seam), warmup, trials)
-    # the composed and full runs see the same tokens: report how far apart their decisions are
-    ref = kvcompose.full_logits(model, ids)
-    _, got = kvcompose.compose(model, [prefix, chunk, suffix], True, seam)
+    pre, chunk = timed(clock, lambda: kvcompose.precompile(model, chunk_ids), 1 if clock.cuda else 0,
+                       max(1, trials // 2) if clock.cuda else 1)
+    full, ref = timed(clock, lambda: kvcompose.full_logits(model, ids), warmup, trials)
+    comp, (_, got) = timed(clock, lambda: kvcompose.compose(model, [prefix, chunk, suffix], True, seam), warmup, trials)
+    # the composed and full runs see the same tokens: how far apart are their next-token distributions
     m = kvcompose.decision_metrics(ref, got)
     del chunk
     if clock.cuda:

@@ -29,7 +29,7 @@ def result(smol):
     from probes.compose import run
 
     cfg = OmegaConf.load("conf/probe/compose.yaml")
-    cfg.progress, cfg.n_boot, cfg.seams, cfg.sinks = False, 200, [0, 4], ["bos"]
+    cfg.progress, cfg.n_boot, cfg.seams, cfg.sinks, cfg.edit_arm_seams = False, 200, [0, 4], ["bos"], [0]
     ctx = ProbeContext(bundle=smol, pairs=prepare_pairs(smol.tokenizer, scenario_cfg()), cfg=cfg, seed=0,
                        scenario_cfg=scenario_cfg())
     return run(ctx)
@@ -60,3 +60,15 @@ def test_embedded_compose_record(result, tmp_path):
         assert 0 <= agg["variants"][v]["kl"]["all"]["mean"]
     assert len(result["rows"]) == 3 and all(len(r["s_full"]) == 2 for r in result["rows"])
     check_figures("compose", result, tmp_path)
+
+
+def test_edit_arms_are_judged_against_the_edited_text(result):
+    arms = result["aggregates"]["edit_arms"]
+    for arm, keys in (("erratum", ("composed/seam=0", "full")), ("field_in_chunk", ("refreshed/seam=0", "stale/seam=0"))):
+        assert arms[arm]["n"] + arms[arm]["excluded"] == len(result["rows"])
+        for k in keys:
+            assert arms[arm][k]["accuracy"]["n"] == arms[arm]["n"]
+    # the refreshed field must move the decision towards the oracle: KL no larger than the stale cache's
+    fic = arms["field_in_chunk"]
+    if fic["n"]:
+        assert fic["refreshed/seam=0"]["kl"]["mean"] <= fic["stale/seam=0"]["kl"]["mean"] + 1e-6
