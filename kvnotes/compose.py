@@ -1,0 +1,435 @@
+"""Composing caches: precompile a chunk, re-position its keys, splice it after a prefix (paper §5).
+
+A *chunk* (a policy, a table, a retrieved document) is prefilled once in isolation, optionally
+behind a *sink* prefix (the BOS token, or a system prefix) whose K/V are dropped afterwards. To use
+it at another position its keys are rotated by the position delta and its K/V are spliced after the
+real prefix; the live tokens that follow are computed normally against the composed cache.
+
+**Re-positioning.** RoPE rotates each key at position ``i`` by the angle ``i * inv_freq`` (per
+frequency pair), and rotations compose, so a post-RoPE key at ``i`` becomes the key at ``i + delta``
+by one further rotation by ``delta * inv_freq``. That delta rotation is taken from the model's own
+rotary module (the adapter's ``rotary`` path, called with ``position_ids = [[delta]]``), never from
+a hand-copied frequency formula, so it follows
+
+- the layer type: a rotary module whose ``forward`` takes ``layer_type`` (Gemma-3) is called once
+  per type, so sliding layers get the local theta and full layers the global one;
+- the rope scaling of the config (``linear``, ``llama3``, ``yarn``): these change ``inv_freq`` only.
+  The module multiplies cos/sin by its ``attention_scaling`` (YaRN's mscale), which the cached key
+  already carries once; the delta rotation divides it out so it is a pure rotation;
+- partial rotary (StableLM, Phi, GPT-NeoX): the module's cos/sin cover only the first
+  ``rot_dim = cos.shape[-1]`` dims of each head; only those are rotated, the rest are copied.
+
+The ``rotate_half`` layout (pairs ``(j, j + rot_dim/2)``) of Llama, Qwen, Mistral, Gemma and
+StableLM is assumed; rope types whose frequencies depend on the sequence length (``dynamic``,
+``longrope``) are refused (a delta rotation is not defined for them).
+
+**Splice and seam repair.** :func:`compose` walks the parts of a prompt in order: live token
+tensors are forwarded at their positions; a chunk has its first ``seam`` tokens recomputed against
+the real prefix (one forward of those tokens), and the rest of its K/V are rotated and written
+after them. ``rotate=False`` is the no-rotate control (the keys keep the positions they were
+precompiled at). Tokens after a chunk are always computed live against the composed cache.
+
+**Caches.** For models without sliding-window layers the composed cache is a ``StaticCache``
+preallocated to the final length: prefix and live forwards write their K/V into it, and the chunk's
+rotated keys and values are written in place into their slots (no per-layer concatenation of the
+whole cache). Models with sliding-window layers (Gemma-2/3, Mistral) use a ``DynamicCache`` built
+with ``config=``; a splice then concatenates per layer and a sliding layer keeps only the last
+``window - 1`` slots, as ``DynamicSlidingWindowLayer`` does.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, StaticCache
+
+from kvnotes import cache as kvcache
+from kvnotes.adapters import Adapter
+from kvnotes.errors import KvnotesError
+
+#: Rope types whose frequencies do not depend on the sequence length: a delta rotation exists.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A chunk's K/V, prefilled in isolation.
+
+    Attributes:
+        ids: chunk token ids ``[n]``.
+        keys, values: per layer ``[1, kv_heads, n, head_dim]``; keys post-RoPE at positions
+            ``start .. start + n - 1``. Every layer holds every chunk position (also sliding layers).
+        start: position of the chunk's first token when it was prefilled (the sink length, plus any
+            ``offset`` given to :func:`precompile`).
+        sink: number of sink tokens it was prefilled behind (their K/V are dropped).
+    """
+
+    ids: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    start: int
+    sink: int = 0
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@torch.no_grad()
+def precompile(model, ids: torch.Tensor, sink_ids: torch.Tensor | None = None, offset: int = 0) -> Chunk:
+    """Prefill a chunk in isolation and keep its K/V.
+
+    The chunk is prefilled behind ``sink_ids`` (if any) at positions ``offset ..`` in one forward on
+    a cache whose layers all keep every position, so sliding-window layers also return the whole
+    chunk (within the forward, attention still follows each layer's window). The sink's K/V are
+    dropped.
+
+    Args:
+        ids: ``[n]`` chunk token ids.
+        sink_ids: ``[k]`` tokens prefilled before the chunk and dropped (e.g. BOS or a system
+            prefix; the paper's precompiled chunks lacked it, which collapsed Gemma on short prompts).
+        offset: position of the first prefilled token (0 except in tests).
+
+    Returns:
+        a :class:`Chunk` with ``start = offset + k``.
+    """
+    ids = ids.view(-1)
+    sink = ids.new_zeros(0) if sink_ids is None else sink_ids.view(-1).to(ids.device)
+    full = torch.cat([sink, ids]).view(1, -1).to(model.device)
+    cache = DynamicCache()          # no config: plain layers, none of them drops positions
+    pos = torch.arange(offset, offset + full.shape[1], device=model.device).unsqueeze(0)
+    model(input_ids=full, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    k = len(sink)
+    return Chunk(ids.cpu(), [l.keys[:, :, k:] for l in cache.layers], [l.values[:, :, k:] for l in cache.layers],
+                 offset + k, k)
+
+
+def _rope_type(rotary, layer_type: str | None) -> str:
+    rt = getattr(rotary, "rope_type", "default")
+    if isinstance(rt, dict):
+        rt = rt.get(layer_type, "default")
+    return rt
+
+
+@torch.no_grad()
+def delta_rotations(model, delta: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the pure rotation by ``delta`` positions as ``(cos, sin)``, each ``[rot_dim]`` fp32.
+
+    Taken from the model's rotary module (adapter path ``rotary``) at ``position_ids = [[delta]]``,
+    once per layer type when the module is per-type (Gemma-3), with the module's
+    ``attention_scaling`` divided out (it is already inside every cached key; paper §5, YaRN).
+
+    Raises:
+        KvnotesError: a rope type whose frequencies depend on the sequence length
+            (see :data:`STATIC_ROPE_TYPES`).
+    """
+    adapter = Adapter.for_model(model)
+    rotary = adapter.module(model, "rotary")
+    per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    x = torch.zeros(1, dtype=torch.float32, device=model.device)
+    pos = torch.tensor([[delta]], dtype=torch.long, device=model.device)
+    by_type = {}
+    for lt in dict.fromkeys(adapter.layer_types):
+        key = lt if per_type else None
+        if key in by_type:
+            continue
+        rt = _rope_type(rotary, key)
+        if rt not in STATIC_ROPE_TYPES:
+            raise KvnotesError(f"cannot re-position keys under rope type '{rt}' (supported: {', '.join(STATIC_ROPE_TYPES)})")
+        if per_type:
+            cos, sin = rotary(x, pos, layer_type=lt)
+            scale = getattr(rotary, f"{lt}_attention_scaling", 1.0)
+        else:
+            cos, sin = rotary(x, pos)
+            scale = getattr(rotary, "attention_scaling", 1.0)
+        by_type[key] = (cos.reshape(-1).float() / scale, sin.reshape(-1).float() / scale)
+    return [by_type[lt if per_type else None] for lt in adapter.layer_types]
+
+
+def rotate_into(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write ``keys`` rotated by ``(cos, sin)`` into ``out`` (``rotate_half`` layout, partial rotary).
+
+    ``out[..., :r] = keys[..., :r] * cos + rotate_half(keys[..., :r]) * sin`` with ``r = len(cos)``
+    and ``out[..., r:] = keys[..., r:]``; computed in fp32 and cast to ``out``'s dtype. ``out`` may
+    be ``keys`` itself (the halves are computed before writing) or a slice of a preallocated cache.
+
+    Args:
+        keys: ``[..., head_dim]``, post-RoPE keys.
+        cos, sin: ``[rot_dim]`` from :func:`delta_rotations`.
+        out: a tensor of ``keys``' shape (broadcast over batch allowed).
+
+    Returns:
+        ``out``.
+    """
+    r = cos.shape[-1]
+    h = r // 2
+    c, s = cos[:h].to(keys.device), sin[:h].to(keys.device)
+    k1, k2 = keys[..., :h].float(), keys[..., h:r].float()
+    first = k1 * c - k2 * s
+    second = k2 * c + k1 * s
+    out[..., :h] = first
+    out[..., h:r] = second
+    if r < keys.shape[-1] and out.data_ptr() != keys.data_ptr():
+        out[..., r:] = keys[..., r:]
+    return out
+
+
+def rotate_keys(model, keys: Sequence[torch.Tensor], delta: int) -> list[torch.Tensor]:
+    """Per layer keys re-positioned by ``delta`` (new tensors; see :func:`rotate_into`).
+
+    Args:
+        keys: per layer ``[batch, kv_heads, n, head_dim]`` post-RoPE keys.
+    """
+    rots = delta_rotations(model, delta)
+    return [rotate_into(k, c, s, torch.empty_like(k)) for k, (c, s) in zip(keys, rots, strict=True)]
+
+
+def has_sliding_layers(model) -> bool:
+    """True when some layer uses sliding-window attention (then :func:`compose` uses a DynamicCache)."""
+    return any(t == "sliding_attention" for t in Adapter.for_model(model).layer_types)
+
+
+def _forward(model, cache, ids: torch.Tensor, start: int, logits: bool):
+    """Feed ``ids`` ``[B, m]`` at positions ``start ..`` on ``cache``; return the fp32 logits of the
+    last position ``[B, vocab]`` when ``logits``."""
+    B, m = ids.shape
+    pos = torch.arange(start, start + m, device=model.device).unsqueeze(0).expand(B, -1)
+    mask = None if isinstance(cache, StaticCache) else torch.ones(B, start + m, dtype=torch.long, device=model.device)
+    out = model(input_ids=ids.to(model.device), position_ids=pos, attention_mask=mask, past_key_values=cache,
+                use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1].float() if logits else None
+
+
+def _per_row(value, B: int, what: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != B:
+            raise ValueError(f"{what}: {len(value)} values for {B} rows")
+        return list(value)
+    return [value] * B
+
+
+def _tail(model, chunk: Chunk, s: int, rotate: bool, delta: int, rots_cache: dict):
+    """Per layer ``(keys, values)`` of chunk tokens ``s ..``, keys rotated by ``delta`` when ``rotate``."""
+    keys = [k[:, :, s:] for k in chunk.keys]
+    values = [v[:, :, s:] for v in chunk.values]
+    if rotate and delta:
+        if delta not in rots_cache:
+            rots_cache[delta] = delta_rotations(model, delta)
+        keys = [rotate_into(k, c, sn, torch.empty_like(k)) for k, (c, sn) in zip(keys, rots_cache[delta])]
+    return keys, values
+
+
+def _splice_static(model, cache: StaticCache, chunks, seams, rotate, pos: int, rots_cache: dict) -> None:
+    """Write each row's chunk K/V (tokens ``seam_r ..``) into the preallocated slots ``pos + seam_r ..``.
+
+    With one row (or every row the same chunk, seam and rotation) the rotated keys are written
+    directly into the cache slice; otherwise each group of equal rows gets its tail by index."""
+    B = len(chunks)
+    n = len(chunks[0])
+    groups: dict = {}
+    for r in range(B):
+        groups.setdefault((id(chunks[r]), seams[r], rotate[r]), []).append(r)
+    for (_, s, rot), rows in groups.items():
+        if s >= n:
+            continue
+        chunk = chunks[rows[0]]
+        delta = pos - chunk.start
+        whole = len(rows) == B
+        if whole and rot and delta:
+            if delta not in rots_cache:
+                rots_cache[delta] = delta_rotations(model, delta)
+        else:
+            keys, values = _tail(model, chunk, s, rot, delta, rots_cache)
+        idx = torch.tensor(rows, device=model.device)
+        for l, layer in enumerate(cache.layers):
+            if not layer.is_initialized:
+                layer.lazy_initialization(chunk.keys[l].expand(B, -1, -1, -1), chunk.values[l].expand(B, -1, -1, -1))
+            if whole:
+                dst = layer.keys[:, :, pos + s: pos + n]
+                src = chunk.keys[l][:, :, s:]
+                if rot and delta:
+                    rotate_into(src, *rots_cache[delta][l], out=dst)
+                else:
+                    dst.copy_(src.expand_as(dst))
+                layer.values[:, :, pos + s: pos + n].copy_(chunk.values[l][:, :, s:].expand(B, -1, -1, -1))
+            else:
+                layer.keys[idx, :, pos + s: pos + n] = keys[l].to(layer.keys.dtype).expand(len(rows), -1, -1, -1)
+                layer.values[idx, :, pos + s: pos + n] = values[l].to(layer.values.dtype).expand(len(rows), -1, -1, -1)
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(pos + n)
+
+
+def _splice_dynamic(model, cache: DynamicCache, chunks, seams, rotate, pos: int, rots_cache: dict) -> DynamicCache:
+    """Append each row's chunk K/V to a DynamicCache that holds ``[0, pos + max(seam))``: positions
+    ``pos + max(seam) ..`` are concatenated, and rows with a smaller seam have their recomputed
+    slots ``[pos + seam_r, pos + max(seam))`` overwritten with the precompiled K/V. Sliding layers
+    keep the last ``window - 1`` slots."""
+    B = len(chunks)
+    n = len(chunks[0])
+    s_max = max(seams)
+    tails = [_tail(model, chunks[r], seams[r], rotate[r], pos - chunks[r].start, rots_cache) for r in range(B)]
+    new_k, new_v = [], []
+    for l, layer in enumerate(cache.layers):
+        ref = chunks[0].keys[l]
+        k_app = ref.new_empty(B, ref.shape[1], n - s_max, ref.shape[3])
+        v_app = chunks[0].values[l].new_empty(B, ref.shape[1], n - s_max, chunks[0].values[l].shape[3])
+        held = layer.keys is not None and layer.keys.numel() > 0
+        if held:
+            k_old, v_old = layer.keys, layer.values
+            slot_pos = kvcache.slot_positions(layer)
+        for r, (tk, tv) in enumerate(tails):
+            s = seams[r]
+            k_app[r] = tk[l][0, :, s_max - s:]
+            v_app[r] = tv[l][0, :, s_max - s:]
+            if s < s_max and held:
+                hit = ((slot_pos >= pos + s) & (slot_pos < pos + s_max)).nonzero().flatten()
+                if len(hit):
+                    first = int(slot_pos[hit[0]]) - (pos + s)
+                    k_old[r, :, hit] = tk[l][0, :, first:first + len(hit)].to(k_old.dtype)
+                    v_old[r, :, hit] = tv[l][0, :, first:first + len(hit)].to(v_old.dtype)
+        if held:
+            k2 = torch.cat([k_old, k_app.to(k_old.dtype)], dim=2)
+            v2 = torch.cat([v_old, v_app.to(v_old.dtype)], dim=2)
+        else:
+            k2, v2 = k_app, v_app
+        if getattr(layer, "is_sliding", False):
+            k2, v2 = k2[:, :, -layer.sliding_window + 1:], v2[:, :, -layer.sliding_window + 1:]
+        new_k.append(k2.contiguous())
+        new_v.append(v2.contiguous())
+    return kvcache.cache_from_tensors(model.config, new_k, new_v, pos + n)
+
+
+def _broadcast(model, cache, B: int, n: int):
+    """The batch-1 cache over ``[0, n)`` repeated to ``B`` rows (a new cache of the same kind)."""
+    if isinstance(cache, StaticCache):
+        for layer in cache.layers:
+            k, v = layer.keys, layer.values
+            layer.lazy_initialization(k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1))
+            layer.keys[:, :, :n] = k[:, :, :n]
+            layer.values[:, :, :n] = v[:, :, :n]
+            layer.cumulative_length.fill_(n)
+        return cache
+    return kvcache.cache_from_tensors(model.config, [l.keys.expand(B, -1, -1, -1).contiguous() for l in cache.layers],
+                                      [l.values.expand(B, -1, -1, -1).contiguous() for l in cache.layers], n)
+
+
+@torch.no_grad()
+def compose(model, parts: Sequence, rotate: bool | Sequence[bool] = True, seam: int | Sequence[int] = 0,
+            static: bool | None = None) -> tuple[DynamicCache | StaticCache, torch.Tensor | None]:
+    """Build the cache of a prompt made of live token parts and precompiled chunks, in order.
+
+    Live parts (``[m]`` or ``[B, m]`` token ids) are forwarded at their positions against the cache
+    so far. For a chunk at position ``p``: its first ``min(seam, n)`` tokens are recomputed against
+    the real prefix (one forward), and the K/V of the rest are written at ``p + seam .. p + n - 1``,
+    keys rotated by ``p - chunk.start`` (``rotate``) or as precompiled (``rotate=False``, the
+    no-rotate control).
+
+    Rows of the batch may be different variants of one prompt: a chunk part may be a list of
+    ``B`` chunks (same tokens, e.g. precompiled behind different sinks), and ``rotate`` / ``seam``
+    may be given per row. One forward then serves every row: the seam forward recomputes
+    ``max(seam)`` tokens for all rows (a recomputed token attends only to earlier positions, so
+    a row's first ``seam_r`` recomputed tokens do not depend on how many follow) and the rows with
+    a smaller seam get their precompiled K/V written over the rest. A chunk's seam tokens are
+    forwarded together with the live part just before it (contiguous positions, one forward), and
+    a first live part shared by every row is prefilled once and broadcast.
+
+    Args:
+        parts: the prompt in order; at least one part.
+        rotate: re-position the chunk keys (the method) or not (control); one value or one per row.
+        seam: chunk tokens recomputed at the start of every chunk (seam repair; ``seam >= n``
+            recomputes the whole chunk, which equals a full prefill); one value or one per row.
+        static: preallocate a ``StaticCache`` and write spliced K/V in place; default: True when the
+            model has no sliding-window layers (a ``StaticCache`` cannot be used with them here).
+
+    Returns:
+        (the cache over all positions, fp32 logits ``[B, vocab]`` at the last position when the
+        last part is live, else None).
+
+    Raises:
+        ValueError: ``static=True`` on a model with sliding-window layers, no parts, per-row
+            values whose count is not the batch size, or chunks of one part with different tokens.
+        KvnotesError: from :func:`delta_rotations`.
+    """
+    if not parts:
+        raise ValueError("compose needs at least one part")
+    sliding = has_sliding_layers(model)
+    static = (not sliding) if static is None else static
+    if static and sliding:
+        raise ValueError("a preallocated StaticCache is not used for models with sliding-window layers")
+    parts = [p if isinstance(p, (Chunk, list, tuple)) else (p.view(1, -1) if p.dim() == 1 else p) for p in parts]
+    sizes = [p.shape[0] for p in parts if isinstance(p, torch.Tensor)] + [len(p) for p in parts if isinstance(p, (list, tuple))]
+    for x in (rotate, seam):
+        if isinstance(x, (list, tuple)):
+            sizes.append(len(x))
+    B = max(sizes, default=1)
+    rotate, seam = _per_row(rotate, B, "rotate"), _per_row(seam, B, "seam")
+    total = sum(p.shape[1] if isinstance(p, torch.Tensor) else len(_per_row(p, B, "chunks")[0]) for p in parts)
+    cache = StaticCache(config=model.config, max_cache_len=total) if static else DynamicCache(config=model.config)
+    pos, logits, rots_cache = 0, None, {}
+    items = [p if isinstance(p, torch.Tensor) else _per_row(p, B, "chunks") for p in parts]
+    seams_of = {}
+    for i, item in enumerate(items):
+        if not isinstance(item, torch.Tensor):
+            n = len(item[0])
+            if any(len(c) != n or not torch.equal(c.ids, item[0].ids) for c in item):
+                raise ValueError("the chunks of one part must have the same tokens")
+            seams_of[i] = [min(max(int(s), 0), n) for s in seam]
+    merged = set()          # chunks whose seam tokens were forwarded with the live part before them
+    for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor):
+            ids = item.expand(B, -1) if item.shape[0] == 1 else item
+            nxt = i + 1 if i + 1 < len(items) and i + 1 in seams_of else None
+            if nxt is not None and max(seams_of[nxt]):
+                # seam repair of the next chunk continues this forward (contiguous positions)
+                seam_ids = items[nxt][0].ids[:max(seams_of[nxt])].to(ids.device)
+                ids = torch.cat([ids, seam_ids.view(1, -1).expand(ids.shape[0], -1)], dim=1)
+                merged.add(nxt)
+            if i == 0 and B > 1 and bool((ids == ids[:1]).all()):
+                # every row starts with the same tokens: prefill them once and broadcast the cache
+                logits = _forward(model, cache, ids[:1], 0, i == len(items) - 1)
+                cache = _broadcast(model, cache, B, ids.shape[1])
+                logits = None if logits is None else logits.expand(B, -1)
+            else:
+                logits = _forward(model, cache, ids, pos, i == len(items) - 1)
+            pos += item.shape[1]
+            continue
+        chunks, seams = item, seams_of[i]
+        n = len(chunks[0])
+        s_max = max(seams)
+        if s_max and i not in merged:
+            _forward(model, cache, chunks[0].ids[:s_max].view(1, -1).expand(B, -1), pos, False)
+        logits = None
+        if static:
+            _splice_static(model, cache, chunks, seams, rotate, pos, rots_cache)
+        elif s_max < n or min(seams) < s_max:
+            cache = _splice_dynamic(model, cache, chunks, seams, rotate, pos, rots_cache)
+        pos += n
+    return cache, logits
+
+
+@torch.no_grad()
+def full_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Reference: full prefill of ``ids`` (``[m]`` or ``[B, m]``) computing only the last position's
+    logits; fp32 ``[B, vocab]``."""
+    ids = ids.view(1, -1) if ids.dim() == 1 else ids
+    return _forward(model, DynamicCache(config=model.config), ids, 0, True)
+
+
+def decision_metrics(full: torch.Tensor, composed: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Agreement of a composed run with the full prefill at the decision position.
+
+    Args:
+        full, composed: fp32 logits ``[B, vocab]``.
+
+    Returns:
+        per row: ``kl`` = KL(full || composed) in nats (``sum p_full (log p_full - log p_comp)``
+        over the log-softmax), ``top1_agree`` (bool: same vocabulary argmax), ``logit_cosine``
+        (cosine of the two logit vectors, reported only for comparability with the paper: the
+        no-rotate control also scores high on it).
+    """
+    lf, lc = torch.log_softmax(full, -1), torch.log_softmax(composed, -1)
+    kl = (lf.exp() * (lf - lc)).sum(-1)
+    return {"kl": kl, "top1_agree": full.argmax(-1) == composed.argmax(-1),
+            "logit_cosine": torch.nn.functional.cosine_similarity(full, composed, dim=-1)}

@@ -1,0 +1,319 @@
+"""``compose``: does a prompt composed from precompiled chunks decide like its full prefill (paper §5)?
+
+Prompts use the chunked layout of :mod:`scenarios.chunks` (rule and filler precompiled as chunks;
+field, request and decision live). Every distinct prompt of the token-aligned pairs (an instance
+with one field value; the pairs of an instance share prompts) is run
+
+- as a **full prefill** (the reference; same tokens, same layout), and
+- **composed** (:func:`kvnotes.compose.compose`): the live prefix prefilled, each chunk precompiled
+  in isolation — behind no sink, behind the prompt's first token (``bos``), or behind the real live
+  prefix (``prefix``) — its keys rotated to their positions (``rotate``) or left where they were
+  precompiled (``no_rotate``, the control), the first ``s`` tokens of each chunk recomputed against
+  the real prefix (seam repair, ``s`` in ``seams``), and the live tokens computed on top.
+
+Per variant ``<rotate|no_rotate>/sink=<sink>/seam=<s>``, at the decision position (prompt-level
+metrics over distinct prompts, ``result.prompts``; recovery over pairs, ``result.rows``):
+
+- ``decision_agreement``: share of prompts whose full prefill *owns* its decision (vocabulary top-1
+  is the expected candidate's first token) where the composed run's vocabulary top-1 is the same
+  token (Wilson CI);
+- ``top1_agreement``: the same over every prompt;
+- ``kl``: KL(full || composed) in nats (mean of the pair's two prompts; cluster-bootstrap CI);
+- ``recovery`` on pairs that flip (:func:`kvnotes.probing.flipping_pairs` on the chunked layout):
+  ``(s_composed_new - s_full_old) / (s_full_new - s_full_old)``, and the share whose composed new
+  run takes the new decision;
+- ``logit_cosine``: reported only for comparability with the paper (high for the control too).
+
+Check: seam repair over whole chunks recomputes them, so it must give the full prefill's logits
+(``checks.max_abs_logit_diff_full_seam``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from kvnotes import compose as kvcompose
+from kvnotes.errors import KvnotesError
+from kvnotes.pairs import pair_row
+from kvnotes.probing import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
+from kvnotes.stats import proportion
+from scenarios.chunks import CHUNKED_ORDER, FIELD_CHUNK_ORDER, chunked_pairs, layout_prompt
+
+SINKS = ("none", "bos", "prefix")
+
+
+def variant_name(rotate: bool, sink: str, seam: int) -> str:
+    return f"{'rotate' if rotate else 'no_rotate'}/sink={sink}/seam={seam}"
+
+
+def prompt_parts(ids: torch.Tensor, spans, chunks: list) -> list:
+    """Interleave live token slices of ``ids`` (``[B, T]``) with chunks at ``spans``, in order."""
+    parts, pos = [], 0
+    for (a, b), chunk in zip(spans, chunks, strict=True):
+        if a > pos:
+            parts.append(ids[:, pos:a])
+        parts.append(chunk)
+        pos = b
+    parts.append(ids[:, pos:])
+    return parts
+
+
+def sink_ids(ids: torch.Tensor, sink: str, first_chunk: int) -> torch.Tensor | None:
+    """The sink tokens a chunk is precompiled behind: none, the prompt's first token, or the whole
+    live prefix before the first chunk.
+
+    Raises:
+        KvnotesError: unknown sink name.
+    """
+    if sink == "none":
+        return None
+    if sink == "bos":
+        return ids[:1]
+    if sink == "prefix":
+        return ids[:first_chunk]
+    raise KvnotesError(f"unknown compose sink '{sink}' (known: {', '.join(SINKS)})")
+
+
+@torch.no_grad()
+def compose_prompts(model, prompts: list, chunks: tuple, variants: list[tuple[bool, str, int]]) -> list[dict]:
+    """Full prefill and every composed variant of prompts that share their chunks (the prompts of
+    one instance), all variants of all prompts in one batched :func:`kvnotes.compose.compose`.
+
+    Args:
+        prompts: :class:`kvnotes.tokens.Prompt` objects of equal length, identical at the chunk spans.
+        chunks: token spans of the chunks.
+
+    Returns:
+        per prompt: ``full`` (fp32 log-softmax ``[vocab]`` of the full prefill at the decision
+        position), ``variants``: name -> ``{kl, top1_agree, logit_cosine, logprobs}`` (composed
+        log-softmax ``[vocab]``), and ``max_abs_logit_diff_full_seam`` (whole chunks recomputed vs
+        full prefill: a check).
+    """
+    ids = torch.stack([p.ids for p in prompts])
+    P = len(prompts)
+    full = kvcompose.full_logits(model, ids)
+    first = chunks[0][0]
+    chunk_ids = [prompts[0].ids[a:b] for a, b in chunks]
+    compiled = {sink: [kvcompose.precompile(model, c, sink_ids(prompts[0].ids, sink, first)) for c in chunk_ids]
+                for sink in dict.fromkeys(v[1] for v in variants)}
+    # rows v * P + j: variant v of prompt j
+    per_row = [v for v in variants for _ in range(P)]
+    chunk_parts = [[compiled[sink][k] for _, sink, _ in per_row] for k in range(len(chunk_ids))]
+    _, logits = kvcompose.compose(model, prompt_parts(ids.repeat(len(variants), 1), chunks, chunk_parts),
+                                  [r for r, _, _ in per_row], [s for _, _, s in per_row])
+    m = kvcompose.decision_metrics(full.repeat(len(variants), 1), logits)
+    lps = torch.log_softmax(logits, -1)
+    whole = max(b - a for a, b in chunks)
+    _, check = kvcompose.compose(model, prompt_parts(ids, chunks, compiled[variants[0][1]]), True, whole)
+    out = []
+    for j in range(P):
+        res = {"full": torch.log_softmax(full[j], -1), "variants": {},
+               "max_abs_logit_diff_full_seam": float((check[j] - full[j]).abs().max())}
+        for i, v in enumerate(variants):
+            r = i * P + j
+            res["variants"][variant_name(*v)] = {"kl": float(m["kl"][r]), "top1_agree": bool(m["top1_agree"][r]),
+                                                 "logit_cosine": float(m["logit_cosine"][r]), "logprobs": lps[r]}
+        out.append(res)
+    return out
+
+
+def _share(rows, name: str, owned_only: bool) -> dict:
+    rs = [r for r in rows if r["owned"] or not owned_only]
+    return proportion(sum(bool(r["variants"][name]["top1_agree"]) for r in rs), len(rs))
+
+
+def aggregate(prompt_rows: list[dict], pair_rows: list[dict], names: list[str], families: list[str], n_boot: int,
+              seed: int) -> dict:
+    """Per variant and family (and ``all``): decision agreement on owned prompts, top-1 agreement,
+    KL and logit cosine over distinct prompts, recovery on flipping pairs (see the module docstring)."""
+    out = {}
+    for v in names:
+        groups = {g: prompt_rows if g == "all" else [r for r in prompt_rows if r["family"] == g]
+                  for g in ["all", *families]}
+        out[v] = {
+            "decision_agreement": {g: _share(rs, v, True) for g, rs in groups.items()},
+            "top1_agreement": {g: _share(rs, v, False) for g, rs in groups.items()},
+            "kl": summaries_by_family(prompt_rows, lambda r, v=v: r["variants"][v]["kl"], None, families, n_boot, seed),
+            "logit_cosine": summaries_by_family(prompt_rows, lambda r, v=v: r["variants"][v]["logit_cosine"], None,
+                                                families, n_boot, seed),
+            "recovery": summaries_by_family(
+                pair_rows, lambda r, v=v: r["variants"][v]["r"] if r["flips"] else None,
+                lambda r, v=v: (r["variants"][v]["s_new"] > 0) == (r["s_full"][1] > 0), families, n_boot, seed),
+        }
+    return out
+
+
+def _vs_oracle(oracle: torch.Tensor, lp: torch.Tensor, cand_new: int) -> dict:
+    """Per row of fp32 log-probs ``lp`` ``[R, vocab]`` against the oracle's ``[vocab]``: KL(oracle ||
+    row), top-1 agreement, and whether the row's top-1 is the new value's candidate."""
+    m = kvcompose.decision_metrics(oracle.expand_as(lp), lp)
+    return {"kl": m["kl"].tolist(), "top1_agree": m["top1_agree"].tolist(),
+            "correct": (lp.argmax(-1) == cand_new).tolist()}
+
+
+@torch.no_grad()
+def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_template: bool = True) -> dict:
+    """Editing inside a composition, judged against a full prefill of the **edited text** (the field
+    rewritten to the new value), never of the same tokens.
+
+    - ``erratum``: the old chunked prompt with the erratum of :mod:`scenarios.edits` (new value)
+      inserted before the request; composed (chunks precompiled behind the prompt's first token,
+      keys rotated, seams ``seams``) and, as a reference, fully prefilled. Oracle: the new chunked
+      prompt (:mod:`scenarios.chunks` layout), fully prefilled.
+    - ``field_in_chunk``: the layout ``rule, context, filler, request, decision`` with the rule and
+      the context line (which holds the field) as chunks; the stale composed cache of the old
+      prompt has its field refreshed with :func:`kvnotes.edit.refresh_field` (``stale`` is the
+      same cache unrefreshed). Oracle: the new prompt in that layout, fully prefilled.
+
+    Returns:
+        ``{arm: {oracle_top1, oracle_owned, <method>: {kl, top1_agree, correct}}}`` or
+        ``{arm: {"excluded": reason}}``; lists run over ``seams``.
+    """
+    from kvnotes import edit as kvedit
+    from scenarios.edits import erratum_text
+
+    inst, variant = pair.spec.instance, pair.spec.variant
+    cn = pair.cand_new[0]
+    out = {}
+    # --- erratum appended to a composed cache
+    made = layout_prompt(tok, inst, pair.spec.old, CHUNKED_ORDER, ("rule", "filler"), variant,
+                         erratum_text(inst, pair.spec.new), chat_template, template_kwargs)
+    if isinstance(made, str) or made[1] != pair.chunks:
+        out["erratum"] = {"excluded": made if isinstance(made, str) else "chunk_spans_differ"}
+    else:
+        prompt = made[0]
+        oracle = torch.log_softmax(kvcompose.full_logits(model, pair.new.ids)[0], -1)
+        chunks = [kvcompose.precompile(model, prompt.ids[a:b], prompt.ids[:1]) for a, b in pair.chunks]
+        ids = prompt.ids.view(1, -1).expand(len(seams), -1)
+        _, comp = kvcompose.compose(model, prompt_parts(ids, pair.chunks, chunks), True, seams)
+        full = kvcompose.full_logits(model, prompt.ids)
+        top1 = int(oracle.argmax())
+        out["erratum"] = {"oracle_top1": top1, "oracle_owned": top1 == cn,
+                          "composed": _vs_oracle(oracle, torch.log_softmax(comp, -1), cn),
+                          "full": _vs_oracle(oracle, torch.log_softmax(full, -1), cn)}
+    # --- field refreshed inside a spliced chunk
+    old = layout_prompt(tok, inst, pair.spec.old, FIELD_CHUNK_ORDER, ("rule", "context"), variant, None,
+                        chat_template, template_kwargs)
+    new = layout_prompt(tok, inst, pair.spec.new, FIELD_CHUNK_ORDER, ("rule", "context"), variant, None,
+                        chat_template, template_kwargs)
+    if isinstance(old, str) or isinstance(new, str):
+        out["field_in_chunk"] = {"excluded": old if isinstance(old, str) else new}
+        return out
+    (po, so), (pn, sn) = old, new
+    if len(po.ids) != len(pn.ids) or po.field != pn.field or so != sn:
+        out["field_in_chunk"] = {"excluded": "unequal_field_length"}
+        return out
+    d = po.decision
+    oracle = torch.log_softmax(kvcompose.full_logits(model, pn.ids)[0], -1)
+    chunks = [kvcompose.precompile(model, po.ids[a:b], po.ids[:1]) for a, b in so]
+    res = {"refreshed": [], "stale": []}
+    for seam in seams:
+        cache, _ = kvcompose.compose(model, prompt_parts(po.ids[:d].view(1, -1), so, chunks), True, seam)
+        stale = kvedit.from_tensors([l.keys[:, :, :d] for l in cache.layers], [l.values[:, :, :d] for l in cache.layers])
+        edited = kvedit.refresh_field(model, stale, pn.ids, pn.field)
+        token = int(pn.ids[d])
+        res["refreshed"].append(kvedit.decision_logprobs(model, edited.cache, token, d))
+        res["stale"].append(kvedit.decision_logprobs(model, stale, token, d))
+    top1 = int(oracle.argmax())
+    out["field_in_chunk"] = {"oracle_top1": top1, "oracle_owned": top1 == cn,
+                             **{k: _vs_oracle(oracle, torch.stack(v), cn) for k, v in res.items()}}
+    return out
+
+
+def aggregate_arms(rows: list[dict], seams: list[int], families: list[str], n_boot: int, seed: int) -> dict:
+    """Per arm, method and seam: agreement with the edited-text oracle on pairs whose oracle owns its
+    decision, share with the new value's candidate as top-1 (accuracy), and mean KL(oracle || method)."""
+    out = {}
+    for arm, methods in (("erratum", ("composed", "full")), ("field_in_chunk", ("refreshed", "stale"))):
+        rs = [r for r in rows if "excluded" not in r["arms"][arm]]
+        out[arm] = {"n": len(rs), "excluded": len(rows) - len(rs)}
+        for meth in methods:
+            for i, seam in enumerate(seams):
+                if arm == "erratum" and meth == "full" and i:
+                    continue
+                key = meth if (arm == "erratum" and meth == "full") else f"{meth}/seam={seam}"
+                owned = [r for r in rs if r["arms"][arm]["oracle_owned"]]
+                out[arm][key] = {
+                    "agreement_owned": proportion(sum(r["arms"][arm][meth]["top1_agree"][i] for r in owned), len(owned)),
+                    "accuracy": proportion(sum(r["arms"][arm][meth]["correct"][i] for r in rs), len(rs)),
+                    "kl": summaries_by_family(rs, lambda r, a=arm, m=meth, i=i: r["arms"][a][m]["kl"][i], None,
+                                              families, n_boot, seed)["all"]}
+    return out
+
+
+def run(ctx) -> dict:
+    """Composed vs full prefill for every chunked pair and variant; see the module docstring."""
+    cfg = ctx.cfg
+    model, tok = ctx.bundle.model, ctx.bundle.tokenizer
+    n_boot = int(cfg.get("n_boot", 2000))
+    sinks = list(cfg.get("sinks", ["none", "bos"]))
+    seams = [int(s) for s in cfg.get("seams", [0, 1, 2, 4, 8])]
+    for s in sinks:
+        if s not in SINKS:
+            raise KvnotesError(f"unknown compose sink '{s}' (known: {', '.join(SINKS)})")
+    arm_seams = [int(s) for s in cfg.get("edit_arm_seams", [0, 4])]
+    chat = bool(ctx.scenario_cfg.get("chat_template", True)) if ctx.scenario_cfg is not None else True
+    variants = [(rot, sink, seam) for rot in (True, False) for sink in sinks for seam in seams]
+    names = [variant_name(*v) for v in variants]
+    tk = cfg.get("template_kwargs")
+    tk = OmegaConf.to_container(tk) if tk is not None and not isinstance(tk, dict) else (tk or {})
+    if ctx.scenario_cfg is None:
+        raise KvnotesError("probe compose needs the scenario config (it renders its own chunked prompts)")
+    with ctx.timer("chunked_pairs"):
+        cpairs = chunked_pairs(tok, ctx.scenario_cfg, tk)
+    if not cpairs.pairs:
+        raise KvnotesError(f"no chunked token-aligned pairs (excluded: {cpairs.exclusion_counts()})")
+    fs = flipping_pairs(replace(ctx, pairs=cpairs), keep_caches=False)
+    flips = {r["pair"] for r in fs.rows}
+    prompt_rows, rows, memo = [], [], {}
+    for pair in tqdm(cpairs.pairs, desc="compose", disable=not cfg.get("progress", True)):
+        inst = pair.spec.instance.id
+        if any(k[0] != inst for k in memo):
+            memo = {}                                   # pairs of one instance are consecutive
+        todo = [(v, p) for v, p in ((pair.spec.old, pair.old), (pair.spec.new, pair.new)) if (inst, v) not in memo]
+        if todo:
+            with ctx.timer("variants"):
+                res = compose_prompts(model, [p for _, p in todo], pair.chunks, variants)
+            for (value, prompt), r in zip(todo, res):
+                memo[(inst, value)] = r
+                cand = pair.cand_old if value == pair.spec.old else pair.cand_new
+                top1 = int(r["full"].argmax())
+                prompt_rows.append({"prompt": f"{inst}:{value}", "scenario": pair.spec.instance.scenario.id,
+                                    "family": pair.spec.instance.scenario.family, "instance": inst, "value": value,
+                                    "expected_first_token": cand[0], "full_top1": top1, "owned": top1 == cand[0],
+                                    "max_abs_logit_diff_full_seam": r["max_abs_logit_diff_full_seam"],
+                                    "variants": {n: {k: x for k, x in d.items() if k != "logprobs"}
+                                                 for n, d in r["variants"].items()}})
+        ro, rn = memo[(inst, pair.spec.old)], memo[(inst, pair.spec.new)]
+        co, cn = pair.cand_old[0], pair.cand_new[0]
+        s_old, s_new = float(ro["full"][cn] - ro["full"][co]), float(rn["full"][cn] - rn["full"][co])
+        row = pair_row(pair) | {"chunks": [list(c) for c in pair.chunks], "chunk_names": list(pair.chunk_names),
+                                "standalone": list(pair.standalone), "flips": pair.spec.id in flips,
+                                "s_full": [s_old, s_new], "variants": {}}
+        for name in names:
+            lo, ln = ro["variants"][name]["logprobs"], rn["variants"][name]["logprobs"]
+            sc_old, sc_new = float(lo[cn] - lo[co]), float(ln[cn] - ln[co])
+            row["variants"][name] = {"s_old": sc_old, "s_new": sc_new,
+                                     "r": (sc_new - s_old) / (s_new - s_old) if s_new != s_old else None}
+        if arm_seams:
+            with ctx.timer("edit_arms"):
+                row["arms"] = edit_arms(model, tok, pair, arm_seams, tk, chat)
+        rows.append(row)
+    families = families_of(replace(ctx, pairs=cpairs), rows)
+    with ctx.timer("statistics"):
+        agg = aggregate(prompt_rows, rows, names, families, n_boot, ctx.seed)
+        arms = aggregate_arms(rows, arm_seams, families, n_boot, ctx.seed) if arm_seams else None
+    checks = {"max_abs_logit_diff_full_seam": max(r["max_abs_logit_diff_full_seam"] for r in prompt_rows),
+              "pairs_with_chunks_tokenised_standalone": sum(all(r["standalone"]) for r in rows), "n_rows": len(rows)}
+    aggregates = {"n_pairs": len(cpairs.pairs) + len(cpairs.excluded), "n_aligned": len(cpairs.pairs),
+                  "n_flip": len(flips), "n_prompts": len(prompt_rows),
+                  "n_owned_prompts": sum(r["owned"] for r in prompt_rows),
+                  "families": families, "sinks": sinks, "seams": seams, "variants": agg, "checks": checks,
+                  "exclusions_by_family": exclusions_by_family(fs.excluded, families), "edit_arms": arms,
+                  "edit_arm_seams": arm_seams}
+    return {"rows": rows, "prompts": prompt_rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "variant_names": names,
+            "aggregates": aggregates}

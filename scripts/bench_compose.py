@@ -1,0 +1,166 @@
+#!/usr/bin/env python
+"""Time to first token: a composed prompt against its full prefill, as the context grows (paper §5).
+
+    OMP_NUM_THREADS=1 python scripts/bench_compose.py                       # CPU, embedded SmolLM2-135M
+    python scripts/bench_compose.py --gpu --lengths 2048 4096 8192 16384 32768   # random Qwen3-8B-shaped, bf16
+
+A prompt of ``L`` tokens is a live prefix (``--prefix`` tokens), one precompiled chunk, and a live
+suffix (``--suffix`` tokens: state update + question); the chunk fills the rest. Token ids are drawn
+at random from the vocabulary with a seeded generator (the time of a forward does not depend on
+which tokens it sees). Per length, in one process:
+
+- **full**: prefill of all ``L`` tokens computing only the last position's logits
+  (:func:`kvnotes.compose.full_logits`);
+- **composed** (:func:`kvnotes.compose.compose`): prefix prefill + delta rotation of the chunk's
+  keys written in place into a preallocated ``StaticCache`` + values copied + seam repair
+  (``--seam`` chunk tokens recomputed) + suffix forward, last position's logits;
+- **precompile**: the chunk's own prefill (:func:`kvnotes.compose.precompile`), done once per
+  chunk and reported separately (not part of the composed time).
+
+Full and composed are each run ``--warmup`` times untimed, then ``--trials`` timed; medians are
+printed with the ratio full / composed (precompile: one timed run on CPU; on GPU one warm-up and
+``trials // 2`` timed). On GPU the timings are CUDA events around each call (after a synchronise). The
+``--gpu`` path builds a random-weight model from a Qwen3-8B-shaped config in bf16
+(``AutoModelForCausalLM.from_config`` on the GPU, no weights) and imports neither hydra nor nnsight.
+``--json PATH`` writes the table with the command line and environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from kvnotes import compose as kvcompose  # noqa: E402
+
+QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,
+                rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=False)
+
+
+def gpu_model():
+    """A random-weight Qwen3-8B-shaped causal LM in bf16, built directly on the GPU."""
+    cfg = transformers.Qwen3Config(**QWEN3_8B)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model.eval().requires_grad_(False)
+
+
+def embedded_model(name: str):
+    from omegaconf import OmegaConf
+
+    from kvnotes.models import load_model
+
+    return load_model(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"), "cpu").model
+
+
+class Clock:
+    """Milliseconds of a call: CUDA events on GPU, ``perf_counter`` on CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end)
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+
+def timed(clock: Clock, fn, warmup: int, trials: int) -> tuple[dict, object]:
+    """Median/min of ``trials`` timed calls after ``warmup`` untimed ones; also the last result."""
+    for _ in range(warmup):
+        fn()
+    ms, box = [], []
+    for _ in range(trials):
+        ms.append(clock(lambda: box.append(fn())))
+        box[:-1] = []
+    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "trials_ms": ms}, box[-1]
+
+
+@torch.no_grad()
+def bench_length(model, L: int, n_prefix: int, n_suffix: int, seam: int, warmup: int, trials: int,
+                 clock: Clock, seed: int) -> dict:
+    rng = np.random.default_rng([seed, L])
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.from_numpy(rng.integers(0, vocab, L)).long().to(model.device)
+    prefix, chunk_ids, suffix = ids[:n_prefix], ids[n_prefix:L - n_suffix], ids[L - n_suffix:]
+    pre, chunk = timed(clock, lambda: kvcompose.precompile(model, chunk_ids), 1 if clock.cuda else 0,
+                       max(1, trials // 2) if clock.cuda else 1)
+    full, ref = timed(clock, lambda: kvcompose.full_logits(model, ids), warmup, trials)
+    comp, (_, got) = timed(clock, lambda: kvcompose.compose(model, [prefix, chunk, suffix], True, seam), warmup, trials)
+    # the composed and full runs see the same tokens: how far apart are their next-token distributions
+    m = kvcompose.decision_metrics(ref, got)
+    del chunk
+    if clock.cuda:
+        torch.cuda.empty_cache()
+    return {"length": L, "chunk_tokens": int(chunk_ids.numel()), "full": full, "composed": comp, "precompile": pre,
+            "ratio_full_over_composed": full["median_ms"] / comp["median_ms"],
+            "kl_full_composed": float(m["kl"][0]), "top1_agree": bool(m["top1_agree"][0])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gpu", action="store_true", help="random Qwen3-8B-shaped bf16 model on CUDA")
+    ap.add_argument("--model", default="smollm2-135m", help="zoo config for the CPU path")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None)
+    ap.add_argument("--prefix", type=int, default=32)
+    ap.add_argument("--suffix", type=int, default=64)
+    ap.add_argument("--seam", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.gpu:
+        model, name = gpu_model(), "random Qwen3-8B-shaped (bf16)"
+        lengths = args.lengths or [2048, 4096, 8192, 16384, 32768]
+        device = torch.cuda.get_device_name()
+    else:
+        model, name = embedded_model(args.model), args.model
+        lengths = args.lengths or [1024, 2048, 4096, 8192]
+        device = f"cpu ({platform.processor() or platform.machine()}, {args.threads} thread(s))"
+    clock = Clock(args.gpu)
+    header = (f"# {' '.join(['python', *sys.argv])}\n# model: {name}; device: {device}; torch {torch.__version__}; "
+              f"transformers {transformers.__version__}; attn {model.config._attn_implementation}; "
+              f"dtype {next(model.parameters()).dtype}\n# prefix {args.prefix} + chunk + suffix {args.suffix} tokens; "
+              f"seam {args.seam}; warm-up {args.warmup}; {args.trials} trials; medians in ms")
+    print(header, flush=True)
+    print(f"{'tokens':>7} {'full_ms':>10} {'composed_ms':>12} {'ratio':>7} {'precompile_ms':>14} {'KL(full||comp)':>15} top1",
+          flush=True)
+    out = []
+    for L in lengths:
+        r = bench_length(model, L, args.prefix, args.suffix, args.seam, args.warmup, args.trials, clock, args.seed)
+        out.append(r)
+        print(f"{L:>7} {r['full']['median_ms']:>10.1f} {r['composed']['median_ms']:>12.1f} "
+              f"{r['ratio_full_over_composed']:>7.1f} {r['precompile']['median_ms']:>14.1f} "
+              f"{r['kl_full_composed']:>15.4f} {'agree' if r['top1_agree'] else 'differ'}", flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"header": header, "args": vars(args), "rows": out}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
