@@ -1,6 +1,6 @@
 """``compose``: does a prompt composed from precompiled chunks decide like its full prefill (paper §5)?
 
-Prompts use the chunked layout of :mod:`scenarios.chunks` (rule and filler precompiled as chunks;
+Prompts use the chunked layout of :mod:`kvnotes.chunks` (rule and filler precompiled as chunks;
 field, request and decision live). Every distinct prompt of the token-aligned pairs (an instance
 with one field value; the pairs of an instance share prompts) is run
 
@@ -19,7 +19,7 @@ metrics over distinct prompts, ``result.prompts``; recovery over pairs, ``result
   token (Wilson CI);
 - ``top1_agreement``: the same over every prompt;
 - ``kl``: KL(full || composed) in nats (mean of the pair's two prompts; cluster-bootstrap CI);
-- ``recovery`` on pairs that flip (:func:`kvnotes.probing.flipping_pairs` on the chunked layout):
+- ``recovery`` on pairs that flip (:func:`kvnotes.kit.flipping_pairs` on the chunked layout):
   ``(s_composed_new - s_full_old) / (s_full_new - s_full_old)``, and the share whose composed new
   run takes the new decision;
 - ``logit_cosine``: reported only for comparability with the paper (high for the control too).
@@ -30,7 +30,9 @@ Check: seam repair over whole chunks recomputes them, so it must give the full p
 
 from __future__ import annotations
 
-from dataclasses import replace
+from typing import Any
+
+from dataclasses import dataclass, field, replace
 
 import torch
 from omegaconf import OmegaConf
@@ -39,12 +41,30 @@ from tqdm import tqdm
 from kvnotes import compose as kvcompose
 from kvnotes.errors import KvnotesError
 from kvnotes.pairs import pair_row
-from kvnotes.probing import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
+from kvnotes.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
+from kvnotes.schema import BaseResult
 from kvnotes.stats import proportion
-from scenarios.chunks import CHUNKED_ORDER, FIELD_CHUNK_ORDER, chunked_pairs, layout_prompt
+from kvnotes.chunks import CHUNKED_ORDER, FIELD_CHUNK_ORDER, chunked_pairs, layout_prompt
 
 SINKS = ("none", "bos", "prefix")
 
+
+@dataclass
+class Config(ProbeConfig):
+    """Keys of ``conf/probe/compose.yaml`` (defaults there; see the module docstring)."""
+
+    seams: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8])
+    sinks: list[str] = field(default_factory=lambda: ["none", "bos"])
+    template_kwargs: Any = None
+    edit_arm_seams: list[int] = field(default_factory=lambda: [0, 4])
+
+
+class Result(BaseResult):
+    """What ``run`` returns (record ``result``): per-prompt and per-pair rows of every composition
+    arm, ``aggregates`` per family."""
+
+    rows: list[dict[str, Any]]
+    excluded: list[dict[str, Any]]
 
 def variant_name(rotate: bool, sink: str, seam: int) -> str:
     return f"{'rotate' if rotate else 'no_rotate'}/sink={sink}/seam={seam}"
@@ -163,7 +183,7 @@ def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_te
     - ``erratum``: the old chunked prompt with the erratum of :mod:`scenarios.edits` (new value)
       inserted before the request; composed (chunks precompiled behind the prompt's first token,
       keys rotated, seams ``seams``) and, as a reference, fully prefilled. Oracle: the new chunked
-      prompt (:mod:`scenarios.chunks` layout), fully prefilled.
+      prompt (:mod:`kvnotes.chunks` layout), fully prefilled.
     - ``field_in_chunk``: the layout ``rule, context, filler, request, decision`` with the rule and
       the context line (which holds the field) as chunks; the stale composed cache of the old
       prompt has its field refreshed with :func:`kvnotes.edit.refresh_field` (``stale`` is the

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Time to first token: a composed prompt against its full prefill, as the context grows (paper §5).
 
-    OMP_NUM_THREADS=1 python scripts/bench_compose.py                       # CPU, embedded SmolLM2-135M
-    python scripts/bench_compose.py --gpu --lengths 2048 4096 8192 16384 32768   # random Qwen3-8B-shaped, bf16
+    OMP_NUM_THREADS=1 python -m scripts.bench_compose                       # CPU, embedded SmolLM2-135M
+    python -m scripts.bench_compose --gpu --lengths 2048 4096 8192 16384 32768   # random Qwen3-8B-shaped, bf16
 
 A prompt of ``L`` tokens is a live prefix (``--prefix`` tokens), one precompiled chunk, and a live
 suffix (``--suffix`` tokens: state update + question); the chunk fills the rest. Token ids are drawn
@@ -36,13 +36,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import numpy as np
+import torch
+import transformers
 
-from kvnotes import compose as kvcompose  # noqa: E402
+from kvnotes import compose as kvcompose
 
 QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,

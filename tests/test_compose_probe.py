@@ -1,4 +1,4 @@
-"""The chunked scenario layout (scenarios/chunks.py) and the ``compose`` probe on the embedded model."""
+"""The chunked scenario layout (kvnotes/chunks.py) and the ``compose`` probe on the embedded model."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def result(smol):
 
 
 def test_chunk_spans_hold_the_rule_and_filler(smol):
-    from scenarios.chunks import chunked_pairs
+    from kvnotes.chunks import chunked_pairs
 
     ps = chunked_pairs(smol.tokenizer, scenario_cfg())
     assert ps.pairs and not ps.excluded
