@@ -157,13 +157,13 @@ CHUNKED_ORDER = ("rule", "filler", "context", "request", "decision")
 
 def layout_prompt(tokenizer, instance: Instance, value: str, order, chunk_names, variant: str = "direct",
                   notice: str | None = None, chat_template: bool = True, template_kwargs: dict | None = None):
-    """A prompt in the line ``order`` of :func:`scenarios.edits.render_layout` (optionally with a
+    """A prompt in the line ``order`` of :func:`kvnotes.edit_prompts.render_layout` (optionally with a
     notice line before the request), with the token spans of the lines named in ``chunk_names``.
 
     Returns:
         ``(prompt, chunk token spans)``, or the exclusion reason ``chunk_boundary_inside_token``.
     """
-    from scenarios.edits import render_layout, user_pieces
+    from kvnotes.edit_prompts import render_layout, user_pieces
 
     user, field, prefix = render_layout(instance, value, variant, order, notice)
     prompt = build_prompt(tokenizer, user, field, prefix, chat_template, instance.scenario.system, template_kwargs)

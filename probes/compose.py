@@ -180,7 +180,7 @@ def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_te
     """Editing inside a composition, judged against a full prefill of the **edited text** (the field
     rewritten to the new value), never of the same tokens.
 
-    - ``erratum``: the old chunked prompt with the erratum of :mod:`scenarios.edits` (new value)
+    - ``erratum``: the old chunked prompt with the erratum of :mod:`kvnotes.edit_prompts` (new value)
       inserted before the request; composed (chunks precompiled behind the prompt's first token,
       keys rotated, seams ``seams``) and, as a reference, fully prefilled. Oracle: the new chunked
       prompt (:mod:`kvnotes.chunks` layout), fully prefilled.
@@ -194,7 +194,7 @@ def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_te
         ``{arm: {"excluded": reason}}``; lists run over ``seams``.
     """
     from kvnotes import edit as kvedit
-    from scenarios.edits import erratum_text
+    from kvnotes.edit_prompts import erratum_text
 
     inst, variant = pair.spec.instance, pair.spec.variant
     cn = pair.cand_new[0]
