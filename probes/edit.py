@@ -57,6 +57,8 @@ from kvnotes.selection import pair_rng, split_instances
 from kvnotes.stats import proportion
 from kvnotes import edit_prompts as sedits
 
+#: With ``scenario.variant=cot`` this probe decodes the reasoning before reading the decision.
+SUPPORTS_COT = True
 NAMED = ("stale", "refresh_field", "erratum", "field_plus_erratum", "hoist", "full")
 CONTROLS = ("wrong_erratum", "irrelevant_notice")
 

@@ -55,7 +55,7 @@ def test_field_missing_from_template(tmp_path):
 
 def test_cot_variant_refused_by_probes_that_do_not_generate(tmp_path):
     proc = run("probe=field_refresh", "scenario.variant=cot", f"out_root={tmp_path}")
-    one_line_error(proc, "field_refresh", "scenario.variant=cot")
+    one_line_error(proc, "field_refresh", "scenario.variant=cot", "probes that do: edit")
     assert not any(tmp_path.iterdir())
 
 
