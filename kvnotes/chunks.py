@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvnotes.errors import KvnotesError
-from kvnotes.pairs import PairSet, pair_meta
+from kvnotes.pairs import PairSet, _tokenized
 from kvnotes.tokens import UNEQUAL_FIELD_LENGTH, TokenizedPair, align, build_prompt, char_span_to_tokens
 from scenarios.instances import Instance, build_pairs, render_user_text_spans
 from scenarios.schema import load_suite
@@ -138,14 +138,8 @@ def chunked_pairs(tokenizer, scenario_cfg: Any, template_kwargs: dict | None = N
     scenarios = load_suite(list(scenario_cfg.paths), scenario_cfg.get("families"), scenario_cfg.get("ids"))
     specs = build_pairs(scenarios, int(scenario_cfg.n_instances), int(scenario_cfg.seed),
                         scenario_cfg.get("variant", "direct"))
-    out = PairSet([], [], scenarios)
-    for spec in specs:
-        tp = tokenize_chunked_pair(tokenizer, spec, bool(scenario_cfg.get("chat_template", True)), template_kwargs)
-        if isinstance(tp, str):
-            out.excluded.append(pair_meta(spec) | {"reason": tp})
-        else:
-            out.pairs.append(tp)
-    return out
+    return _tokenized(PairSet([], [], scenarios), specs, tokenize_chunked_pair, tokenizer, scenario_cfg,
+                      template_kwargs)
 
 
 
