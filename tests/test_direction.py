@@ -218,7 +218,9 @@ def test_run_on_embedded_model_is_finite_and_clean(smol):
     from probes import ProbeContext
 
     sc = OmegaConf.load("conf/scenario/default.yaml")
-    sc.families, sc.ids, sc.n_instances = ["recall"], ["favourite_colour", "home_city"], 2
+    # 3 instances: 2 selection instances per scenario, so a within-scenario fit exists for the
+    # selection pairs (never on their own instance) as well as for the held-out one
+    sc.families, sc.ids, sc.n_instances = ["recall"], ["favourite_colour", "home_city"], 3
     ps = prepare_pairs(smol.tokenizer, sc)
     keep, seen = [], {}
     for p in ps.pairs:                                   # one pair per instance keeps it fast
