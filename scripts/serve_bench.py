@@ -118,7 +118,7 @@ def harness_stage(args, model_cfg):
     if model_cfg.get("embedded"):
         from kvnotes.models import materialise_embedded
 
-        source = str(materialise_embedded(model_cfg.embedded.package, model_cfg.embedded.file)[0])
+        source = str(materialise_embedded(model_cfg.embedded)[0])
     else:
         source = info["path"]
     del bundle

