@@ -32,7 +32,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +41,7 @@ import torch
 import transformers
 
 from kvnotes import compose as kvcompose
+from kvnotes.timing import elapsed_ms
 
 QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,
@@ -73,17 +73,7 @@ class Clock:
         self.cuda = cuda
 
     def __call__(self, fn) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end)
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
+        return elapsed_ms(fn, self.cuda)
 
 
 def timed(clock: Clock, fn, warmup: int, trials: int) -> tuple[dict, object]:

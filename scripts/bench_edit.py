@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 import torch
 
 from kvnotes import edit
+from kvnotes.timing import elapsed_ms
 
 
 @dataclass
@@ -108,20 +109,7 @@ class Clock:
     def __call__(self, fn) -> float:
         for _ in range(self.warmup):
             fn()
-        times = []
-        for _ in range(self.trials):
-            if self.cuda:
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1000)
+        times = [elapsed_ms(fn, self.cuda) for _ in range(self.trials)]
         return statistics.median(times)
 
 
