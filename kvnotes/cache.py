@@ -132,16 +132,18 @@ def prefill(model, ids: torch.Tensor) -> DynamicCache:
 
 
 @torch.no_grad()
-def continuation_logprobs(model, cache: DynamicCache, tokens: torch.Tensor, start: int) -> torch.Tensor:
+def continuation_logprobs(model, cache: DynamicCache, tokens: torch.Tensor, start: int,
+                          last_only: bool = False) -> torch.Tensor:
     """Log-probabilities (fp32) after feeding ``tokens`` at positions ``start..`` on top of ``cache``.
 
     Args:
         cache: batch ``V`` cache holding positions ``[0, start)``; it is extended in place, so pass a
             :func:`view` if it must be reused.
         tokens: ``[V, n]`` or ``[n]`` token ids fed at positions ``start .. start + n - 1``.
+        last_only: compute the logits of the last position only (``logits_to_keep=1``).
 
     Returns:
-        ``[V, n, vocab]`` log-softmax in fp32.
+        ``[V, n, vocab]`` log-softmax in fp32 (``[V, 1, vocab]`` with ``last_only``).
     """
     V = cache.layers[0].keys.shape[0]
     tokens = tokens.to(model.device)
@@ -150,7 +152,8 @@ def continuation_logprobs(model, cache: DynamicCache, tokens: torch.Tensor, star
     n = tokens.shape[1]
     pos = torch.arange(start, start + n, device=model.device).unsqueeze(0).expand(V, -1)
     mask = torch.ones(V, start + n, dtype=torch.long, device=model.device)
-    out = model(input_ids=tokens, position_ids=pos, attention_mask=mask, past_key_values=cache, use_cache=True)
+    out = model(input_ids=tokens, position_ids=pos, attention_mask=mask, past_key_values=cache, use_cache=True,
+                logits_to_keep=1 if last_only else 0)
     return torch.log_softmax(out.logits.float(), dim=-1)
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvnotes.errors import KvnotesError
 from kvnotes.pairs import PairSet, _tokenized
 from kvnotes.tokens import UNEQUAL_FIELD_LENGTH, TokenizedPair, align, build_prompt, char_span_to_tokens
@@ -32,6 +34,8 @@ from scenarios.schema import load_suite
 CHUNK_BOUNDARY = "chunk_boundary_inside_token"
 #: Names of the chunks, in prompt order.
 CHUNK_NAMES = ("rule", "filler")
+#: What a chunk can be precompiled behind (:func:`sink_ids`).
+SINKS = ("none", "bos", "prefix")
 
 
 @dataclass(frozen=True)
@@ -176,3 +180,32 @@ def layout_prompt(tokenizer, instance: Instance, value: str, order, chunk_names,
             spans.append((a, b))
         pos += len(pieces[name]) + 1
     return prompt, tuple(spans)
+
+
+def prompt_parts(ids: torch.Tensor, spans, chunks: list) -> list:
+    """The ``parts`` of :func:`kvnotes.compose.compose` for a prompt: live token slices of ``ids``
+    (``[B, T]``) interleaved with ``chunks`` (one per token span in ``spans``, in order)."""
+    parts, pos = [], 0
+    for (a, b), chunk in zip(spans, chunks, strict=True):
+        if a > pos:
+            parts.append(ids[:, pos:a])
+        parts.append(chunk)
+        pos = b
+    parts.append(ids[:, pos:])
+    return parts
+
+
+def sink_ids(ids: torch.Tensor, sink: str, first_chunk: int) -> torch.Tensor | None:
+    """The sink tokens a chunk is precompiled behind: none, the prompt's first token, or the whole
+    live prefix before the first chunk.
+
+    Raises:
+        KvnotesError: unknown sink name.
+    """
+    if sink == "none":
+        return None
+    if sink == "bos":
+        return ids[:1]
+    if sink == "prefix":
+        return ids[:first_chunk]
+    raise KvnotesError(f"unknown compose sink '{sink}' (known: {', '.join(SINKS)})")

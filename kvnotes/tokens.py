@@ -8,6 +8,7 @@ already starts with the BOS string the tokenizer is told not to add another.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,20 +94,48 @@ def render_text(tokenizer, user_text: str, answer_prefix: str, chat_template: bo
     ``tokenizer.apply_chat_template(..., add_generation_prompt=True)`` and the answer prefix is
     appended as the start of the assistant turn (``template_kwargs`` go to the template, e.g.
     ``enable_thinking=False`` for Qwen3); otherwise the plain text is
-    ``user_text + "\\n" + answer_prefix``.
+    ``user_text + "\\n" + answer_prefix``. This is :func:`render_conversation` with one user turn.
 
     Raises:
         KvnotesError: the chat template altered the user message so it cannot be located.
     """
+    return render_conversation(tokenizer, [user_text], [], answer_prefix, chat_template, system, template_kwargs)
+
+
+def render_conversation(tokenizer, users: Sequence[str], answers: Sequence[str], answer_prefix: str,
+                        chat_template: bool = True, system: str | None = None,
+                        template_kwargs: dict | None = None) -> tuple[str, int]:
+    """Render a multi-turn conversation that ends at the answer prefix of its last user turn.
+
+    Turn ``i`` is the user message ``users[i]``, answered (for every turn but the last) by the
+    assistant message ``answer_prefix + answers[i]``. With a chat template the messages go through
+    ``apply_chat_template(..., add_generation_prompt=True)`` and ``answer_prefix`` is appended;
+    the plain rendering joins ``user, answer_prefix + answer`` lines and ends with
+    ``users[-1] + "\\n" + answer_prefix``. One user turn gives exactly :func:`render_text`'s prompt.
+
+    Returns:
+        ``(text, char offset of users[0] inside it)``.
+
+    Raises:
+        ValueError: ``len(answers) != len(users) - 1``.
+        KvnotesError: the chat template altered the first user message so it cannot be located.
+    """
+    if len(answers) != len(users) - 1:
+        raise ValueError(f"{len(users)} user turns need {len(users) - 1} answers, got {len(answers)}")
     if rendering(tokenizer, chat_template) == "chat_template":
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]
+        messages = [{"role": "system", "content": system}] if system else []
+        for i, user in enumerate(users):
+            messages.append({"role": "user", "content": user})
+            if i < len(answers):
+                messages.append({"role": "assistant", "content": answer_prefix + answers[i]})
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                              **(template_kwargs or {}))
         text = text + answer_prefix
     else:
-        text = user_text + "\n" + answer_prefix
-    start = text.find(user_text)
-    if start < 0 or text.find(user_text, start + 1) >= 0:
+        turns = [f"{u}\n{answer_prefix}{a}" for u, a in zip(users, answers)]
+        text = "\n".join([*turns, users[-1]]) + "\n" + answer_prefix
+    start = text.find(users[0])
+    if start < 0 or text.find(users[0], start + 1) >= 0:
         raise KvnotesError("the chat template changed the user message; cannot locate the field (set scenario.chat_template=false)")
     return text, start
 
@@ -150,7 +179,16 @@ def build_prompt(tokenizer, user_text: str, field_chars: tuple[int, int], answer
                  chat_template: bool = True, system: str | None = None,
                  template_kwargs: dict | None = None) -> Prompt:
     """Render, tokenise and locate the field span of one prompt."""
-    text, start = render_text(tokenizer, user_text, answer_prefix, chat_template, system, template_kwargs)
+    return build_conversation(tokenizer, [user_text], [], field_chars, answer_prefix, chat_template, system,
+                              template_kwargs)
+
+
+def build_conversation(tokenizer, users: Sequence[str], answers: Sequence[str], field_chars: tuple[int, int],
+                       answer_prefix: str, chat_template: bool = True, system: str | None = None,
+                       template_kwargs: dict | None = None) -> Prompt:
+    """Render (:func:`render_conversation`), tokenise and locate the field span of a conversation;
+    ``field_chars`` is the field's character span inside ``users[0]``."""
+    text, start = render_conversation(tokenizer, users, answers, answer_prefix, chat_template, system, template_kwargs)
     chars = (start + field_chars[0], start + field_chars[1])
     ids, offsets = tokenize(tokenizer, text)
     return Prompt(text, ids, offsets, chars, char_span_to_tokens(offsets, *chars))

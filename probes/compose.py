@@ -44,9 +44,7 @@ from kvnotes.pairs import pair_row
 from kvnotes.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
 from kvnotes.schema import BaseResult
 from kvnotes.stats import proportion
-from kvnotes.chunks import CHUNKED_ORDER, FIELD_CHUNK_ORDER, chunked_pairs, layout_prompt
-
-SINKS = ("none", "bos", "prefix")
+from kvnotes.chunks import SINKS, CHUNKED_ORDER, FIELD_CHUNK_ORDER, chunked_pairs, layout_prompt, prompt_parts, sink_ids
 
 
 @dataclass
@@ -68,34 +66,6 @@ class Result(BaseResult):
 
 def variant_name(rotate: bool, sink: str, seam: int) -> str:
     return f"{'rotate' if rotate else 'no_rotate'}/sink={sink}/seam={seam}"
-
-
-def prompt_parts(ids: torch.Tensor, spans, chunks: list) -> list:
-    """Interleave live token slices of ``ids`` (``[B, T]``) with chunks at ``spans``, in order."""
-    parts, pos = [], 0
-    for (a, b), chunk in zip(spans, chunks, strict=True):
-        if a > pos:
-            parts.append(ids[:, pos:a])
-        parts.append(chunk)
-        pos = b
-    parts.append(ids[:, pos:])
-    return parts
-
-
-def sink_ids(ids: torch.Tensor, sink: str, first_chunk: int) -> torch.Tensor | None:
-    """The sink tokens a chunk is precompiled behind: none, the prompt's first token, or the whole
-    live prefix before the first chunk.
-
-    Raises:
-        KvnotesError: unknown sink name.
-    """
-    if sink == "none":
-        return None
-    if sink == "bos":
-        return ids[:1]
-    if sink == "prefix":
-        return ids[:first_chunk]
-    raise KvnotesError(f"unknown compose sink '{sink}' (known: {', '.join(SINKS)})")
 
 
 @torch.no_grad()
