@@ -35,16 +35,31 @@ rotated keys and values are written in place into their slots (no per-layer conc
 whole cache). Models with sliding-window layers (Gemma-2/3, Mistral) use a ``DynamicCache`` built
 with ``config=``; a splice then concatenates per layer and a sliding layer keeps only the last
 ``window - 1`` slots, as ``DynamicSlidingWindowLayer`` does.
+
+**One forward (the serving path).** :func:`compose_one_pass` computes the same prompt with one
+model forward instead of one per live part: the chunks' K/V are written first (keys of every layer
+rotated by one batched GEMM with :func:`rotation_matrix`), then all live and seam tokens are
+forwarded together at their positions, each attending lower-right causally to every slot before
+its own. :class:`ComposeRunner` runs it on a reused KV pool and, on CUDA, replays that forward as a
+CUDA graph captured once per token layout. Both need a model without sliding-window layers and one
+chunk, seam and rotation for every row.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, StaticCache
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from transformers import AttentionInterface, DynamicCache, PreTrainedConfig, StaticCache
+from transformers.cache_utils import Cache, StaticLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvnotes import cache as kvcache
 from kvnotes.adapters import Adapter
@@ -72,6 +87,10 @@ class Chunk:
     values: list[torch.Tensor]
     start: int
     sink: int = 0
+    #: ``(keys, values)`` stacked over layers, ``[layers, 1, kv_heads, n, head_dim]``, of which
+    #: ``keys``/``values`` are views (None when the layers differ in shape): lets
+    #: :func:`compose_one_pass` rotate and copy every layer in one kernel each.
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -93,7 +112,8 @@ def precompile(model, ids: torch.Tensor, sink_ids: torch.Tensor | None = None, o
         offset: position of the first prefilled token (0 except in tests).
 
     Returns:
-        a :class:`Chunk` with ``start = offset + k``.
+        a :class:`Chunk` with ``start = offset + k``; its per-layer K/V are views of one tensor
+        stacked over layers (``Chunk.stacked``) when every layer has the same shape.
     """
     ids = ids.view(-1)
     sink = ids.new_zeros(0) if sink_ids is None else sink_ids.view(-1).to(ids.device)
@@ -102,8 +122,13 @@ def precompile(model, ids: torch.Tensor, sink_ids: torch.Tensor | None = None, o
     pos = torch.arange(offset, offset + full.shape[1], device=model.device).unsqueeze(0)
     model(input_ids=full, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
     k = len(sink)
-    return Chunk(ids.cpu(), [l.keys[:, :, k:] for l in cache.layers], [l.values[:, :, k:] for l in cache.layers],
-                 offset + k, k)
+    keys, values = [l.keys[:, :, k:] for l in cache.layers], [l.values[:, :, k:] for l in cache.layers]
+    del cache
+    stacked = None
+    if len({(t.shape, t.dtype) for t in keys}) == 1 and len({(t.shape, t.dtype) for t in values}) == 1:
+        stacked = (torch.stack(keys), torch.stack(values))
+        keys, values = list(stacked[0].unbind(0)), list(stacked[1].unbind(0))
+    return Chunk(ids.cpu(), keys, values, offset + k, k, stacked)
 
 
 def _rope_type(rotary, layer_type: str | None) -> str:
@@ -407,6 +432,412 @@ def compose(model, parts: Sequence, rotate: bool | Sequence[bool] = True, seam: 
             cache = _splice_dynamic(model, cache, chunks, seams, rotate, pos, rots_cache)
         pos += n
     return cache, logits
+
+
+# ---------------------------------------------------------------------------------------------------
+# One forward per composed prompt (the serving path)
+# ---------------------------------------------------------------------------------------------------
+
+#: Name under which :func:`_one_pass_attention` is registered in transformers' ``AttentionInterface``.
+ONE_PASS_ATTENTION = "kvnotes_one_pass"
+#: Query runs of the forward in flight: ``((first row, end row, end slot), ...)``; None outside it.
+_RUNS: ContextVar = ContextVar("kvnotes_one_pass_runs", default=None)
+_ATTN_CONFIGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def rotation_matrix(cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The delta rotation as a matrix ``R`` ``[head_dim, head_dim]`` with ``keys @ R`` equal to
+    :func:`rotate_into` (``rotate_half`` pairs ``(j, j + r/2)`` for ``r = len(cos)``, identity on the
+    dims ``>= r``, the partial-rotary ones).
+
+    Built in fp32 from :func:`delta_rotations`' ``(cos, sin)`` and cast to ``dtype`` (the keys'
+    dtype; the GEMM accumulates in fp32, and in bf16 the coefficients are rounded as the model's own
+    bf16 ``cos``/``sin`` are).
+    """
+    r = cos.shape[-1]
+    h = r // 2
+    c, s = cos[:h].float(), sin[:h].float()
+    R = torch.eye(head_dim, dtype=torch.float32, device=cos.device)
+    j = torch.arange(h, device=cos.device)
+    R[j, j] = c
+    R[j + h, j + h] = c
+    R[j + h, j] = -s
+    R[j, j + h] = s
+    return R if dtype is None else R.to(dtype)
+
+
+class _SlotLayer(StaticLayer):
+    """A ``StaticLayer`` over given tensors ``[B, kv_heads, max_len, head_dim]`` whose ``update``
+    writes the forwarded tokens' K/V at ``slots`` (``[q]`` slot indices, any order, gaps allowed)
+    while ``slots`` is set, and appends after ``cumulative_length`` as ``StaticLayer`` otherwise."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__(max_cache_len=keys.shape[2])
+        self.keys, self.values = keys, values
+        self.dtype, self.device = keys.dtype, keys.device
+        self.batch_size, self.num_heads = keys.shape[:2]
+        self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        self.is_initialized = True
+        self.slots: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.slots is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self.keys.index_copy_(2, self.slots, key_states)
+        self.values.index_copy_(2, self.slots, value_states)
+        return self.keys, self.values
+
+
+class SlotCache(StaticCache):
+    """A ``StaticCache`` whose layers are views of two pools (keys, values) ``[B, layers, kv_heads,
+    max_len, head_dim]``, so a chunk's K/V are rotated and copied into all layers by one kernel each.
+
+    Outside a one-pass forward it behaves as a ``StaticCache`` holding ``cumulative_length``
+    positions: further tokens are appended after them while slots remain (slots past the held ones
+    are masked by its attention; :meth:`empty` with ``zero=True`` keeps them finite).
+    """
+
+    def __init__(self, pool_keys: torch.Tensor, pool_values: torch.Tensor) -> None:
+        layers = [_SlotLayer(pool_keys[:, l], pool_values[:, l]) for l in range(pool_keys.shape[1])]
+        Cache.__init__(self, layers=layers)
+        self.pool_keys, self.pool_values = pool_keys, pool_values
+
+    @classmethod
+    def empty(cls, model, batch: int, max_len: int, zero: bool = False) -> "SlotCache":
+        """Pools for ``batch`` rows of ``max_len`` slots in the model's dtype: uninitialised
+        (``torch.empty``, no fill: every slot a prompt uses is written by it) or zeros."""
+        a = Adapter.for_model(model)
+        shape = (batch, a.n_layers, a.n_kv_heads, max_len, a.head_dim)
+        dtype = next(model.parameters()).dtype
+        new = torch.zeros if zero else torch.empty
+        return cls(new(shape, dtype=dtype, device=model.device), new(shape, dtype=dtype, device=model.device))
+
+    @property
+    def max_len(self) -> int:
+        return int(self.pool_keys.shape[3])
+
+    def set_slots(self, slots: torch.Tensor | None) -> None:
+        for layer in self.layers:
+            layer.slots = slots
+
+    def set_length(self, n: int) -> None:
+        """Mark slots ``[0, n)`` as held (what ``get_seq_length`` and later appends see)."""
+        for layer in self.layers:
+            layer.cumulative_length.fill_(n)
+
+
+def _lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Attention of ``r`` queries at the last ``r`` of ``k``'s ``S`` slots, each to the slots up to
+    its own (lower-right causal); ``q`` ``[B, heads, r, d]``, ``k``/``v`` ``[B, kv_heads, S, d]`` (GQA
+    without repeating K/V). On CUDA the lower-right causal bias dispatches to the flash kernel (no
+    mask tensor); on CPU the boolean mask ``[r, S]`` is built."""
+    r, S = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if r == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if q.is_cuda:
+        try:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(r, S), scale=scale,
+                                                  enable_gqa=gqa)
+        except TypeError:       # a torch whose causal bias takes no enable_gqa: the boolean mask below
+            pass
+    allowed = torch.arange(S, device=q.device)[None] <= torch.arange(S - r, S, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+
+
+def _one_pass_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Attention for :func:`compose_one_pass` (an ``AttentionInterface`` function).
+
+    ``query`` ``[B, heads, q, d]`` holds runs of consecutive positions; ``key``/``value`` are the
+    whole slot pools ``[B, kv_heads, max_len, d]``. Run ``(r0, r1, end)`` (rows ``r0 .. r1 - 1`` at
+    slots ``end - (r1 - r0) .. end - 1``) attends lower-right causally to slots ``[0, end)``: every
+    forwarded token sees every slot before its own, which by then holds the prefix, the rotated
+    chunk K/V or a token of this forward. The model's mask is not used (it is not built). Outside a
+    one-pass forward this is plain ``sdpa``. Returns ``[B, q, heads, d]``.
+    """
+    runs = _RUNS.get()
+    if runs is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise ValueError("compose_one_pass: sliding windows, logit soft-capping and attention sinks are not supported")
+    outs = [_lower_right(query[:, :, r0:r1], key[:, :, :end], value[:, :, :end], scaling) for r0, r1, end in runs]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ONE_PASS_ATTENTION, _one_pass_attention)
+
+
+@contextmanager
+def _one_pass(model, runs: tuple):
+    """Within: the model's attention is :func:`_one_pass_attention` over ``runs`` (its configs'
+    attention implementation switched; restored on exit). No mask is built for an unregistered
+    mask implementation, so the model passes ``attention_mask=None`` down."""
+    cfgs = _ATTN_CONFIGS.get(model)
+    if cfgs is None:
+        cfgs = list({id(m.config): m.config for m in model.modules()
+                     if isinstance(getattr(m, "config", None), PreTrainedConfig)}.values())
+        _ATTN_CONFIGS[model] = cfgs
+    old = [c._attn_implementation_internal for c in cfgs]
+    token = _RUNS.set(runs)
+    for c in cfgs:
+        c._attn_implementation_internal = ONE_PASS_ATTENTION
+    try:
+        yield
+    finally:
+        for c, o in zip(cfgs, old):
+            c._attn_implementation_internal = o
+        _RUNS.reset(token)
+
+
+@dataclass
+class _Plan:
+    """The one forward of a composed prompt.
+
+    Attributes:
+        ids: ``[B, q]`` forwarded tokens (the live parts and every chunk's seam tokens, in order) on
+            the model's device, None when nothing is forwarded.
+        slots: ``[q]`` their positions, which are also their cache slots.
+        runs: ``(r0, r1, end)`` per run of consecutive positions (rows ``r0 .. r1 - 1``).
+        chunks: ``(chunk, slot of its first token)`` for each chunk with K/V to splice.
+        total: prompt length.
+        logits: the last part is live (the forward's last row is the prompt's last position).
+        B: rows.
+    """
+
+    ids: torch.Tensor | None
+    slots: torch.Tensor | None
+    runs: tuple
+    chunks: list
+    total: int
+    logits: bool
+    B: int
+
+
+def _plan(model, parts: Sequence, seam: int, rotate: bool) -> _Plan:
+    if not parts:
+        raise ValueError("compose needs at least one part")
+    if isinstance(rotate, (list, tuple)):
+        raise ValueError("compose_one_pass takes one rotate for every row (per-row: compose())")
+    if isinstance(seam, (list, tuple)):
+        raise ValueError("compose_one_pass takes one seam for every row (per-row seams: compose())")
+    pieces, positions, chunks, pos = [], [], [], 0
+    for p in parts:
+        if isinstance(p, (list, tuple)):
+            raise ValueError("compose_one_pass takes one Chunk per chunk part (per-row chunks: compose())")
+        if isinstance(p, Chunk):
+            n = len(p)
+            s = min(max(int(seam), 0), n)
+            if s:
+                pieces.append(p.ids[:s].view(1, -1))
+                positions.extend(range(pos, pos + s))
+            if s < n:
+                chunks.append((p, pos))
+            pos += n
+        else:
+            ids = p.view(1, -1) if p.dim() == 1 else p
+            pieces.append(ids)
+            positions.extend(range(pos, pos + ids.shape[1]))
+            pos += ids.shape[1]
+    B = max((x.shape[0] for x in pieces), default=1)
+    if any(x.shape[0] not in (1, B) for x in pieces):
+        raise ValueError("live parts must have 1 or B rows")
+    runs, start = [], 0
+    for i in range(1, len(positions) + 1):
+        if i == len(positions) or positions[i] != positions[i - 1] + 1:
+            runs.append((start, i, positions[i - 1] + 1))
+            start = i
+    dev = model.device
+    ids = torch.cat([x.to(dev).expand(B, -1) for x in pieces], dim=1) if pieces else None
+    slots = torch.tensor(positions, dtype=torch.long, device=dev) if positions else None
+    return _Plan(ids, slots, tuple(runs), chunks, pos, not isinstance(parts[-1], Chunk), B)
+
+
+def _rotations(model, delta: int, dtype: torch.dtype, head_dim: int, rot_cache: dict) -> list[torch.Tensor]:
+    """Per layer the :func:`rotation_matrix` by ``delta`` (one shared tensor per layer type), cached."""
+    key = (delta, dtype)
+    if key not in rot_cache:
+        mats, out = {}, []
+        for c, s in delta_rotations(model, delta):
+            if id(c) not in mats:
+                mats[id(c)] = rotation_matrix(c, s, head_dim, dtype)
+            out.append(mats[id(c)])
+        rot_cache[key] = out
+    return rot_cache[key]
+
+
+def _rotate_copy(src: torch.Tensor, R: torch.Tensor | None, dst: torch.Tensor) -> None:
+    """``dst = src @ R`` (or a copy when ``R`` is None) for ``[..., n, head_dim]`` tensors; the
+    leading dims form one batched GEMM written straight into ``dst`` (a strided slice of a pool)."""
+    src = src.to(dst.dtype)
+    if R is None:
+        dst.copy_(src)
+        return
+    try:
+        d3 = dst.view(-1, *dst.shape[-2:])
+    except RuntimeError:
+        dst.copy_(src @ R)
+        return
+    s3 = src.reshape(-1, *src.shape[-2:])
+    torch.bmm(s3, R.expand(s3.shape[0], -1, -1), out=d3)
+
+
+def _splice_one_pass(model, cache: SlotCache, chunks: list, rotate: bool, rot_cache: dict) -> None:
+    """Write each whole chunk's K/V at its slots ``pos .. pos + n - 1`` of every row, keys rotated by
+    ``pos - chunk.start`` when ``rotate``: with ``Chunk.stacked`` and one rotation for all layers,
+    one GEMM for the keys of every layer and one copy for the values. The seam slots are overwritten
+    by the forward that follows."""
+    kp, vp = cache.pool_keys, cache.pool_values
+    for chunk, pos in chunks:
+        n, delta = len(chunk), pos - chunk.start
+        mats = _rotations(model, delta, kp.dtype, kp.shape[-1], rot_cache) if rotate and delta else None
+        shared = mats is None or all(m is mats[0] for m in mats)
+        for b in range(kp.shape[0]):
+            if chunk.stacked is not None and shared:
+                K, V = chunk.stacked
+                _rotate_copy(K[:, 0], None if mats is None else mats[0], kp[b, :, :, pos:pos + n])
+                vp[b, :, :, pos:pos + n].copy_(V[:, 0])
+                continue
+            for l in range(kp.shape[1]):
+                _rotate_copy(chunk.keys[l][0], None if mats is None else mats[l], kp[b, l, :, pos:pos + n])
+                vp[b, l, :, pos:pos + n].copy_(chunk.values[l][0])
+
+
+def _forward_one_pass(model, cache: SlotCache, ids: torch.Tensor, slots: torch.Tensor, runs: tuple) -> torch.Tensor:
+    """The one forward: ``ids`` ``[B, q]`` at positions = slots ``slots`` ``[q]``; logits of the last row
+    ``[B, 1, vocab]`` (model dtype)."""
+    cache.set_slots(slots)
+    try:
+        with _one_pass(model, runs):
+            out = model(input_ids=ids, position_ids=slots.view(1, -1).expand(ids.shape[0], -1), past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+    finally:
+        cache.set_slots(None)
+    return out.logits
+
+
+@torch.no_grad()
+def compose_one_pass(model, parts: Sequence, rotate: bool = True, seam: int = 0, cache: SlotCache | None = None,
+                     rot_cache: dict | None = None) -> tuple[SlotCache, torch.Tensor | None]:
+    """:func:`compose` in one model forward (same semantics, same rows for every chunk).
+
+    1. every chunk's K/V are written at their slots ``p .. p + n - 1`` of a :class:`SlotCache`, keys
+       rotated by ``p - chunk.start`` (``rotate``) by one GEMM with :func:`rotation_matrix`;
+    2. one forward of all live tokens and every chunk's first ``min(seam, n)`` tokens at their
+       positions ``[0 .. p + s - 1, p + n .. L - 1]`` (for prefix | chunk | suffix); their K/V go to
+       their slots (overwriting the chunk's seam slots) and each attends lower-right causally to all
+       slots before its own (:func:`_one_pass_attention`): the prefix and seam rows to the prefix
+       and seam, a suffix row to prefix, seam, rotated chunk tail and the suffix before it, which is
+       what :func:`compose`'s two forwards compute.
+
+    This halves the weight reads and launches of the two-forward path, and attention reads only
+    the held slots with the flash kernel (GQA without repeating K/V, no ``[q, L]`` mask).
+
+    Args:
+        parts: as :func:`compose`; a chunk part is one :class:`Chunk` (no per-row lists).
+        rotate, seam: one value for every row.
+        cache: a :class:`SlotCache` to write into (``B`` rows, ``max_len >= L``), e.g. a pool reused
+            across calls; default: a new one of exactly ``L`` slots (``torch.empty``).
+        rot_cache: dict in which rotation matrices are kept per delta across calls.
+
+    Returns:
+        (the cache, holding ``L`` positions; fp32 logits ``[B, vocab]`` at the last position when
+        the last part is live, else None).
+
+    Raises:
+        ValueError: sliding-window models, per-row values, or a cache that is too small.
+        KvnotesError: from :func:`delta_rotations`.
+    """
+    if has_sliding_layers(model):
+        raise ValueError("compose_one_pass does not handle sliding-window layers (use compose())")
+    plan = _plan(model, parts, seam, rotate)
+    if cache is None:
+        cache = SlotCache.empty(model, plan.B, plan.total)
+    elif cache.pool_keys.shape[0] != plan.B or cache.max_len < plan.total:
+        raise ValueError(f"cache of {cache.pool_keys.shape[0]} rows x {cache.max_len} slots "
+                         f"for {plan.B} x {plan.total}")
+    _splice_one_pass(model, cache, plan.chunks, bool(rotate), {} if rot_cache is None else rot_cache)
+    cache.set_length(plan.total)
+    if plan.ids is None:
+        return cache, None
+    logits = _forward_one_pass(model, cache, plan.ids, plan.slots, plan.runs)
+    return cache, logits[:, -1].float() if plan.logits else None
+
+
+@dataclass
+class _Graph:
+    graph: "torch.cuda.CUDAGraph"
+    ids: torch.Tensor
+    slots: torch.Tensor
+    logits: torch.Tensor
+
+
+class ComposeRunner:
+    """:func:`compose_one_pass` as a serving engine runs it: one KV pool reused by every call,
+    rotation matrices kept per delta, and on CUDA the forward captured as a CUDA graph once per
+    token layout (rows, forwarded tokens, runs of positions) and replayed.
+
+    A call ``runner(parts, rotate, seam)`` returns what :func:`compose_one_pass` returns. The
+    returned cache *is* the pool (rows ``B``, ``max_len`` slots, ``L`` held): it is valid until the
+    next call, which overwrites the slots it uses (every slot ``< L`` is written by each call, so
+    nothing of an earlier prompt is read). Capturing a layout's graph happens in its first call (two
+    eager warm-up forwards and the capture); the K/V splice runs eagerly before each replay.
+
+    Args:
+        max_len: slots of the pool (the longest prompt).
+        batch: rows of every call.
+        graphs: capture CUDA graphs (default: on CUDA).
+    """
+
+    def __init__(self, model, max_len: int, batch: int = 1, graphs: bool | None = None) -> None:
+        if has_sliding_layers(model):
+            raise ValueError("ComposeRunner does not handle sliding-window layers (use compose())")
+        cuda = model.device.type == "cuda"
+        self.graphs = cuda if graphs is None else bool(graphs)
+        if self.graphs and not cuda:
+            raise ValueError("CUDA graphs need a CUDA model")
+        self.model, self.batch = model, batch
+        self.cache = SlotCache.empty(model, batch, max_len, zero=True)     # once: slots past a prompt stay finite
+        self.rot_cache: dict = {}
+        self._graphs: dict = {}
+
+    @torch.no_grad()
+    def __call__(self, parts: Sequence, rotate: bool = True, seam: int = 0) -> tuple[SlotCache, torch.Tensor | None]:
+        plan = _plan(self.model, parts, seam, rotate)
+        if plan.B != self.batch or plan.total > self.cache.max_len:
+            raise ValueError(f"runner of {self.batch} rows x {self.cache.max_len} slots for {plan.B} x {plan.total}")
+        _splice_one_pass(self.model, self.cache, plan.chunks, bool(rotate), self.rot_cache)
+        self.cache.set_length(plan.total)
+        if plan.ids is None:
+            return self.cache, None
+        if not self.graphs:
+            logits = _forward_one_pass(self.model, self.cache, plan.ids, plan.slots, plan.runs)
+        else:
+            key = (tuple(plan.ids.shape), plan.runs)
+            g = self._graphs.get(key) or self._capture(key, plan)
+            g.ids.copy_(plan.ids)
+            g.graph.replay()
+            logits = g.logits
+        return self.cache, logits[:, -1].float() if plan.logits else None
+
+    def _capture(self, key, plan: _Plan) -> _Graph:
+        """Capture the forward of ``plan``'s layout; its inputs become static buffers (the slots are
+        fixed by the layout, the token ids are copied in before each replay)."""
+        ids, slots = plan.ids.clone(), plan.slots.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                _forward_one_pass(self.model, self.cache, ids, slots, plan.runs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = _forward_one_pass(self.model, self.cache, ids, slots, plan.runs)
+        g = self._graphs[key] = _Graph(graph, ids, slots, logits)
+        return g
 
 
 @torch.no_grad()

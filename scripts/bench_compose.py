@@ -11,18 +11,29 @@ which tokens it sees). Per length, in one process:
 
 - **full**: prefill of all ``L`` tokens computing only the last position's logits
   (:func:`kvnotes.compose.full_logits`);
-- **composed** (:func:`kvnotes.compose.compose`): prefix prefill + delta rotation of the chunk's
-  keys written in place into a preallocated ``StaticCache`` + values copied + seam repair
-  (``--seam`` chunk tokens recomputed) + suffix forward, last position's logits;
+- **composed** (:class:`kvnotes.compose.ComposeRunner`, the serving path): the chunk's keys rotated
+  by one GEMM and written with its values into a KV pool, then ONE forward of the prefix, the
+  ``--seam`` recomputed chunk tokens and the suffix at their positions (each attends to every slot
+  before its own), last position's logits. The pool (``max(--lengths)`` slots) is allocated once and
+  reused by every call, as a serving engine's KV pool is: each call rewrites every slot it reads.
+  Rotation matrices are cached per delta. On GPU the forward is a CUDA graph captured once per
+  token layout in its first call (``first_call_ms``, not part of the composed time, like a
+  compile); the splice runs eagerly before each replay (``--no-graphs``: eager forward);
+- **one_pass** (:func:`kvnotes.compose.compose_one_pass`): the same one forward, eager, with a
+  new cache allocated in the call (``torch.empty``) and rotation matrices built in the call;
+- **compose()** (:func:`kvnotes.compose.compose`, the library's general path, the "before"):
+  prefix + seam forward on a new ``StaticCache``, rotated keys written in place, suffix forward;
 - **precompile**: the chunk's own prefill (:func:`kvnotes.compose.precompile`), done once per
-  chunk and reported separately (not part of the composed time).
+  chunk and reported separately (not part of the composed times).
 
-Full and composed are each run ``--warmup`` times untimed, then ``--trials`` timed; medians are
-printed with the ratio full / composed (precompile: one timed run on CPU; on GPU one warm-up and
+Full and each composed path are run ``--warmup`` times untimed, then ``--trials`` timed; medians
+are printed with the ratio full / composed (precompile: one timed run on CPU; on GPU one warm-up and
 ``trials // 2`` timed). On GPU the timings are CUDA events around each call (after a synchronise). The
 ``--gpu`` path builds a random-weight model from a Qwen3-8B-shaped config in bf16
 (``AutoModelForCausalLM.from_config`` on the GPU, no weights) and imports neither hydra nor nnsight.
-``--json PATH`` writes the table with the command line and environment.
+``--json PATH`` writes the table with the command line and environment. KL(full||composed) and
+top-1 agreement compare the composed path's logits with the full prefill's (same tokens); the JSON
+also has them for compose() and the largest logit difference between the two composed paths.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +101,7 @@ def timed(clock: Clock, fn, warmup: int, trials: int) -> tuple[dict, object]:
 
 @torch.no_grad()
 def bench_length(model, L: int, n_prefix: int, n_suffix: int, seam: int, warmup: int, trials: int,
-                 clock: Clock, seed: int) -> dict:
+                 clock: Clock, seed: int, runner: kvcompose.ComposeRunner) -> dict:
     rng = np.random.default_rng([seed, L])
     vocab = model.config.get_text_config().vocab_size
     ids = torch.from_numpy(rng.integers(0, vocab, L)).long().to(model.device)
@@ -97,15 +109,32 @@ def bench_length(model, L: int, n_prefix: int, n_suffix: int, seam: int, warmup:
     pre, chunk = timed(clock, lambda: kvcompose.precompile(model, chunk_ids), 1 if clock.cuda else 0,
                        max(1, trials // 2) if clock.cuda else 1)
     full, ref = timed(clock, lambda: kvcompose.full_logits(model, ids), warmup, trials)
-    comp, (_, got) = timed(clock, lambda: kvcompose.compose(model, [prefix, chunk, suffix], True, seam), warmup, trials)
+    parts = [prefix, chunk, suffix]
+    # first call of this layout: on GPU it captures the CUDA graph (a warm-up, timed apart, excluded)
+    if clock.cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    runner(parts, True, seam)
+    if clock.cuda:
+        torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - t) * 1e3
+    comp, (_, got) = timed(clock, lambda: runner(parts, True, seam), warmup, trials)
+    one, (_, got_one) = timed(clock, lambda: kvcompose.compose_one_pass(model, parts, True, seam), warmup, trials)
+    api, (_, got_api) = timed(clock, lambda: kvcompose.compose(model, parts, True, seam), warmup, trials)
     # the composed and full runs see the same tokens: how far apart are their next-token distributions
     m = kvcompose.decision_metrics(ref, got)
+    m_api = kvcompose.decision_metrics(ref, got_api)
     del chunk
     if clock.cuda:
         torch.cuda.empty_cache()
-    return {"length": L, "chunk_tokens": int(chunk_ids.numel()), "full": full, "composed": comp, "precompile": pre,
+    return {"length": L, "chunk_tokens": int(chunk_ids.numel()), "full": full, "composed": comp,
+            "one_pass": one, "compose_api": api, "precompile": pre, "first_call_ms": first_ms,
             "ratio_full_over_composed": full["median_ms"] / comp["median_ms"],
-            "kl_full_composed": float(m["kl"][0]), "top1_agree": bool(m["top1_agree"][0])}
+            "ratio_full_over_compose_api": full["median_ms"] / api["median_ms"],
+            "kl_full_composed": float(m["kl"][0]), "top1_agree": bool(m["top1_agree"][0]),
+            "kl_full_compose_api": float(m_api["kl"][0]), "top1_agree_compose_api": bool(m_api["top1_agree"][0]),
+            "max_abs_logit_diff_composed_vs_api": float((got - got_api).abs().max()),
+            "max_abs_logit_diff_one_pass_vs_api": float((got_one - got_api).abs().max())}
 
 
 def main() -> None:
@@ -121,6 +150,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-graphs", action="store_true", help="GPU: run the composed forward eagerly")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.gpu:
@@ -132,20 +162,29 @@ def main() -> None:
         lengths = args.lengths or [1024, 2048, 4096, 8192]
         device = f"cpu ({platform.processor() or platform.machine()}, {args.threads} thread(s))"
     clock = Clock(args.gpu)
+    # the serving path's KV pool: allocated once for the longest prompt, reused by every call
+    runner = kvcompose.ComposeRunner(model, max(lengths), graphs=args.gpu and not args.no_graphs)
     header = (f"# {' '.join(['python', *sys.argv])}\n# model: {name}; device: {device}; torch {torch.__version__}; "
               f"transformers {transformers.__version__}; attn {model.config._attn_implementation}; "
               f"dtype {next(model.parameters()).dtype}\n# prefix {args.prefix} + chunk + suffix {args.suffix} tokens; "
-              f"seam {args.seam}; warm-up {args.warmup}; {args.trials} trials; medians in ms")
+              f"seam {args.seam}; warm-up {args.warmup}; {args.trials} trials; medians in ms\n"
+              f"# composed = ComposeRunner: rotate+splice into a reused KV pool of {max(lengths)} slots (allocated "
+              f"once), one forward "
+              f"({'CUDA graph, captured in the first call: first_call_ms' if runner.graphs else 'eager'}); "
+              f"one_pass = compose_one_pass (eager, new cache); compose() = two-forward library path")
     print(header, flush=True)
-    print(f"{'tokens':>7} {'full_ms':>10} {'composed_ms':>12} {'ratio':>7} {'precompile_ms':>14} {'KL(full||comp)':>15} top1",
-          flush=True)
+    print(f"{'tokens':>7} {'full_ms':>9} {'composed_ms':>11} {'ratio':>6} {'one_pass_ms':>11} {'compose()_ms':>12} "
+          f"{'precompile_ms':>13} {'first_call_ms':>13} {'KL(full||comp)':>14} top1", flush=True)
     out = []
     for L in lengths:
-        r = bench_length(model, L, args.prefix, args.suffix, args.seam, args.warmup, args.trials, clock, args.seed)
+        r = bench_length(model, L, args.prefix, args.suffix, args.seam, args.warmup, args.trials, clock, args.seed,
+                         runner)
         out.append(r)
-        print(f"{L:>7} {r['full']['median_ms']:>10.1f} {r['composed']['median_ms']:>12.1f} "
-              f"{r['ratio_full_over_composed']:>7.1f} {r['precompile']['median_ms']:>14.1f} "
-              f"{r['kl_full_composed']:>15.4f} {'agree' if r['top1_agree'] else 'differ'}", flush=True)
+        print(f"{L:>7} {r['full']['median_ms']:>9.1f} {r['composed']['median_ms']:>11.1f} "
+              f"{r['ratio_full_over_composed']:>6.1f} {r['one_pass']['median_ms']:>11.1f} "
+              f"{r['compose_api']['median_ms']:>12.1f} {r['precompile']['median_ms']:>13.1f} "
+              f"{r['first_call_ms']:>13.0f} {r['kl_full_composed']:>14.4f} "
+              f"{'agree' if r['top1_agree'] else 'differ'}", flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"header": header, "args": vars(args), "rows": out}, indent=1))
