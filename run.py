@@ -58,8 +58,7 @@ def job(cfg) -> None:
 
     import probes
     from kvnotes.errors import USER_ERRORS, KvnotesError
-    from kvnotes.records import RECORD_NAME, Timer, is_complete, new_record, write_atomic
-    from kvnotes.tokens import rendering
+    from kvnotes.records import RECORD_NAME, Timer, complete_record, is_complete, write_atomic
 
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
@@ -78,17 +77,13 @@ def job(cfg) -> None:
 
             bundle = load_model(cfg.model, cfg.device)
         with timer("pairs"):
-            from kvnotes.pairs import prepare_pairs, prepare_polarity_pairs
+            from kvnotes.pairs import prepare_for_probe
 
-            template_kwargs = OmegaConf.to_container(cfg.model.chat_template_kwargs) if cfg.model.get("chat_template_kwargs") else {}
-            prepare = prepare_polarity_pairs if probe_cfg.pairs == "polarity" else prepare_pairs
-            pairs = prepare(bundle.tokenizer, cfg.scenario, template_kwargs=template_kwargs)
+            pairs = prepare_for_probe(bundle.tokenizer, probe_cfg.pairs, cfg.scenario, cfg.model)
         if not pairs.pairs:
             raise KvnotesError(f"no token-aligned pairs in scenario '{cfg.scenario.name}' "
                                f"(excluded: {pairs.exclusion_counts()})")
-        ctx = probes.ProbeContext(bundle=bundle, pairs=pairs, cfg=probe_cfg, readout=cfg.readout,
-                                  min_effect=float(cfg.min_effect), flip_rule=str(cfg.flip_rule), seed=int(cfg.seed), timer=timer,
-                                  scenario_cfg=cfg.scenario, budget_bytes=int(float(cfg.budget_mb) * (1 << 20)))
+        ctx = probes.ProbeContext.from_run_config(cfg, probe_cfg, bundle, pairs, timer)
         with timer("probe"):
             result = probe_run(ctx)
         from kvnotes.records import to_jsonable
@@ -101,19 +96,8 @@ def job(cfg) -> None:
         fail(str(exc))
     hydra_info = {"choices": dict(hc.runtime.choices), "overrides": list(hc.overrides.task),
                   "output_dir": str(out_dir), "mode": str(hc.mode)}
-    # the attention implementation actually used: an engine (e.g. the TransformerLens bridge) may
-    # have switched the loaded model to another one during the probe
-    model_info = bundle.info | {"attn_implementation_loaded": bundle.info.get("attn_implementation"),
-                                "attn_implementation": bundle.attn_implementation}
-    record = new_record(cfg.probe.name, OmegaConf.to_container(cfg, resolve=True), hydra_info, model_info,
-                        int(cfg.seed))
-    record["scenario"] = {"name": cfg.scenario.name, "n_scenarios": len(pairs.scenarios),
-                          "n_pairs_aligned": len(pairs.pairs), "n_excluded": len(pairs.excluded),
-                          "families": sorted({s.family for s in pairs.scenarios}),
-                          "rendering": rendering(bundle.tokenizer, bool(cfg.scenario.get("chat_template", True)))}
-    record["result"] = result
-    record["timing"] = timer.stages | {"total": time.perf_counter() - t0}
-    record["status"] = "complete"
+    record = complete_record(OmegaConf.to_container(cfg, resolve=True), hydra_info, bundle, pairs, cfg.scenario,
+                             result, timer.stages | {"total": time.perf_counter() - t0})
     write_atomic(record_path, record)
     print(f"kvnotes: wrote {record_path}")
     if cfg.plot:

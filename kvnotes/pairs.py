@@ -112,3 +112,14 @@ def pair_row(pair: TokenizedPair) -> dict:
         "field": list(pair.field), "decision": pair.decision, "n_tokens": len(pair.old.ids),
         "cand_old": list(pair.cand_old), "cand_new": list(pair.cand_new),
     }
+
+
+def prepare_for_probe(tokenizer, kind: str, scenario_cfg: Any, model_cfg: Any) -> PairSet:
+    """The pairs a probe asks for (``pairs`` of its config: ``field`` -> :func:`prepare_pairs`,
+    ``polarity`` -> :func:`prepare_polarity_pairs`), rendered with the model config's
+    ``chat_template_kwargs``; what ``run.py`` and ``scripts.battery`` hand a probe."""
+    kwargs = model_cfg.get("chat_template_kwargs")
+    kwargs = dict(kwargs) if kwargs else {}
+    if kind == "polarity":
+        return prepare_polarity_pairs(tokenizer, scenario_cfg, template_kwargs=kwargs)
+    return prepare_pairs(tokenizer, scenario_cfg, template_kwargs=kwargs)

@@ -150,6 +150,32 @@ def new_record(probe: str, config: dict, hydra: dict, model_info: dict, seed: in
     }
 
 
+def complete_record(cfg: dict, hydra: dict, bundle, pairs, scenario_cfg, result: dict, timing: dict) -> dict:
+    """A complete record of one probe run: provenance (:func:`new_record`), the model as loaded and
+    the attention implementation actually used (an engine such as the TransformerLens bridge may
+    switch it during the probe), the scenario suite and its rendering, the probe's ``result``
+    (already JSON-able and checked against its schema) and the stage ``timing`` in seconds.
+
+    Args:
+        cfg: the resolved run config (``conf/config.yaml`` composed), as a dict.
+        bundle: the :class:`kvnotes.models.ModelBundle` the probe ran on.
+        pairs: the :class:`kvnotes.pairs.PairSet` it was given.
+    """
+    from kvnotes.tokens import rendering
+
+    model_info = bundle.info | {"attn_implementation_loaded": bundle.info.get("attn_implementation"),
+                                "attn_implementation": bundle.attn_implementation}
+    record = new_record(cfg["probe"]["name"], cfg, hydra, model_info, int(cfg["seed"]))
+    record["scenario"] = {"name": scenario_cfg.name, "n_scenarios": len(pairs.scenarios),
+                          "n_pairs_aligned": len(pairs.pairs), "n_excluded": len(pairs.excluded),
+                          "families": sorted({s.family for s in pairs.scenarios}),
+                          "rendering": rendering(bundle.tokenizer, bool(scenario_cfg.get("chat_template", True)))}
+    record["result"] = result
+    record["timing"] = timing
+    record["status"] = "complete"
+    return record
+
+
 def records_frame(root: str | Path):
     """Every per-pair row of every complete record under ``root`` as one ``pandas.DataFrame``.
 

@@ -113,6 +113,15 @@ class ProbeContext:
         if self.cfg is not None and self.cfg.get("_target_"):
             self.cfg = typed_config(self.cfg)
 
+    @classmethod
+    def from_run_config(cls, cfg, probe_cfg, bundle: ModelBundle, pairs: PairSet, timer: Timer) -> ProbeContext:
+        """The context ``run.py`` (and ``scripts.battery``) hand a probe: readout, flip rule,
+        ``min_effect``, seed, scenario config and memory budget from the composed run config
+        ``cfg`` (``conf/config.yaml``); ``probe_cfg`` is the typed probe config."""
+        return cls(bundle=bundle, pairs=pairs, cfg=probe_cfg, readout=cfg.readout, min_effect=float(cfg.min_effect),
+                   flip_rule=str(cfg.flip_rule), seed=int(cfg.seed), timer=timer, scenario_cfg=cfg.scenario,
+                   budget_bytes=int(float(cfg.budget_mb) * (1 << 20)))
+
 
 def get(cfg_or_name) -> Callable[[ProbeContext], dict]:
     """The ``run`` function of a probe, from its config or its name (see :func:`module`)."""

@@ -1,14 +1,16 @@
 #!/usr/bin/env python
 """Time every probe of the battery on one scenario suite, in one process, and print the total.
 
-    OMP_NUM_THREADS=2 python -m scripts.battery [--scenario default] [--threads 2] [--probes a b ...]
+    OMP_NUM_THREADS=2 python -m scripts.battery [--scenario default] [--threads 2] [--probes a b ...] [--records runs]
 
 The model (``--model``, default the embedded SmolLM2-135M) is loaded once and the pairs of the
 suite prepared once per kind (field pairs; polarity pairs for ``dissociation``); then each probe's
-``run(ctx)`` runs with its default config (``conf/probe/<name>.yaml``, progress bars off) exactly
-as ``run.py`` would run it, and its wall time is printed as it finishes, with the total at the end.
-Timings depend on the machine's load: report them with it (``os.getloadavg`` is printed).
-``--json PATH`` also writes the numbers.
+``run(ctx)`` runs with the config ``run.py`` would compose for it (``conf/config.yaml`` with
+``model=``, ``probe=``, ``scenario=``; progress bars off), and its wall time is printed as it
+finishes, with the total at the end. ``--records DIR`` also writes each probe's record where
+``python run.py out_root=DIR`` would (``DIR/<model>/<probe>/<scenario>/record.json``), checked
+against the probe's schema. Timings depend on the machine's load: report them with it
+(``os.getloadavg`` is printed). ``--json PATH`` also writes the numbers.
 """
 
 from __future__ import annotations
@@ -29,42 +31,56 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--probes", nargs="*", default=None, help="probe names (default: every registered probe)")
+    ap.add_argument("--records", help="also write each probe's record under this out_root")
     ap.add_argument("--json", help="also write the numbers to this file")
     args = ap.parse_args()
 
     import torch
+    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     import probes
     from kvnotes.models import load_model
-    from kvnotes.pairs import prepare_pairs, prepare_polarity_pairs
-    from kvnotes.records import Timer
+    from kvnotes.pairs import prepare_for_probe
+    from kvnotes.records import RECORD_NAME, Timer, complete_record, to_jsonable, write_atomic
+    from kvnotes.schema import check_result, result_schema
 
     torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
-    model_cfg = OmegaConf.load(ROOT / "conf/model" / f"{args.model}.yaml")
-    scen = OmegaConf.load(ROOT / "conf/scenario" / f"{args.scenario}.yaml")
-    if "defaults" in scen:                        # e.g. small.yaml extends default.yaml
-        scen = OmegaConf.merge(OmegaConf.load(ROOT / "conf/scenario/default.yaml"),
-                               OmegaConf.masked_copy(scen, [k for k in scen if k != "defaults"]))
-    bundle = load_model(model_cfg, args.device)
-    kwargs = OmegaConf.to_container(model_cfg.chat_template_kwargs) if model_cfg.get("chat_template_kwargs") else {}
-    pairs = {"field": prepare_pairs(bundle.tokenizer, scen, template_kwargs=kwargs)}
-    setup = time.perf_counter() - t0
     names = args.probes or probes.names()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfgs = {n: compose("config", overrides=[f"model={args.model}", f"probe={n}", f"scenario={args.scenario}",
+                                                f"device={args.device}", "probe.progress=false"]) for n in names}
+    t0 = time.perf_counter()
+    first = cfgs[names[0]]
+    bundle = load_model(first.model, args.device)
+    pairs = {"field": prepare_for_probe(bundle.tokenizer, "field", first.scenario, first.model)}
+    setup = time.perf_counter() - t0
     print(f"battery: {args.model} on {args.device}, {torch.get_num_threads()} thread(s), scenario {args.scenario} "
           f"({len(pairs['field'].pairs)} aligned pairs); load average {os.getloadavg()[0]:.1f}; setup {setup:.1f} s",
           flush=True)
     times = {}
     for name in names:
-        cfg = probes.load_config(name, {"progress": False})
-        if cfg.pairs not in pairs:
-            pairs[cfg.pairs] = prepare_polarity_pairs(bundle.tokenizer, scen, template_kwargs=kwargs)
-        ctx = probes.ProbeContext(bundle=bundle, pairs=pairs[cfg.pairs], cfg=cfg, timer=Timer(), scenario_cfg=scen)
+        cfg = cfgs[name]
+        probe_cfg = probes.typed_config(cfg.probe)
+        if probe_cfg.pairs not in pairs:
+            pairs[probe_cfg.pairs] = prepare_for_probe(bundle.tokenizer, probe_cfg.pairs, cfg.scenario, cfg.model)
+        timer = Timer()
+        ctx = probes.ProbeContext.from_run_config(cfg, probe_cfg, bundle, pairs[probe_cfg.pairs], timer)
         t = time.perf_counter()
-        probes.get(cfg)(ctx)
+        with timer("probe"):
+            result = probes.get(probe_cfg)(ctx)
         times[name] = time.perf_counter() - t
         print(f"  {name:16s} {times[name]:8.1f} s   (load average {os.getloadavg()[0]:.1f})", flush=True)
+        if args.records:
+            result = to_jsonable(result)
+            check_result(result, result_schema(probes.module(probe_cfg)))
+            cfg_dict = OmegaConf.to_container(cfg, resolve=False)
+            cfg_dict["out_root"] = args.records
+            path = Path(args.records) / cfg.model.name / cfg.probe.name / cfg.scenario.name / RECORD_NAME
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, complete_record(OmegaConf.to_container(OmegaConf.create(cfg_dict), resolve=True),
+                                               {"launcher": "scripts.battery"}, bundle, pairs[probe_cfg.pairs],
+                                               cfg.scenario, result, timer.stages))
     total = sum(times.values())
     print(f"  {'total':16s} {total:8.1f} s = {total / 60:.1f} min (+ setup {setup:.1f} s)")
     if args.json:
