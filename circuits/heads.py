@@ -37,6 +37,7 @@ import torch
 from tqdm import tqdm
 
 from circuits.engine import Engine, Intervention, Site, start_circuit
+from kvnotes.errors import KvnotesError
 from kvnotes.schema import CircuitResult
 from kvnotes.kit import ProbeConfig
 from kvnotes.kit import RandomControl
@@ -60,6 +61,7 @@ class Config(ProbeConfig):
     selection_fraction: float = 0.5
     max_map_pairs_per_family: Optional[int] = 2
     heldout_maps: bool = False
+    modes: list[str] = field(default_factory=lambda: list(HEAD_SITES))
 
 
 def head_outputs(engine: Engine, ids: torch.Tensor) -> torch.Tensor:
@@ -175,6 +177,9 @@ def run(ctx) -> dict:
     n_boot = int(cfg.n_boot)
     maps: dict[str, dict] = {}
     progress = bool(cfg.get("progress", True))
+    modes = [m for m in HEAD_SITES if m in cfg.get("modes", HEAD_SITES)]
+    if not modes or set(cfg.get("modes", HEAD_SITES)) - set(HEAD_SITES):
+        raise KvnotesError(f"heads: modes must be a non-empty subset of {list(HEAD_SITES)} (got {list(cfg.modes)})")
     # 1. single-head maps (selection pairs, at most max_map_pairs_per_family of them per family,
     #    drawn by a seeded Generator; held-out ones only for figures when asked)
     mapped = map_pairs(rows, cfg.get("max_map_pairs_per_family"), ctx.seed)
@@ -185,25 +190,25 @@ def run(ctx) -> dict:
         with ctx.timer("head_outputs"):
             source = head_outputs(engine, pair.new.ids)
         maps[row["pair"]] = {}
-        for mode in HEAD_SITES:
+        for mode in modes:
             with ctx.timer(f"{mode}_map"):
                 prefix = run_.old_cache if mode == "read" else kvcache.prefix_cache(model, run_.old_cache, pair.old.ids, pair.field[1])
                 maps[row["pair"]][mode] = single_head_map(engine, run_, source, mode, prefix, chunk)
     families = K.families_of(ctx, rows + fs.excluded)
-    rankings = {mode: _ranking_by_family(rows, maps, mode, families) for mode in HEAD_SITES}
+    rankings = {mode: _ranking_by_family(rows, maps, mode, families) for mode in modes}
     # 2. cumulative top-k vs random on held-out pairs
     out_rows = []
     for run_, row in tqdm(list(zip(fs.runs, rows)), desc="heads: top-k held-out", disable=not progress):
         pair = run_.pair
         row = dict(row)
         if row["pair"] in maps:
-            row["maps"] = {m: maps[row["pair"]][m].tolist() for m in HEAD_SITES}
+            row["maps"] = {m: maps[row["pair"]][m].tolist() for m in modes}
         if row["split"] == "heldout":
             with ctx.timer("head_outputs"):
                 source = head_outputs(engine, pair.new.ids)
             rng = pair_rng(ctx.seed, row["pair"])
             all_heads = [(l, h) for l in range(L) for h in range(H)]
-            for mode in HEAD_SITES:
+            for mode in modes:
                 rk = rankings[mode].get(row["family"])
                 if rk is None:
                     continue
@@ -232,7 +237,7 @@ def run(ctx) -> dict:
     held_rows = [r for r in out_rows if r["split"] == "heldout"]
     with ctx.timer("statistics"):
         curves = {}
-        for mode in HEAD_SITES:
+        for mode in modes:
             hr = [r for r in held_rows if f"topk_{mode}" in r]
             curves[mode] = {}
             for kind in ("topk", "random"):
@@ -244,7 +249,7 @@ def run(ctx) -> dict:
             curves[mode]["all_heads"] = K.summaries_by_family([r | {"_r": r[f"r_{mode}_all"]} for r in hr], "_r", None,
                                                     families, n_boot, ctx.seed)
         sel_maps = {}
-        for mode in HEAD_SITES:
+        for mode in modes:
             sel_maps[mode] = {}
             for f in families + ["all"]:
                 ms = [maps[r["pair"]][mode] for r in out_rows
@@ -252,19 +257,19 @@ def run(ctx) -> dict:
                 sel_maps[mode][f] = {"mean": np.mean(np.stack(ms), 0).tolist(), "n": len(ms)} if ms else {"n": 0}
     held_ids = {r["pair"] for r in out_rows if r["split"] == "heldout"}
     checks = {
-        "ranking_pairs_in_heldout": sum(p in held_ids for m in HEAD_SITES for rk in rankings[m].values() for p in rk["pairs"]),
+        "ranking_pairs_in_heldout": sum(p in held_ids for m in modes for rk in rankings[m].values() for p in rk["pairs"]),
         "max_abs_read_all_minus_1": max((abs(r["r_read_all"] - 1) for r in held_rows if "r_read_all" in r), default=None),
         "random_set_sizes_match_k": all(all(sz == int(k) for sz in v["k_sizes"]) for r in held_rows
-                                        for m in HEAD_SITES for k, v in r.get(f"random_{m}", {}).items()),
+                                        for m in modes for k, v in r.get(f"random_{m}", {}).items()),
     }
     aggregates = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(out_rows),
                   "n_selection": sum(r["split"] == "selection" for r in out_rows), "n_heldout": len(held_rows),
-                  "families": families, "ks": ks, "n_layers": L, "n_heads": H, "curves": curves,
+                  "families": families, "ks": ks, "modes": modes, "n_layers": L, "n_heads": H, "curves": curves,
                   "selection_maps": sel_maps, "checks": checks,
                   "per_family": K.no_circuit_note(families, out_rows, fs.excluded),
                   "rankings": {m: {f: {"top": [list(x) for x in rk["order"][:max(ks, default=0)]],
                                        "pairs": rk["pairs"], "source": rk["source"]}
-                                   for f, rk in rankings[m].items()} for m in HEAD_SITES},
+                                   for f, rk in rankings[m].items()} for m in modes},
                   "exclusions_by_family": K.exclusions_by_family(fs.excluded, families)}
     return {"rows": out_rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
             "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates}

@@ -22,11 +22,11 @@ def plot_heads(record: dict, out_dir: Path) -> list[Path]:
     """Top-k curves per mode and family; single-head recovery heatmaps per mode (all families)."""
     agg = record["result"]["aggregates"]
     ks = agg["ks"]
-    fams = [f for f in agg["families"] if agg["curves"]["read"]["topk"].get(str(ks[0]), {}).get(f, {}).get("n")] if ks else []
+    fams = [f for f in agg["families"] if agg["curves"][agg.get("modes", ["read"])[0]]["topk"].get(str(ks[0]), {}).get(f, {}).get("n")] if ks else []
     colors = plt.cm.tab10(np.linspace(0, 1, 10))
     paths = []
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), squeeze=False)
-    for ax, mode in zip(axes[0], ("read", "write")):
+    for ax, mode in zip(axes[0], agg.get("modes", ["read", "write"])):
         for i, f in enumerate(fams):
             _curve(ax, agg["curves"][mode]["topk"], ks, f, colors[i % 10], f"{f} top-k", "-")
             _curve(ax, agg["curves"][mode]["random"], ks, f, colors[i % 10], f"{f} random", ":")
@@ -45,7 +45,7 @@ def plot_heads(record: dict, out_dir: Path) -> list[Path]:
     fig.tight_layout()
     paths.append(save(fig, out_dir, "heads_topk.png"))
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), squeeze=False)
-    for ax, mode in zip(axes[0], ("read", "write")):
+    for ax, mode in zip(axes[0], agg.get("modes", ["read", "write"])):
         m = agg["selection_maps"][mode].get("all", {})
         if not m.get("n"):
             ax.text(0.5, 0.5, "no selection maps", ha="center", transform=ax.transAxes)
