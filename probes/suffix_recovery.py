@@ -95,7 +95,7 @@ class Config(ProbeConfig):
     layer_bands: Any = 5
     with_field: bool = True
     store_sets: bool = False
-    keep_caches: bool = False
+    keep_caches: bool = True
 
 
 def grid_points(fractions: Sequence[float], counts: Sequence[int]) -> list[dict]:
@@ -456,7 +456,7 @@ def run(ctx) -> dict:
     offsets((0, 1), anchor)                                     # validate the anchor before any work
     n_draws = int(cfg.random.n_draws)
     n_boot = int(cfg.get("n_boot", 2000))
-    keep = bool(cfg.get("keep_caches", False))
+    keep = bool(cfg.get("keep_caches", True))
 
     fs = flipping_pairs(ctx, keep_caches=keep)
     runs, rows, excluded = [], [], list(fs.excluded)
