@@ -144,7 +144,8 @@ def _timed(cuda: bool, fn):
 
 
 def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
-    return float((p_log.exp() * (p_log - q_log)).sum())
+    """KL(p || q) in nats of two ``[vocab]`` log-prob vectors (:func:`kvnotes.compose.decision_metrics`)."""
+    return float(kvcompose.decision_metrics(p_log[None], q_log[None])["kl"][0])
 
 
 @torch.no_grad()
