@@ -1,7 +1,9 @@
 """The probe kit: the steps every probe and circuit shares, in one place.
 
 - **Clean runs and the flip filter.** :func:`each_pair` prefills every token-aligned pair once and
-  describes its clean decision under the run's flip rule (``docs/design.md``, "Flip rules");
+  describes its clean decision under the run's flip rule (``docs/design.md``, "Flip rules"); a
+  :class:`CleanRuns` store on the context (``scripts.battery``) keeps them across the probes of one
+  job, so each pair is prefilled once per job, not once per probe;
   :func:`flipping_pairs` keeps the flipping ones and counts the rest by reason;
   :func:`excluded_rows` gives the exclusion rows of a probe that reports on every pair.
 - **Aggregation straight from rows.** :func:`summary` (mean/median with the interval that fits the
@@ -27,7 +29,7 @@ from tqdm import tqdm
 from kvnotes import cache as kvcache
 from kvnotes.errors import KvnotesError
 from kvnotes.pairs import pair_row
-from kvnotes.readout import PairRun, screen_pair, variant_scores
+from kvnotes.readout import PairRun, run_pair, variant_scores
 from kvnotes.selection import pair_rng, sample_instances, split_instances, with_split  # noqa: F401  (re-exported)
 from kvnotes.stats import proportion, summarize
 
@@ -82,6 +84,47 @@ class FlippingSet:
     excluded: list[dict] = field(default_factory=list)
 
 
+@dataclass
+class CleanRuns:
+    """Clean runs (:func:`kvnotes.readout.run_pair`) kept for the probes of one job, keyed by the
+    pair object and the readout mode: the battery hands one store to every probe, so a pair is
+    prefilled once per job however many probes screen it. Probes treat the prefix caches as
+    read-only (every forward on them extends a view), which is what makes sharing them exact: a
+    probe gets the same numbers with or without the store (tests/test_kit.py).
+
+    Attributes:
+        budget_bytes: bytes of prefix caches (old + new, :func:`kvnotes.cache.variant_bytes`) the
+            store keeps; a run beyond it is kept without caches (scores and decisions only) and its
+            caches are prefilled again when a later probe asks for them.
+        used_bytes: bytes of caches held.
+        prefilled, reused: clean runs computed here / served from the store.
+    """
+
+    budget_bytes: int = 8 << 30
+    used_bytes: int = 0
+    prefilled: int = 0
+    reused: int = 0
+    _runs: dict = field(default_factory=dict, repr=False)
+
+    def run(self, model, pair, mode: str = "first_token") -> PairRun:
+        """The clean run of ``pair`` under readout ``mode``, with its prefix caches."""
+        key = (id(pair), mode)
+        kept = self._runs.get(key)
+        if kept is not None and kept[0] is pair:
+            self.reused += 1
+            run = kept[1]
+            return run if run.old_cache is not None else run.with_caches(model)
+        self.prefilled += 1
+        run = run_pair(model, pair, mode)
+        size = kvcache.variant_bytes(run.old_cache) + kvcache.variant_bytes(run.new_cache)
+        if self.used_bytes + size <= self.budget_bytes:
+            self.used_bytes += size
+            self._runs[key] = (pair, run)
+        else:
+            self._runs[key] = (pair, run.released())
+        return run
+
+
 def progress(ctx) -> bool:
     """The probe config's ``progress`` flag (progress bars on stderr)."""
     return bool(ctx.cfg.get("progress", True))
@@ -93,12 +136,16 @@ def each_pair(ctx, pairs=None, desc: str = "clean runs") -> Iterator[tuple[PairR
     Yields:
         (the pair's :class:`PairRun` with its prefix caches over ``[0, d)``, its row:
         :func:`kvnotes.pairs.pair_row` columns and :func:`kvnotes.readout.pair_status` columns under
-        ``ctx.flip_rule`` / ``ctx.min_effect`` / ``ctx.readout``). Each pair is prefilled once here;
-        a probe that uses the caches right away never prefills it again.
+        ``ctx.flip_rule`` / ``ctx.min_effect`` / ``ctx.readout``). Each pair is prefilled once here
+        (or taken from ``ctx.clean_runs``, a :class:`CleanRuns` store, when the job has one); a probe
+        that uses the caches right away never prefills it again.
     """
+    store = getattr(ctx, "clean_runs", None)
     for pair in tqdm(ctx.pairs.pairs if pairs is None else pairs, desc=desc, disable=not progress(ctx)):
         with ctx.timer("clean_runs"):
-            run, status = screen_pair(ctx.bundle.model, pair, ctx.readout, ctx.min_effect, ctx.flip_rule)
+            run = (store.run(ctx.bundle.model, pair, ctx.readout) if store is not None
+                   else run_pair(ctx.bundle.model, pair, ctx.readout))
+            status = run.status(ctx.min_effect, ctx.flip_rule)
         yield run, pair_row(pair) | status
 
 

@@ -23,7 +23,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from kvnotes.cache import DEFAULT_BUDGET_BYTES
 from kvnotes.errors import KvnotesError
-from kvnotes.kit import ProbeConfig
+from kvnotes.kit import CleanRuns, ProbeConfig
 from kvnotes.models import ModelBundle
 from kvnotes.pairs import PairSet
 from kvnotes.records import Timer
@@ -96,7 +96,8 @@ class ProbeContext:
     """What a probe gets: the model, the pairs, its config, the readout definition (mode, the flip
     rule ``owned``/``relative`` and its ``min_effect`` margin; ``docs/design.md``), a seed, a stage
     timer and the memory budget (bytes) for one chunk of batched variant caches (``budget_mb`` of
-    the run config)."""
+    the run config). ``clean_runs`` is a :class:`kvnotes.kit.CleanRuns` store shared by the
+    probes of one job (``scripts.battery``), or None: every probe prefills its pairs itself."""
 
     bundle: ModelBundle
     pairs: PairSet
@@ -108,19 +109,22 @@ class ProbeContext:
     timer: Timer = field(default_factory=Timer)
     scenario_cfg: Any = None
     budget_bytes: int = DEFAULT_BUDGET_BYTES
+    clean_runs: CleanRuns | None = None
 
     def __post_init__(self) -> None:
         if self.cfg is not None and self.cfg.get("_target_"):
             self.cfg = typed_config(self.cfg)
 
     @classmethod
-    def from_run_config(cls, cfg, probe_cfg, bundle: ModelBundle, pairs: PairSet, timer: Timer) -> ProbeContext:
+    def from_run_config(cls, cfg, probe_cfg, bundle: ModelBundle, pairs: PairSet, timer: Timer,
+                        clean_runs: CleanRuns | None = None) -> ProbeContext:
         """The context ``run.py`` (and ``scripts.battery``) hand a probe: readout, flip rule,
         ``min_effect``, seed, scenario config and memory budget from the composed run config
-        ``cfg`` (``conf/config.yaml``); ``probe_cfg`` is the typed probe config."""
+        ``cfg`` (``conf/config.yaml``); ``probe_cfg`` is the typed probe config; ``clean_runs``
+        the job's shared clean-run store, if any."""
         return cls(bundle=bundle, pairs=pairs, cfg=probe_cfg, readout=cfg.readout, min_effect=float(cfg.min_effect),
                    flip_rule=str(cfg.flip_rule), seed=int(cfg.seed), timer=timer, scenario_cfg=cfg.scenario,
-                   budget_bytes=int(float(cfg.budget_mb) * (1 << 20)))
+                   budget_bytes=int(float(cfg.budget_mb) * (1 << 20)), clean_runs=clean_runs)
 
 
 def get(cfg_or_name) -> Callable[[ProbeContext], dict]:

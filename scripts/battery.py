@@ -4,7 +4,11 @@
     OMP_NUM_THREADS=2 python -m scripts.battery [--scenario default] [--threads 2] [--probes a b ...] [--records runs]
 
 The model (``--model``, default the embedded SmolLM2-135M) is loaded once and the pairs of the
-suite prepared once per kind (field pairs; polarity pairs for ``dissociation``); then each probe's
+suite prepared once per kind (field pairs; polarity pairs for ``dissociation``), and each pair's
+clean runs (prefix caches, clean scores, decisions) are computed once for the whole battery and
+shared by every probe that screens it (:class:`kvnotes.kit.CleanRuns`, up to ``--clean-runs-mb``
+of caches; ``--clean-runs-mb 0`` makes every probe prefill its pairs itself, as ``run.py`` does,
+for a before/after comparison). Then each probe's
 ``run(ctx)`` runs with the config ``run.py`` would compose for it (``conf/config.yaml`` with
 ``model=``, ``probe=``, ``scenario=``; progress bars off), and its wall time is printed as it
 finishes, with the total at the end. ``--records DIR`` also writes each probe's record where
@@ -31,6 +35,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--probes", nargs="*", default=None, help="probe names (default: every registered probe)")
+    ap.add_argument("--clean-runs-mb", type=float, default=8192,
+                    help="prefix caches kept across probes (MB); 0: no sharing, every probe prefills its pairs")
     ap.add_argument("--records", help="also write each probe's record under this out_root")
     ap.add_argument("--json", help="also write the numbers to this file")
     args = ap.parse_args()
@@ -40,6 +46,7 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     import probes
+    from kvnotes.kit import CleanRuns
     from kvnotes.models import load_model
     from kvnotes.pairs import prepare_for_probe
     from kvnotes.records import RECORD_NAME, Timer, complete_record, to_jsonable, write_atomic
@@ -58,6 +65,7 @@ def main() -> None:
     print(f"battery: {args.model} on {args.device}, {torch.get_num_threads()} thread(s), scenario {args.scenario} "
           f"({len(pairs['field'].pairs)} aligned pairs); load average {os.getloadavg()[0]:.1f}; setup {setup:.1f} s",
           flush=True)
+    store = CleanRuns(int(args.clean_runs_mb * (1 << 20))) if args.clean_runs_mb > 0 else None
     times = {}
     for name in names:
         cfg = cfgs[name]
@@ -65,7 +73,7 @@ def main() -> None:
         if probe_cfg.pairs not in pairs:
             pairs[probe_cfg.pairs] = prepare_for_probe(bundle.tokenizer, probe_cfg.pairs, cfg.scenario, cfg.model)
         timer = Timer()
-        ctx = probes.ProbeContext.from_run_config(cfg, probe_cfg, bundle, pairs[probe_cfg.pairs], timer)
+        ctx = probes.ProbeContext.from_run_config(cfg, probe_cfg, bundle, pairs[probe_cfg.pairs], timer, store)
         t = time.perf_counter()
         with timer("probe"):
             result = probes.get(probe_cfg)(ctx)
@@ -83,9 +91,15 @@ def main() -> None:
                                                cfg.scenario, result, timer.stages))
     total = sum(times.values())
     print(f"  {'total':16s} {total:8.1f} s = {total / 60:.1f} min (+ setup {setup:.1f} s)")
+    if store is not None:
+        print(f"  clean runs: {store.prefilled} prefilled, {store.reused} reused from the store "
+              f"({store.used_bytes / 2**20:.0f} MB of prefix caches kept)")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "scenario": args.scenario, "threads": args.threads,
                                                "setup_s": setup, "probe_s": times, "total_s": total,
+                                               "clean_runs_mb": args.clean_runs_mb,
+                                               "clean_runs": ({"prefilled": store.prefilled, "reused": store.reused}
+                                                              if store is not None else None),
                                                "loadavg_end": os.getloadavg()}, indent=2))
 
 

@@ -85,3 +85,32 @@ def test_worked_example_runs_as_documented(smol, tmp_path, monkeypatch):
     assert res["rows"] and all(math.isfinite(r["r_field"]) for r in res["rows"])
     assert res["aggregates"]["recovery"]["all"]["n"] == len(res["rows"])
     assert len(res["rows"]) + len(res["excluded"]) == len(ctx.pairs.pairs) + len(ctx.pairs.excluded)
+
+
+def _without_timing(res: dict) -> dict:
+    """A probe result as JSON text, for an exact comparison of two runs."""
+    import json
+
+    from kvnotes.records import to_jsonable
+    return json.loads(json.dumps(to_jsonable(res), sort_keys=True, default=str))
+
+
+def test_clean_runs_shared_across_probes_give_the_same_results(smol):
+    """The battery's shared clean-run store (each pair prefilled once per job) changes no number:
+    probes that take their caches from the store return exactly what they return alone, and a
+    store over its byte budget keeps scores only and prefills the caches again."""
+    pairs = recall_pairs(smol, ["favourite_colour"], n_instances=1, per_instance=3)
+    overrides = {"progress": False, "n_boot": 200}
+    cfgs = {"injection": probes.load_config("injection", overrides),
+            "field_refresh": probes.load_config("field_refresh", overrides),
+            "heads": probes.load_config("heads", overrides | {"modes": ["read"], "ks": [1, 4],
+                                                             "random": {"n_draws": 2}})}
+    alone = {n: _without_timing(probes.get(c)(probes.ProbeContext(bundle=smol, pairs=pairs, cfg=c)))
+             for n, c in cfgs.items()}
+    for budget in (8 << 30, 1):                       # everything kept / nothing but scores kept
+        store = K.CleanRuns(budget)
+        for n, c in cfgs.items():
+            res = probes.get(c)(probes.ProbeContext(bundle=smol, pairs=pairs, cfg=c, clean_runs=store))
+            assert _without_timing(res) == alone[n], (n, budget)
+        assert store.prefilled == len(pairs.pairs) and store.reused == 2 * len(pairs.pairs)
+        assert (store.used_bytes > 0) == (budget > 1)
