@@ -219,23 +219,172 @@ class _Substitute:
         return base_fn(module, query, key, value, attention_mask, **kwargs)
 
 
+class _SharedPrefix:
+    """Attention hook for a cache-free forward of ``V`` patch variants x ``n`` fed tokens on one
+    shared batch-1 prefix (:func:`patched_logits`): no variant cache exists at all.
+
+    The variants' queries become one query block ``[1, heads, V * n, head_dim]`` over the keys
+    ``[prefix slots | substituted source entries | every variant's fed tokens]``; an additive mask
+    gives each query its own variant's view (the prefix slots it does not substitute, its own
+    substituted entries, its own fed tokens up to itself; on sliding-window layers only positions
+    within the window). The model's own attention implementation (scaling, soft-capping, sinks) runs
+    on that block, so the result is the same attention as on materialised variant caches, up to
+    float rounding.
+    """
+
+    def __init__(self, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, n: int, start: int,
+                 dtype: torch.dtype) -> None:
+        V = masks.shape[0]
+        dev = base.layers[0].keys.device
+        masks = masks.to(dev)
+        q_var = torch.arange(V, device=dev).repeat_interleave(n)           # query row -> variant
+        q_tok = torch.arange(n, device=dev).repeat(V)                      # query row -> fed token
+        q_pos = start + q_tok
+        own_new = (q_var[:, None] == q_var[None, :]) & (q_tok[None, :] <= q_tok[:, None])
+        neg = torch.finfo(dtype).min
+        self.layers = []
+        for l, (lb, ls) in enumerate(zip(base.layers, source.layers, strict=True)):
+            pos = slot_positions(lb)
+            m = masks[:, l, pos]                                           # [V, slots]
+            v_idx, s_idx = m.nonzero(as_tuple=True)
+            see_base, see_sub, see_new = ~m[q_var], v_idx[None, :] == q_var[:, None], own_new
+            window = getattr(lb, "sliding_window", None) if getattr(lb, "is_sliding", False) else None
+            if window is not None:
+                see_base = see_base & (q_pos[:, None] - pos[None, :] < window)
+                see_sub = see_sub & (q_pos[:, None] - pos[s_idx][None, :] < window)
+                see_new = see_new & (q_tok[:, None] - q_tok[None, :] < window)
+            see = torch.cat([see_base, see_sub, see_new], 1)
+            mask = torch.zeros(see.shape, dtype=dtype, device=dev).masked_fill_(~see, neg)[None, None]
+            self.layers.append((torch.cat([lb.keys, ls.keys[:, :, s_idx]], 2),
+                                torch.cat([lb.values, ls.values[:, :, s_idx]], 2), mask))
+
+    def __call__(self, base_fn, module, query, key, value, attention_mask, **kwargs):
+        keys, values, mask = self.layers[module.layer_idx]
+        V, H, n, hd = query.shape
+        kvh = key.shape[1]
+        q = query.transpose(0, 1).reshape(1, H, V * n, hd)
+        k = torch.cat([keys, key.transpose(0, 1).reshape(1, kvh, V * n, -1).to(keys.dtype)], 2)
+        v = torch.cat([values, value.transpose(0, 1).reshape(1, kvh, V * n, -1).to(values.dtype)], 2)
+        out, _ = base_fn(module, q, k, v, mask, **kwargs)                  # [1, V * n, heads, hd]
+        return out.reshape(V, n, H, -1), None
+
+
+#: Attention implementations that take the explicit additive mask of :class:`_SharedPrefix`.
+SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
+
+
+def shared_prefix_chunk(masks: torch.Tensor, base: DynamicCache, n: int, attn_implementation: str) -> int:
+    """How many variants one :class:`_SharedPrefix` forward takes, or 0 where it does not pay.
+
+    Its attention covers ``slots + E + V * n`` keys per query (``E``: substituted entries of the
+    chunk) where a materialised variant cache covers ``slots + n``; chunks are sized so that the
+    former stays within 3x the latter (``V <= 2 (slots + n) / (e + n)``, ``e`` the largest number of
+    substituted entries of one variant in one layer), which sparse patches (single positions, a
+    few positions) meet with dozens of variants per chunk. Dense patches (whole spans in many
+    layers), other attention implementations (flash, flex) and chunks under 8 variants return 0.
+    """
+    if attn_implementation not in SHARED_PREFIX_ATTENTION or masks.shape[0] == 0:
+        return 0
+    slots = base.layers[0].keys.shape[-2]
+    e = int(masks.sum(dim=2).max())
+    size = (2 * (slots + n)) // (e + n)
+    return size if size >= 8 else 0
+
+
+def _candidate_logits(model, hidden: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of ``vocab_ids`` only, from final (normed) hidden states ``[V, n, d_model]``: the
+    unembedding rows of those tokens (and Gemma-2/3's final soft-capping), fp32 ``[V, n, k]``."""
+    from kvnotes.adapters import Adapter
+
+    ad = Adapter.for_model(model)
+    head = ad.module(model, "unembed")
+    bias = head.bias[vocab_ids] if getattr(head, "bias", None) is not None else None
+    logits = torch.nn.functional.linear(hidden, head.weight[vocab_ids], bias)
+    if ad.final_logit_softcapping:
+        cap = ad.final_logit_softcapping
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float()
+
+
 @torch.no_grad()
-def patched_logprobs(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor,
-                     tokens: torch.Tensor, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> torch.Tensor:
-    """Batched activation patching on the KV cache: log-probs of every patch variant.
+def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, tokens: torch.Tensor,
+                   budget_bytes: int = DEFAULT_BUDGET_BYTES, vocab_ids: Sequence[int] | None = None,
+                   method: str = "auto") -> torch.Tensor:
+    """Batched activation patching on the KV cache: the fed tokens' logits in every patch variant.
 
     Each variant's prefix cache is the base cache with layer ``l``'s K/V at position ``p`` taken
-    from ``source`` where ``masks[v, l, p]`` (the caches :func:`build_variants` builds): ``tokens``
-    are fed from position ``T`` on a batch-``V`` view of ``base`` and the masked K/V are written
-    into the attention call's keys and values (:class:`_Substitute`), so only the decode's own
-    concatenated copy of the cache exists per chunk. The first token is the decision token
-    ``d = T``; further tokens teacher-force a multi-token continuation. Variants are processed in
-    chunks whose variant caches fit ``budget_bytes``.
+    from ``source`` where ``masks[v, l, p]`` (the caches :func:`build_variants` builds). ``tokens``
+    are fed at positions ``T..``; the first is the decision token ``d = T``, further tokens
+    teacher-force a multi-token continuation. No variant cache is copied:
+
+    - sparse patches (:func:`shared_prefix_chunk`) run cache-free: every variant attends to the one
+      batch-1 prefix plus its own substituted K/V (:class:`_SharedPrefix`);
+    - others decode on a batch-``V`` view of ``base`` with the masked K/V written into the
+      attention call (:class:`_Substitute`), in chunks whose variant caches fit ``budget_bytes``.
 
     Args:
         base, source: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
         masks: bool ``[V, n_layers, T]``.
         tokens: ``[n]`` token ids fed after the prefix.
+        vocab_ids: compute only these tokens' logits (the unembedding rows of ``vocab_ids``; a
+            logit difference needs no normalisation), else the whole vocabulary.
+        method: ``auto`` (shared prefix where :func:`shared_prefix_chunk` says it pays),
+            ``shared`` (always, in chunks of at least one variant; sdpa / eager attention only) or
+            ``substitute`` (always the batch view).
+
+    Returns:
+        ``[V, n, len(vocab_ids) | vocab]`` fp32 logits.
+
+    Raises:
+        ValueError: the mask's layer or position count does not match the caches, an unknown
+            ``method``, or ``shared`` with another attention implementation.
+    """
+    from kvnotes.capture import attention_hook
+
+    if method not in ("auto", "shared", "substitute"):
+        raise ValueError(f"method must be auto, shared or substitute, got {method!r}")
+    impl = model.config._attn_implementation
+    if method == "shared" and impl not in SHARED_PREFIX_ATTENTION:
+        raise ValueError(f"the shared-prefix decode needs one of {SHARED_PREFIX_ATTENTION} attention, not {impl}")
+    T = seq_length(base)
+    if masks.shape[1] != len(base.layers) or masks.shape[2] != T or seq_length(source) != T:
+        raise ValueError(f"mask {tuple(masks.shape)} does not fit caches of {len(base.layers)} layers x {T} positions")
+    dev = model.device
+    tokens = tokens.to(dev)
+    n = tokens.shape[0]
+    ids = torch.as_tensor(list(vocab_ids), dtype=torch.long, device=dev) if vocab_ids is not None else None
+    shared = {"auto": shared_prefix_chunk(masks, base, n, impl), "substitute": 0}.get(method, masks.shape[0])
+    size = min(shared, max(1, budget_bytes // max(variant_bytes(base), 1))) if shared else 0
+    slices = ([slice(s, min(masks.shape[0], s + size)) for s in range(0, masks.shape[0], size)] if shared
+              else list(chunks(masks.shape[0], variant_bytes(base), budget_bytes)))
+    out = []
+    for sl in slices:
+        V = sl.stop - sl.start
+        feed = dict(input_ids=tokens[None].expand(V, -1),
+                    position_ids=torch.arange(T, T + n, device=dev)[None].expand(V, -1))
+        if shared:
+            hook = _SharedPrefix(base, source, masks[sl], n, T, base.layers[0].keys.dtype)
+            with attention_hook(model, hook):
+                if ids is None:
+                    out.append(model(**feed, use_cache=False).logits.float())
+                else:
+                    out.append(_candidate_logits(model, model.base_model(**feed, use_cache=False).last_hidden_state, ids))
+            continue
+        with attention_hook(model, _Substitute(base, source, masks[sl])):
+            kw = dict(attention_mask=torch.ones(V, T + n, dtype=torch.long, device=dev),
+                      past_key_values=expand_cache(base, model.config, V), use_cache=True)
+            if ids is None:
+                out.append(model(**feed, **kw).logits.float())
+            else:
+                out.append(_candidate_logits(model, model.base_model(**feed, **kw).last_hidden_state, ids))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def patched_logprobs(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor,
+                     tokens: torch.Tensor, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> torch.Tensor:
+    """Log-probabilities of every patch variant: the log-softmax of :func:`patched_logits` over
+    the whole vocabulary.
 
     Returns:
         ``[V, n, vocab]`` fp32 log-probabilities.
@@ -243,17 +392,7 @@ def patched_logprobs(model, base: DynamicCache, source: DynamicCache, masks: tor
     Raises:
         ValueError: the mask's layer or position count does not match the caches.
     """
-    from kvnotes.capture import attention_hook
-
-    T = seq_length(base)
-    if masks.shape[1] != len(base.layers) or masks.shape[2] != T or seq_length(source) != T:
-        raise ValueError(f"mask {tuple(masks.shape)} does not fit caches of {len(base.layers)} layers x {T} positions")
-    out = []
-    for sl in chunks(masks.shape[0], variant_bytes(base), budget_bytes):
-        V = sl.stop - sl.start
-        with attention_hook(model, _Substitute(base, source, masks[sl])):
-            out.append(continuation_logprobs(model, expand_cache(base, model.config, V), tokens, T))
-    return torch.cat(out)
+    return torch.log_softmax(patched_logits(model, base, source, masks, tokens, budget_bytes), dim=-1)
 
 
 def position_masks(n_layers: int, T: int, position_sets: Sequence[Sequence[int]],

@@ -77,8 +77,12 @@ def candidate_scores(forward, pair: TokenizedPair, mode: str = "first_token"):
 @torch.no_grad()
 def variant_scores(model, pair: TokenizedPair, base: DynamicCache, source: DynamicCache, masks: torch.Tensor,
                    mode: str = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> torch.Tensor:
-    """Scores of patch variants of the pair's prefix caches (:func:`candidate_scores` over
-    :func:`kvnotes.cache.patched_logprobs`).
+    """Scores of patch variants of the pair's prefix caches.
+
+    ``first_token``: the logit difference of the candidates' first tokens, from their two logits
+    only (:func:`kvnotes.cache.patched_logits` with ``vocab_ids``; the log-softmax normaliser
+    cancels in ``log p(a) - log p(b)``, so no vocabulary-wide unembedding is computed). ``full``:
+    :func:`candidate_scores` over :func:`kvnotes.cache.patched_logprobs`.
 
     Args:
         pair: the token-aligned pair (gives the decision token and candidate ids).
@@ -88,6 +92,12 @@ def variant_scores(model, pair: TokenizedPair, base: DynamicCache, source: Dynam
     Returns:
         ``[V]`` fp32 scores ``log p(cand_new) - log p(cand_old)`` in nats.
     """
+    _check_mode(mode)
+    if mode == "first_token":
+        d = pair.decision
+        logits = kvcache.patched_logits(model, base, source, masks, pair.old.ids[d: d + 1], budget_bytes,
+                                        vocab_ids=[pair.cand_old[0], pair.cand_new[0]])[:, 0]
+        return logits[:, 1] - logits[:, 0]
     return candidate_scores(
         lambda tokens, _: (kvcache.patched_logprobs(model, base, source, masks, tokens, budget_bytes), None),
         pair, mode)[0]

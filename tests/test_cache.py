@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvnotes import cache as kvcache
 from tests.conftest import BATCH_TOL, LOGPROB_TOL, VOCAB, WINDOW
@@ -144,3 +145,27 @@ def test_mask_shape_mismatch_raises(caches):
     model, old, _, c_old, c_new = caches
     with pytest.raises(ValueError):
         kvcache.build_variants(model.config, c_old, c_new, torch.zeros(1, len(c_old.layers), T - 1, dtype=torch.bool))
+
+
+def test_shared_prefix_decode_matches_materialised_variant_caches(caches):
+    """The cache-free shared-prefix path (sparse patches, :class:`kvnotes.cache._SharedPrefix`)
+    gives the logits of the materialised variant caches, for a teacher-forced continuation too
+    (sliding windows, soft-capping, GQA); candidate-only logits are those columns of the full ones."""
+    model, old, new, c_old, c_new = caches
+    L = len(c_old.layers)
+    masks = kvcache.position_masks(L, T, [[p] for p in range(T)] + [[FIELD[0], T - 1], []])
+    tail = torch.cat([old[T:], new[FIELD[0]:FIELD[0] + 2]])                 # 3 fed tokens
+    if not isinstance(c_old.layers[0], DynamicSlidingWindowLayer):      # full layers: auto takes this path
+        assert kvcache.shared_prefix_chunk(masks, c_old, len(tail), model.config._attn_implementation) >= 8
+    got = kvcache.patched_logits(model, c_old, c_new, masks, tail, method="shared")
+    ref = kvcache.continuation_logprobs(model, kvcache.build_variants(model.config, c_old, c_new, masks), tail, T)
+    assert torch.allclose(torch.log_softmax(got, -1), ref, atol=TOL)
+    for method in ("shared", "substitute"):
+        cand = kvcache.patched_logits(model, c_old, c_new, masks, tail, vocab_ids=[3, 11], method=method)
+        assert torch.allclose(cand, got[..., [3, 11]], atol=TOL)
+    # chunked (budget of one variant cache) = one chunk
+    one = kvcache.patched_logits(model, c_old, c_new, masks, tail, budget_bytes=1, method="shared")
+    assert torch.allclose(one, got, atol=BATCH_TOL)
+    # patching nothing = the old run's own continuation
+    plain = kvcache.continuation_logprobs(model, kvcache.view(c_old, model.config), tail, T)[0]
+    assert torch.allclose(torch.log_softmax(got[-1], -1), plain, atol=TOL)
