@@ -164,7 +164,7 @@ class Engine(ABC):
 
     def run(self, ids: torch.Tensor, interventions: Sequence[Intervention] = (), capture: Sequence[Site] = (),
             cache: DynamicCache | None = None, start: int = 0, n_keep: int | None = 1,
-            use_cache: bool = False) -> EngineOutput:
+            use_cache: bool = False, resume: tuple[int, torch.Tensor] | None = None) -> EngineOutput:
         """One batched forward with interventions and captures.
 
         Args:
@@ -175,13 +175,19 @@ class Engine(ABC):
                 is extended). None with ``start == 0``.
             n_keep: logits of the last ``n_keep`` fed positions (None: all).
             use_cache: return the extended cache.
+            resume: ``(l, resid_pre)``: the fed positions' residual stream entering layer ``l``
+                (``[1 | V, n, hidden]``, e.g. captured from the clean run), so layers below ``l``
+                are not run (nnsight ``skip``). Exact when no intervention or capture sits below
+                ``l`` and the residual is that of the same inputs; the extended cache then holds
+                no fed positions in layers below ``l``. The TransformerLens backend runs every
+                layer (same numbers, no saving).
 
         Returns:
             :class:`EngineOutput`.
 
         Raises:
             ValueError: ``start > 0`` without a cache, a cache that does not hold ``start``
-                positions, or a site layer out of range.
+                positions, a site layer out of range, or a site below the ``resume`` layer.
         """
         ids = ids.view(1, -1) if ids.dim() == 1 else ids
         if (cache is None) != (start == 0):
@@ -191,6 +197,8 @@ class Engine(ABC):
         for s in [iv.site for iv in interventions] + list(capture):
             if not 0 <= s.layer < self.adapter.n_layers:
                 raise ValueError(f"layer {s.layer} out of range [0, {self.adapter.n_layers})")
+            if resume is not None and s.layer < resume[0]:
+                raise ValueError(f"site {s} lies below the resume layer {resume[0]}")
         V = max([ids.shape[0]] + [iv.value.shape[0] for iv in interventions]
                 + ([cache.layers[0].keys.shape[0]] if cache is not None else []))
         device = self.model.device
@@ -201,7 +209,9 @@ class Engine(ABC):
                       attention_mask=torch.ones(V, start + n, dtype=torch.long, device=device),
                       past_key_values=kv, use_cache=True)
         with torch.no_grad():
-            logits, acts = self._forward(kwargs, list(interventions), list(capture), start)
+            logits, acts = self._forward(kwargs, list(interventions), list(capture), start,
+                                         None if resume is None or resume[0] == 0 else
+                                         (resume[0], resume[1].to(device, self.model.dtype).expand(V, n, -1)))
         logits = logits if n_keep is None else logits[:, -n_keep:]
         return EngineOutput(torch.log_softmax(logits.float(), dim=-1), acts, kv if use_cache else None)
 
@@ -219,8 +229,10 @@ class Engine(ABC):
         return x
 
     @abstractmethod
-    def _forward(self, kwargs, interventions, capture, start):
-        """Run one forward with ``interventions`` applied; return (logits, captured activations)."""
+    def _forward(self, kwargs, interventions, capture, start, resume=None):
+        """Run one forward with ``interventions`` applied (layers below ``resume[0]`` skipped, the
+        residual ``resume[1]`` ``[V, n, hidden]`` entering layer ``resume[0]``, where the backend
+        can); return (logits, captured activations)."""
 
 
 class NNsightEngine(Engine):
@@ -259,11 +271,14 @@ class NNsightEngine(Engine):
             return self._envoy(f"{layer}.{p['post_attn_norm'] or p['o_proj']}"), "output"
         return self._envoy(f"{layer}.{p['post_mlp_norm'] or p['mlp']}"), "output"
 
-    def _forward(self, kwargs, interventions, capture, start):
+    def _forward(self, kwargs, interventions, capture, start, resume=None):
         ops = [(self._site(s), s, ivs, cap) for s, ivs, cap in self._schedule(interventions, capture)]
         n_heads = self.adapter.n_heads
         saved = {}
         with self.nm.trace(**kwargs):
+            if resume is not None:                    # every layer below resume[0] hands on the residual
+                for l in range(resume[0]):
+                    self._envoy(f"{self.adapter.paths['layers']}.{l}").skip(resume[1])
             for (env, attr), site, ivs, cap in ops:
                 x = getattr(env, attr)
                 if ivs:
@@ -328,8 +343,8 @@ class LensEngine(Engine):
                 "mlp_out": f"{b}.ln2_post.hook_out" if post and self.adapter.paths["post_mlp_norm"] else f"{b}.mlp.hook_out",
                 }[site.kind]
 
-    def _forward(self, kwargs, interventions, capture, start):
-        n_heads = self.adapter.n_heads
+    def _forward(self, kwargs, interventions, capture, start, resume=None):
+        n_heads = self.adapter.n_heads             # ``resume`` is not used: every layer runs
         saved = {}
         hooks = []
         for site, ivs, cap in self._schedule(interventions, capture):

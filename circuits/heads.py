@@ -88,8 +88,20 @@ def set_masks(sets: Sequence[Sequence[tuple[int, int]]], n_layers: int, n_heads:
     return m
 
 
+def clean_residuals(engine: Engine, run: PairRun, prefix) -> torch.Tensor:
+    """The old run's residual stream entering every layer at the write positions ``[b, d]``
+    (resumed on ``prefix``, the clean old cache ``[0, b)``): ``[n_layers, d - b + 1, hidden]``.
+    A write variant whose heads all lie in layers ``>= l`` starts from ``[l]`` (:meth:`Engine.run`
+    ``resume``): below ``l`` it is the clean run."""
+    pair = run.pair
+    b, d = pair.field[1], pair.decision
+    L = engine.adapter.n_layers
+    out = engine.run(pair.old.ids[b: d + 1], capture=[Site("resid_pre", l) for l in range(L)], cache=prefix, start=b)
+    return torch.stack([out.acts[Site("resid_pre", l)][0] for l in range(L)])
+
+
 def patched_scores(engine: Engine, run: PairRun, source: torch.Tensor, masks: torch.Tensor, mode: str,
-                   prefix, chunk: int) -> torch.Tensor:
+                   prefix, chunk: int, resid: torch.Tensor | None = None) -> torch.Tensor:
     """Scores of head-patch variants of the old run, ``chunk`` variants per forward.
 
     Args:
@@ -98,9 +110,12 @@ def patched_scores(engine: Engine, run: PairRun, source: torch.Tensor, masks: to
         mode: ``"read"`` (positions ``[d]``, prefix = old cache ``[0, d)``) or ``"write"``
             (positions ``[b, d)``, prefix = old cache ``[0, b)``).
         prefix: the clean old prefix cache of the mode (batch 1; not modified).
+        resid: write mode: :func:`clean_residuals`; variants are then run in order of their
+            lowest patched layer and each chunk starts at its lowest layer (the layers below are
+            the clean run), else every chunk runs every layer.
 
     Returns:
-        ``[V]`` fp32 scores (nats).
+        ``[V]`` fp32 scores (nats), in the order of ``masks``.
 
     Raises:
         ValueError: unknown mode.
@@ -113,22 +128,30 @@ def patched_scores(engine: Engine, run: PairRun, source: torch.Tensor, masks: to
     positions = list(range(start, d))if mode == "write" else [d]
     ids = pair.old.ids[start: d + 1]
     P = len(positions)
-    out = []
+    L = masks.shape[1]
+    lowest = torch.where(masks.any(2), torch.arange(L), L).min(1).values          # [V]; L: patches nothing
+    order = torch.argsort(lowest, stable=True) if resid is not None else torch.arange(masks.shape[0])
+    out = torch.empty(masks.shape[0])
     for s in range(0, masks.shape[0], chunk):
-        m = masks[s: s + chunk]
+        idx = order[s: s + chunk]
+        m = masks[idx]
         ivs = [Intervention(Site("hook_z", l), positions, source[l, positions][None],
                             where=m[:, l][:, None, :].expand(-1, P, -1))
                for l in range(m.shape[1]) if bool(m[:, l].any())]
-        lp = engine.run(ids[None].expand(m.shape[0], -1), ivs, cache=prefix, start=start).logprobs
-        out.append(first_token_scores(lp[:, -1], pair).float().cpu())
-    return torch.cat(out) if out else torch.empty(0)
+        l0 = min(int(lowest[idx].min()), L - 1)
+        resume = (l0, resid[l0][None]) if resid is not None and l0 > 0 else None
+        lp = engine.run(ids[None].expand(m.shape[0], -1), ivs, cache=prefix, start=start, resume=resume).logprobs
+        out[idx] = first_token_scores(lp[:, -1], pair).float().cpu()
+    return out
 
 
-def single_head_map(engine: Engine, run: PairRun, source: torch.Tensor, mode: str, prefix, chunk: int) -> np.ndarray:
-    """Recovery of patching each head alone: ``[n_layers, n_heads]``."""
+def single_head_map(engine: Engine, run: PairRun, source: torch.Tensor, mode: str, prefix, chunk: int,
+                    resid: torch.Tensor | None = None) -> np.ndarray:
+    """Recovery of patching each head alone: ``[n_layers, n_heads]`` (``resid``: see
+    :func:`patched_scores`)."""
     L, H = engine.adapter.n_layers, engine.adapter.n_heads
     sets = [[(l, h)] for l in range(L) for h in range(H)]
-    s = patched_scores(engine, run, source, set_masks(sets, L, H), mode, prefix, chunk)
+    s = patched_scores(engine, run, source, set_masks(sets, L, H), mode, prefix, chunk, resid)
     return run.recovery(s).view(L, H).numpy()
 
 
@@ -158,6 +181,16 @@ def _ranking_by_family(rows: list[dict], maps: dict, mode: str, families: list[s
                       "pairs": [r["pair"] for r in src],
                       "source": "family" if level == "family" else "all_selection"}
     return out
+
+
+def _mode_start(engine: Engine, model, run: PairRun, mode: str):
+    """(prefix cache, clean residuals or None) a mode's sweep starts from: read heads decode on the
+    old cache ``[0, d)``; write heads resume the prefill at ``b`` on its view ``[0, b)``, each chunk
+    from its lowest patched layer (:func:`clean_residuals`)."""
+    if mode == "read":
+        return run.old_cache, None
+    prefix = kvcache.prefix_cache(model, run.old_cache, run.pair.old.ids, run.pair.field[1])
+    return prefix, clean_residuals(engine, run, prefix)
 
 
 class Result(CircuitResult):
@@ -192,8 +225,8 @@ def run(ctx) -> dict:
         maps[row["pair"]] = {}
         for mode in modes:
             with ctx.timer(f"{mode}_map"):
-                prefix = run_.old_cache if mode == "read" else kvcache.prefix_cache(model, run_.old_cache, pair.old.ids, pair.field[1])
-                maps[row["pair"]][mode] = single_head_map(engine, run_, source, mode, prefix, chunk)
+                prefix, resid = _mode_start(engine, model, run_, mode)
+                maps[row["pair"]][mode] = single_head_map(engine, run_, source, mode, prefix, chunk, resid)
     families = K.families_of(ctx, rows + fs.excluded)
     rankings = {mode: _ranking_by_family(rows, maps, mode, families) for mode in modes}
     # 2. cumulative top-k vs random on held-out pairs
@@ -216,9 +249,9 @@ def run(ctx) -> dict:
                 sets += [rk["order"][:k] for k in ks]
                 rand = [random_head_sets(rng, L, H, k, n_draws) for k in ks]
                 sets += [s for draws in rand for s in draws]
-                prefix = run_.old_cache if mode == "read" else kvcache.prefix_cache(model, run_.old_cache, pair.old.ids, pair.field[1])
                 with ctx.timer(f"{mode}_topk"):
-                    s = patched_scores(engine, run_, source, set_masks(sets, L, H), mode, prefix, chunk)
+                    prefix, resid = _mode_start(engine, model, run_, mode)
+                    s = patched_scores(engine, run_, source, set_masks(sets, L, H), mode, prefix, chunk, resid)
                 r = run_.recovery(s).numpy()
                 flipped = run_.decision_flipped(s).numpy()
                 row[f"r_{mode}_all"] = float(r[0])

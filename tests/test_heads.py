@@ -11,7 +11,7 @@ import torch
 
 from circuits.engine import Intervention, NNsightEngine, Site
 from kvnotes.selection import pair_rng, rank_by_mean, with_split
-from circuits.heads import (head_outputs, map_pairs, patched_scores, random_head_sets, set_masks,
+from circuits.heads import (clean_residuals, head_outputs, map_pairs, patched_scores, random_head_sets, set_masks,
                             single_head_map)
 from kvnotes import cache as kvcache
 from kvnotes.readout import first_token_scores, run_pair, variant_scores
@@ -85,6 +85,28 @@ def test_resumed_write_equals_full_rerun_and_batching_is_exact(setup):
         assert full == pytest.approx(float(batched[idx]), abs=1e-4)
     m = single_head_map(engine, run, src, "read", run.old_cache, 5)
     assert m.shape == (L, H) and np.isfinite(m).all()
+
+
+def test_write_chunks_start_at_their_lowest_layer_with_the_same_scores(setup):
+    """Write variants resumed at their lowest patched layer from the clean residual (layers below
+    skipped) score what the full-depth forward scores, whatever the chunking and set order."""
+    model, engine, pair, run, src = setup
+    L, H = engine.adapter.n_layers, engine.adapter.n_heads
+    prefix = kvcache.prefix_cache(model, run.old_cache, pair.old.ids, B)
+    resid = clean_residuals(engine, run, prefix)
+    assert resid.shape[:2] == (L, pair.decision - B + 1)
+    rng = np.random.default_rng(0)
+    sets = ([[(l, h)] for l in reversed(range(L)) for h in range(H)] + [[]]
+            + random_head_sets(rng, L, H, 3, 4) + [[(L - 1, 0), (1, 1)]])
+    masks = set_masks(sets, L, H)
+    full = patched_scores(engine, run, src, masks, "write", prefix, 5)
+    for chunk in (1, 5):
+        resumed = patched_scores(engine, run, src, masks, "write", prefix, chunk, resid)
+        assert (resumed - full).abs().max() < 1e-4
+    assert float(run.recovery(full)[len(sets) - 6]) == pytest.approx(0.0, abs=1e-5)    # the empty set
+    with pytest.raises(ValueError, match="below the resume layer"):
+        engine.run(pair.old.ids[B:], [Intervention(Site("hook_z", 0), [B], src[0, [B]][None])], cache=prefix,
+                   start=B, resume=(1, resid[1][None]))
 
 
 def test_selection_never_uses_heldout_instances():
