@@ -99,7 +99,7 @@ def test_clean_runs_shared_across_probes_give_the_same_results(smol):
     """The battery's shared clean-run store (each pair prefilled once per job) changes no number:
     probes that take their caches from the store return exactly what they return alone, and a
     store over its byte budget keeps scores only and prefills the caches again."""
-    pairs = recall_pairs(smol, ["favourite_colour"], n_instances=1, per_instance=3)
+    pairs = recall_pairs(smol, ["favourite_colour"], n_instances=1, per_instance=2)
     overrides = {"progress": False, "n_boot": 200}
     cfgs = {"injection": probes.load_config("injection", overrides),
             "field_refresh": probes.load_config("field_refresh", overrides),
