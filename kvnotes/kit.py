@@ -87,24 +87,46 @@ class FlippingSet:
 @dataclass
 class CleanRuns:
     """Clean runs (:func:`kvnotes.readout.run_pair`) kept for the probes of one job, keyed by the
-    pair object and the readout mode: the battery hands one store to every probe, so a pair is
-    prefilled once per job however many probes screen it. Probes treat the prefix caches as
-    read-only (every forward on them extends a view), which is what makes sharing them exact: a
-    probe gets the same numbers with or without the store (tests/test_kit.py).
+    pair object and the readout mode, with the prompts' prefix caches memoised by their tokens: the
+    battery hands one store to every probe, so a pair is prefilled once per job however many
+    probes screen it, and a prompt that several pairs share (the same instance and value in two
+    pairs, a polarity pair's normal prompt and a field pair's) once for all of them. Probes treat
+    the prefix caches as read-only (every forward on them extends a view), which is what makes
+    sharing them exact: a probe gets the same numbers with or without the store (tests/test_kit.py).
 
     Attributes:
-        budget_bytes: bytes of prefix caches (old + new, :func:`kvnotes.cache.variant_bytes`) the
-            store keeps; a run beyond it is kept without caches (scores and decisions only) and its
-            caches are prefilled again when a later probe asks for them.
+        budget_bytes: bytes of prefix caches (:func:`kvnotes.cache.variant_bytes`) the store keeps;
+            beyond it, prompts are no longer memoised and runs are kept without caches (scores and
+            decisions only; their caches are prefilled again when a later probe asks for them).
         used_bytes: bytes of caches held.
-        prefilled, reused: clean runs computed here / served from the store.
+        prefilled: prompts prefilled here; shared: prompt prefills served from the memo;
+        reused: clean runs served from the store.
     """
 
     budget_bytes: int = 8 << 30
     used_bytes: int = 0
     prefilled: int = 0
+    shared: int = 0
     reused: int = 0
     _runs: dict = field(default_factory=dict, repr=False)
+    _prompts: dict = field(default_factory=dict, repr=False)
+    _held: set = field(default_factory=set, repr=False)
+
+    def prefill(self, model, ids: torch.Tensor):
+        """:func:`kvnotes.cache.prefill` of ``ids`` (``[T]``), memoised by the tokens within the budget."""
+        key = tuple(ids.tolist())
+        cache = self._prompts.get(key)
+        if cache is not None:
+            self.shared += 1
+            return cache
+        self.prefilled += 1
+        cache = kvcache.prefill(model, ids)
+        size = kvcache.variant_bytes(cache)
+        if self.used_bytes + size <= self.budget_bytes:
+            self.used_bytes += size
+            self._prompts[key] = cache
+            self._held.add(id(cache))
+        return cache
 
     def run(self, model, pair, mode: str = "first_token") -> PairRun:
         """The clean run of ``pair`` under readout ``mode``, with its prefix caches."""
@@ -114,14 +136,9 @@ class CleanRuns:
             self.reused += 1
             run = kept[1]
             return run if run.old_cache is not None else run.with_caches(model)
-        self.prefilled += 1
-        run = run_pair(model, pair, mode)
-        size = kvcache.variant_bytes(run.old_cache) + kvcache.variant_bytes(run.new_cache)
-        if self.used_bytes + size <= self.budget_bytes:
-            self.used_bytes += size
-            self._runs[key] = (pair, run)
-        else:
-            self._runs[key] = (pair, run.released())
+        run = run_pair(model, pair, mode, self.prefill)
+        memoised = id(run.old_cache) in self._held and id(run.new_cache) in self._held
+        self._runs[key] = (pair, run if memoised else run.released())
         return run
 
 

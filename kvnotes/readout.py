@@ -195,17 +195,22 @@ class PairRun:
 
 
 @torch.no_grad()
-def run_pair(model, pair: TokenizedPair, mode: str = "first_token") -> PairRun:
+def run_pair(model, pair: TokenizedPair, mode: str = "first_token", prefill=None) -> PairRun:
     """Prefill both prompts of a pair (positions ``[0, d)``) and score the clean runs.
 
     The clean scores come from the same code path as patched scores (mask none / all), so recovery
     is exactly 0 and 1 for them; the same forward gives each run's vocabulary decision
     (:class:`Decision`).
+
+    Args:
+        prefill: ``(model, ids) -> cache`` (default :func:`kvnotes.cache.prefill`); a job's
+            :class:`kvnotes.kit.CleanRuns` passes its memo of prompts already prefilled.
     """
     _check_mode(mode)
     d = pair.decision
-    old_cache = kvcache.prefill(model, pair.old.ids[:d])
-    new_cache = kvcache.prefill(model, pair.new.ids[:d])
+    prefill = prefill or kvcache.prefill
+    old_cache = prefill(model, pair.old.ids[:d])
+    new_cache = prefill(model, pair.new.ids[:d])
     masks = torch.zeros(2, len(old_cache.layers), d, dtype=torch.bool)
     masks[1] = True
     lps = kvcache.patched_logprobs(model, old_cache, new_cache, masks, pair.old.ids[d: d + 1])[:, 0]

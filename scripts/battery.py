@@ -92,13 +92,15 @@ def main() -> None:
     total = sum(times.values())
     print(f"  {'total':16s} {total:8.1f} s = {total / 60:.1f} min (+ setup {setup:.1f} s)")
     if store is not None:
-        print(f"  clean runs: {store.prefilled} prefilled, {store.reused} reused from the store "
+        print(f"  clean runs: {store.prefilled} prompts prefilled ({store.shared} more shared by other pairs), "
+              f"{store.reused} runs reused from the store "
               f"({store.used_bytes / 2**20:.0f} MB of prefix caches kept)")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "scenario": args.scenario, "threads": args.threads,
                                                "setup_s": setup, "probe_s": times, "total_s": total,
                                                "clean_runs_mb": args.clean_runs_mb,
-                                               "clean_runs": ({"prefilled": store.prefilled, "reused": store.reused}
+                                               "clean_runs": ({"prompts_prefilled": store.prefilled, "prompts_shared": store.shared,
+                                                               "runs_reused": store.reused}
                                                               if store is not None else None),
                                                "loadavg_end": os.getloadavg()}, indent=2))
 

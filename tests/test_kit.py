@@ -98,7 +98,8 @@ def _without_timing(res: dict) -> dict:
 def test_clean_runs_shared_across_probes_give_the_same_results(smol):
     """The battery's shared clean-run store (each pair prefilled once per job) changes no number:
     probes that take their caches from the store return exactly what they return alone, and a
-    store over its byte budget keeps scores only and prefills the caches again."""
+    store over its byte budget keeps scores only and prefills the caches again. Pairs sharing a
+    prompt (an instance's value in two pairs) share one prefill."""
     pairs = recall_pairs(smol, ["favourite_colour"], n_instances=1, per_instance=2)
     overrides = {"progress": False, "n_boot": 200}
     cfgs = {"injection": probes.load_config("injection", overrides),
@@ -112,5 +113,8 @@ def test_clean_runs_shared_across_probes_give_the_same_results(smol):
         for n, c in cfgs.items():
             res = probes.get(c)(probes.ProbeContext(bundle=smol, pairs=pairs, cfg=c, clean_runs=store))
             assert _without_timing(res) == alone[n], (n, budget)
-        assert store.prefilled == len(pairs.pairs) and store.reused == 2 * len(pairs.pairs)
+        prompts = {tuple(x.ids[:p.decision].tolist()) for p in pairs.pairs for x in (p.old, p.new)}
+        assert store.reused == 2 * len(pairs.pairs)                      # 3 probes: 1 prefill, 2 reuses
+        assert store.prefilled + store.shared == 2 * len(pairs.pairs)
+        assert store.prefilled == (len(prompts) if budget > 1 else 2 * len(pairs.pairs))
         assert (store.used_bytes > 0) == (budget > 1)
