@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -140,6 +141,16 @@ class CleanRuns:
         memoised = id(run.old_cache) in self._held and id(run.new_cache) in self._held
         self._runs[key] = (pair, run if memoised else run.released())
         return run
+
+
+def per_prompt(fn: Callable[[torch.Tensor], object], size: int = 4) -> Callable[[torch.Tensor], object]:
+    """``fn(ids)`` memoised on the prompt's tokens (``functools.lru_cache`` of the last ``size``
+    prompts): pairs of one instance share prompts (an instance's value is the old side of one pair
+    and the new side of another) and come one after another in suite order, so a per-prompt
+    computation runs once per distinct prompt. ``fn`` must depend on the tokens only and its
+    result must be treated as read-only."""
+    cached = functools.lru_cache(maxsize=size)(lambda key: fn(torch.tensor(key, dtype=torch.long)))
+    return lambda ids: cached(tuple(ids.tolist()))
 
 
 def progress(ctx) -> bool:

@@ -61,11 +61,16 @@ def _kv_deviation(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 @torch.no_grad()
-def deviation_maps(model, pair) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def deviation_maps(model, pair, capture=None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The five layer x position maps of one pair, each ``[n_layers, T]`` with ``T = d + 1``, and
-    the clean runs' decision-position log-probs ``[2, vocab]`` (old, new) from the same forwards."""
-    old, lp_old = capture_attention(model, pair.old.ids)
-    new, lp_new = capture_attention(model, pair.new.ids)
+    the clean runs' decision-position log-probs ``[2, vocab]`` (old, new) from the same forwards.
+
+    Args:
+        capture: ``ids -> (layers, log-probs)`` (default :func:`kvnotes.capture.capture_attention`
+            of ``model``; ``run`` memoises it per prompt, :func:`kvnotes.kit.per_prompt`)."""
+    capture = capture or (lambda ids: capture_attention(model, ids))
+    old, lp_old = capture(pair.old.ids)
+    new, lp_new = capture(pair.new.ids)
     a, b = pair.field
     maps = {m: [] for m in METRICS}
     for lo, ln in zip(old, new, strict=True):
@@ -132,9 +137,10 @@ def run(ctx) -> dict:
     thresholds = [float(t) for t in cfg.thresholds]
     model = ctx.bundle.model
     rows, examples = [], {}
+    capture = K.per_prompt(lambda ids: capture_attention(model, ids))     # a prompt shared by pairs: once
     for pair in tqdm(ctx.pairs.pairs, desc="blast_radius", disable=not K.progress(ctx)):
         with ctx.timer("deviation"):
-            maps, lps = deviation_maps(model, pair)
+            maps, lps = deviation_maps(model, pair, capture)
         if ctx.readout == "first_token":       # the capture forwards already hold the clean decisions
             status = pair_status(first_token_score(lps[0], pair), first_token_score(lps[1], pair), ctx.min_effect,
                                  ctx.flip_rule, clean_decisions(lps, pair))

@@ -118,3 +118,15 @@ def test_clean_runs_shared_across_probes_give_the_same_results(smol):
         assert store.prefilled + store.shared == 2 * len(pairs.pairs)
         assert store.prefilled == (len(prompts) if budget > 1 else 2 * len(pairs.pairs))
         assert (store.used_bytes > 0) == (budget > 1)
+
+
+def test_per_prompt_runs_once_per_distinct_prompt():
+    import torch
+
+    calls = []
+    f = K.per_prompt(lambda ids: calls.append(ids.tolist()) or int(ids.sum()), size=2)
+    a, b, c = torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4]), torch.tensor([9])
+    assert [f(a), f(b), f(a.clone()), f(b)] == [6, 7, 6, 7] and calls == [[1, 2, 3], [1, 2, 4]]
+    f(c)                                                 # size 2: c evicts the least recent, a
+    assert len(calls) == 3 and f(b) == 7 and len(calls) == 3
+    assert f(a) == 6 and len(calls) == 4
