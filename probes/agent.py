@@ -28,7 +28,9 @@ Every decision (vocabulary top-1 at the decision position) is compared with
 
 Times (:func:`kvnotes.timing.elapsed_ms`: CUDA events on GPU, ``perf_counter`` on CPU): ``agent_ms``
 is the compose call (turn 1) or the incremental forward (later turns); ``oracle_ms`` and
-``transcript_ms`` are full prefills computing only the last position's logits. One untimed full
+``transcript_ms`` are full prefills computing only the last position's logits. A prompt met twice in
+a trajectory (the turn-1 transcript is the turn-1 oracle prompt; a value that comes back) is
+prefilled once (:func:`kvnotes.kit.per_prompt`) and keeps that prefill's time. One untimed full
 prefill warms the model up first.
 
 Aggregates per family and ``all``, over all turns and over turn 1 and turns 2+ apart: accuracy of
@@ -55,7 +57,7 @@ from kvnotes import compose as kvcompose
 from kvnotes.chunks import CHUNK_NAMES, CHUNKED_ORDER, SINKS, layout_prompt, prompt_parts, sink_ids
 from kvnotes.edit_prompts import common_prefix_length, erratum_text, render_layout, user_pieces
 from kvnotes.errors import KvnotesError
-from kvnotes.kit import ProbeConfig, by_family, exclusion_counts, progress, summary
+from kvnotes.kit import ProbeConfig, by_family, exclusion_counts, per_prompt, progress, summary
 from kvnotes.schema import BaseResult, ExclusionRow, TypedDict
 from kvnotes.selection import pair_rng
 from kvnotes.timing import elapsed_ms
@@ -169,6 +171,7 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
     pre_ms, chunks = _timed(cuda, lambda: [kvcompose.precompile(model, prompt1.ids[a:b], sink_tokens)
                                            for a, b in spans])
     sliding = kvcompose.has_sliding_layers(model)
+    full = per_prompt(lambda ids: _timed(cuda, lambda: kvcompose.full_logits(model, ids)), 2 * len(values))
     users, answers, rows = [first_user], [], []
     cache, cached = None, None
     for t, value in enumerate(values, start=1):
@@ -203,8 +206,8 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
                                                                          last_only=True))
             agent = lp[0, -1]
         cached = conv.ids
-        oracle_ms, oracle = _timed(cuda, lambda: kvcompose.full_logits(model, oracle_ids))
-        transcript_ms, transcript = _timed(cuda, lambda: kvcompose.full_logits(model, conv.ids))
+        oracle_ms, oracle = full(oracle_ids)
+        transcript_ms, transcript = full(conv.ids)
         oracle, transcript = torch.log_softmax(oracle[0], -1), torch.log_softmax(transcript[0], -1)
         first = cands[expected][0]
         top = {k: int(v.argmax()) for k, v in (("agent", agent), ("oracle", oracle), ("transcript", transcript))}
