@@ -273,22 +273,22 @@ class _SharedPrefix:
 SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
 
 
-def shared_prefix_chunk(masks: torch.Tensor, base: DynamicCache, n: int, attn_implementation: str) -> int:
-    """How many variants one :class:`_SharedPrefix` forward takes, or 0 where it does not pay.
+#: Fewest variants worth a cache-free forward of their own (below it, one batch-view forward for
+#: every variant of the call is faster on a CPU).
+MIN_SHARED_CHUNK = 32
+
+
+def shared_prefix_chunk(masks: torch.Tensor, base: DynamicCache, n: int) -> int:
+    """How many variants of ``masks`` one :class:`_SharedPrefix` forward takes.
 
     Its attention covers ``slots + E + V * n`` keys per query (``E``: substituted entries of the
     chunk) where a materialised variant cache covers ``slots + n``; chunks are sized so that the
-    former stays within 3x the latter (``V <= 2 (slots + n) / (e + n)``, ``e`` the largest number of
-    substituted entries of one variant in one layer), which sparse patches (single positions, a
-    few positions) meet with dozens of variants per chunk. Dense patches (whole spans in many
-    layers), other attention implementations (flash, flex) and chunks under 8 variants return 0.
+    former stays within 3x the latter: ``V <= 2 (slots + n) / (e + n)``, ``e`` the largest number of
+    substituted positions of one variant in one layer (at least 1).
     """
-    if attn_implementation not in SHARED_PREFIX_ATTENTION or masks.shape[0] == 0:
-        return 0
     slots = base.layers[0].keys.shape[-2]
-    e = int(masks.sum(dim=2).max())
-    size = (2 * (slots + n)) // (e + n)
-    return size if size >= 8 else 0
+    e = int(masks.sum(dim=2).max()) if masks.shape[0] else 0
+    return max(1, (2 * (slots + n)) // (e + n))
 
 
 def _candidate_logits(model, hidden: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
@@ -317,10 +317,15 @@ def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch
     are fed at positions ``T..``; the first is the decision token ``d = T``, further tokens
     teacher-force a multi-token continuation. No variant cache is copied:
 
-    - sparse patches (:func:`shared_prefix_chunk`) run cache-free: every variant attends to the one
-      batch-1 prefix plus its own substituted K/V (:class:`_SharedPrefix`);
-    - others decode on a batch-``V`` view of ``base`` with the masked K/V written into the
+    - sparse variants (few substituted positions in any layer: single positions, small sets; those
+      :func:`shared_prefix_chunk` gives chunks of at least :data:`MIN_SHARED_CHUNK`), when all
+      variants are sparse or at least that many are, run cache-free: every variant attends to the
+      one batch-1 prefix plus its own substituted K/V (:class:`_SharedPrefix`);
+    - the others decode on a batch-``V`` view of ``base`` with the masked K/V written into the
       attention call (:class:`_Substitute`), in chunks whose variant caches fit ``budget_bytes``.
+
+    One call may mix both (e.g. single positions and whole layer bands); rows come back in the
+    order of ``masks``.
 
     Args:
         base, source: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
@@ -328,7 +333,7 @@ def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch
         tokens: ``[n]`` token ids fed after the prefix.
         vocab_ids: compute only these tokens' logits (the unembedding rows of ``vocab_ids``; a
             logit difference needs no normalisation), else the whole vocabulary.
-        method: ``auto`` (shared prefix where :func:`shared_prefix_chunk` says it pays),
+        method: ``auto`` (sparse variants on the shared prefix, see above),
             ``shared`` (always, in chunks of at least one variant; sdpa / eager attention only) or
             ``substitute`` (always the batch view).
 
@@ -339,8 +344,6 @@ def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch
         ValueError: the mask's layer or position count does not match the caches, an unknown
             ``method``, or ``shared`` with another attention implementation.
     """
-    from kvnotes.capture import attention_hook
-
     if method not in ("auto", "shared", "substitute"):
         raise ValueError(f"method must be auto, shared or substitute, got {method!r}")
     impl = model.config._attn_implementation
@@ -353,31 +356,50 @@ def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch
     tokens = tokens.to(dev)
     n = tokens.shape[0]
     ids = torch.as_tensor(list(vocab_ids), dtype=torch.long, device=dev) if vocab_ids is not None else None
-    shared = {"auto": shared_prefix_chunk(masks, base, n, impl), "substitute": 0}.get(method, masks.shape[0])
-    size = min(shared, max(1, budget_bytes // max(variant_bytes(base), 1))) if shared else 0
-    slices = ([slice(s, min(masks.shape[0], s + size)) for s in range(0, masks.shape[0], size)] if shared
-              else list(chunks(masks.shape[0], variant_bytes(base), budget_bytes)))
-    out = []
-    for sl in slices:
-        V = sl.stop - sl.start
-        feed = dict(input_ids=tokens[None].expand(V, -1),
-                    position_ids=torch.arange(T, T + n, device=dev)[None].expand(V, -1))
-        if shared:
-            hook = _SharedPrefix(base, source, masks[sl], n, T, base.layers[0].keys.dtype)
-            with attention_hook(model, hook):
-                if ids is None:
-                    out.append(model(**feed, use_cache=False).logits.float())
-                else:
-                    out.append(_candidate_logits(model, model.base_model(**feed, use_cache=False).last_hidden_state, ids))
-            continue
-        with attention_hook(model, _Substitute(base, source, masks[sl])):
-            kw = dict(attention_mask=torch.ones(V, T + n, dtype=torch.long, device=dev),
-                      past_key_values=expand_cache(base, model.config, V), use_cache=True)
-            if ids is None:
-                out.append(model(**feed, **kw).logits.float())
-            else:
-                out.append(_candidate_logits(model, model.base_model(**feed, **kw).last_hidden_state, ids))
-    return torch.cat(out)
+    per_cache = max(1, budget_bytes // max(variant_bytes(base), 1))
+    plan = []                                   # (variant indices, chunk size, shared?)
+    all_idx = torch.arange(masks.shape[0])
+    if method == "shared":
+        plan.append((all_idx, per_cache, True))
+    elif method == "substitute" or impl not in SHARED_PREFIX_ATTENTION:
+        plan.append((all_idx, per_cache, False))
+    else:                                       # auto: sparse variants cache-free, dense ones on the batch view
+        slots = base.layers[0].keys.shape[-2]
+        sparse = (2 * (slots + n)) // (masks.sum(dim=2).amax(dim=1) + n) >= MIN_SHARED_CHUNK
+        if not (bool(sparse.all()) or int(sparse.sum()) >= MIN_SHARED_CHUNK):
+            sparse[:] = False
+        if bool(sparse.any()):
+            plan.append((all_idx[sparse], min(shared_prefix_chunk(masks[sparse], base, n), per_cache), True))
+        plan.append((all_idx[~sparse], per_cache, False))
+    out = None
+    for idx, size, shared in plan:
+        for s in range(0, len(idx), size):
+            sub = idx[s: s + size]
+            logits = _patched_chunk(model, base, source, masks[sub], tokens, T, ids, shared)
+            if out is None:
+                out = logits.new_empty(masks.shape[0], *logits.shape[1:])
+            out[sub.to(out.device)] = logits
+    return out if out is not None else torch.empty(0, n, len(ids) if ids is not None else 0)
+
+
+def _patched_chunk(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, tokens: torch.Tensor,
+                   T: int, vocab_ids: torch.Tensor | None, shared: bool) -> torch.Tensor:
+    """One forward of :func:`patched_logits`: the variants of ``masks`` cache-free on the shared
+    prefix (``shared``) or on a batch view of ``base``."""
+    from kvnotes.capture import attention_hook
+
+    V, n, dev = masks.shape[0], tokens.shape[0], model.device
+    feed = dict(input_ids=tokens[None].expand(V, -1), position_ids=torch.arange(T, T + n, device=dev)[None].expand(V, -1))
+    if shared:
+        hook, kw = _SharedPrefix(base, source, masks, n, T, base.layers[0].keys.dtype), dict(use_cache=False)
+    else:
+        hook = _Substitute(base, source, masks)
+        kw = dict(attention_mask=torch.ones(V, T + n, dtype=torch.long, device=dev),
+                  past_key_values=expand_cache(base, model.config, V), use_cache=True)
+    with attention_hook(model, hook):
+        if vocab_ids is None:
+            return model(**feed, **kw).logits.float()
+        return _candidate_logits(model, model.base_model(**feed, **kw).last_hidden_state, vocab_ids)
 
 
 @torch.no_grad()

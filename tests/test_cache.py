@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvnotes import cache as kvcache
 from tests.conftest import BATCH_TOL, LOGPROB_TOL, VOCAB, WINDOW
@@ -155,8 +154,6 @@ def test_shared_prefix_decode_matches_materialised_variant_caches(caches):
     L = len(c_old.layers)
     masks = kvcache.position_masks(L, T, [[p] for p in range(T)] + [[FIELD[0], T - 1], []])
     tail = torch.cat([old[T:], new[FIELD[0]:FIELD[0] + 2]])                 # 3 fed tokens
-    if not isinstance(c_old.layers[0], DynamicSlidingWindowLayer):      # full layers: auto takes this path
-        assert kvcache.shared_prefix_chunk(masks, c_old, len(tail), model.config._attn_implementation) >= 8
     got = kvcache.patched_logits(model, c_old, c_new, masks, tail, method="shared")
     ref = kvcache.continuation_logprobs(model, kvcache.build_variants(model.config, c_old, c_new, masks), tail, T)
     assert torch.allclose(torch.log_softmax(got, -1), ref, atol=TOL)
@@ -166,6 +163,37 @@ def test_shared_prefix_decode_matches_materialised_variant_caches(caches):
     # chunked (budget of one variant cache) = one chunk
     one = kvcache.patched_logits(model, c_old, c_new, masks, tail, budget_bytes=1, method="shared")
     assert torch.allclose(one, got, atol=BATCH_TOL)
+    # a call mixing sparse variants and a dense one (every position, every layer) routes each to its
+    # path and keeps the order of the masks
+    dense = torch.cat([masks[:3], torch.ones(1, L, T, dtype=torch.bool), masks[3:5]])
+    mixed = kvcache.patched_logits(model, c_old, c_new, dense, tail)        # auto
+    mixed_shared = kvcache.patched_logits(model, c_old, c_new, dense, tail, method="shared")
+    assert torch.allclose(mixed_shared, mixed, atol=TOL)
+    assert torch.allclose(mixed[[0, 1, 2, 4, 5]], got[:5], atol=TOL)
+    ref_dense = kvcache.continuation_logprobs(model, kvcache.view(c_new, model.config), tail, T)[0]
+    assert torch.allclose(torch.log_softmax(mixed[3], -1), ref_dense, atol=TOL)
     # patching nothing = the old run's own continuation
     plain = kvcache.continuation_logprobs(model, kvcache.view(c_old, model.config), tail, T)[0]
     assert torch.allclose(torch.log_softmax(got[-1], -1), plain, atol=TOL)
+
+
+def test_auto_routes_sparse_variants_cache_free_on_a_long_prefix(monkeypatch):
+    """On a prefix long enough for chunks of MIN_SHARED_CHUNK, auto runs single positions on the
+    shared prefix and a dense variant on the batch view, with the batch-view path's numbers."""
+    from tests.conftest import build_tiny
+
+    model = build_tiny("llama")
+    g = torch.Generator().manual_seed(3)
+    old = torch.randint(0, VOCAB, (81,), generator=g)
+    new = old.clone()
+    new[5:8] = (old[5:8] + 1) % VOCAB
+    c_old, c_new = kvcache.prefill(model, old[:80]), kvcache.prefill(model, new[:80])
+    L = len(c_old.layers)
+    masks = torch.cat([kvcache.position_masks(L, 80, [[p] for p in range(40)]), torch.ones(1, L, 80, dtype=torch.bool)])
+    used = []
+    real = kvcache._SharedPrefix.__init__
+    monkeypatch.setattr(kvcache._SharedPrefix, "__init__", lambda self, *a: used.append(a[2].shape[0]) or real(self, *a))
+    auto = kvcache.patched_logits(model, c_old, c_new, masks, old[80:], vocab_ids=[1, 2])
+    ref = kvcache.patched_logits(model, c_old, c_new, masks, old[80:], vocab_ids=[1, 2], method="substitute")
+    assert sum(used) == 40                                   # the 40 single positions, not the dense one
+    assert torch.allclose(auto, ref, atol=TOL)
