@@ -20,9 +20,10 @@ method added above its starting point (resident set size sampled every 2 ms on C
 ``malloc_trim`` returned freed heap pages; peak allocated CUDA memory on GPU), plus the process's
 ``ru_maxrss``. ``--json PATH`` also writes the numbers.
 
-Threads: ``--threads`` defaults to torch's default (every core). The naive loop's batch-1 decode is
+Threads: ``--threads`` defaults to every CPU the process may use (``os.sched_getaffinity``; torch's
+own default counts physical cores, 1 on the 2-vCPU CI machine). The naive loop's batch-1 decode is
 bound by reading the weights from memory, the batched one by arithmetic, so the ratio grows with
-the cores: on the 2-core CI machine, 14x on 1 thread and 23x on 2 (README, "Performance").
+the cores: on the 2-vCPU CI machine, about 14x on 1 thread and 20-23x on 2 (README, "Probes").
 """
 
 from __future__ import annotations
@@ -138,17 +139,19 @@ def flipping_recall_pairs(bundle, n_pairs: int, scenario_ids: list[str] | None):
 
 
 def timed(fn, device, repeats: int):
-    """(result of the last call, best wall time over ``repeats`` in s, peak memory over all calls)."""
-    best, peak, res = float("inf"), 0, None
+    """(result of the last call, best wall time over ``repeats`` in s, peak memory of one more call).
+    Memory is sampled in a separate call: the sampling thread would compete with torch's threads
+    for the cores and perturb the timed calls."""
+    best, res = float("inf"), None
     for _ in range(repeats):
-        with PeakMemory(device) as pm:
-            t0 = time.perf_counter()
-            res = fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        peak = max(peak, pm.peak)
-    return res, best, peak
+        t0 = time.perf_counter()
+        res = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    with PeakMemory(device) as pm:
+        fn()
+    return res, best, pm.peak
 
 
 def main() -> None:
@@ -157,9 +160,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--n-pairs", type=int, default=3)
     ap.add_argument("--scenarios", nargs="*", default=None, help="recall scenario ids (default: all)")
-    ap.add_argument("--repeats", type=int, default=2, help="timed repeats per method (best is kept)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per method (best is kept)")
     ap.add_argument("--budget-mb", type=float, default=1024, help="memory budget per chunk of variant caches")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="torch CPU threads (default: every CPU this process may use)")
     ap.add_argument("--json", help="also write the numbers to this file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
