@@ -207,7 +207,7 @@ class Engine(ABC):
         kv = kvcache.expand_cache(cache, self.model.config, V) if cache is not None else DynamicCache(config=self.model.config)
         kwargs = dict(input_ids=ids, position_ids=torch.arange(start, start + n, device=device).unsqueeze(0).expand(V, -1),
                       attention_mask=torch.ones(V, start + n, dtype=torch.long, device=device),
-                      past_key_values=kv, use_cache=True)
+                      past_key_values=kv, use_cache=True, logits_to_keep=n_keep or 0)
         with torch.no_grad():
             logits, acts = self._forward(kwargs, list(interventions), list(capture), start,
                                          None if resume is None or resume[0] == 0 else
@@ -359,6 +359,7 @@ class LensEngine(Engine):
             hooks.append((self._hook_name(site), hook))
         ids = kwargs.pop("input_ids")
         kwargs.pop("use_cache")
+        kwargs.pop("logits_to_keep")                  # the bridge returns every position's logits
         logits = self.bridge.run_with_hooks(ids, fwd_hooks=hooks, return_type="logits", prepend_bos=False,
                                             **kwargs)
         return logits, {s: self._shape_capture(s, v) for s, v in saved.items()}

@@ -44,6 +44,27 @@ def test_no_intervention_equals_plain_forward(nn_engine):
     assert kvcache.seq_length(prefix) == START          # the prefix cache is not extended
 
 
+def test_n_keep_unembeds_only_the_kept_positions(nn_engine):
+    """``n_keep`` positions go through the unembedding (``logits_to_keep``), with the logits of
+    the full forward's last positions, an intervention applied or not."""
+    model = nn_engine.model
+    ids = _ids()
+    rows = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, a, o: rows.append(a[0].shape[:-1].numel()))
+    try:
+        full = nn_engine.run(ids, n_keep=None).logprobs
+        last = nn_engine.run(ids, n_keep=2).logprobs
+        iv = [Intervention(Site("resid_post", 0), [3], torch.ones(1, 1, model.config.hidden_size), mode="add")]
+        moved_full = nn_engine.run(ids, iv, n_keep=None).logprobs
+        moved_last = nn_engine.run(ids, iv, n_keep=1).logprobs
+    finally:
+        hook.remove()
+    assert rows == [T, 2, T, 1]
+    assert last.shape == (1, 2, VOCAB) and (last - full[:, -2:]).abs().max() < TOL
+    assert (moved_last - moved_full[:, -1:]).abs().max() < TOL
+    assert (moved_last - full[:, -1:]).abs().max() > 1e-3       # the intervention reached the kept row
+
+
 def test_interventions_land_and_identity_patch_is_exact(nn_engine):
     ids = _ids()
     H = nn_engine.adapter.n_heads
