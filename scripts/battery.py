@@ -11,7 +11,11 @@ of caches; ``--clean-runs-mb 0`` makes every probe prefill its pairs itself, as 
 for a before/after comparison). Then each probe's
 ``run(ctx)`` runs with the config ``run.py`` would compose for it (``conf/config.yaml`` with
 ``model=``, ``probe=``, ``scenario=``; progress bars off), and its wall time is printed as it
-finishes, with the total at the end. ``--records DIR`` also writes each probe's record where
+finishes, with the total at the end. ``--floor`` also prints each probe's roofline floor: every
+call of a linear layer (a forward hook on each ``nn.Linear``) costs at least its FLOPs at this
+machine's best GEMM rate or its weight's bytes at its best weight-read rate, whichever is larger
+(:class:`Roofline`, rates from :func:`machine_rates`): a time no implementation making the same
+calls can beat (attention and elementwise work are not counted). ``--records DIR`` also writes each probe's record where
 ``python run.py out_root=DIR`` would (``DIR/<model>/<probe>/<scenario>/record.json``), checked
 against the probe's schema. Timings depend on the machine's load: report them with it
 (``os.getloadavg`` is printed). ``--json PATH`` also writes the numbers.
@@ -37,6 +41,8 @@ def main() -> None:
     ap.add_argument("--probes", nargs="*", default=None, help="probe names (default: every registered probe)")
     ap.add_argument("--clean-runs-mb", type=float, default=8192,
                     help="prefix caches kept across probes (MB); 0: no sharing, every probe prefills its pairs")
+    ap.add_argument("--floor", action="store_true",
+                    help="print each probe's roofline floor (linear-layer FLOPs and weight reads at this machine's rates)")
     ap.add_argument("--records", help="also write each probe's record under this out_root")
     ap.add_argument("--json", help="also write the numbers to this file")
     args = ap.parse_args()
@@ -66,7 +72,11 @@ def main() -> None:
           f"({len(pairs['field'].pairs)} aligned pairs); load average {os.getloadavg()[0]:.1f}; setup {setup:.1f} s",
           flush=True)
     store = CleanRuns(int(args.clean_runs_mb * (1 << 20))) if args.clean_runs_mb > 0 else None
-    times = {}
+    times, floors = {}, {}
+    roof = Roofline(bundle.model, *machine_rates(bundle.model)) if args.floor else None
+    if roof:
+        print(f"  roofline: {roof.flop_rate / 1e9:.0f} GFLOP/s (GEMM at the MLP shape), "
+              f"{roof.byte_rate / 1e9:.1f} GB/s (one-row product with the unembedding)", flush=True)
     for name in names:
         cfg = cfgs[name]
         probe_cfg = probes.typed_config(cfg.probe)
@@ -75,10 +85,16 @@ def main() -> None:
         timer = Timer()
         ctx = probes.ProbeContext.from_run_config(cfg, probe_cfg, bundle, pairs[probe_cfg.pairs], timer, store)
         t = time.perf_counter()
+        done = roof.totals() if roof else None
         with timer("probe"):
             result = probes.get(probe_cfg)(ctx)
         times[name] = time.perf_counter() - t
-        print(f"  {name:16s} {times[name]:8.1f} s   (load average {os.getloadavg()[0]:.1f})", flush=True)
+        floor = ""
+        if roof:
+            floors[name] = dict(zip(("flops", "weight_bytes", "floor_s"), (a - b for a, b in zip(roof.totals(), done))))
+            floor = (f"   floor {floors[name]['floor_s']:6.1f} s ({floors[name]['flops'] / 1e12:5.1f} TFLOP, "
+                     f"{floors[name]['weight_bytes'] / 1e12:5.2f} TB of weights read)")
+        print(f"  {name:16s} {times[name]:8.1f} s{floor}   (load average {os.getloadavg()[0]:.1f})", flush=True)
         if args.records:
             result = to_jsonable(result)
             check_result(result, result_schema(probes.module(probe_cfg)))
@@ -91,6 +107,9 @@ def main() -> None:
                                                cfg.scenario, result, timer.stages))
     total = sum(times.values())
     print(f"  {'total':16s} {total:8.1f} s = {total / 60:.1f} min (+ setup {setup:.1f} s)")
+    if roof:
+        f = sum(v["floor_s"] for v in floors.values())
+        print(f"  {'roofline floor':16s} {f:8.1f} s = {f / 60:.1f} min")
     if store is not None:
         print(f"  clean runs: {store.prefilled} prompts prefilled ({store.shared} more shared by other pairs), "
               f"{store.reused} runs reused from the store "
@@ -98,11 +117,75 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "scenario": args.scenario, "threads": args.threads,
                                                "setup_s": setup, "probe_s": times, "total_s": total,
+                                               "roofline": {"flop_rate": roof.flop_rate, "byte_rate": roof.byte_rate,
+                                                            "probes": floors} if roof else None,
                                                "clean_runs_mb": args.clean_runs_mb,
                                                "clean_runs": ({"prompts_prefilled": store.prefilled, "prompts_shared": store.shared,
                                                                "runs_reused": store.reused}
                                                               if store is not None else None),
                                                "loadavg_end": os.getloadavg()}, indent=2))
+
+
+class Roofline:
+    """A floor on the time of every ``nn.Linear`` call of ``model`` since construction: a forward
+    hook per module adds the call's ``2 * rows * in * out`` FLOPs and the bytes of its weight, and
+    the larger of ``flops / flop_rate`` and ``weight bytes / byte_rate`` (a call can neither
+    multiply faster than the machine's best GEMM nor read its weight faster than memory delivers
+    it). Layers a run skips (nnsight ``skip``) are not called, hence not counted; attention scores,
+    candidate-only logits and elementwise work are not counted either.
+
+    Attributes:
+        flops, weight_bytes: totals since construction; floor_s: the summed per-call floors (s).
+    """
+
+    def __init__(self, model, flop_rate: float, byte_rate: float) -> None:
+        import torch
+
+        self.flop_rate, self.byte_rate = flop_rate, byte_rate
+        self.flops, self.weight_bytes, self.floor_s = 0, 0, 0.0
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_hook(self._count)
+
+    def _count(self, module, args, out) -> None:
+        flops = 2 * (args[0].numel() // module.in_features) * module.in_features * module.out_features
+        size = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        self.flops += flops
+        self.weight_bytes += size
+        self.floor_s += max(flops / self.flop_rate, size / self.byte_rate)
+
+    def totals(self) -> tuple[int, int, float]:
+        return self.flops, self.weight_bytes, self.floor_s
+
+
+def machine_rates(model, rows: int = 2048, repeats: int = 10) -> tuple[float, float]:
+    """This machine's best rates for the model, in its dtype on its device (best of ``repeats``):
+    FLOP/s of a dense ``[rows, hidden] x [hidden, intermediate]`` product (the MLP shape), and
+    bytes/s of a one-row product with the unembedding matrix (bound by reading the weight)."""
+    import torch
+
+    cfg = model.config.get_text_config()
+    p = next(model.parameters())
+    x = torch.randn(rows, cfg.hidden_size, dtype=p.dtype, device=p.device)
+    w = torch.randn(cfg.intermediate_size, cfg.hidden_size, dtype=p.dtype, device=p.device)
+    head = model.get_output_embeddings().weight
+
+    def best(fn) -> float:
+        out = float("inf")
+        for _ in range(repeats + 2):
+            if p.device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if p.device.type == "cuda":
+                torch.cuda.synchronize()
+            out = min(out, time.perf_counter() - t)
+        return out
+
+    with torch.no_grad():
+        flop_rate = 2 * rows * cfg.hidden_size * cfg.intermediate_size / best(lambda: torch.nn.functional.linear(x, w))
+        byte_rate = head.numel() * head.element_size() / best(lambda: torch.nn.functional.linear(x[:1], head))
+    return flop_rate, byte_rate
 
 
 if __name__ == "__main__":
