@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark the batched single-position map against a naive per-variant loop, in one process.
 
-    python -m scripts.bench_probes [--n-pairs 3] [--repeats 2] [--threads N]
+    python -m scripts.bench_probes [--n-pairs 3] [--repeats 3] [--min-time 10] [--threads N]
 
 On the same flipping recall pairs of the embedded SmolLM2-135M (``--model`` picks another zoo
 config), the single-position map (every downstream position ``p`` in ``[b, d)`` patched alone from
@@ -14,7 +14,10 @@ the new run into the old run, all layers, decision score read) is computed two w
 - **naive**: per variant, ``copy.deepcopy`` of the whole old cache, the position's K/V copied from
   the new cache in every layer, one batch-1 decode of the decision token.
 
-Printed: wall time of each (best of ``--repeats``, after a warm-up pair), the speed ratio, the
+Printed: wall time of each (the best call, after a warm-up pair; each method is called at least
+``--repeats`` times and for at least ``--min-time`` seconds, like ``timeit``, so the fast method is
+not judged on a 2-second stretch of a noisy machine while the slow one gets 45 s; the median is
+printed too), the speed ratio of the best times and of the medians, the
 max abs difference of the two maps (scores in nats and recoveries), and the peak memory each
 method added above its starting point (resident set size sampled every 2 ms on CPU, after
 ``malloc_trim`` returned freed heap pages; peak allocated CUDA memory on GPU), plus the process's
@@ -23,7 +26,7 @@ method added above its starting point (resident set size sampled every 2 ms on C
 Threads: ``--threads`` defaults to every CPU the process may use (``os.sched_getaffinity``; torch's
 own default counts physical cores, 1 on the 2-vCPU CI machine). The naive loop's batch-1 decode is
 bound by reading the weights from memory, the batched one by arithmetic, so the ratio grows with
-the cores: on the 2-vCPU CI machine, about 14x on 1 thread and 20-23x on 2 (README, "Probes").
+the cores (README, "Probes", has the numbers of the 2-vCPU CI machine).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import ctypes
 import json
 import os
 import resource
+import statistics
 import sys
 import threading
 import time
@@ -138,20 +142,23 @@ def flipping_recall_pairs(bundle, n_pairs: int, scenario_ids: list[str] | None):
     return runs
 
 
-def timed(fn, device, repeats: int):
-    """(result of the last call, best wall time over ``repeats`` in s, peak memory of one more call).
-    Memory is sampled in a separate call: the sampling thread would compete with torch's threads
-    for the cores and perturb the timed calls."""
-    best, res = float("inf"), None
-    for _ in range(repeats):
+def timed(fn, device, repeats: int, min_time: float):
+    """(result of the last call, wall times in s, peak memory of one more call).
+
+    ``fn`` is called at least ``repeats`` times and until the calls add up to ``min_time`` seconds
+    (as ``timeit`` does), so that a fast method is sampled over as long a stretch of the machine's
+    state as a slow one. Memory is sampled in a separate call: the sampling thread would compete
+    with torch's threads for the cores and perturb the timed calls."""
+    times, res = [], None
+    while len(times) < repeats or sum(times) < min_time:
         t0 = time.perf_counter()
         res = fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
     with PeakMemory(device) as pm:
         fn()
-    return res, best, pm.peak
+    return res, times, pm.peak
 
 
 def main() -> None:
@@ -160,7 +167,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--n-pairs", type=int, default=3)
     ap.add_argument("--scenarios", nargs="*", default=None, help="recall scenario ids (default: all)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per method (best is kept)")
+    ap.add_argument("--repeats", type=int, default=3, help="least timed calls per method (best is kept)")
+    ap.add_argument("--min-time", type=float, default=10.0,
+                    help="least seconds of timed calls per method (more calls of a fast method)")
     ap.add_argument("--budget-mb", type=float, default=1024, help="memory budget per chunk of variant caches")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="torch CPU threads (default: every CPU this process may use)")
@@ -190,8 +199,10 @@ def main() -> None:
     # warm-up (allocator, kernels) on the first pair, both ways
     single_position_scores(model, runs[0], budget_bytes=budget)
     naive_single_position_scores(model, runs[0])
-    s_batched, t_batched, m_batched = timed(batched, device, args.repeats)
-    s_naive, t_naive, m_naive = timed(naive, device, args.repeats)
+    s_batched, ts_batched, m_batched = timed(batched, device, args.repeats, args.min_time)
+    s_naive, ts_naive, m_naive = timed(naive, device, args.repeats, args.min_time)
+    t_batched, t_naive = min(ts_batched), min(ts_naive)
+    med_batched, med_naive = statistics.median(ts_batched), statistics.median(ts_naive)
     diff_s = max(float((a - b).abs().max()) for a, b in zip(s_batched, s_naive, strict=True))
     diff_r = max(float((r.recovery(a) - r.recovery(b)).abs().max()) for r, a, b in zip(runs, s_batched, s_naive,
                                                                                           strict=True))
@@ -200,6 +211,7 @@ def main() -> None:
         "threads": torch.get_num_threads(), "pairs": [r.pair.spec.id for r in runs],
         "tokens": [int(r.pair.decision) for r in runs], "n_variants": n_variants, "budget_mb": args.budget_mb,
         "batched_s": t_batched, "naive_s": t_naive, "speedup": t_naive / t_batched,
+        "batched_times_s": ts_batched, "naive_times_s": ts_naive, "speedup_of_medians": med_naive / med_batched,
         "max_abs_diff_score_nats": diff_s, "max_abs_diff_recovery": diff_r,
         "peak_mem_batched_mb": m_batched / 2**20, "peak_mem_naive_mb": m_naive / 2**20,
         "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -207,10 +219,12 @@ def main() -> None:
     print(f"model {args.model} on {out['device']} ({out['dtype']}, {out['threads']} thread(s)); "
           f"{len(runs)} recall pairs, {n_variants} single-position variants")
     print(f"  batched (shared prefix, candidate logits): {t_batched:8.2f} s  "
-          f"({1e3 * t_batched / n_variants:.1f} ms/variant), peak +{out['peak_mem_batched_mb']:.0f} MB")
+          f"({1e3 * t_batched / n_variants:.1f} ms/variant; median {med_batched:.2f} s of {len(ts_batched)} calls), "
+          f"peak +{out['peak_mem_batched_mb']:.0f} MB")
     print(f"  naive (deepcopy per variant):              {t_naive:8.2f} s  "
-          f"({1e3 * t_naive / n_variants:.1f} ms/variant), peak +{out['peak_mem_naive_mb']:.0f} MB")
-    print(f"  speed ratio naive/batched: {out['speedup']:.1f}x")
+          f"({1e3 * t_naive / n_variants:.1f} ms/variant; median {med_naive:.2f} s of {len(ts_naive)} calls), "
+          f"peak +{out['peak_mem_naive_mb']:.0f} MB")
+    print(f"  speed ratio naive/batched: {out['speedup']:.1f}x (best times; {out['speedup_of_medians']:.1f}x of the medians)")
     print(f"  max abs difference: score {diff_s:.2e} nats, recovery {diff_r:.2e}")
     print(f"  process ru_maxrss: {out['ru_maxrss_mb']:.0f} MB")
     if args.json:
