@@ -48,17 +48,27 @@ class Config(ProbeConfig):
     pass
 
 
-def injection_masks(n_layers: int, field: tuple[int, int], decision: int) -> torch.Tensor:
-    """Patch masks ``[2, n_layers, d]``: row 0 the notes ``[b, d)``, row 1 field + notes ``[a, d)``,
-    in every layer."""
+def injection_masks(n_layers: int, field: tuple[int, int], decision: int) -> dict[str, torch.Tensor]:
+    """Patch masks ``[2, n_layers, d]`` of each direction in :data:`DIRECTIONS`, all on the old
+    cache with the new run's K/V where true (one batched call scores every variant): row 0 the
+    notes, row 1 field + notes, in every layer.
+
+    - ``new_notes_into_old``: ``[b, d)``, then ``[a, d)``;
+    - ``old_notes_into_new``: the new cache with the old ``[b, d)`` is the old cache with the new
+      K/V everywhere else, ``[0, b)``; with the old ``[a, d)`` it is the old cache with the new
+      prefix ``[0, a)`` (the same tokens, hence the same K/V, as the old run's).
+    """
     a, b = field
-    return kvcache.position_masks(n_layers, decision, [list(range(b, decision)), list(range(a, decision))])
+    d = decision
+    sets = {"new_notes_into_old": [range(b, d), range(a, d)], "old_notes_into_new": [range(0, b), range(0, a)]}
+    return {name: kvcache.position_masks(n_layers, d, [list(r) for r in rs]) for name, rs in sets.items()}
 
 
 @torch.no_grad()
 def inject_run(model, run: PairRun, mode: str = "first_token",
                budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> dict:
-    """Both injections of one pair's clean run (prefix caches over ``[0, d)``).
+    """Both injections of one pair's clean run (prefix caches over ``[0, d)``), scored in one
+    batched call (:func:`injection_masks`).
 
     Returns:
         per direction ``D`` in :data:`DIRECTIONS`: ``D_s_notes`` (score with the source's notes),
@@ -67,12 +77,12 @@ def inject_run(model, run: PairRun, mode: str = "first_token",
         two runs score equally).
     """
     pair = run.pair
-    caches = {"old": run.old_cache, "new": run.new_cache}
     clean = {"old": run.s_old, "new": run.s_new}
     masks = injection_masks(len(run.old_cache.layers), pair.field, pair.decision)
+    scores = variant_scores(model, pair, run.old_cache, run.new_cache, torch.cat([masks[n] for n in DIRECTIONS]),
+                            mode, budget_bytes).view(len(DIRECTIONS), 2)
     out = {}
-    for name, (base, source) in DIRECTIONS.items():
-        s = variant_scores(model, pair, caches[base], caches[source], masks, mode, budget_bytes)
+    for (name, (base, source)), s in zip(DIRECTIONS.items(), scores):
         s_notes, s_all = float(s[0]), float(s[1])
         gap = clean[source] - clean[base]
         out |= {

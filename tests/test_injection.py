@@ -39,10 +39,16 @@ def score(lp: torch.Tensor) -> float:
 
 
 def test_masks():
-    m = injection_masks(3, (5, 8), 20)
-    assert m.shape == (2, 3, 20)
-    assert m[0].any(0).nonzero().flatten().tolist() == list(range(8, 20)) and bool(m[0].all(0)[8:].all())
-    assert m[1].any(0).nonzero().flatten().tolist() == list(range(5, 20))
+    """Every variant is the old cache with the new K/V where true: the new notes [b, d) and field +
+    notes [a, d); the new cache with the old notes = new everywhere but [b, d); with the old field
+    + notes = new only on the shared prefix [0, a)."""
+    masks = injection_masks(3, (5, 8), 20)
+    assert set(masks) == set(DIRECTIONS)
+    spans = {"new_notes_into_old": [(8, 20), (5, 20)], "old_notes_into_new": [(0, 8), (0, 5)]}
+    for name, m in masks.items():
+        assert m.shape == (2, 3, 20)
+        for row, (lo, hi) in zip(m, spans[name]):
+            assert row.any(0).nonzero().flatten().tolist() == list(range(lo, hi)) and bool(row.all(0)[lo:hi].all())
 
 
 def test_injection_matches_reference_and_field_plus_notes_reproduces_the_other_run(tiny):
