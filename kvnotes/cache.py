@@ -219,9 +219,10 @@ class _Substitute:
         return base_fn(module, query, key, value, attention_mask, **kwargs)
 
 
-class _SharedPrefix:
-    """Attention hook for a cache-free forward of ``V`` patch variants x ``n`` fed tokens on one
-    shared batch-1 prefix (:func:`patched_logits`): no variant cache exists at all.
+class SharedPrefix:
+    """Attention hook for a cache-free forward of ``V`` variants x ``n`` fed tokens on one shared
+    batch-1 prefix (:func:`patched_logits`, :func:`kvnotes.knockout.decision_forward`): no
+    variant cache exists at all.
 
     The variants' queries become one query block ``[1, heads, V * n, head_dim]`` over the keys
     ``[prefix slots | substituted source entries | every variant's fed tokens]``; an additive mask
@@ -230,24 +231,38 @@ class _SharedPrefix:
     within the window). The model's own attention implementation (scaling, soft-capping, sinks) runs
     on that block, so the result is the same attention as on materialised variant caches, up to
     float rounding.
+
+    Args:
+        base, source: batch-1 caches over ``[0, start)``.
+        masks: bool ``[V, n_layers, start]``: positions whose K/V variant ``v`` takes from ``source``.
+        n: fed tokens per variant; start: position of the first.
+        hide: optional bool ``[V, n_layers, start]``: prefix positions variant ``v``'s *first* fed
+            token does not see in layer ``l`` (an attention knockout of the decision row).
+
+    Attributes:
+        n_slots: number of prefix slots per layer (the block's first keys).
     """
 
     def __init__(self, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, n: int, start: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, hide: torch.Tensor | None = None) -> None:
         V = masks.shape[0]
         dev = base.layers[0].keys.device
         masks = masks.to(dev)
+        hide = hide.to(dev) if hide is not None else None
         q_var = torch.arange(V, device=dev).repeat_interleave(n)           # query row -> variant
         q_tok = torch.arange(n, device=dev).repeat(V)                      # query row -> fed token
         q_pos = start + q_tok
         own_new = (q_var[:, None] == q_var[None, :]) & (q_tok[None, :] <= q_tok[:, None])
         neg = torch.finfo(dtype).min
+        self.n_slots = [l.keys.shape[-2] for l in base.layers]
         self.layers = []
         for l, (lb, ls) in enumerate(zip(base.layers, source.layers, strict=True)):
             pos = slot_positions(lb)
             m = masks[:, l, pos]                                           # [V, slots]
             v_idx, s_idx = m.nonzero(as_tuple=True)
             see_base, see_sub, see_new = ~m[q_var], v_idx[None, :] == q_var[:, None], own_new
+            if hide is not None:
+                see_base = see_base & ~(hide[:, l, pos][q_var] & (q_tok == 0)[:, None])
             window = getattr(lb, "sliding_window", None) if getattr(lb, "is_sliding", False) else None
             if window is not None:
                 see_base = see_base & (q_pos[:, None] - pos[None, :] < window)
@@ -258,18 +273,24 @@ class _SharedPrefix:
             self.layers.append((torch.cat([lb.keys, ls.keys[:, :, s_idx]], 2),
                                 torch.cat([lb.values, ls.values[:, :, s_idx]], 2), mask))
 
-    def __call__(self, base_fn, module, query, key, value, attention_mask, **kwargs):
+    def block(self, module, query, key, value):
+        """The query block, its keys, values and additive mask for ``module``'s layer:
+        ``[1, heads, V * n, hd]``, ``[1, kv_heads, keys, hd]`` (twice), ``[1, 1, V * n, keys]``."""
         keys, values, mask = self.layers[module.layer_idx]
         V, H, n, hd = query.shape
         kvh = key.shape[1]
         q = query.transpose(0, 1).reshape(1, H, V * n, hd)
         k = torch.cat([keys, key.transpose(0, 1).reshape(1, kvh, V * n, -1).to(keys.dtype)], 2)
         v = torch.cat([values, value.transpose(0, 1).reshape(1, kvh, V * n, -1).to(values.dtype)], 2)
-        out, _ = base_fn(module, q, k, v, mask, **kwargs)                  # [1, V * n, heads, hd]
+        return q, k, v, mask
+
+    def __call__(self, base_fn, module, query, key, value, attention_mask, **kwargs):
+        V, H, n, _ = query.shape
+        out, _ = base_fn(module, *self.block(module, query, key, value), **kwargs)   # [1, V * n, heads, hd]
         return out.reshape(V, n, H, -1), None
 
 
-#: Attention implementations that take the explicit additive mask of :class:`_SharedPrefix`.
+#: Attention implementations that take the explicit additive mask of :class:`SharedPrefix`.
 SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
 
 
@@ -279,7 +300,7 @@ MIN_SHARED_CHUNK = 32
 
 
 def shared_prefix_chunk(masks: torch.Tensor, base: DynamicCache, n: int) -> int:
-    """How many variants of ``masks`` one :class:`_SharedPrefix` forward takes.
+    """How many variants of ``masks`` one :class:`SharedPrefix` forward takes.
 
     Its attention covers ``slots + E + V * n`` keys per query (``E``: substituted entries of the
     chunk) where a materialised variant cache covers ``slots + n``; chunks are sized so that the
@@ -320,7 +341,7 @@ def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch
     - sparse variants (few substituted positions in any layer: single positions, small sets; those
       :func:`shared_prefix_chunk` gives chunks of at least :data:`MIN_SHARED_CHUNK`), when all
       variants are sparse or at least that many are, run cache-free: every variant attends to the
-      one batch-1 prefix plus its own substituted K/V (:class:`_SharedPrefix`);
+      one batch-1 prefix plus its own substituted K/V (:class:`SharedPrefix`);
     - the others decode on a batch-``V`` view of ``base`` with the masked K/V written into the
       attention call (:class:`_Substitute`), in chunks whose variant caches fit ``budget_bytes``.
 
@@ -391,7 +412,7 @@ def _patched_chunk(model, base: DynamicCache, source: DynamicCache, masks: torch
     V, n, dev = masks.shape[0], tokens.shape[0], model.device
     feed = dict(input_ids=tokens[None].expand(V, -1), position_ids=torch.arange(T, T + n, device=dev)[None].expand(V, -1))
     if shared:
-        hook, kw = _SharedPrefix(base, source, masks, n, T, base.layers[0].keys.dtype), dict(use_cache=False)
+        hook, kw = SharedPrefix(base, source, masks, n, T, base.layers[0].keys.dtype), dict(use_cache=False)
     else:
         hook = _Substitute(base, source, masks)
         kw = dict(attention_mask=torch.ones(V, T + n, dtype=torch.long, device=dev),

@@ -4,6 +4,7 @@ attention call (:func:`kvnotes.capture.attention_hook`; docs/design.md §4).
 - :func:`knockout_masks`: bool ``[V, n_layers, d]`` masks hiding key groups in layer bands;
 - :class:`DecisionRowHook`: the hook that applies them to the decision query's row only (sdpa and
   eager) and/or records the row's attention probabilities through the model's eager function;
+- :class:`SharedDecisionRows`: the same on the one shared prefix cache (no variant cache);
 - :func:`decision_forward`: a batched forward of the decision token over knockout variants.
 """
 
@@ -186,14 +187,56 @@ class DecisionRead:
     recon_err: float | None
 
 
+class SharedDecisionRows:
+    """``attention_hook`` function for :func:`decision_forward` on sdpa / eager models: every
+    variant's fed tokens attend to the one batch-1 prefix cache (:class:`kvnotes.cache.SharedPrefix`;
+    no variant cache is built), its decision row without the keys ``knock`` hides; with
+    ``capture``, the decision rows' attention probabilities through the model's eager function,
+    as :class:`DecisionRowHook` records them.
+
+    Attributes:
+        probs: layer -> fp32 ``[V, d + 1]`` head-mean probabilities by absolute position.
+        recon_err: layer -> max |eager output - executed output| at the decision rows.
+    """
+
+    def __init__(self, cache, knock: torch.Tensor | None, V: int, n: int, capture: bool):
+        d = kvcache.seq_length(cache)
+        none = torch.zeros(V, len(cache.layers), d, dtype=torch.bool)
+        self.shared = kvcache.SharedPrefix(cache, cache, none, n, d, cache.layers[0].keys.dtype, hide=knock)
+        self.positions = [kvcache.slot_positions(l) for l in cache.layers]
+        self.d, self.n, self.capture = d, n, capture
+        self.probs: dict[int, torch.Tensor] = {}
+        self.recon_err: dict[int, float] = {}
+
+    def __call__(self, base, module, query, key, value, attention_mask, **kwargs):
+        V, H, n, _ = query.shape
+        q, k, v, mask = self.shared.block(module, query, key, value)
+        out, _ = base(module, q, k, v, mask, **kwargs)                    # [1, V * n, heads, hd]
+        if self.capture:
+            layer = module.layer_idx
+            rows = torch.arange(V, device=q.device) * n                      # each variant's decision row
+            m = additive_mask(mask[..., rows, :], V, mask.shape[-1], q.device)
+            probs, eout = eager_probabilities(module, q[:, :, rows], k, v, m, **kwargs)   # [1, H, V, keys]
+            pos = self.positions[layer]
+            S = len(pos)
+            full = torch.zeros(V, H, self.d + 1, dtype=torch.float32, device=q.device)
+            full[:, :, pos] = probs[0, :, :, :S].transpose(0, 1)
+            full[:, :, self.d] = probs[0, :, rows, S + rows].transpose(0, 1)   # its own decision token
+            self.probs[layer] = full.mean(1).cpu()
+            self.recon_err[layer] = float((eout[0] - out[0, rows].float()).abs().max())
+        return out.reshape(V, n, H, -1), None
+
+
 @torch.no_grad()
 def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | None = None,
                      capture: bool = False, budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> DecisionRead:
     """Feed ``tokens`` (the first at the decision position ``d = seq_length(cache)``) on a prefix
     cache, optionally knocking out keys for the decision row and capturing its attention.
 
-    Variants run batched over an expanded view of ``cache``, in chunks whose materialised variant
-    caches fit ``budget_bytes``.
+    Variants run batched: on sdpa / eager models cache-free, every variant attending to the one
+    prefix cache (:class:`SharedDecisionRows`, chunks of :func:`kvnotes.cache.shared_prefix_chunk`);
+    on others over an expanded view of ``cache``, in chunks whose materialised variant caches fit
+    ``budget_bytes`` (:class:`DecisionRowHook`; a knockout then raises).
 
     Args:
         cache: batch-1 prefix cache over ``[0, d)`` (left unchanged).
@@ -210,6 +253,22 @@ def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | N
     d = kvcache.seq_length(cache)
     V = 1 if knock is None else knock.shape[0]
     lps, probs, errs = [], [], []
+    if model.config._attn_implementation in kvcache.SHARED_PREFIX_ATTENTION:
+        tokens = tokens.to(model.device)
+        n = tokens.shape[0]
+        size = kvcache.shared_prefix_chunk(torch.zeros(1, 1, d, dtype=torch.bool), cache, n)
+        for s in range(0, V, size):
+            part = knock[s: s + size] if knock is not None else None
+            W = 1 if part is None else part.shape[0]
+            hook = SharedDecisionRows(cache, part, W, n, capture)
+            with attention_hook(model, hook):
+                out = model(input_ids=tokens[None].expand(W, -1),
+                            position_ids=torch.arange(d, d + n, device=model.device)[None].expand(W, -1), use_cache=False)
+            lps.append(torch.log_softmax(out.logits.float(), dim=-1))
+            if capture:
+                probs.append(torch.stack([hook.probs[l] for l in sorted(hook.probs)], dim=1))
+                errs.append(max(hook.recon_err.values()))
+        return DecisionRead(torch.cat(lps), torch.cat(probs) if capture else None, max(errs) if capture else None)
     for sl in kvcache.chunks(V, kvcache.variant_bytes(cache), budget_bytes):
         hook = DecisionRowHook(model, d, d, None if knock is None else knock[sl].to(model.device), capture)
         with attention_hook(model, hook):

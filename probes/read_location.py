@@ -19,8 +19,8 @@ output is compared with the output of the implementation the model actually ran 
 decision query (row ``d`` only) sees is changed inside the hook so that it cannot attend to those
 keys in the band's layers (sdpa and eager implementations); every other row and layer is untouched
 (with ``readout=full`` the teacher-forced continuation tokens read the cache unmodified). All
-variants of a pair run batched over an expanded view of the prefix cache, chunked to the memory
-budget. Reported per run: the score change ``delta = s_knock - s_clean`` (nats) and
+variants of a run go through one batched forward on its one prefix cache, no variant cache built
+(:func:`kvnotes.knockout.decision_forward`). Reported per run: the score change ``delta = s_knock - s_clean`` (nats) and
 ``delta_toward_other`` (the same, signed so that positive moves towards the other run's clean
 score). A knockout can change the decision merely by destroying the readout, so each
 (pair, run, variant) is classified:

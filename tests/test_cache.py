@@ -147,7 +147,7 @@ def test_mask_shape_mismatch_raises(caches):
 
 
 def test_shared_prefix_decode_matches_materialised_variant_caches(caches):
-    """The cache-free shared-prefix path (sparse patches, :class:`kvnotes.cache._SharedPrefix`)
+    """The cache-free shared-prefix path (sparse patches, :class:`kvnotes.cache.SharedPrefix`)
     gives the logits of the materialised variant caches, for a teacher-forced continuation too
     (sliding windows, soft-capping, GQA); candidate-only logits are those columns of the full ones."""
     model, old, new, c_old, c_new = caches
@@ -191,8 +191,8 @@ def test_auto_routes_sparse_variants_cache_free_on_a_long_prefix(monkeypatch):
     L = len(c_old.layers)
     masks = torch.cat([kvcache.position_masks(L, 80, [[p] for p in range(40)]), torch.ones(1, L, 80, dtype=torch.bool)])
     used = []
-    real = kvcache._SharedPrefix.__init__
-    monkeypatch.setattr(kvcache._SharedPrefix, "__init__", lambda self, *a: used.append(a[2].shape[0]) or real(self, *a))
+    real = kvcache.SharedPrefix.__init__
+    monkeypatch.setattr(kvcache.SharedPrefix, "__init__", lambda self, *a: used.append(a[2].shape[0]) or real(self, *a))
     auto = kvcache.patched_logits(model, c_old, c_new, masks, old[80:], vocab_ids=[1, 2])
     ref = kvcache.patched_logits(model, c_old, c_new, masks, old[80:], vocab_ids=[1, 2], method="substitute")
     assert sum(used) == 40                                   # the 40 single positions, not the dense one

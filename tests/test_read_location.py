@@ -169,6 +169,12 @@ def test_knockout_hides_exactly_the_chosen_keys(setup):
         assert torch.allclose(knocked.head_probs[l0][v], expect / expect.sum(-1, keepdim=True), atol=TOL)
     assert had_mass[1]                                                            # downstream is always visible
     assert (lps[:, 0] - lps[0:1, 0]).abs().max() > 1e-4                          # variants differ
+    # decision_forward runs the variants cache-free on the one prefix (SharedDecisionRows): the
+    # same log-probs and decision-row attention as the materialised batch view above
+    shared = decision_forward(model, cache, x[T:], knock=knock, capture=True)
+    assert torch.allclose(shared.logprobs, lps, atol=TOL)
+    assert torch.allclose(shared.probs, torch.stack([knocked.probs[l] for l in range(L)], 1), atol=TOL)
+    assert shared.recon_err < TOL
 
 
 def test_batched_knockouts_equal_single_and_chunked(setup):
