@@ -23,6 +23,11 @@ method added above its starting point (resident set size sampled every 2 ms on C
 ``malloc_trim`` returned freed heap pages; peak allocated CUDA memory on GPU), plus the process's
 ``ru_maxrss``. ``--json PATH`` also writes the numbers.
 
+Without the checkpoint (a GPU machine has no weights): ``--random-init CONFIG_DIR`` builds the
+model from a ``config.json`` with random weights and times the map on synthetic pairs of
+``--prompt-len`` random tokens (one field token changed; candidates: the two runs' top-1 tokens).
+The ratio and the exactness check hold; the scores mean nothing.
+
 Threads: ``--threads`` defaults to every CPU the process may use (``os.sched_getaffinity``; torch's
 own default counts physical cores, 1 on the 2-vCPU CI machine). The naive loop's batch-1 decode is
 bound by reading the weights from memory, the batched one by arithmetic, so the ratio grows with
@@ -142,6 +147,46 @@ def flipping_recall_pairs(bundle, n_pairs: int, scenario_ids: list[str] | None):
     return runs
 
 
+def random_model(config_dir: str, device: str, dtype: str | None):
+    """A model with random weights (seed 0) from ``config_dir``'s ``config.json``, sdpa attention."""
+    import transformers as T
+
+    cfg = T.AutoConfig.from_pretrained(config_dir)
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype) if dtype else (cfg.dtype if isinstance(cfg.dtype, torch.dtype) else torch.float32)
+    model = T.AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation="sdpa").to(device).eval()
+    return model.requires_grad_(False)
+
+
+def synthetic_runs(model, n_pairs: int, length: int):
+    """``n_pairs`` clean runs of random-token pairs of ``length`` tokens differing in one field token
+    at a third of the prompt, decision at the last position; each pair's candidates are its two
+    runs' top-1 tokens (pairs whose runs agree are skipped): a random model decides nothing, so
+    these serve timing and exactness only."""
+    from types import SimpleNamespace
+
+    from kvnotes.readout import run_pair
+
+    a, d = length // 3, length - 1
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    runs = []
+    for _ in range(50 * n_pairs):
+        old = torch.randint(0, vocab, (length,), generator=g)
+        new = old.clone()
+        new[a] = (old[a] + 1 + torch.randint(0, vocab - 1, (1,), generator=g)) % vocab
+        with torch.no_grad():
+            top = [int(model(x[None].to(model.device), logits_to_keep=1).logits[0, -1].argmax()) for x in (old, new)]
+        if top[0] == top[1]:
+            continue
+        pair = SimpleNamespace(old=SimpleNamespace(ids=old), new=SimpleNamespace(ids=new), field=(a, a + 1),
+                               decision=d, downstream=(a + 1, d), cand_old=(top[0],), cand_new=(top[1],))
+        runs.append(run_pair(model, pair))
+        if len(runs) == n_pairs:
+            break
+    return runs
+
+
 def timed(fn, device, repeats: int, min_time: float):
     """(result of the last call, wall times in s, peak memory of one more call).
 
@@ -173,18 +218,30 @@ def main() -> None:
     ap.add_argument("--budget-mb", type=float, default=1024, help="memory budget per chunk of variant caches")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="torch CPU threads (default: every CPU this process may use)")
+    ap.add_argument("--random-init", metavar="CONFIG_DIR",
+                    help="timing only, without the checkpoint: a model with random weights built from this "
+                         "config.json (e.g. a GPU machine without weights), on synthetic pairs")
+    ap.add_argument("--prompt-len", type=int, default=110, help="--random-init: prompt length in tokens")
+    ap.add_argument("--dtype", default=None, help="--random-init: torch dtype (default: the config's)")
     ap.add_argument("--json", help="also write the numbers to this file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from omegaconf import OmegaConf
-
-    from kvnotes.models import load_model
     from kvnotes.kit import single_position_scores
 
-    bundle = load_model(OmegaConf.load(ROOT / "conf/model" / f"{args.model}.yaml"), args.device)
-    model, device = bundle.model, bundle.model.device
-    runs = flipping_recall_pairs(bundle, args.n_pairs, args.scenarios)
+    if args.random_init:
+        model = random_model(args.random_init, args.device, args.dtype)
+        runs = synthetic_runs(model, args.n_pairs, args.prompt_len)
+        name = f"{args.random_init} (random weights)"
+    else:
+        from omegaconf import OmegaConf
+
+        from kvnotes.models import load_model
+
+        bundle = load_model(OmegaConf.load(ROOT / "conf/model" / f"{args.model}.yaml"), args.device)
+        model, name = bundle.model, args.model
+        runs = flipping_recall_pairs(bundle, args.n_pairs, args.scenarios)
+    device = model.device
     if not runs:
         sys.exit("kvnotes: error: no flipping recall pair to benchmark")
     budget = int(args.budget_mb * (1 << 20))
@@ -207,8 +264,8 @@ def main() -> None:
     diff_r = max(float((r.recovery(a) - r.recovery(b)).abs().max()) for r, a, b in zip(runs, s_batched, s_naive,
                                                                                           strict=True))
     out = {
-        "model": args.model, "device": str(device), "dtype": str(next(model.parameters()).dtype),
-        "threads": torch.get_num_threads(), "pairs": [r.pair.spec.id for r in runs],
+        "model": name, "device": str(device), "dtype": str(next(model.parameters()).dtype),
+        "threads": torch.get_num_threads(), "pairs": [r.pair.spec.id if hasattr(r.pair, "spec") else "synthetic" for r in runs],
         "tokens": [int(r.pair.decision) for r in runs], "n_variants": n_variants, "budget_mb": args.budget_mb,
         "batched_s": t_batched, "naive_s": t_naive, "speedup": t_naive / t_batched,
         "batched_times_s": ts_batched, "naive_times_s": ts_naive, "speedup_of_medians": med_naive / med_batched,
@@ -216,8 +273,9 @@ def main() -> None:
         "peak_mem_batched_mb": m_batched / 2**20, "peak_mem_naive_mb": m_naive / 2**20,
         "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    print(f"model {args.model} on {out['device']} ({out['dtype']}, {out['threads']} thread(s)); "
-          f"{len(runs)} recall pairs, {n_variants} single-position variants")
+    print(f"model {name} on {out['device']} ({out['dtype']}, {out['threads']} thread(s)); "
+          f"{len(runs)} {'synthetic' if args.random_init else 'recall'} pairs of {out['tokens']} tokens, "
+          f"{n_variants} single-position variants")
     print(f"  batched (shared prefix, candidate logits): {t_batched:8.2f} s  "
           f"({1e3 * t_batched / n_variants:.1f} ms/variant; median {med_batched:.2f} s of {len(ts_batched)} calls), "
           f"peak +{out['peak_mem_batched_mb']:.0f} MB")
