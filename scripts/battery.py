@@ -14,8 +14,9 @@ for a before/after comparison). Then each probe's
 finishes, with the total at the end. ``--floor`` also prints each probe's roofline floor: every
 call of a linear layer (a forward hook on each ``nn.Linear``) costs at least its FLOPs at this
 machine's best GEMM rate or its weight's bytes at its best weight-read rate, whichever is larger
-(:class:`Roofline`, rates from :func:`machine_rates`): a time no implementation making the same
-calls can beat (attention and elementwise work are not counted). ``--records DIR`` also writes each probe's record where
+(:class:`Roofline`): a time no implementation making the same calls can beat (attention and
+elementwise work are not counted). The rates (:func:`machine_rates`) are measured before and after
+the probes and the higher of each is used: a shared machine's speed drifts. ``--records DIR`` also writes each probe's record where
 ``python run.py out_root=DIR`` would (``DIR/<model>/<probe>/<scenario>/record.json``), checked
 against the probe's schema. Timings depend on the machine's load: report them with it
 (``os.getloadavg`` is printed). ``--json PATH`` also writes the numbers.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 import os
 import time
 from pathlib import Path
@@ -72,11 +74,9 @@ def main() -> None:
           f"({len(pairs['field'].pairs)} aligned pairs); load average {os.getloadavg()[0]:.1f}; setup {setup:.1f} s",
           flush=True)
     store = CleanRuns(int(args.clean_runs_mb * (1 << 20))) if args.clean_runs_mb > 0 else None
-    times, floors = {}, {}
-    roof = Roofline(bundle.model, *machine_rates(bundle.model)) if args.floor else None
-    if roof:
-        print(f"  roofline: {roof.flop_rate / 1e9:.0f} GFLOP/s (GEMM at the MLP shape), "
-              f"{roof.byte_rate / 1e9:.1f} GB/s (one-row product with the unembedding)", flush=True)
+    times, seen = {}, {}
+    roof = Roofline(bundle.model) if args.floor else None
+    rates = [machine_rates(bundle.model)] if roof else []
     for name in names:
         cfg = cfgs[name]
         probe_cfg = probes.typed_config(cfg.probe)
@@ -85,16 +85,13 @@ def main() -> None:
         timer = Timer()
         ctx = probes.ProbeContext.from_run_config(cfg, probe_cfg, bundle, pairs[probe_cfg.pairs], timer, store)
         t = time.perf_counter()
-        done = roof.totals() if roof else None
+        done = roof.calls.copy() if roof else None
         with timer("probe"):
             result = probes.get(probe_cfg)(ctx)
         times[name] = time.perf_counter() - t
-        floor = ""
         if roof:
-            floors[name] = dict(zip(("flops", "weight_bytes", "floor_s"), (a - b for a, b in zip(roof.totals(), done))))
-            floor = (f"   floor {floors[name]['floor_s']:6.1f} s ({floors[name]['flops'] / 1e12:5.1f} TFLOP, "
-                     f"{floors[name]['weight_bytes'] / 1e12:5.2f} TB of weights read)")
-        print(f"  {name:16s} {times[name]:8.1f} s{floor}   (load average {os.getloadavg()[0]:.1f})", flush=True)
+            seen[name] = roof.calls - done
+        print(f"  {name:16s} {times[name]:8.1f} s   (load average {os.getloadavg()[0]:.1f})", flush=True)
         if args.records:
             result = to_jsonable(result)
             check_result(result, result_schema(probes.module(probe_cfg)))
@@ -107,9 +104,19 @@ def main() -> None:
                                                cfg.scenario, result, timer.stages))
     total = sum(times.values())
     print(f"  {'total':16s} {total:8.1f} s = {total / 60:.1f} min (+ setup {setup:.1f} s)")
+    floors = {}
     if roof:
+        rates.append(machine_rates(bundle.model))
+        flop_rate, byte_rate = max(r[0] for r in rates), max(r[1] for r in rates)
+        print(f"  roofline floor at {flop_rate / 1e9:.0f} GFLOP/s (best GEMM at the MLP shape; before/after: "
+              f"{', '.join(f'{r[0] / 1e9:.0f}' for r in rates)}) and {byte_rate / 1e9:.1f} GB/s (one-row product "
+              f"with the unembedding; {', '.join(f'{r[1] / 1e9:.1f}' for r in rates)}):")
+        for name, calls in seen.items():
+            floors[name] = Roofline.floor(calls, flop_rate, byte_rate)
+            print(f"  {name:16s} {floors[name]['floor_s']:8.1f} s   ({floors[name]['flops'] / 1e12:5.1f} TFLOP, "
+                  f"{floors[name]['weight_bytes'] / 1e12:5.2f} TB of weights read; measured {times[name]:.1f} s)")
         f = sum(v["floor_s"] for v in floors.values())
-        print(f"  {'roofline floor':16s} {f:8.1f} s = {f / 60:.1f} min")
+        print(f"  {'floor total':16s} {f:8.1f} s = {f / 60:.1f} min")
     if store is not None:
         print(f"  clean runs: {store.prefilled} prompts prefilled ({store.shared} more shared by other pairs), "
               f"{store.reused} runs reused from the store "
@@ -117,8 +124,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "scenario": args.scenario, "threads": args.threads,
                                                "setup_s": setup, "probe_s": times, "total_s": total,
-                                               "roofline": {"flop_rate": roof.flop_rate, "byte_rate": roof.byte_rate,
-                                                            "probes": floors} if roof else None,
+                                               "roofline": {"rates_before_after": rates, "probes": floors} if roof else None,
                                                "clean_runs_mb": args.clean_runs_mb,
                                                "clean_runs": ({"prompts_prefilled": store.prefilled, "prompts_shared": store.shared,
                                                                "runs_reused": store.reused}
@@ -128,34 +134,36 @@ def main() -> None:
 
 class Roofline:
     """A floor on the time of every ``nn.Linear`` call of ``model`` since construction: a forward
-    hook per module adds the call's ``2 * rows * in * out`` FLOPs and the bytes of its weight, and
-    the larger of ``flops / flop_rate`` and ``weight bytes / byte_rate`` (a call can neither
-    multiply faster than the machine's best GEMM nor read its weight faster than memory delivers
-    it). Layers a run skips (nnsight ``skip``) are not called, hence not counted; attention scores,
-    candidate-only logits and elementwise work are not counted either.
-
-    Attributes:
-        flops, weight_bytes: totals since construction; floor_s: the summed per-call floors (s).
+    hook per module counts the call by its shape (rows, in, out, weight bytes); a call takes at
+    least the larger of ``2 * rows * in * out / flop_rate`` and ``weight bytes / byte_rate`` (it can
+    neither multiply faster than the machine's best GEMM nor read its weight faster than memory
+    delivers it). Layers a run skips (nnsight ``skip``) are not called, hence not counted;
+    attention scores, candidate-only logits and elementwise work are not counted either.
     """
 
-    def __init__(self, model, flop_rate: float, byte_rate: float) -> None:
+    def __init__(self, model) -> None:
         import torch
 
-        self.flop_rate, self.byte_rate = flop_rate, byte_rate
-        self.flops, self.weight_bytes, self.floor_s = 0, 0, 0.0
+        self.calls: Counter = Counter()                  # (rows, in, out, weight bytes) -> calls
         for m in model.modules():
             if isinstance(m, torch.nn.Linear):
                 m.register_forward_hook(self._count)
 
     def _count(self, module, args, out) -> None:
-        flops = 2 * (args[0].numel() // module.in_features) * module.in_features * module.out_features
         size = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
-        self.flops += flops
-        self.weight_bytes += size
-        self.floor_s += max(flops / self.flop_rate, size / self.byte_rate)
+        self.calls[(args[0].numel() // module.in_features, module.in_features, module.out_features, size)] += 1
 
-    def totals(self) -> tuple[int, int, float]:
-        return self.flops, self.weight_bytes, self.floor_s
+    @staticmethod
+    def floor(calls: Counter, flop_rate: float, byte_rate: float) -> dict:
+        """``flops``, ``weight_bytes`` and ``floor_s`` of ``calls`` (a :attr:`calls` counter, or the
+        difference of two) at these rates (FLOP/s, bytes/s)."""
+        out = {"flops": 0, "weight_bytes": 0, "floor_s": 0.0}
+        for (rows, i, o, size), n in calls.items():
+            flops = 2 * rows * i * o
+            out["flops"] += n * flops
+            out["weight_bytes"] += n * size
+            out["floor_s"] += n * max(flops / flop_rate, size / byte_rate)
+        return out
 
 
 def machine_rates(model, rows: int = 2048, repeats: int = 10) -> tuple[float, float]:

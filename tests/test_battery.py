@@ -17,21 +17,25 @@ def test_roofline_counts_every_linear_call():
     cfg = model.config
     h, i, n, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size
     kv = cfg.num_key_value_heads * (h // n)
-    per_layer = h * h + 2 * h * kv + h * h + 3 * h * i                 # q, k, v, o; gate, up, down
-    flop_rate, byte_rate = 1e9, 1e8
-    roof = Roofline(model, flop_rate, byte_rate)
+    sizes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]      # q, k, v, o; gate, up, down
+    per_layer = sum(o * k for o, k in sizes)
+    L = cfg.num_hidden_layers
+    roof = Roofline(model)
     ids = torch.arange(T)[None]
     with torch.no_grad():
-        model(ids, logits_to_keep=1)                                   # one row unembedded
-        model(ids.expand(3, -1))                                       # 3 variants, every row unembedded
-    L = cfg.num_hidden_layers
+        model(ids, logits_to_keep=1)                                       # one row unembedded
+        before = roof.calls.copy()
+        model(ids.expand(3, -1))                                           # 3 variants, every row unembedded
+    flop_rate, byte_rate = 1e9, 1e8
+    got = Roofline.floor(roof.calls, flop_rate, byte_rate)
     rows = (T, 3 * T)
-    assert roof.flops == sum(2 * r * L * per_layer for r in rows) + 2 * h * V * (1 + 3 * T)
-    assert roof.weight_bytes == 2 * 4 * (L * per_layer + h * V)        # fp32, each weight read per call
-    sizes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]
+    assert got["flops"] == sum(2 * r * L * per_layer for r in rows) + 2 * h * V * (1 + 3 * T)
+    assert got["weight_bytes"] == 2 * 4 * (L * per_layer + h * V)          # fp32, each weight read per call
     floor = sum(max(2 * r * o * k / flop_rate, 4 * o * k / byte_rate) for r in rows for o, k in sizes) * L
     floor += max(2 * h * V / flop_rate, 4 * h * V / byte_rate) + max(2 * 3 * T * h * V / flop_rate, 4 * h * V / byte_rate)
-    assert roof.floor_s == pytest.approx(floor, rel=1e-9)
+    assert got["floor_s"] == pytest.approx(floor, rel=1e-9)
+    second = Roofline.floor(roof.calls - before, flop_rate, byte_rate)     # the second forward alone
+    assert second["flops"] == 2 * 3 * T * (L * per_layer + h * V)
 
 
 def test_machine_rates_are_positive():
