@@ -238,9 +238,6 @@ class SharedPrefix:
         n: fed tokens per variant; start: position of the first.
         hide: optional bool ``[V, n_layers, start]``: prefix positions variant ``v``'s *first* fed
             token does not see in layer ``l`` (an attention knockout of the decision row).
-
-    Attributes:
-        n_slots: number of prefix slots per layer (the block's first keys).
     """
 
     def __init__(self, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, n: int, start: int,
@@ -254,7 +251,6 @@ class SharedPrefix:
         q_pos = start + q_tok
         own_new = (q_var[:, None] == q_var[None, :]) & (q_tok[None, :] <= q_tok[:, None])
         neg = torch.finfo(dtype).min
-        self.n_slots = [l.keys.shape[-2] for l in base.layers]
         self.layers = []
         for l, (lb, ls) in enumerate(zip(base.layers, source.layers, strict=True)):
             pos = slot_positions(lb)

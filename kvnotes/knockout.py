@@ -204,7 +204,7 @@ class SharedDecisionRows:
         none = torch.zeros(V, len(cache.layers), d, dtype=torch.bool)
         self.shared = kvcache.SharedPrefix(cache, cache, none, n, d, cache.layers[0].keys.dtype, hide=knock)
         self.positions = [kvcache.slot_positions(l) for l in cache.layers]
-        self.d, self.n, self.capture = d, n, capture
+        self.d, self.capture = d, capture
         self.probs: dict[int, torch.Tensor] = {}
         self.recon_err: dict[int, float] = {}
 

@@ -56,7 +56,7 @@ def injection_masks(n_layers: int, field: tuple[int, int], decision: int) -> dic
     - ``new_notes_into_old``: ``[b, d)``, then ``[a, d)``;
     - ``old_notes_into_new``: the new cache with the old ``[b, d)`` is the old cache with the new
       K/V everywhere else, ``[0, b)``; with the old ``[a, d)`` it is the old cache with the new
-      prefix ``[0, a)`` (the same tokens, hence the same K/V, as the old run's).
+      run's prefix ``[0, a)``.
     """
     a, b = field
     d = decision

@@ -16,8 +16,8 @@ call of a linear layer (a forward hook on each ``nn.Linear``) costs at least its
 machine's best GEMM rate or its weight's bytes at its best weight-read rate, whichever is larger
 (:class:`Roofline`): a time no implementation making the same calls can beat (attention and
 elementwise work are not counted). The rates (:func:`machine_rates`) are measured before and after
-the probes and the higher of each is used: a shared machine's speed drifts. ``--records DIR`` also writes each probe's record where
-``python run.py out_root=DIR`` would (``DIR/<model>/<probe>/<scenario>/record.json``), checked
+the probes and the higher of each is used: a shared machine's speed drifts. ``--records DIR`` also
+writes each probe's record where ``python run.py out_root=DIR`` would (``DIR/<model>/<probe>/<scenario>/record.json``), checked
 against the probe's schema. Timings depend on the machine's load: report them with it
 (``os.getloadavg`` is printed). ``--json PATH`` also writes the numbers.
 """
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import Counter
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent   # the checkout (conf/)
