@@ -36,6 +36,8 @@ same :func:`apply_intervention` to the same tensors, and tests/test_engine.py ch
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -331,9 +333,10 @@ class LensEngine(Engine):
 
         if not getattr(model.config, "architectures", None):
             model.config.architectures = [type(model).__name__]       # TL picks its adapter by this
-        self.bridge = TransformerBridge.boot_transformers(
-            model.config.name_or_path or model.config.model_type, hf_model=model, device=model.device,
-            dtype=model.dtype, tokenizer=tokenizer or stub_tokenizer(model.config.get_text_config().vocab_size))
+        with _no_modality_processor():
+            self.bridge = TransformerBridge.boot_transformers(
+                model.config.name_or_path or model.config.model_type, hf_model=model, device=model.device,
+                dtype=model.dtype, tokenizer=tokenizer or stub_tokenizer(model.config.get_text_config().vocab_size))
 
     def _hook_name(self, site: Site) -> str:
         b = f"blocks.{site.layer}"
@@ -363,6 +366,22 @@ class LensEngine(Engine):
         logits = self.bridge.run_with_hooks(ids, fwd_hooks=hooks, return_type="logits", prepend_bos=False,
                                             **kwargs)
         return logits, {s: self._shape_capture(s, v) for s, v in saved.items()}
+
+
+@contextmanager
+def _no_modality_processor():
+    """Boot the TransformerLens bridge without its image/audio processor: the engine feeds token ids
+    only, and for a multimodal wrapper (Gemma-3 4B-27B) TransformerLens 4 would fetch the processor
+    from the hub (hanging offline on retries) and, when that fails, ``pip install torchvision``
+    into the running environment."""
+    from transformer_lens.model_bridge.sources.transformers import source
+
+    saved = source.load_modality_processor
+    source.load_modality_processor = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        source.load_modality_processor = saved
 
 
 BACKENDS = {"nnsight": NNsightEngine, "transformer_lens": LensEngine}

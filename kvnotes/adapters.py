@@ -74,6 +74,20 @@ class Adapter:
     norm_gain_offset: float = 0.0
     final_logit_softcapping: float | None = None
 
+    @staticmethod
+    def check_config(config) -> None:
+        """Refuse a config whose ``model_type`` has no entry in ``adapters.yaml`` (before loading).
+
+        Raises:
+            KvnotesError: one line naming the model type and the known ones.
+        """
+        table = adapter_table()
+        if config.model_type not in table:
+            raise KvnotesError(
+                f"no architecture adapter for model_type '{config.model_type}' "
+                f"(known: {', '.join(sorted(table))}); add an entry to kvnotes/adapters.yaml"
+            )
+
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> "Adapter":
         """Build the adapter of a loaded Hugging Face causal LM.
@@ -83,11 +97,7 @@ class Adapter:
         """
         config = model.config
         table = adapter_table()
-        if config.model_type not in table:
-            raise KvnotesError(
-                f"no architecture adapter for model_type '{config.model_type}' "
-                f"(known: {', '.join(sorted(table))}); add an entry to kvnotes/adapters.yaml"
-            )
+        cls.check_config(config)
         text = config.get_text_config(decoder=True)
         n_layers = text.num_hidden_layers
         n_heads = text.num_attention_heads

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 DEFAULT_BUDGET_BYTES = 1 << 30
 
@@ -40,7 +41,9 @@ def seq_length(cache: DynamicCache) -> int:
 
 def cache_from_tensors(config, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                        seen: int) -> DynamicCache:
-    """A ``DynamicCache`` (built with ``config=``) whose layers reference the given tensors.
+    """A ``DynamicCache`` (built with ``config=``; ``config=None``: an all-slot cache, every layer a plain
+    ``DynamicLayer`` that holds every position, as the edit operations need) whose layers reference
+    the given tensors.
 
     No copy is made: a forward on the new cache concatenates into fresh tensors, so the inputs are
     never modified. ``seen`` is the number of positions the tensors represent (sliding layers may
@@ -49,7 +52,11 @@ def cache_from_tensors(config, keys: Sequence[torch.Tensor], values: Sequence[to
     Args:
         keys, values: per layer ``[batch, kv_heads, slots, head_dim]``.
     """
-    cache = DynamicCache(config=config)
+    if config is None:                      # all slots: every layer a plain DynamicLayer
+        cache = DynamicCache()
+        cache.layers = [DynamicLayer() for _ in keys]
+    else:
+        cache = DynamicCache(config=config)
     for layer, k, v in zip(cache.layers, keys, values, strict=True):
         layer.lazy_initialization(k, v)
         layer.keys, layer.values = k, v

@@ -286,7 +286,8 @@ def _splice_static(model, cache: StaticCache, chunks, seams, rotate, pos: int, r
         layer.cumulative_length.fill_(pos + n)
 
 
-def _splice_dynamic(model, cache: DynamicCache, chunks, seams, rotate, pos: int, rots_cache: dict) -> DynamicCache:
+def _splice_dynamic(model, cache: DynamicCache, chunks, seams, rotate, pos: int, rots_cache: dict,
+                    all_slots: bool = False) -> DynamicCache:
     """Append each row's chunk K/V to a DynamicCache that holds ``[0, pos + max(seam))``: positions
     ``pos + max(seam) ..`` are concatenated, and rows with a smaller seam have their recomputed
     slots ``[pos + seam_r, pos + max(seam))`` overwritten with the precompiled K/V. Sliding layers
@@ -323,7 +324,7 @@ def _splice_dynamic(model, cache: DynamicCache, chunks, seams, rotate, pos: int,
             k2, v2 = k2[:, :, -layer.sliding_window + 1:], v2[:, :, -layer.sliding_window + 1:]
         new_k.append(k2.contiguous())
         new_v.append(v2.contiguous())
-    return kvcache.cache_from_tensors(model.config, new_k, new_v, pos + n)
+    return kvcache.cache_from_tensors(None if all_slots else model.config, new_k, new_v, pos + n)
 
 
 def _broadcast(model, cache, B: int, n: int):
@@ -336,13 +337,15 @@ def _broadcast(model, cache, B: int, n: int):
             layer.values[:, :, :n] = v[:, :, :n]
             layer.cumulative_length.fill_(n)
         return cache
-    return kvcache.cache_from_tensors(model.config, [l.keys.expand(B, -1, -1, -1).contiguous() for l in cache.layers],
+    sliding = any(getattr(l, "is_sliding", False) for l in cache.layers)       # else all slots, kept so
+    return kvcache.cache_from_tensors(model.config if sliding else None,
+                                      [l.keys.expand(B, -1, -1, -1).contiguous() for l in cache.layers],
                                       [l.values.expand(B, -1, -1, -1).contiguous() for l in cache.layers], n)
 
 
 @torch.no_grad()
 def compose(model, parts: Sequence, rotate: bool | Sequence[bool] = True, seam: int | Sequence[int] = 0,
-            static: bool | None = None) -> tuple[DynamicCache | StaticCache, torch.Tensor | None]:
+            static: bool | None = None, all_slots: bool = False) -> tuple[DynamicCache | StaticCache, torch.Tensor | None]:
     """Build the cache of a prompt made of live token parts and precompiled chunks, in order.
 
     Live parts (``[m]`` or ``[B, m]`` token ids) are forwarded at their positions against the cache
@@ -367,6 +370,9 @@ def compose(model, parts: Sequence, rotate: bool | Sequence[bool] = True, seam: 
             recomputes the whole chunk, which equals a full prefill); one value or one per row.
         static: preallocate a ``StaticCache`` and write spliced K/V in place; default: True when the
             model has no sliding-window layers (a ``StaticCache`` cannot be used with them here).
+        all_slots: build an all-slot ``DynamicCache`` (no layer drops positions outside its window),
+            the cache the edit operations take (:func:`kvnotes.edit.refresh_field`); implies
+            ``static=False``.
 
     Returns:
         (the cache over all positions, fp32 logits ``[B, vocab]`` at the last position when the
@@ -380,9 +386,10 @@ def compose(model, parts: Sequence, rotate: bool | Sequence[bool] = True, seam: 
     if not parts:
         raise ValueError("compose needs at least one part")
     sliding = has_sliding_layers(model)
-    static = (not sliding) if static is None else static
-    if static and sliding:
-        raise ValueError("a preallocated StaticCache is not used for models with sliding-window layers")
+    static = (not sliding and not all_slots) if static is None else static
+    if static and (sliding or all_slots):
+        raise ValueError("a preallocated StaticCache is not used for models with sliding-window layers "
+                         "or for an all-slot cache")
     parts = [p if isinstance(p, (Chunk, list, tuple)) else (p.view(1, -1) if p.dim() == 1 else p) for p in parts]
     sizes = [p.shape[0] for p in parts if isinstance(p, torch.Tensor)] + [len(p) for p in parts if isinstance(p, (list, tuple))]
     for x in (rotate, seam):
@@ -391,7 +398,10 @@ def compose(model, parts: Sequence, rotate: bool | Sequence[bool] = True, seam: 
     B = max(sizes, default=1)
     rotate, seam = _per_row(rotate, B, "rotate"), _per_row(seam, B, "seam")
     total = sum(p.shape[1] if isinstance(p, torch.Tensor) else len(_per_row(p, B, "chunks")[0]) for p in parts)
-    cache = StaticCache(config=model.config, max_cache_len=total) if static else DynamicCache(config=model.config)
+    if static:
+        cache = StaticCache(config=model.config, max_cache_len=total)
+    else:
+        cache = DynamicCache() if all_slots else DynamicCache(config=model.config)
     pos, logits, rots_cache = 0, None, {}
     items = [p if isinstance(p, torch.Tensor) else _per_row(p, B, "chunks") for p in parts]
     seams_of = {}
@@ -429,7 +439,7 @@ def compose(model, parts: Sequence, rotate: bool | Sequence[bool] = True, seam: 
         if static:
             _splice_static(model, cache, chunks, seams, rotate, pos, rots_cache)
         elif s_max < n or min(seams) < s_max:
-            cache = _splice_dynamic(model, cache, chunks, seams, rotate, pos, rots_cache)
+            cache = _splice_dynamic(model, cache, chunks, seams, rotate, pos, rots_cache, all_slots)
         pos += n
     return cache, logits
 

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from kvnotes import cache as kvcache
 from kvnotes.capture import attention_hook
@@ -109,14 +108,7 @@ def span_pairs(start: int, end: int) -> int:
 def from_tensors(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> DynamicCache:
     """An all-slot ``DynamicCache`` (every layer a full ``DynamicLayer``) over the given tensors
     (``[batch, kv_heads, slots, head_dim]`` per layer; referenced, not copied)."""
-    cache = DynamicCache()
-    cache.layers = []
-    for k, v in zip(keys, values, strict=True):
-        layer = DynamicLayer()
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
-        cache.layers.append(layer)
-    return cache
+    return kvcache.cache_from_tensors(None, keys, values, int(keys[0].shape[-2]))
 
 
 def check_all_slots(cache: DynamicCache) -> int:
@@ -302,7 +294,7 @@ def selective_mask(model, d: int, positions: torch.Tensor) -> torch.Tensor | dic
     def windowed(window):
         return allowed & (positions[:, None] - kv_pos[None, :] < window) if window else allowed
 
-    config = model.config
+    config = model.config.get_text_config(decoder=True)      # the decoder's (a multimodal wrapper nests it)
     types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
     if types:
@@ -331,12 +323,11 @@ def recompute_positions(model, cache: DynamicCache, ids: torch.Tensor, positions
     model(input_ids=ids.to(model.device)[positions].view(1, -1), position_ids=positions.view(1, -1),
           attention_mask=mask, past_key_values=work, use_cache=True, logits_to_keep=1)
     ks, vs = [], []
-    for layer in work.layers:                     # fresh tensors over d + k slots (cat in update)
-        k_all, v_all = layer.keys, layer.values
-        k_all[:, :, positions] = k_all[:, :, d:]
-        v_all[:, :, positions] = v_all[:, :, d:]
-        ks.append(k_all[:, :, :d])
-        vs.append(v_all[:, :, :d])
+    for layer in work.layers:                     # the k recomputed slots [d, d + k) written over positions
+        k_all, v_all = layer.keys, layer.values   # out of place: with one KV head (Gemma-3 270M/1B) the
+        at = positions.to(k_all.device)           # source slice is a contiguous view of the same storage
+        ks.append(k_all[:, :, :d].index_copy(2, at, k_all[:, :, d:]))
+        vs.append(v_all[:, :, :d].index_copy(2, at, v_all[:, :, d:]))
     return from_tensors(ks, vs)
 
 
@@ -420,14 +411,20 @@ def rank_attention(model, stale: DynamicCache, token: int, downstream: tuple[int
 
 @contextmanager
 def first_layers(model, n: int):
-    """Temporarily truncate the decoder to its first ``n`` layers (``model.model.layers``)."""
-    inner = model.model
-    layers = inner.layers
-    inner.layers = torch.nn.ModuleList(list(layers)[:n])
+    """Temporarily truncate the decoder to its first ``n`` layers, found through the architecture
+    adapter (``model.model.layers``; ``model.model.language_model.layers`` for a multimodal wrapper
+    such as Gemma-3 4B-27B)."""
+    from kvnotes.adapters import Adapter
+
+    path = Adapter.for_model(model).paths["layers"]
+    owner_path, _, attr = path.rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    layers = getattr(owner, attr)
+    setattr(owner, attr, torch.nn.ModuleList(list(layers)[:n]))
     try:
         yield
     finally:
-        inner.layers = layers
+        setattr(owner, attr, layers)
 
 
 @torch.no_grad()

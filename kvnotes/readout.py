@@ -24,8 +24,10 @@ from kvnotes import cache as kvcache
 from kvnotes.tokens import TokenizedPair
 
 READOUT_MODES = ("first_token", "full")
-#: Flip rules: ``owned`` (top-1 answers + margin) and ``relative`` (candidate sign change + margin).
-FLIP_RULES = ("owned", "relative")
+#: Flip rules: ``owned`` (top-1 answers + margin), ``relative`` (candidate sign change + margin) and
+#: ``synthetic`` (the margin alone, for random-weight models only: they decide nothing, so the
+#: conformance lane needs pairs whose score moves; records name the rule).
+FLIP_RULES = ("owned", "relative", "synthetic")
 NO_DECISION_CHANGE = "no_decision_change"
 SMALL_EFFECT = "small_effect"
 NOT_OWNED = "not_owned"
@@ -243,7 +245,8 @@ def pair_status(s_old: float, s_new: float, min_effect: float = 1.0, flip_rule: 
     ``|effect| >= min_effect``); ``flips_owned`` (that, and each clean run's vocabulary top-1 is its
     expected candidate's first token; None without ``decisions``); ``flip_rule``; ``flips`` (the
     configured rule); ``reason`` (None for flipping pairs, else ``no_decision_change``,
-    ``small_effect`` or ``not_owned``); ``correct_direction`` (the old run prefers the old
+    ``small_effect`` or ``not_owned``; under ``synthetic`` a pair flips when ``|effect| >= min_effect``,
+    whatever the signs: a rule for random-weight models only); ``correct_direction`` (the old run prefers the old
     candidate and the new run the new one); and the :func:`ownership_columns` when ``decisions``
     are given.
 
@@ -259,6 +262,8 @@ def pair_status(s_old: float, s_new: float, min_effect: float = 1.0, flip_rule: 
     reason = relative
     if reason is None and flip_rule == "owned" and not owned:
         reason = NOT_OWNED
+    if flip_rule == "synthetic":
+        reason = None if abs(s_new - s_old) >= min_effect else SMALL_EFFECT
     out = {"s_old": s_old, "s_new": s_new, "effect": s_new - s_old, "flips_relative": relative is None,
            "flips_owned": owned, "flip_rule": flip_rule, "flips": reason is None, "reason": reason,
            "correct_direction": s_old < 0 < s_new}

@@ -202,7 +202,8 @@ def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_te
     chunks = [kvcompose.precompile(model, po.ids[a:b], po.ids[:1]) for a, b in so]
     res = {"refreshed": [], "stale": []}
     for seam in seams:
-        cache, _ = kvcompose.compose(model, prompt_parts(po.ids[:d].view(1, -1), so, chunks), True, seam)
+        cache, _ = kvcompose.compose(model, prompt_parts(po.ids[:d].view(1, -1), so, chunks), True, seam,
+                                     all_slots=True)        # the in-place edit needs every position
         stale = kvedit.from_tensors([l.keys[:, :, :d] for l in cache.layers], [l.values[:, :, :d] for l in cache.layers])
         edited = kvedit.refresh_field(model, stale, pn.ids, pn.field)
         token = int(pn.ids[d])

@@ -55,19 +55,12 @@ import transformers
 from kvnotes import compose as kvcompose
 from kvnotes.timing import elapsed_ms
 
-QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,
-                rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=False)
-
-
 def gpu_model():
-    """A random-weight Qwen3-8B-shaped causal LM in bf16, built directly on the GPU."""
-    cfg = transformers.Qwen3Config(**QWEN3_8B)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    return model.eval().requires_grad_(False)
+    """A random-weight Qwen3-8B-shaped causal LM in bf16, built directly on the GPU (the zoo entry's
+    full-size architecture, :func:`kvnotes.zoo.random_model`)."""
+    from kvnotes.zoo import random_model, zoo_config
+
+    return random_model(zoo_config("qwen3-8b"), shrink=False, dtype=torch.bfloat16, device="cuda")
 
 
 def embedded_model(name: str):

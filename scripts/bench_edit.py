@@ -151,15 +151,11 @@ def bench_length(model, lay: Layout, clock: Clock, ks: list[int], rankings: list
 
 
 def qwen3_8b_model():
-    """Random-weight Qwen3-8B-shaped model in bf16 on the GPU (no download)."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    """Random-weight Qwen3-8B-shaped model in bf16 on the GPU (no download): the zoo entry's
+    full-size architecture (:func:`kvnotes.zoo.random_model`)."""
+    from kvnotes.zoo import random_model, zoo_config
 
-    cfg = Qwen3Config(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=128, intermediate_size=12288, vocab_size=151936, rope_theta=1e6,
-                      max_position_embeddings=40960, attn_implementation="sdpa")
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    return model.eval().requires_grad_(False)
+    return random_model(zoo_config("qwen3-8b"), shrink=False, dtype=torch.bfloat16, device="cuda")
 
 
 def main() -> None:

@@ -23,8 +23,8 @@ method added above its starting point (resident set size sampled every 2 ms on C
 ``malloc_trim`` returned freed heap pages; peak allocated CUDA memory on GPU), plus the process's
 ``ru_maxrss``. ``--json PATH`` also writes the numbers.
 
-Without the checkpoint (a GPU machine has no weights): ``--random-init CONFIG_DIR`` builds the
-model from a ``config.json`` with random weights and times the map on synthetic pairs of
+Without the checkpoint (a GPU machine has no weights): ``--random-init MODEL`` builds the zoo
+entry's full-size architecture (``conf/model/MODEL.yaml``) with random weights and times the map on synthetic pairs of
 ``--prompt-len`` random tokens (one field token changed; candidates: the two runs' top-1 tokens).
 The ratio and the exactness check hold; the scores mean nothing.
 
@@ -147,15 +147,13 @@ def flipping_recall_pairs(bundle, n_pairs: int, scenario_ids: list[str] | None):
     return runs
 
 
-def random_model(config_dir: str, device: str, dtype: str | None):
-    """A model with random weights (seed 0) from ``config_dir``'s ``config.json``, sdpa attention."""
-    import transformers as T
+def random_model(name: str, device: str, dtype: str | None):
+    """A model with random weights (seed 0) of the zoo entry ``name``'s full-size architecture
+    (``conf/model/<name>.yaml``, :func:`kvnotes.zoo.random_model`), sdpa attention."""
+    from kvnotes.zoo import random_model as zoo_random_model, zoo_config
 
-    cfg = T.AutoConfig.from_pretrained(config_dir)
-    torch.manual_seed(0)
-    dt = getattr(torch, dtype) if dtype else (cfg.dtype if isinstance(cfg.dtype, torch.dtype) else torch.float32)
-    model = T.AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation="sdpa").to(device).eval()
-    return model.requires_grad_(False)
+    dt = getattr(torch, dtype) if dtype else torch.float32
+    return zoo_random_model(zoo_config(name), shrink=False, dtype=dt, device=device, attn_implementation="sdpa")
 
 
 def synthetic_runs(model, n_pairs: int, length: int):
@@ -218,11 +216,12 @@ def main() -> None:
     ap.add_argument("--budget-mb", type=float, default=1024, help="memory budget per chunk of variant caches")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="torch CPU threads (default: every CPU this process may use)")
-    ap.add_argument("--random-init", metavar="CONFIG_DIR",
-                    help="timing only, without the checkpoint: a model with random weights built from this "
-                         "config.json (e.g. a GPU machine without weights), on synthetic pairs")
+    ap.add_argument("--random-init", metavar="MODEL",
+                    help="timing only, without the checkpoint: the full-size architecture of this zoo entry "
+                         "(conf/model/MODEL.yaml) with random weights (e.g. a GPU machine without weights), on "
+                         "synthetic pairs")
     ap.add_argument("--prompt-len", type=int, default=110, help="--random-init: prompt length in tokens")
-    ap.add_argument("--dtype", default=None, help="--random-init: torch dtype (default: the config's)")
+    ap.add_argument("--dtype", default=None, help="--random-init: torch dtype (default: float32)")
     ap.add_argument("--json", help="also write the numbers to this file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-import transformers as T
+os.environ.setdefault("HF_HUB_OFFLINE", "1")      # before huggingface_hub reads it at import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers as T  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 VOCAB = 96
@@ -24,6 +24,15 @@ LOGPROB_TOL = 1e-5
 #: Fixtures that load the embedded model (directly or through another fixture): their tests are
 #: marked ``embedded`` automatically, so ``pytest -m "not embedded"`` is the fast lane.
 EMBEDDED_FIXTURES = {"smol", "sweep"}
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The zoo conformance lane's one line per zoo entry (tests/test_zoo.py)."""
+    import sys
+
+    lane = sys.modules.get("test_zoo") or sys.modules.get("tests.test_zoo")
+    for line in getattr(lane, "LANE_LINES", []):
+        terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config, items):

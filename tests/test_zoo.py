@@ -1,0 +1,191 @@
+"""The zoo conformance lane (``pytest -m zoo``): every ``conf/model`` entry, on its shrunk random-weight
+model (:func:`kvnotes.zoo.random_model`), through ``run.py``'s own job path (:func:`kvnotes.jobs.run_job`).
+
+Entries with the same structural signature (:func:`kvnotes.zoo.signature`) share one run, named for
+each. Per run: every probe and circuit writes a record that validates against its schema (circuits
+on both engine backends where TransformerLens has an adapter for the architecture), and the
+invariants hold on that architecture: field + downstream recovery = 1 and everything-patched = 1,
+the exact field refresh equals the copied field K/V, the DLA parts add up to the logit difference,
+trigger + notes = 1 in the polarity 2x2, selective recompute over every downstream position equals
+the full re-prefill, and a re-positioned chunk equals the chunk prefilled at its target positions
+(``compose`` and ``compose_one_pass``).
+
+Random weights decide nothing, so flips are counted with ``flip_rule=synthetic`` (the margin
+alone; refused for checkpoints) at a margin fitted to random logits; records say so. The lane's
+prompts are rendered with the embedded SmolLM2 tokenizer (the vocabulary shrinks to it), which is
+why it is also marked ``embedded``. The probes' work is bounded per probe (fewer random draws,
+sweep points and seams) to keep the lane within a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvnotes import zoo
+
+pytestmark = [pytest.mark.zoo, pytest.mark.embedded]
+
+ROOT = Path(__file__).resolve().parent.parent
+GROUPS = zoo.lane_groups()
+#: Recovery ratios are quotients of fp32 score differences of ~0.01 nats on random weights.
+RECOVERY_TOL = 2e-3
+#: fp32 K/V and log-probs of two computations of the same thing (different kernels / shapes).
+KV_TOL = 1e-4
+#: DLA parts vs the model's own logit difference (nats).
+DLA_TOL = 1e-3
+#: Random logits move by ~0.01 nats when the field changes; the synthetic rule's margin.
+SYNTHETIC_MIN_EFFECT = 0.005
+
+COMMON = ["model.random_init.enabled=true", "flip_rule=synthetic", f"min_effect={SYNTHETIC_MIN_EFFECT}",
+          "plot=false", "device=cpu", "scenario=small", "scenario.families=null",
+          "scenario.ids=[favourite_colour]", "scenario.n_instances=2",
+          "probe.progress=false", "probe.n_boot=50"]
+#: Work bounds per probe (every method and arm still runs).
+BOUNDS = {
+    "heads": ["probe.random.n_draws=1", "probe.max_map_pairs_per_family=1", "probe.ks=[1,4]"],
+    "dissociation": ["scenario.ids=[account_role]"],
+    "suffix_recovery": ["probe.random.n_draws=1", "probe.grid.fractions=[0.5,1.0]", "probe.grid.counts=[1,4]",
+                        "probe.layer_bands=2"],
+    "compose": ["probe.seams=[0,2]", "probe.sinks=[bos]", "probe.edit_arm_seams=[0]"],
+    "edit": ["probe.ks=[0,4]", "probe.max_pairs=4", "probe.sweep_max_pairs=1", "probe.max_control_pairs=2"],
+    "direction": ["probe.n_layers_scan=2", "probe.random.n_draws=1", "probe.max_pairs_per_family=1",
+                  "probe.fit_scope=scenario"],
+    "read_location": ["probe.bands=[[0.0,0.5],[0.0,1.0]]", "probe.knockout_groups=[[field],[downstream]]"],
+    "agent": ["probe.turns=2"],
+}
+CIRCUITS = ("components", "heads", "direction")
+#: One line per zoo entry, printed at the end of the session (conftest's terminal summary).
+LANE_LINES: list[str] = []
+TIMES: dict = {}
+
+
+def compose_cfg(model: str, probe: str, extra: list[str] = ()):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[f"model={model}", f"probe={probe}", *COMMON, *BOUNDS.get(probe, ()),
+                                            *extra])
+
+
+def run_probe(model, probe, bundle, out: Path, extra=()) -> dict:
+    from kvnotes.jobs import run_job
+
+    cfg = compose_cfg(model, probe, list(extra))
+    path = run_job(cfg, out / probe / "-".join(extra).replace("=", "_"), {"launcher": "zoo lane"},
+                   log=lambda _: None, bundle=bundle)
+    rec = json.loads(path.read_text())
+    assert rec["status"] == "complete" and rec["probe"] == probe
+    assert rec["model"]["source"] == "random" and rec["config"]["flip_rule"] == "synthetic"
+    return rec
+
+
+def flipping(rec: dict) -> list[dict]:
+    return [r for r in rec["result"]["rows"] if r.get("flips")]
+
+
+def check_invariants(recs: dict) -> list[str]:
+    """The record-level invariants; returns the checks that had pairs to check."""
+    done = []
+    rows = flipping(recs["field_refresh"])
+    assert rows, "no pair flips under the synthetic rule: the lane would check nothing"
+    for r in rows:
+        assert r["r_field_downstream"] == pytest.approx(1.0, abs=RECOVERY_TOL), r["pair"]
+        assert r["r_all"] == pytest.approx(1.0, abs=RECOVERY_TOL), r["pair"]
+        assert r["r_field_exact"] == pytest.approx(r["r_field"], abs=RECOVERY_TOL), r["pair"]
+        assert max(r["k_max_abs_diff"], r["v_max_abs_diff"]) < KV_TOL, r["pair"]
+    done.append(f"field+downstream=1 ({len(rows)} pairs)")
+    comp = flipping(recs["components"])
+    for r in comp:
+        assert abs(r["decomposition_error"]) < DLA_TOL and abs(r["logit_diff_error"]) < DLA_TOL, r["pair"]
+    done.append(f"DLA sums ({len(comp)})")
+    pol = flipping(recs["dissociation"])
+    for r in pol:
+        assert r["r_both"] == pytest.approx(1.0, abs=RECOVERY_TOL), r["pair"]
+    done.append(f"trigger+notes=1 ({len(pol)})")
+    return done
+
+
+def check_selective_equals_full(bundle) -> None:
+    """Refreshing the field and recomputing every downstream position equals a full re-prefill."""
+    from kvnotes import edit
+
+    model = bundle.model
+    g = torch.Generator().manual_seed(1)
+    old = torch.randint(10, 2000, (40,), generator=g)
+    new = old.clone()
+    new[12:14] = torch.randint(2000, 4000, (2,), generator=g)
+    d = 39
+    stale = edit.prefill(model, old[:d])
+    refreshed = edit.refresh_field(model, stale, new, (12, 14))
+    sel = edit.selective(model, refreshed, new, range(14, d))
+    full = edit.full(model, new, d)
+    for a, b in zip(sel.cache.layers, full.cache.layers):
+        assert (a.keys - b.keys).abs().max() < KV_TOL and (a.values - b.values).abs().max() < KV_TOL
+    lp_sel = edit.decision_logprobs(model, sel.cache, int(new[d]), d)
+    lp_full = edit.decision_logprobs(model, full.cache, int(new[d]), d)
+    assert (lp_sel - lp_full).abs().max() < KV_TOL
+
+
+def check_reposition(bundle) -> str:
+    """A chunk prefilled at 0..n-1 and re-positioned to p..p+n-1 equals the chunk prefilled at
+    p..p+n-1 (every layer's keys; values untouched); ``compose_one_pass`` equals ``compose``; the
+    no-rotate control differs."""
+    from kvnotes import compose as kvcompose
+
+    model = bundle.model
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(10, 4000, (30,), generator=g)
+    prefix, chunk_ids, tail = ids[:8], ids[8:24], ids[24:]
+    chunk = kvcompose.precompile(model, chunk_ids)
+    placed = kvcompose.precompile(model, chunk_ids, offset=8)
+    for got, want in zip(kvcompose.rotate_keys(model, chunk.keys, 8), placed.keys, strict=True):
+        assert (got - want).abs().max() < KV_TOL
+    for got, want in zip(chunk.values, placed.values, strict=True):
+        assert (got - want).abs().max() < KV_TOL
+    _, logits = kvcompose.compose(model, [prefix, chunk, tail], True, 0)
+    _, no_rot = kvcompose.compose(model, [prefix, chunk, tail], False, 0)
+    assert (torch.log_softmax(no_rot, -1) - torch.log_softmax(logits, -1)).abs().max() > KV_TOL
+    if kvcompose.has_sliding_layers(model):     # compose_one_pass refuses sliding windows (one line)
+        with pytest.raises(ValueError, match="sliding"):
+            kvcompose.compose_one_pass(model, [prefix, chunk, tail], True, 0)
+        return "compose (one-pass: refused, sliding layers)"
+    _, one = kvcompose.compose_one_pass(model, [prefix, chunk, tail], True, 0)
+    assert (torch.log_softmax(one, -1) - torch.log_softmax(logits, -1)).abs().max() < KV_TOL
+    return "compose + one-pass"
+
+
+@pytest.mark.parametrize("model", sorted(GROUPS), ids=[f"{m}[{'+'.join(GROUPS[m])}]" for m in sorted(GROUPS)])
+def test_zoo_entry(model, tmp_path):
+    import probes
+    from kvnotes.jobs import load_bundle
+
+    bundle = load_bundle(compose_cfg(model, "screen"))
+    assert bundle.adapter.n_kv_heads == zoo.architecture_config(zoo.zoo_config(model)).get_text_config(
+        decoder=True).num_key_value_heads
+    check_selective_equals_full(bundle)
+    reposition = check_reposition(bundle)
+    recs = {}
+    for name in probes.names():
+        t0 = time.perf_counter()
+        recs[name] = run_probe(model, name, bundle, tmp_path)
+        TIMES[(model, name)] = time.perf_counter() - t0
+    checks = check_invariants(recs)
+    tl = []
+    for name in CIRCUITS:                      # last: the TransformerLens bridge switches the model to eager
+        try:
+            t0 = time.perf_counter()
+            run_probe(model, name, bundle, tmp_path, ["probe.backend=transformer_lens"])
+            TIMES[(model, name + "/tl")] = time.perf_counter() - t0
+            tl.append(name)
+        except ValueError as exc:              # no TransformerLens adapter for this architecture
+            assert "architecture" in str(exc).lower() or "not supported" in str(exc).lower(), exc
+    flips = len(flipping(recs["field_refresh"]))
+    for name in GROUPS[model]:
+        LANE_LINES.append(f"zoo {name:30s} run as {model:28s} {len(recs)} probes ok, {flips} synthetic flips, "
+                          f"{', '.join(checks)}, selective=full, reposition ok ({reposition}); TransformerLens: "
+                          f"{', '.join(tl) or 'no adapter'}")
