@@ -5,23 +5,35 @@
     python run.py model=qwen3-8b probe=screen       # a hub model (GPU)
     python run.py -m model=smollm2-135m probe=blast_radius,screen   # one record per job
 
-Bad input (unknown model/probe/scenario, invalid scenario file, model unavailable offline) is
-reported as one line on stderr with exit status 2, and no record is written.
+A record lives at ``<out_root>/<model>/<probe>/<scenario>/<overrides>/record.json``, where
+``<overrides>`` names the job's command-line overrides other than the group choices and the keys
+that cannot change a result (``hydra.job.config.override_dirname`` in ``conf/config.yaml``; empty for
+a plain run): a sweep over any key keeps its records side by
+side. A complete record is reused only when the config that produced it equals the requested one;
+otherwise the job stops with one line naming the keys that differ (``force=true`` replaces it).
+Two processes asking for the same record take turns on a lock file beside it.
+
+Bad input (unknown model/probe/scenario or key, a value of the wrong type, a device or quantization
+this machine cannot run, an unwritable out_root, invalid scenario files, a model unavailable
+offline) is reported as one line on stderr with exit status 2, before any model loads, and no
+record is written. Ctrl-C leaves no record behind (exit status 130).
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
-import time
 from pathlib import Path
 
 CONF = Path(__file__).resolve().parent / "conf"
 GROUPS = ("model", "probe", "scenario")
+#: Sweep points composed and checked up front (a larger sweep checks its first ones).
+MAX_CHECKED = 64
 
 
-def fail(msg: str) -> None:
+def fail(msg: str, status: int = 2) -> None:
     print(f"kvnotes: error: {msg}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(status)
 
 
 def remove_empty_dirs(path: Path, stop: Path) -> None:
@@ -39,72 +51,137 @@ def check_choices(argv: list[str]) -> None:
         key = key.lstrip("+~")
         if not sep or key not in GROUPS:
             continue
-        known = sorted(p.stem for p in (CONF / key).glob("*.yaml"))
+        known = sorted(p.stem for p in (CONF / key).glob("*.yaml") if not p.stem.startswith("_"))
         for choice in value.split(","):
             if choice and choice not in known:
                 fail(f"unknown {key} '{choice}' (known: {', '.join(known)})")
 
 
-def main() -> None:
-    check_choices(sys.argv[1:])
-    import hydra
+def _hydra_message(exc: Exception) -> str:
+    """Hydra's multi-line composition error (and the OmegaConf error behind it) as one line."""
+    text = "\n".join(str(e) for e in (exc, exc.__cause__) if e is not None)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
+    if key and any("not in struct" in ln for ln in lines):
+        return f"unknown key '{key}' (a misspelt key? to add a new key use +{key}=...)"
+    return lines[0] if not key else f"{key}: {lines[0]}"
 
+
+def precheck(argv: list[str]) -> None:
+    """Compose the config of every job the command line asks for (each point of a sweep, up to
+    :data:`MAX_CHECKED`) and check it (:func:`kvnotes.runconfig.check_run_config`) before Hydra
+    runs anything: every mistake is one line, before any model loads."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from kvnotes.errors import USER_ERRORS
+    from kvnotes.runconfig import check_run_config
+
+    args = [a for a in argv if not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(args)
+    except Exception as exc:  # hydra's OverrideParseException and friends
+        fail(f"cannot parse the overrides: {str(exc).splitlines()[0]}")
+    fixed, sweeps = [], []
+    for o in overrides:
+        if o.key_or_group.split(".")[0].split("/")[0] == "hydra":
+            continue
+        if o.is_sweep_override():
+            sweeps.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+        else:
+            fixed.append(o.input_line)
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        for point in itertools.islice(itertools.product(*sweeps), MAX_CHECKED):
+            try:
+                cfg = compose("config", overrides=fixed + list(point))
+            except Exception as exc:  # ConfigCompositionException, OmegaConf errors
+                fail(_hydra_message(exc))
+            try:
+                check_run_config(cfg)
+            except USER_ERRORS as exc:
+                fail(str(exc))
+
+
+#: Longest record-directory part spelled out in full; longer ones keep a prefix and a hash.
+MAX_VARIANT_CHARS = 120
+
+
+def variant_dir(override_dirname: str) -> str:
+    """The record directory's last part from Hydra's ``override_dirname``: ``''`` for no overrides,
+    else the overrides with path separators made safe; past :data:`MAX_VARIANT_CHARS` characters a
+    readable prefix and a hash of the whole (file systems cap a name at 255 bytes). The record keeps
+    every override in full (``hydra.overrides``)."""
+    import hashlib
+
+    name = override_dirname.replace("/", "%2F")
+    if len(name) <= MAX_VARIANT_CHARS:
+        return name
+    return f"{name[:MAX_VARIANT_CHARS - 13]}~{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+
+
+def main() -> None:
+    try:
+        _main()
+    except KeyboardInterrupt:
+        fail("interrupted; no record written", status=130)
+
+
+def _main() -> None:
+    argv = sys.argv[1:]
+    check_choices(argv)
+    if "--help" not in argv and "-h" not in argv:
+        precheck(argv)
+    import hydra
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("kvnotes_variant"):
+        OmegaConf.register_new_resolver("kvnotes_variant", variant_dir)
     hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")(job)()
 
 
 def job(cfg) -> None:
+    from filelock import FileLock
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    import probes
-    from kvnotes.errors import USER_ERRORS, KvnotesError
-    from kvnotes.records import RECORD_NAME, Timer, complete_record, is_complete, write_atomic
+    from kvnotes.errors import USER_ERRORS
+    from kvnotes.jobs import run_job
+    from kvnotes.records import RECORD_NAME, is_complete, load_record
+    from kvnotes.runconfig import check_run_config, identity, identity_diff
 
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
     record_path = out_dir / RECORD_NAME
-    if is_complete(record_path) and not cfg.force:
-        print(f"kvnotes: {record_path} is complete; skipping (force=true to re-run)")
-        return
-    timer = Timer()
-    t0 = time.perf_counter()
-    try:
-        probe_cfg = probes.typed_config(cfg.probe)
-        probe_run = probes.get(probe_cfg)
-        probes.check_variant(probe_cfg, cfg.scenario.get("variant", "direct"))
-        with timer("load_model"):
-            from kvnotes.models import load_model
-
-            bundle = load_model(cfg.model, cfg.device)
-        with timer("pairs"):
-            from kvnotes.pairs import prepare_for_probe
-
-            pairs = prepare_for_probe(bundle.tokenizer, probe_cfg.pairs, cfg.scenario, cfg.model)
-        if not pairs.pairs:
-            raise KvnotesError(f"no token-aligned pairs in scenario '{cfg.scenario.name}' "
-                               f"(excluded: {pairs.exclusion_counts()})")
-        ctx = probes.ProbeContext.from_run_config(cfg, probe_cfg, bundle, pairs, timer)
-        with timer("probe"):
-            result = probe_run(ctx)
-        from kvnotes.records import to_jsonable
-        from kvnotes.schema import check_result, result_schema
-
-        result = to_jsonable(result)
-        check_result(result, result_schema(probes.module(probe_cfg)))       # the declared Result
-    except USER_ERRORS as exc:
-        remove_empty_dirs(out_dir, Path(cfg.out_root))
-        fail(str(exc))
     hydra_info = {"choices": dict(hc.runtime.choices), "overrides": list(hc.overrides.task),
                   "output_dir": str(out_dir), "mode": str(hc.mode)}
-    record = complete_record(OmegaConf.to_container(cfg, resolve=True), hydra_info, bundle, pairs, cfg.scenario,
-                             result, timer.stages | {"total": time.perf_counter() - t0})
-    write_atomic(record_path, record)
-    print(f"kvnotes: wrote {record_path}")
-    if cfg.plot:
-        from kvnotes.plots import plot_record
+    try:
+        check_run_config(cfg)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(record_path) + ".lock"):        # a second process waits, then finds the record
+            if is_complete(record_path) and not cfg.force:
+                differ = identity_diff(identity(load_record(record_path)["config"]),
+                                       identity(OmegaConf.to_container(cfg, resolve=True)))
+                if not differ:
+                    print(f"kvnotes: {record_path} is complete; skipping (force=true to re-run)")
+                    return
+                shown = ", ".join(differ[:6]) + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
+                fail(f"{record_path} holds a record of a different config (differs in {shown}): force=true "
+                     f"replaces it, or choose another out_root")
+            run_job(cfg, out_dir, hydra_info)
+    except USER_ERRORS as exc:
+        _clean(out_dir, record_path, Path(cfg.out_root))
+        fail(str(exc))
+    except KeyboardInterrupt:
+        _clean(out_dir, record_path, Path(cfg.out_root))
+        fail("interrupted; no record written", status=130)
 
-        for path in plot_record(record, out_dir):
-            print(f"kvnotes: wrote {path}")
+
+def _clean(out_dir: Path, record_path: Path, out_root: Path) -> None:
+    """Remove this job's lock file (when no record is there) and its directories while empty."""
+    lock = Path(str(record_path) + ".lock")
+    if lock.exists() and not record_path.exists():
+        lock.unlink(missing_ok=True)
+    remove_empty_dirs(out_dir, out_root)
 
 
 if __name__ == "__main__":

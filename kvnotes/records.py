@@ -176,11 +176,28 @@ def complete_record(cfg: dict, hydra: dict, bundle, pairs, scenario_cfg, result:
     return record
 
 
+#: Keys of the resolved config that cannot change a record's numbers (dotted paths): left out of a
+#: record's identity (:mod:`kvnotes.runconfig`) and of its directory name (``conf/config.yaml``).
+NON_RESULT_KEYS = ("plot", "force", "out_root", "probe.progress")
+#: Overrides that do not distinguish records: group choices (already in the path) and the above.
+_NOT_DISTINGUISHING = ("model", "probe", "scenario") + NON_RESULT_KEYS
+
+
+def record_overrides(rec: dict) -> str:
+    """The command-line overrides that distinguish a record from others of the same model, probe and
+    suite (``key=value`` joined by commas, sorted; ``""`` for a run with the defaults). Records
+    written without Hydra (``scripts.battery``) have none."""
+    task = (rec.get("hydra") or {}).get("overrides") or []
+    keep = [o for o in task if o.split("=", 1)[0].lstrip("+~") not in _NOT_DISTINGUISHING]
+    return ",".join(sorted(keep))
+
+
 def records_frame(root: str | Path):
     """Every per-pair row of every complete record under ``root`` as one ``pandas.DataFrame``.
 
     Columns: the row's own columns (list-valued columns kept as lists) plus ``probe``, ``model``,
-    ``suite``, ``schema_version`` and ``record`` (path) identifying where it came from. Records of
+    ``suite``, ``overrides`` (:func:`record_overrides`: what distinguishes records of one model,
+    probe and suite), ``schema_version`` and ``record`` (path) identifying where it came from. Records of
     every version in :data:`READABLE_VERSIONS` are read (the row layout did not change); others
     are skipped.
     """
@@ -195,6 +212,7 @@ def records_frame(root: str | Path):
         if not rows:
             continue
         df = pd.DataFrame(rows)
+        df.insert(0, "overrides", record_overrides(rec))
         df.insert(0, "suite", rec["scenario"]["name"])
         df.insert(0, "model", rec["model"]["name"])
         df.insert(0, "probe", rec["probe"])

@@ -97,7 +97,7 @@ def test_sweep_writes_one_record_per_job(sweep):
 
 def test_blast_radius_record_contents(sweep):
     out, _ = sweep
-    rec = json.loads(next(out.rglob("blast_radius/*/record.json")).read_text())
+    rec = json.loads(next(out.rglob("blast_radius/**/record.json")).read_text())
     res = rec["result"]
     row = res["rows"][0]
     assert row["prefix_max_dev"] < 1e-5
@@ -110,7 +110,7 @@ def test_blast_radius_record_contents(sweep):
 
 def test_rerun_skips_complete_record_unless_forced(sweep):
     out, _ = sweep
-    rec_path = next(out.rglob("screen/*/record.json"))
+    rec_path = next(out.rglob("screen/**/record.json"))
     before = rec_path.stat().st_mtime_ns
     new = Path(json.loads(rec_path.read_text())["config"]["scenario"]["paths"][0])
     proc = run("probe=screen", f"scenario.paths=[{new}]", "scenario.n_instances=3", f"out_root={out}")
