@@ -154,7 +154,8 @@ def complete_record(cfg: dict, hydra: dict, bundle, pairs, scenario_cfg, result:
     """A complete record of one probe run: provenance (:func:`new_record`), the model as loaded and
     the attention implementation actually used (an engine such as the TransformerLens bridge may
     switch it during the probe), the scenario suite and its rendering, the probe's ``result``
-    (already JSON-able and checked against its schema) and the stage ``timing`` in seconds.
+    (already JSON-able and checked against its schema), the stage ``timing`` in seconds, and the
+    pairs' decoded tokens (:func:`prompt_tokens`), so figures and reports need no model.
 
     Args:
         cfg: the resolved run config (``conf/config.yaml`` composed), as a dict.
@@ -170,10 +171,38 @@ def complete_record(cfg: dict, hydra: dict, bundle, pairs, scenario_cfg, result:
                           "n_pairs_aligned": len(pairs.pairs), "n_excluded": len(pairs.excluded),
                           "families": sorted({s.family for s in pairs.scenarios}),
                           "rendering": rendering(bundle.tokenizer, bool(scenario_cfg.get("chat_template", True)))}
+    record["prompts"] = prompt_tokens(bundle.tokenizer, pairs)
+    record["vocab"] = row_vocabulary(bundle.tokenizer, result)
     record["result"] = result
     record["timing"] = timing
     record["status"] = "complete"
     return record
+
+
+def row_vocabulary(tokenizer, result: dict) -> dict[str, str]:
+    """The decoded text of every token id the rows name as a clean run's top-1 (``top1_id_*``), so a
+    reader shows the model's answers without its tokenizer."""
+    ids = {int(v) for row in result.get("rows", []) for k, v in row.items()
+           if k.startswith("top1_id_") and isinstance(v, int)}
+    return {str(i): tokenizer.decode([i]) for i in sorted(ids)}
+
+
+def prompt_tokens(tokenizer, pairs) -> dict:
+    """What a reader needs to show a pair without the model: per aligned pair id, the old prompt's
+    tokens decoded one by one (their concatenation is the rendered prompt), the new value's field
+    tokens, the field span ``[a, b)``, the decision position and the candidates' texts."""
+    from kvnotes.pairs import pair_meta
+
+    out = {}
+    for pair in pairs.pairs:
+        a, b = pair.field
+        out[pair_meta(pair.spec)["pair"]] = {
+            "tokens": tokenizer.batch_decode([[int(i)] for i in pair.old.ids]),
+            "new_field": tokenizer.batch_decode([[int(i)] for i in pair.new.ids[a:b]]),
+            "field": [a, b], "decision": pair.decision,
+            "cand_old": tokenizer.decode(list(pair.cand_old)), "cand_new": tokenizer.decode(list(pair.cand_new)),
+        }
+    return out
 
 
 #: Keys of the resolved config that cannot change a record's numbers (dotted paths): left out of a

@@ -59,25 +59,6 @@ def test_cot_variant_refused_by_probes_that_do_not_generate(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
-    """A new scenario file (new domain, same schema) swept through both probes in one -m run."""
-    tmp = tmp_path_factory.mktemp("sweep")
-    new = tmp / "fruit.yaml"
-    new.write_text(yaml.safe_dump({**BASE, "domain": "favourite fruit", "id": "favourite_fruit",
-                                   "field": {"slot": "colour", "values": ["apple", "grape"]},
-                                   "candidates": {"apple": " apple", "grape": " grape"},
-                                   "context": "Profile of {name}. Favourite fruit: {colour}.",
-                                   "request": "What is the favourite fruit?",
-                                   "variants": {"direct": {"decision": "Reply with the fruit only.",
-                                                           "answer_prefix": "The favourite fruit is"}}}))
-    out = tmp / "runs"
-    proc = run("-m", "probe=blast_radius,screen", f"scenario.paths=[{new}]", "scenario.n_instances=3",
-               f"out_root={out}", "probe.progress=false")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc
-
-
 def test_sweep_writes_one_record_per_job(sweep):
     out, _ = sweep
     records = sorted(out.rglob("record.json"))
