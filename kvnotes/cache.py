@@ -193,9 +193,8 @@ def build_variants(config, base: DynamicCache, source: DynamicCache, masks: torc
     if masks.shape[1] != len(base.layers) or masks.shape[2] != T or seq_length(source) != T:
         raise ValueError(f"mask {tuple(masks.shape)} does not fit caches of {len(base.layers)} layers x {T} positions")
     keys, values = [], []
-    masks = masks.to(base.layers[0].keys.device)
-    for l, (lb, ls) in enumerate(zip(base.layers, source.layers)):
-        m = masks[:, l, slot_positions(lb)][:, None, :, None]
+    for l, (lb, ls) in enumerate(zip(base.layers, source.layers)):     # each layer where it lives (device maps)
+        m = masks[:, l].to(lb.keys.device)[:, slot_positions(lb)][:, None, :, None]
         keys.append(torch.where(m, ls.keys, lb.keys))
         values.append(torch.where(m, ls.values, lb.values))
     return cache_from_tensors(config, keys, values, T)
