@@ -100,7 +100,10 @@ def token_strip(tokens: list[str], values: dict[int, float], title: str, label: 
     a, b = field
     fig.add_vrect(x0=a - 0.5, x1=b - 0.5, line_color="cyan", line_width=2)
     fig.add_vline(x=decision, line_dash="dash", line_color="red")
-    fig.update_layout(title=title, height=200, margin={"t": 40, "b": 30}, yaxis={"visible": False})
+    labels = [tok.replace("\n", "⏎")[:12] for tok in tokens]
+    fig.update_layout(title=title, height=300, margin={"t": 40, "b": 110}, yaxis={"visible": False},
+                      xaxis={"tickvals": list(range(len(tokens))), "ticktext": labels, "tickangle": -90,
+                             "tickfont": {"size": 8}})
     return fig
 
 
@@ -108,7 +111,9 @@ def _strips(page: _Page, rec: dict) -> None:
     prompts = rec.get("prompts") or {}
     res = rec["result"]
     if rec["probe"] == "suffix_recovery":
-        rows = [r for r in res.get("rows", []) if r.get("single") and r["pair"] in prompts][:MAX_STRIPS]
+        rows = [r for r in res.get("rows", []) if r.get("single") and r["pair"] in prompts]
+        # the pairs whose notes carry the most (largest single-position recovery) first
+        rows = sorted(rows, key=lambda r: -max((v for v in r["single"] if v is not None), default=0.0))[:MAX_STRIPS]
         for j, r in enumerate(rows):
             b = r["downstream"][0]
             vals = {b + k: v for k, v in enumerate(r["single"]) if v is not None}
@@ -157,6 +162,15 @@ def _curves(page: _Page, rec: dict) -> None:
                 fig.update_layout(title=f"{mode} heads: cumulative top-k recovery on held-out pairs (k-matched random)",
                                   xaxis_title="k", xaxis_type="log", height=360)
                 page.figure(fig, f"heads-{mode}", {"kind": "head_curve"})
+    if probe == "heads":
+        mapped = [r for r in rec["result"].get("rows", []) if r.get("maps")][:2]
+        for j, r in enumerate(mapped):
+            for mode, grid in r["maps"].items():
+                fig = go.Figure(go.Heatmap(z=grid, colorscale="RdBu", zmid=0,
+                                           hovertemplate="layer %{y}, head %{x}: recovery %{z:.4f}<extra></extra>"))
+                fig.update_layout(title=f"{r['pair']} ({r['split']}): single-head {mode} map (recovery)",
+                                  xaxis_title="head", yaxis_title="layer", height=420)
+                page.figure(fig, f"headmap-{mode}-{j}", {"kind": "head_map", "pair": r["pair"]})
     if probe == "screen" and isinstance(aggs.get("by_family"), dict):
         fams = list(aggs["by_family"])
         fig = go.Figure()

@@ -128,7 +128,7 @@ def edit_table(record: dict) -> str:
         for name, m in agg["methods"].items():
             w(f"| {name} | {fmt_p(m['agreement']['all'])} | {fmt_p(m['reached_marker'])} | "
                   f"{fmt(m['frac']['all']['mean'])} |")
-        w(f"\ncontrols (moved the stale decision): "
+        w("\ncontrols (moved the stale decision): "
               + ", ".join(f"{k} {fmt_p(v)}" for k, v in agg["controls"].items()))
         return w.text()
     w("| method | agrees with full (Wilson 95%) | mean recovery | KL(full‖m) nats | top-1 = full | "

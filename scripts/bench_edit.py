@@ -30,7 +30,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 

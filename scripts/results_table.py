@@ -14,22 +14,7 @@ from pathlib import Path
 
 
 from kvnotes.records import load_record
-
-
-#: Short marks of the interval methods (kvnotes.stats.summarize ``ci_method``), explained under the table.
-CI_MARKS = {"cluster_bootstrap": "", "t_over_scenario_means": "t", "t_over_instance_means": "ti",
-            "none_single_cluster": "1 cluster"}
-
-
-def ci(d: dict | None) -> str:
-    """``mean [lo, hi]`` with a mark of the interval's method; no interval for a single cluster."""
-    if not d or d.get("mean") is None:
-        return "-"
-    mark = CI_MARKS.get(d.get("ci_method") or "cluster_bootstrap", d.get("ci_method"))
-    if not d.get("ci_mean"):
-        return f"{d['mean']:.2f} ({mark or 'no interval'})"
-    lo, hi = d["ci_mean"]
-    return f"{d['mean']:.2f} [{lo:.2f}, {hi:.2f}]{' ' + mark if mark else ''} (n={d['n']}, {d['n_scenarios']} sc.)"
+from kvnotes.tables import ci
 
 
 def share(d: dict | None) -> str:

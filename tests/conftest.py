@@ -131,24 +131,31 @@ def check_schema(name: str, res: dict) -> None:
     check_result(json.loads(json.dumps(to_jsonable(res))), result_schema(probes.module(name)))
 
 
+def fruit_scenario(path):
+    """Write a new scenario file (new domain, the shipped schema: favourite fruit, apple or grape) and
+    return its path."""
+    import yaml
+
+    from tests.test_tokens import BASE
+
+    path.write_text(yaml.safe_dump({**BASE, "domain": "favourite fruit", "id": "favourite_fruit",
+                                    "field": {"slot": "colour", "values": ["apple", "grape"]},
+                                    "candidates": {"apple": " apple", "grape": " grape"},
+                                    "context": "Profile of {name}. Favourite fruit: {colour}.",
+                                    "request": "What is the favourite fruit?",
+                                    "variants": {"direct": {"decision": "Reply with the fruit only.",
+                                                            "answer_prefix": "The favourite fruit is"}}}))
+    return path
+
+
 @pytest.fixture(scope="session")
 def sweep(tmp_path_factory):
     """A new scenario file (new domain, same schema) swept through two probes in one ``run.py -m`` run on the
     embedded SmolLM2 (shared by the command-line tests and the report's browser test)."""
-    import yaml
-
     from tests.test_cli import run
-    from tests.test_tokens import BASE
 
     tmp = tmp_path_factory.mktemp("sweep")
-    new = tmp / "fruit.yaml"
-    new.write_text(yaml.safe_dump({**BASE, "domain": "favourite fruit", "id": "favourite_fruit",
-                                   "field": {"slot": "colour", "values": ["apple", "grape"]},
-                                   "candidates": {"apple": " apple", "grape": " grape"},
-                                   "context": "Profile of {name}. Favourite fruit: {colour}.",
-                                   "request": "What is the favourite fruit?",
-                                   "variants": {"direct": {"decision": "Reply with the fruit only.",
-                                                           "answer_prefix": "The favourite fruit is"}}}))
+    new = fruit_scenario(tmp / "fruit.yaml")
     out = tmp / "runs"
     proc = run("-m", "probe=blast_radius,screen", f"scenario.paths=[{new}]", "scenario.n_instances=3",
                f"out_root={out}", "probe.progress=false")

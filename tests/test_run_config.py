@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from kvnotes.errors import KvnotesError
 from tests.test_cli import ROOT, one_line_error, run
-from tests.test_tokens import BASE
+from tests.conftest import fruit_scenario
 
 
 # ------------------------------------------------------------------ bad input: one line, before loading
@@ -211,15 +210,7 @@ def test_offloaded_device_map_gives_the_single_device_records(tiny_checkpoint, t
 
 @pytest.fixture(scope="module")
 def fruit(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fruit")
-    path = tmp / "fruit.yaml"
-    path.write_text(yaml.safe_dump({**BASE, "domain": "favourite fruit", "id": "favourite_fruit",
-                                    "field": {"slot": "colour", "values": ["apple", "grape"]},
-                                    "candidates": {"apple": " apple", "grape": " grape"},
-                                    "context": "Profile of {name}. Favourite fruit: {colour}.",
-                                    "request": "What is the favourite fruit?",
-                                    "variants": {"direct": {"decision": "Reply with the fruit only.",
-                                                            "answer_prefix": "The favourite fruit is"}}}))
+    path = fruit_scenario(tmp_path_factory.mktemp("fruit") / "fruit.yaml")
     return ["probe=screen", f"scenario.paths=[{path}]", "scenario.n_instances=2", "plot=false",
             "probe.progress=false"]
 
