@@ -10,6 +10,7 @@ from kvnotes.readout import flip_status, run_pair, variant_scores
 from kvnotes.tokens import tokenize_pair
 from probes.blast_radius import deviation_maps, summarize_pair
 from scenarios import build_pairs, load_suite
+from tests.conftest import BATCH_TOL
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_recovery_invariants(smol, recall_pair, pair_run):
     s = variant_scores(smol.model, recall_pair, pair_run.old_cache, pair_run.new_cache, masks)
     r = pair_run.recovery(s)
     assert r[0] == pytest.approx(1.0, abs=1e-4)       # all positions from the new run
-    assert r[1] == pytest.approx(0.0, abs=1e-6)       # nothing
+    assert r[1] == pytest.approx(0.0, abs=BATCH_TOL)  # nothing (batched vs clean run: kernel rounding)
     assert r[2] == pytest.approx(0.0, abs=1e-4)       # positions before the field
     assert r[3] == pytest.approx(1.0, abs=1e-4)       # field + downstream
     # field-only and downstream-only are findings, not invariants: they are only required to be
