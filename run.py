@@ -82,6 +82,8 @@ def precheck(argv: list[str]) -> None:
         overrides = OverridesParser.create().parse_overrides(args)
     except Exception as exc:  # hydra's OverrideParseException and friends
         fail(f"cannot parse the overrides: {str(exc).splitlines()[0]}")
+    # a job that runs on another machine (a SLURM launcher) checks its device and quantization there
+    local = not any(o.key_or_group == "hydra/launcher" and "slurm" in str(o.value()) for o in overrides)
     fixed, sweeps = [], []
     for o in overrides:
         if o.key_or_group.split(".")[0].split("/")[0] == "hydra":
@@ -97,7 +99,7 @@ def precheck(argv: list[str]) -> None:
             except Exception as exc:  # ConfigCompositionException, OmegaConf errors
                 fail(_hydra_message(exc))
             try:
-                check_run_config(cfg)
+                check_run_config(cfg, machine=local)
             except USER_ERRORS as exc:
                 fail(str(exc))
 

@@ -124,12 +124,15 @@ def check_out_root(out_root: str) -> None:
         raise KvnotesError(f"out_root={out_root} is not writable ({exc.strerror or type(exc).__name__})") from None
 
 
-def check_run_config(cfg: Any) -> RunSettings:
+def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
     """Everything about a composed run config that can be checked before a model loads.
 
-    Checks: :func:`typed` (and ``flip_rule=synthetic`` only with ``model.random_init``); the probe's keys and types (``probes.typed_config``); the device exists
+    Checks: :func:`typed` (and ``flip_rule=synthetic`` only with ``model.random_init``); the probe's
+    keys and types (``probes.typed_config``); the device exists
     (:func:`kvnotes.models.resolve_device`); the model's device map and quantization can run on it
     (:func:`kvnotes.models.placement_kwargs`); ``out_root`` is writable; every scenario path exists.
+    With ``machine=False`` (a job that will run elsewhere, e.g. submitted to SLURM from a login node
+    without GPUs) the device and quantization checks are left to the job itself.
 
     Raises:
         KvnotesError, ScenarioError: the first problem, in one line.
@@ -145,8 +148,9 @@ def check_run_config(cfg: Any) -> RunSettings:
                            f"(model.random_init.enabled=true); model '{settings.model.name}' is a checkpoint: "
                            f"use owned or relative")
     probes.typed_config(cfg.probe)
-    dev = resolve_device(settings.device)
-    placement_kwargs(cfg.model, dev, resolve_dtype(settings.model.dtype, dev))
+    if machine:
+        dev = resolve_device(settings.device)
+        placement_kwargs(cfg.model, dev, resolve_dtype(settings.model.dtype, dev))
     check_out_root(settings.out_root)
     for entry in cfg.scenario.get("paths") or ():
         if not resolve_path(str(entry)).exists():

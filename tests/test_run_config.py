@@ -281,3 +281,15 @@ def test_two_processes_on_one_record_never_mix(fruit, tmp_path):
     assert sorted("skipping" in o[0] for o in outs) == [False, True]      # one ran, the other found its record
     recs = list(tmp_path.rglob("record.json"))
     assert len(recs) == 1 and json.loads(recs[0].read_text())["status"] == "complete"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_slurm_jobs_check_device_and_quantization_where_they_run(capsys):
+    """Submitted from a login node without GPUs, a SLURM sweep is not refused for asking for CUDA or
+    nf4: each job checks its own device on the node it runs on. Locally the same request is refused."""
+    import run as cli
+
+    cli.precheck(["-m", "hydra/launcher=slurm_multigpu", "model=llama-3.1-70b", "model.quantization=nf4", "device=cuda"])
+    with pytest.raises(SystemExit):
+        cli.precheck(["model=llama-3.1-70b", "model.quantization=nf4", "device=cuda"])
+    assert "no CUDA device" in capsys.readouterr().err
