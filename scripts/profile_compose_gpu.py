@@ -129,7 +129,7 @@ def profile_length(model, L: int, args) -> None:
         row("eager forward (prefix+seam+suffix)",
             med(lambda: kc._forward_one_pass(model, cache, plan.ids, plan.slots, plan.runs), W, T))
         row("whole compose_one_pass (new cache)", med(lambda: kc.compose_one_pass(model, parts, True, s), W, T))
-        del cache
+        cache = None                    # free the pool before the runner allocates its own
         runner = kc.ComposeRunner(model, L)
         torch.cuda.synchronize()
         t = time.perf_counter()
