@@ -136,7 +136,7 @@ class DecisionRowHook:
         V, _, P = self.knock.shape
         hide = torch.zeros(V, kv_len, dtype=torch.bool, device=device)
         valid = (k_pos >= 0) & (k_pos < P)
-        hide[:, valid] = self.knock[:, layer, k_pos[valid]].to(device)
+        hide[:, valid] = self.knock[:, layer].to(device)[:, k_pos[valid]]    # this layer's device (device maps)
         if mask is None or mask.dtype == torch.bool:
             allowed = _causal(q_len, kv_len, device) if (mask is None and q_len > 1) else \
                 (torch.ones(1, 1, q_len, kv_len, dtype=torch.bool, device=device) if mask is None else mask)
