@@ -20,7 +20,6 @@ sweep points and seams) to keep the lane within a few minutes on 2 cores.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -61,7 +60,6 @@ BOUNDS = {
 CIRCUITS = ("components", "heads", "direction")
 #: One line per zoo entry, printed at the end of the session (conftest's terminal summary).
 LANE_LINES: list[str] = []
-TIMES: dict = {}
 
 
 def compose_cfg(model: str, probe: str, extra: list[str] = ()):
@@ -169,18 +167,12 @@ def test_zoo_entry(model, tmp_path):
         decoder=True).num_key_value_heads
     check_selective_equals_full(bundle)
     reposition = check_reposition(bundle)
-    recs = {}
-    for name in probes.names():
-        t0 = time.perf_counter()
-        recs[name] = run_probe(model, name, bundle, tmp_path)
-        TIMES[(model, name)] = time.perf_counter() - t0
+    recs = {name: run_probe(model, name, bundle, tmp_path) for name in probes.names()}
     checks = check_invariants(recs)
     tl = []
     for name in CIRCUITS:                      # last: the TransformerLens bridge switches the model to eager
         try:
-            t0 = time.perf_counter()
             run_probe(model, name, bundle, tmp_path, ["probe.backend=transformer_lens"])
-            TIMES[(model, name + "/tl")] = time.perf_counter() - t0
             tl.append(name)
         except ValueError as exc:              # no TransformerLens adapter for this architecture
             assert "architecture" in str(exc).lower() or "not supported" in str(exc).lower(), exc
