@@ -223,6 +223,21 @@ def run_pair(model, pair: TokenizedPair, mode: str = "first_token", prefill=None
     return PairRun(pair, old_cache, new_cache, float(s[0]), float(s[1]), clean_decisions(lps, pair))
 
 
+def check_flip_rule(flip_rule: str, random_weights: bool, model_name: str) -> None:
+    """Refuse ``flip_rule=synthetic`` for a model with trained weights (it counts flips on
+    random-weight models only: the conformance lane).
+
+    Raises:
+        KvnotesError: one line naming the model and the rules to use.
+    """
+    from kvnotes.errors import KvnotesError
+
+    if flip_rule == "synthetic" and not random_weights:
+        raise KvnotesError(f"flip_rule=synthetic counts flips on random-weight models only "
+                           f"(model.random_init.enabled=true); model '{model_name}' is a checkpoint: "
+                           f"use owned or relative")
+
+
 def flip_status(s_old: float, s_new: float, min_effect: float = 1.0) -> str | None:
     """None when the pair flips under the ``relative`` rule, else the exclusion reason.
 

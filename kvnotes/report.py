@@ -219,8 +219,8 @@ def _curves(page: _Page, rec: dict) -> None:
 
 
 def _summary_bars(page: _Page, rec: dict) -> None:
-    """Family-level means with their intervals of the record's ``.../all``-free summaries (a fallback
-    figure for probes without a dedicated one)."""
+    """Means with their intervals of the record's summaries over all families (paths ending in
+    ``/all``), the first 24: a figure for every probe, next to its dedicated ones."""
     import plotly.graph_objects as go
 
     rows = [(p, s) for p, s in summaries(rec["result"].get("aggregates", {}))

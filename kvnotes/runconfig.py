@@ -139,14 +139,12 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
     """
     import probes
     from kvnotes.models import placement_kwargs, resolve_device, resolve_dtype
+    from kvnotes.readout import check_flip_rule
     from scenarios.errors import ScenarioError
     from scenarios.schema import resolve_path
 
     settings = typed(cfg)
-    if settings.flip_rule == "synthetic" and not settings.model.random_init.enabled:
-        raise KvnotesError(f"flip_rule=synthetic counts flips on random-weight models only "
-                           f"(model.random_init.enabled=true); model '{settings.model.name}' is a checkpoint: "
-                           f"use owned or relative")
+    check_flip_rule(settings.flip_rule, settings.model.random_init.enabled, settings.model.name)
     probes.typed_config(cfg.probe)
     if machine:
         dev = resolve_device(settings.device)

@@ -26,6 +26,7 @@ from kvnotes.errors import KvnotesError
 from kvnotes.kit import CleanRuns, ProbeConfig
 from kvnotes.models import ModelBundle
 from kvnotes.pairs import PairSet
+from kvnotes.readout import check_flip_rule
 from kvnotes.records import Timer
 
 #: The probe config group.
@@ -122,10 +123,7 @@ class ProbeContext:
         ``min_effect``, seed, scenario config and memory budget from the composed run config
         ``cfg`` (``conf/config.yaml``); ``probe_cfg`` is the typed probe config; ``clean_runs``
         the job's shared clean-run store, if any."""
-        if str(cfg.flip_rule) == "synthetic" and bundle.info.get("source") != "random":
-            raise KvnotesError(f"flip_rule=synthetic counts flips on random-weight models only "
-                               f"(model.random_init.enabled=true); model '{bundle.name}' is a checkpoint: "
-                               f"use owned or relative")
+        check_flip_rule(str(cfg.flip_rule), bundle.info.get("source") == "random", bundle.name)
         return cls(bundle=bundle, pairs=pairs, cfg=probe_cfg, readout=cfg.readout, min_effect=float(cfg.min_effect),
                    flip_rule=str(cfg.flip_rule), seed=int(cfg.seed), timer=timer, scenario_cfg=cfg.scenario,
                    budget_bytes=int(float(cfg.budget_mb) * (1 << 20)), clean_runs=clean_runs)
