@@ -13,7 +13,7 @@ fitting, so it cannot leak between selection and held-out instances; the fitted 
 soft-capping ``c · tanh(z / c)``.
 
 **Contributions.** For every flipping pair the old and new prompts are run once each, capturing
-what each sublayer *adds to the residual stream* (:mod:`circuits.engine` sites ``attn`` / ``mlp``:
+what each sublayer *adds to the residual stream* (:mod:`kvnotes.kv.engine` sites ``attn`` / ``mlp``:
 after the post-attention / post-MLP norm on Gemma-2/3, the raw sublayer output elsewhere), the
 embedding (``resid_pre`` of layer 0, including Gemma's embedding scale) and the final pre-norm
 residual (``resid_post`` of the last layer). The contribution of a component ``c`` at position
@@ -24,7 +24,7 @@ keeps the worst errors of both as checks).
 
 **Note position.** The top note position is an offset ``d - p`` from the decision position,
 chosen per family on the **selection** split as the downstream position with the highest mean
-single-position KV-patch recovery (all layers, :func:`kvnotes.cache.position_masks`);
+single-position KV-patch recovery (all layers, :func:`kvnotes.kv.cache.position_masks`);
 contributions are aggregated over **held-out** pairs at that offset, and at ``d`` itself (where
 ``û`` is the pre-norm logit-difference direction).
 """
@@ -39,10 +39,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from circuits.engine import Engine, Site, start_circuit
-from kvnotes.schema import CircuitResult, SplitRow
-from kvnotes.kit import ProbeConfig
-from kvnotes import kit as K
+from circuits import start_circuit
+from kvnotes.kv.engine import Engine, Site
+from kvnotes.records.schema import CircuitResult, SplitRow
+from kvnotes.harness.kit import ProbeConfig
+from kvnotes.harness import kit as K
 
 
 @dataclass
@@ -149,7 +150,7 @@ def run(ctx) -> dict:
                 row["position_map"] = run_.recovery(
                     K.single_position_scores(model, run_, "first_token", ctx.budget_bytes)).tolist()
     families = K.families_of(ctx, rows + fs.excluded)
-    offsets = {}
+    offsets: dict[str, Any] = {}
     for f in families:
         src = [r for r in rows if r["split"] == "selection" and r["family"] == f]
         off = top_offset([np.asarray(r["position_map"]) for r in src])

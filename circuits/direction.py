@@ -5,7 +5,7 @@ positions, tested for sufficiency and necessity (``docs/design.md``, "Circuits")
 pair's spans, so choosing them uses no data at all. The decision position ``d`` is not a note
 position and is never intervened on.
 
-**Residuals.** Site ``resid_post`` of :mod:`circuits.engine` (decoder layer ``l``'s output,
+**Residuals.** Site ``resid_post`` of :mod:`kvnotes.kv.engine` (decoder layer ``l``'s output,
 TransformerLens ``resid_post``), fp32, at the note positions, from the clean old and clean new
 runs. They are captured by resuming the prefill at ``b`` on a view of the clean prefix cache
 ``[0, b)`` and feeding ``[b, d]``; the decision score of that forward must equal the pair's clean
@@ -53,7 +53,7 @@ last layer is left out because its output at positions before ``d`` cannot reach
 layer per family is the argmax of the mean sufficiency recovery over the family's **selection**
 pairs (every selection pair when the family has none). Reported numbers are on **held-out** pairs
 only. ``max_pairs_per_family`` bounds the evaluated pairs per family and split by drawing whole
-instances across scenarios (:func:`kvnotes.selection.sample_instances`); all selection pairs are
+instances across scenarios (:func:`kvnotes.harness.selection.sample_instances`); all selection pairs are
 still fitted on.
 """
 
@@ -68,14 +68,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from circuits.engine import Engine, Intervention, Site, start_circuit
-from kvnotes.schema import CircuitResult
-from kvnotes.kit import ProbeConfig
-from kvnotes.kit import RandomControl
-from kvnotes import kit as K
-from kvnotes import cache as kvcache
-from kvnotes.readout import PairRun, first_token_scores
-from kvnotes.selection import pair_rng, sample_instances, selection_source
+from circuits import start_circuit
+from kvnotes.kv.engine import Engine, Intervention, Site
+from kvnotes.records.schema import CircuitResult
+from kvnotes.harness.kit import ProbeConfig
+from kvnotes.harness.kit import RandomControl
+from kvnotes.harness import kit as K
+from kvnotes.kv import cache as kvcache
+from kvnotes.harness.readout import PairRun, first_token_scores
+from kvnotes.harness.selection import pair_rng, sample_instances, selection_source
 
 SCOPES = ("all", "family", "scenario")
 ABLATE_TO = ("all", "old")
@@ -313,7 +314,7 @@ def added_scores(engine: Engine, run: PairRun, ids: torch.Tensor, prefix, layer:
 
 def eval_pairs(rows: list[dict], per_family: int | None, seed: int) -> set[str]:
     """Pairs evaluated by interventions: all, or whole instances drawn across scenarios until each
-    family and split holds ``per_family`` pairs (:func:`kvnotes.selection.sample_instances`)."""
+    family and split holds ``per_family`` pairs (:func:`kvnotes.harness.selection.sample_instances`)."""
     return sample_instances(rows, per_family, seed, by=("family", "split"))
 
 

@@ -1,6 +1,6 @@
 """``heads``: which attention heads read and write the notes (docs/design.md §6).
 
-Per-head outputs (the ``o_proj`` input slice of head ``h``, :mod:`circuits.engine`) are patched
+Per-head outputs (the ``o_proj`` input slice of head ``h``, :mod:`kvnotes.kv.engine`) are patched
 from the clean **new** run into the corrupt **old** run of every flipping pair; recovery
 ``r = (s_patched - s_old) / (s_new - s_old)`` (docs/design.md §3, first-token score, unclipped).
 
@@ -11,11 +11,11 @@ from the clean **new** run into the corrupt **old** run of every flipping pair; 
 - **write** heads: head outputs at the note positions ``[b, d)`` during the prefill. The prefill
   resumes at ``b`` on a copy (view) of the old run's clean prefix cache ``[0, b)`` (docs/design.md §4)
   and feeds ``[b, d]``. Patching every head there equals patching the downstream KV of every
-  layer (``r_write_all``; tests/test_heads.py checks it against :mod:`kvnotes.cache` patching).
+  layer (``r_write_all``; tests/test_heads.py checks it against :mod:`kvnotes.kv.cache` patching).
 
 Single-head sweeps batch ``chunk_heads`` head variants per forward (a per-variant ``where`` mask
 of one intervention per layer). Selection (docs/design.md §10): instances are split per scenario
-(:func:`kvnotes.selection.split_instances`, ``selection_fraction``, ``ctx.seed``). Single-head maps
+(:func:`kvnotes.harness.selection.split_instances`, ``selection_fraction``, ``ctx.seed``). Single-head maps
 are computed on **selection** pairs (and, with ``heldout_maps``, on held-out pairs for figures
 only); the ranking of heads per family is the mean single-head recovery over that family's
 selection pairs (a family without selection pairs uses every selection pair), and the top-k sets
@@ -36,15 +36,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from circuits.engine import Engine, Intervention, Site, start_circuit
+from circuits import start_circuit
+from kvnotes.kv.engine import Engine, Intervention, Site
 from kvnotes.errors import KvnotesError
-from kvnotes.schema import CircuitResult
-from kvnotes.kit import ProbeConfig
-from kvnotes.kit import RandomControl
-from kvnotes import kit as K
-from kvnotes import cache as kvcache
-from kvnotes.readout import PairRun, first_token_scores
-from kvnotes.selection import pair_rng, rank_by_mean, sample_instances, selection_source
+from kvnotes.records.schema import CircuitResult
+from kvnotes.harness.kit import ProbeConfig
+from kvnotes.harness.kit import RandomControl
+from kvnotes.harness import kit as K
+from kvnotes.kv import cache as kvcache
+from kvnotes.harness.readout import PairRun, first_token_scores
+from kvnotes.harness.selection import pair_rng, rank_by_mean, sample_instances, selection_source
 
 #: Where head outputs are patched: at the decision position (read) or the note positions (write).
 HEAD_SITES = ("read", "write")
@@ -163,14 +164,14 @@ def random_head_sets(rng: np.random.Generator, n_layers: int, n_heads: int, k: i
 
 def map_pairs(rows: list[dict], per_family: int | None, seed: int) -> set[str]:
     """Selection pairs that get single-head maps: all of them, or whole instances drawn across
-    scenarios until a family holds ``per_family`` pairs (:func:`kvnotes.selection.sample_instances`;
+    scenarios until a family holds ``per_family`` pairs (:func:`kvnotes.harness.selection.sample_instances`;
     the write sweep costs ``n_layers * n_heads`` resumed prefills per pair). Held-out pairs are
     never returned."""
     return sample_instances([r for r in rows if r["split"] == "selection"], per_family, seed)
 
 
 def _ranking_by_family(rows: list[dict], maps: dict, mode: str, families: list[str]) -> dict:
-    """Per family: the head order (:func:`kvnotes.selection.rank_by_mean` over the family's
+    """Per family: the head order (:func:`kvnotes.harness.selection.rank_by_mean` over the family's
     selection maps, else every selection map) and the pair ids it came from."""
     sel = [r for r in rows if r["split"] == "selection" and r["pair"] in maps]
     out = {}

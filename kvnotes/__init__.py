@@ -1,9 +1,25 @@
 """kvnotes: activation patching on the transformers KV cache.
 
-Shared machinery: models and architecture adapters, tokenisation and spans, cache surgery,
-readout, statistics and records. Probes live in ``probes/``, scenarios in ``scenarios/``.
+Packages by role, each importing only from the ones above it in this list (``tests/test_layout.py``):
+
+- :mod:`kvnotes.errors`: the one user-facing error type.
+- :mod:`kvnotes.models`: loading (local, embedded, random-weight), architecture adapters, the zoo.
+- :mod:`kvnotes.kv`: the KV cache and its surgery, attention hooks, knockouts, the activation engine.
+- :mod:`kvnotes.ops`: editing and composition, usable alone (no scenarios, probes or harness).
+- :mod:`kvnotes.records`: the record envelope, result schemas, tables, the HTML report.
+- :mod:`kvnotes.harness`: what probes share: tokens and spans, pairs, readout, the probe kit,
+  selection, statistics, the probe context and registry, the job path.
+- :mod:`kvnotes.plots`, :mod:`kvnotes.serving`: figures from records; the vLLM experiment.
+- :mod:`kvnotes.cli`: the ``kvnotes`` command.
+
+Probes live in ``probes/`` and ``circuits/``, scenarios in ``scenarios/``, configs in ``conf/``.
 """
+
+from pathlib import Path
 
 from kvnotes.errors import KvnotesError
 
-__all__ = ["KvnotesError"]
+#: The checkout kvnotes runs from (``conf/``, ``scenarios/``, ``runs/``): kvnotes is installed editable.
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+__all__ = ["CHECKOUT", "KvnotesError"]

@@ -1,8 +1,9 @@
-"""The error types the command line turns into a one-line message and exit status 2:
-:class:`KvnotesError`, and :class:`scenarios.errors.ScenarioError` (invalid scenario files), which
-is one of them (:data:`USER_ERRORS`)."""
+"""The error type the command line turns into a one-line message and exit status 2.
 
-from scenarios.errors import ScenarioError
+:class:`KvnotesError` is the library's; the harness adds the scenario files' own
+:class:`scenarios.errors.ScenarioError` (:data:`kvnotes.harness.runconfig.USER_ERRORS`). This module
+imports nothing, so every package can raise it.
+"""
 
 
 class KvnotesError(Exception):
@@ -11,7 +12,3 @@ class KvnotesError(Exception):
     Raised for: unknown model/probe/scenario names, a field slot missing from its template, a model
     that is neither embedded nor available offline, scenarios whose values do not change the tokens.
     """
-
-
-#: Exceptions reported as ``kvnotes: error: <message>`` with exit status 2.
-USER_ERRORS = (KvnotesError, ScenarioError)

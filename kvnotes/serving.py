@@ -14,12 +14,12 @@ stands ``early`` (document after it), ``middle`` or ``late`` (document before it
 total length. A session is one scenario instance; its field takes the scenario's values in turn
 (turn 0 the first value, turn ``k`` the ``k``-th, cycling) and every turn asks the decision. Arms:
 
-- ``in_place``: the field rewritten where it stands (:func:`kvnotes.edit_prompts.render_layout`, default
+- ``in_place``: the field rewritten where it stands (:func:`kvnotes.harness.edit_prompts.render_layout`, default
   order);
 - ``erratum``: the turn-0 prompt kept and one erratum line per update appended before the request
-  (:data:`kvnotes.edit_prompts.ERRATUM_TEMPLATE`, placement ``before_request``; updates accumulate);
+  (:data:`kvnotes.harness.edit_prompts.ERRATUM_TEMPLATE`, placement ``before_request``; updates accumulate);
 - ``hoist``: the context line (with the field) moved just before the request
-  (:data:`kvnotes.edit_prompts.HOISTED_ORDER`);
+  (:data:`kvnotes.harness.edit_prompts.HOISTED_ORDER`);
 - ``cold``: the ``in_place`` prompts served with prefix caching defeated.
 """
 
@@ -32,9 +32,9 @@ import torch
 from tqdm import tqdm
 
 from kvnotes.errors import KvnotesError
-from kvnotes.stats import proportion
-from kvnotes.tokens import Prompt, build_prompt, continuation_ids
-from kvnotes.edit_prompts import DEFAULT_ORDER, HOISTED_ORDER, erratum_text, render_layout
+from kvnotes.harness.stats import proportion
+from kvnotes.harness.tokens import Prompt, build_prompt, continuation_ids
+from kvnotes.harness.edit_prompts import DEFAULT_ORDER, HOISTED_ORDER, erratum_text, render_layout
 from scenarios.instances import Instance, draw_instances
 
 ARMS = ("in_place", "erratum", "hoist", "cold")
@@ -242,7 +242,7 @@ def summarize_run(rows: list[dict], wall_s: float) -> dict:
         ``{n_sent, n_not_sent, hit_rate, hit_rate_updates, ttft_p50_s, ttft_p90_s, ttft_updates_p50_s,
         ttft_updates_p90_s, throughput_rps, prompt_tokens_per_s, correct_owned, correct_all,
         agreement, n_owned}``: hit rates are cached / prompt tokens summed over requests (``updates``:
-        turns >= 1 only); shares are :func:`kvnotes.stats.proportion` dicts with Wilson intervals.
+        turns >= 1 only); shares are :func:`kvnotes.harness.stats.proportion` dicts with Wilson intervals.
     """
     sent = [r for r in rows if r["sent"]]
     upd = [r for r in sent if r["turn"] > 0]

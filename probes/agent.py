@@ -5,17 +5,17 @@ For each instance of every scenario, a *trajectory* of ``turns`` field values is
 the run seed and the instance id; every turn changes the value) and run as one multi-turn
 conversation, the way an agent with a KV cache would:
 
-- **turn 1**: the chunked prompt of :mod:`kvnotes.chunks` (``rule``, ``filler`` | ``context``
+- **turn 1**: the chunked prompt of :mod:`kvnotes.harness.chunks` (``rule``, ``filler`` | ``context``
   holding the field, ``request``, ``decision``). The rule and filler are precompiled once per
   instance (behind ``sink``; the time is reported apart as ``precompile_ms``) and spliced with
   their keys rotated to their positions and the first ``seam`` tokens recomputed
-  (:func:`kvnotes.compose.compose`); the live part is forwarded on top.
+  (:func:`kvnotes.ops.compose.compose`); the live part is forwarded on top.
 - the agent's **answer** closes the turn: the scenario candidate its decision prefers (highest
   first-token log-prob among the candidates), written after the answer prefix.
 - **turn t >= 2**: a user message with a state update (the erratum of
-  :mod:`kvnotes.edit_prompts` stating the turn's value) and the request and decision lines. It is
+  :mod:`kvnotes.harness.edit_prompts` stating the turn's value) and the request and decision lines. It is
   appended incrementally: only the tokens after the longest common token prefix with the cached
-  conversation are forwarded (:func:`kvnotes.cache.continuation_logprobs`).
+  conversation are forwarded (:func:`kvnotes.kv.cache.continuation_logprobs`).
 
 Every decision (vocabulary top-1 at the decision position) is compared with
 
@@ -26,18 +26,18 @@ Every decision (vocabulary top-1 at the decision position) is compared with
   model follows the state update;
 - the **expected outcome**: the scenario's candidate for the turn's value (its first token).
 
-Times (:func:`kvnotes.timing.elapsed_ms`: CUDA events on GPU, ``perf_counter`` on CPU): ``agent_ms``
+Times (:func:`kvnotes.harness.timing.elapsed_ms`: CUDA events on GPU, ``perf_counter`` on CPU): ``agent_ms``
 is the compose call (turn 1) or the incremental forward (later turns); ``oracle_ms`` and
 ``transcript_ms`` are full prefills computing only the last position's logits. A prompt met twice in
 a trajectory (the turn-1 transcript is the turn-1 oracle prompt; a value that comes back) is
-prefilled once (:func:`kvnotes.kit.per_prompt`) and keeps that prefill's time. One untimed full
+prefilled once (:func:`kvnotes.harness.kit.per_prompt`) and keeps that prefill's time. One untimed full
 prefill warms the model up first.
 
 Aggregates per family and ``all``, over all turns and over turn 1 and turns 2+ apart: accuracy of
 the agent, the oracle and the transcript (share whose top-1 is the expected candidate's first
 token), agreement of the agent with the oracle on turns whose oracle owns its decision, agreement
 with the transcript, KL(oracle || agent) and KL(transcript || agent) in nats (means with the
-interval that fits the number of scenario clusters, :func:`kvnotes.stats.summarize`; turns of one
+interval that fits the number of scenario clusters, :func:`kvnotes.harness.stats.summarize`; turns of one
 trajectory are one instance cluster), and the time totals with the ratios oracle / agent and
 transcript / agent.
 """
@@ -52,16 +52,16 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from kvnotes import cache as kvcache
-from kvnotes import compose as kvcompose
-from kvnotes.chunks import CHUNK_NAMES, CHUNKED_ORDER, SINKS, layout_prompt, prompt_parts, sink_ids
-from kvnotes.edit_prompts import common_prefix_length, erratum_text, render_layout, user_pieces
+from kvnotes.kv import cache as kvcache
+from kvnotes.ops import compose as kvcompose
+from kvnotes.harness.chunks import CHUNK_NAMES, CHUNKED_ORDER, SINKS, layout_prompt, prompt_parts, sink_ids
+from kvnotes.harness.edit_prompts import common_prefix_length, erratum_text, render_layout, user_pieces
 from kvnotes.errors import KvnotesError
-from kvnotes.kit import ProbeConfig, by_family, exclusion_counts, per_prompt, progress, summary
-from kvnotes.schema import BaseResult, ExclusionRow, TypedDict
-from kvnotes.selection import pair_rng
-from kvnotes.timing import elapsed_ms
-from kvnotes.tokens import CANDIDATE_MERGES, build_conversation, continuation_ids
+from kvnotes.harness.kit import ProbeConfig, by_family, exclusion_counts, per_prompt, progress, summary
+from kvnotes.records.schema import BaseResult, ExclusionRow, TypedDict
+from kvnotes.harness.selection import pair_rng
+from kvnotes.harness.timing import elapsed_ms
+from kvnotes.harness.tokens import CANDIDATE_MERGES, build_conversation, continuation_ids
 from scenarios.instances import Instance, draw_instances
 
 #: Exclusion reason: a later conversation re-tokenises earlier turns differently and the model
@@ -122,7 +122,7 @@ class Result(BaseResult):
 def trajectory_values(instance: Instance, turns: int, seed: int) -> list[str]:
     """``turns`` field values of the instance's scenario: the first drawn at random, each next one
     drawn among the values other than the previous (a ``numpy`` generator seeded by the run seed
-    and the instance id, :func:`kvnotes.selection.pair_rng`)."""
+    and the instance id, :func:`kvnotes.harness.selection.pair_rng`)."""
     values = list(instance.scenario.values)
     rng = pair_rng(seed, instance.id)
     out = [values[int(rng.integers(len(values)))]]
@@ -146,7 +146,7 @@ def _timed(cuda: bool, fn):
 
 
 def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
-    """KL(p || q) in nats of two ``[vocab]`` log-prob vectors (:func:`kvnotes.compose.decision_metrics`)."""
+    """KL(p || q) in nats of two ``[vocab]`` log-prob vectors (:func:`kvnotes.ops.compose.decision_metrics`)."""
     return float(kvcompose.decision_metrics(p_log[None], q_log[None])["kl"][0])
 
 
@@ -157,7 +157,7 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
 
     Returns:
         one row per turn (:class:`TurnRow`), or an exclusion reason: ``chunk_boundary_inside_token``
-        (:mod:`kvnotes.chunks`), ``candidate_merges_with_prompt`` (the expected candidate's tokens
+        (:mod:`kvnotes.harness.chunks`), ``candidate_merges_with_prompt`` (the expected candidate's tokens
         merge with the answer prefix) or ``transcript_not_incremental``.
     """
     sc = instance.scenario
@@ -206,9 +206,10 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
                                                                          last_only=True))
             agent = lp[0, -1]
         cached = conv.ids
-        oracle_ms, oracle = full(oracle_ids)
-        transcript_ms, transcript = full(conv.ids)
-        oracle, transcript = torch.log_softmax(oracle[0], -1), torch.log_softmax(transcript[0], -1)
+        oracle_ms, oracle_logits = full(oracle_ids)
+        transcript_ms, transcript_logits = full(conv.ids)
+        oracle = torch.log_softmax(oracle_logits[0], -1)
+        transcript = torch.log_softmax(transcript_logits[0], -1)
         first = cands[expected][0]
         top = {k: int(v.argmax()) for k, v in (("agent", agent), ("oracle", oracle), ("transcript", transcript))}
         answer = max((c for c, ids in cands.items() if ids is not None), key=lambda c: float(agent[cands[c][0]]))
@@ -228,7 +229,7 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
 
 
 def _share(rows: list[dict], key: str, n_boot: int, seed: int) -> dict:
-    """Share of rows with ``key`` true: ``k`` and a :func:`kvnotes.kit.summary` of the indicator."""
+    """Share of rows with ``key`` true: ``k`` and a :func:`kvnotes.harness.kit.summary` of the indicator."""
     return {"k": sum(bool(r[key]) for r in rows)} | summary(rows, lambda r: float(r[key]), n_boot, seed)
 
 

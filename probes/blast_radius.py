@@ -26,13 +26,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kvnotes.schema import BaseResult, PairRow
-from kvnotes.kit import ProbeConfig
-from kvnotes.capture import capture_attention
-from kvnotes import kit as K
-from kvnotes.pairs import pair_row
-from kvnotes.readout import clean_decisions, first_token_score, pair_status, screen_pair
-from kvnotes.stats import summarize_rows
+from kvnotes.records.schema import BaseResult, PairRow
+from kvnotes.harness.kit import ProbeConfig
+from kvnotes.kv.capture import capture_attention
+from kvnotes.harness import kit as K
+from kvnotes.harness.pairs import pair_row
+from kvnotes.harness.readout import clean_decisions, first_token_score, pair_status, screen_pair
+from kvnotes.harness.stats import summarize_rows
 
 METRICS = ("k_cos", "k_rel", "v_cos", "v_rel", "attn_rel")
 EPS = 1e-12
@@ -66,8 +66,8 @@ def deviation_maps(model, pair, capture=None) -> tuple[dict[str, torch.Tensor], 
     the clean runs' decision-position log-probs ``[2, vocab]`` (old, new) from the same forwards.
 
     Args:
-        capture: ``ids -> (layers, log-probs)`` (default :func:`kvnotes.capture.capture_attention`
-            of ``model``; ``run`` memoises it per prompt, :func:`kvnotes.kit.per_prompt`)."""
+        capture: ``ids -> (layers, log-probs)`` (default :func:`kvnotes.kv.capture.capture_attention`
+            of ``model``; ``run`` memoises it per prompt, :func:`kvnotes.harness.kit.per_prompt`)."""
     capture = capture or (lambda ids: capture_attention(model, ids))
     old, lp_old = capture(pair.old.ids)
     new, lp_new = capture(pair.new.ids)

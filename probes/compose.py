@@ -1,11 +1,11 @@
 """``compose``: does a prompt composed from precompiled chunks decide like its full prefill (paper §5)?
 
-Prompts use the chunked layout of :mod:`kvnotes.chunks` (rule and filler precompiled as chunks;
+Prompts use the chunked layout of :mod:`kvnotes.harness.chunks` (rule and filler precompiled as chunks;
 field, request and decision live). Every distinct prompt of the token-aligned pairs (an instance
 with one field value; the pairs of an instance share prompts) is run
 
 - as a **full prefill** (the reference; same tokens, same layout), and
-- **composed** (:func:`kvnotes.compose.compose`): the live prefix prefilled, each chunk precompiled
+- **composed** (:func:`kvnotes.ops.compose.compose`): the live prefix prefilled, each chunk precompiled
   in isolation — behind no sink, behind the prompt's first token (``bos``), or behind the real live
   prefix (``prefix``) — its keys rotated to their positions (``rotate``) or left where they were
   precompiled (``no_rotate``, the control), the first ``s`` tokens of each chunk recomputed against
@@ -19,7 +19,7 @@ metrics over distinct prompts, ``result.prompts``; recovery over pairs, ``result
   token (Wilson CI);
 - ``top1_agreement``: the same over every prompt;
 - ``kl``: KL(full || composed) in nats (mean of the pair's two prompts; cluster-bootstrap CI);
-- ``recovery`` on pairs that flip (:func:`kvnotes.kit.flipping_pairs` on the chunked layout):
+- ``recovery`` on pairs that flip (:func:`kvnotes.harness.kit.flipping_pairs` on the chunked layout):
   ``(s_composed_new - s_full_old) / (s_full_new - s_full_old)``, and the share whose composed new
   run takes the new decision;
 - ``logit_cosine``: reported only for comparability with the paper (high for the control too).
@@ -38,13 +38,13 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from kvnotes import compose as kvcompose
+from kvnotes.ops import compose as kvcompose
 from kvnotes.errors import KvnotesError
-from kvnotes.pairs import pair_row
-from kvnotes.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
-from kvnotes.schema import BaseResult
-from kvnotes.stats import proportion
-from kvnotes.chunks import SINKS, CHUNKED_ORDER, FIELD_CHUNK_ORDER, chunked_pairs, layout_prompt, prompt_parts, sink_ids
+from kvnotes.harness.pairs import pair_row
+from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
+from kvnotes.records.schema import BaseResult
+from kvnotes.harness.stats import proportion
+from kvnotes.harness.chunks import SINKS, CHUNKED_ORDER, FIELD_CHUNK_ORDER, chunked_pairs, layout_prompt, prompt_parts, sink_ids
 
 
 @dataclass
@@ -71,10 +71,10 @@ def variant_name(rotate: bool, sink: str, seam: int) -> str:
 @torch.no_grad()
 def compose_prompts(model, prompts: list, chunks: tuple, variants: list[tuple[bool, str, int]]) -> list[dict]:
     """Full prefill and every composed variant of prompts that share their chunks (the prompts of
-    one instance), all variants of all prompts in one batched :func:`kvnotes.compose.compose`.
+    one instance), all variants of all prompts in one batched :func:`kvnotes.ops.compose.compose`.
 
     Args:
-        prompts: :class:`kvnotes.tokens.Prompt` objects of equal length, identical at the chunk spans.
+        prompts: :class:`kvnotes.harness.tokens.Prompt` objects of equal length, identical at the chunk spans.
         chunks: token spans of the chunks.
 
     Returns:
@@ -150,21 +150,21 @@ def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_te
     """Editing inside a composition, judged against a full prefill of the **edited text** (the field
     rewritten to the new value), never of the same tokens.
 
-    - ``erratum``: the old chunked prompt with the erratum of :mod:`kvnotes.edit_prompts` (new value)
+    - ``erratum``: the old chunked prompt with the erratum of :mod:`kvnotes.harness.edit_prompts` (new value)
       inserted before the request; composed (chunks precompiled behind the prompt's first token,
       keys rotated, seams ``seams``) and, as a reference, fully prefilled. Oracle: the new chunked
-      prompt (:mod:`kvnotes.chunks` layout), fully prefilled.
+      prompt (:mod:`kvnotes.harness.chunks` layout), fully prefilled.
     - ``field_in_chunk``: the layout ``rule, context, filler, request, decision`` with the rule and
       the context line (which holds the field) as chunks; the stale composed cache of the old
-      prompt has its field refreshed with :func:`kvnotes.edit.refresh_field` (``stale`` is the
+      prompt has its field refreshed with :func:`kvnotes.ops.edit.refresh_field` (``stale`` is the
       same cache unrefreshed). Oracle: the new prompt in that layout, fully prefilled.
 
     Returns:
         ``{arm: {oracle_top1, oracle_owned, <method>: {kl, top1_agree, correct}}}`` or
         ``{arm: {"excluded": reason}}``; lists run over ``seams``.
     """
-    from kvnotes import edit as kvedit
-    from kvnotes.edit_prompts import erratum_text
+    from kvnotes.ops import edit as kvedit
+    from kvnotes.harness.edit_prompts import erratum_text
 
     inst, variant = pair.spec.instance, pair.spec.variant
     cn = pair.cand_new[0]

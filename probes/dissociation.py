@@ -1,7 +1,7 @@
 """``dissociation``: the polarity 2x2 — field fixed, the rule's trigger word flipped (docs/design.md §5).
 
 The polarity pairs come from ``run.py`` like every probe's pairs (``pairs: polarity`` in
-``conf/probe/dissociation.yaml``; :func:`kvnotes.pairs.prepare_polarity_pairs`). A scenario with a
+``conf/probe/dissociation.yaml``; :func:`kvnotes.harness.pairs.prepare_polarity_pairs`). A scenario with a
 ``polarity`` block has a trigger slot in its rule whose ``normal``/``inverted``
 word swaps the two outcomes. For every instance and every field value ``v`` a *polarity pair* is
 rendered: old = the normal rule, new = the inverted rule, same ``v`` (the 2x2 is field value x
@@ -26,7 +26,7 @@ in ``notes`` with its counts instead of reporting an effect.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from dataclasses import dataclass
 
@@ -34,13 +34,14 @@ from collections import Counter
 
 import torch
 
-from kvnotes.schema import BaseResult, PairRow
-from kvnotes.kit import ProbeConfig
-from kvnotes import cache as kvcache
-from kvnotes import kit as K
-from kvnotes.readout import PairRun, variant_scores
-from kvnotes.stats import proportion
-from kvnotes.tokens import PolarityPair
+from kvnotes.records.schema import BaseResult, PairRow
+from kvnotes.harness.kit import ProbeConfig
+from kvnotes.kv import cache as kvcache
+from kvnotes.harness import kit as K
+from kvnotes.harness.readout import PairRun, variant_scores
+from kvnotes.harness.stats import proportion
+from kvnotes.harness.tokens import PolarityPair
+from scenarios.instances import PolaritySpec
 
 VARIANTS = ("trigger", "notes", "both", "prefix")
 REPORTED = ("trigger", "notes", "both")
@@ -66,7 +67,7 @@ def orientation(pair: PolarityPair) -> float:
     fixed outcome order (A = the normal-rule outcome of the first listed field value)."""
     sc = pair.spec.instance.scenario
     outcome_a = sc.outcome(next(iter(sc.values)), "normal")
-    return -1.0 if sc.outcome(pair.spec.value, "normal") == outcome_a else 1.0
+    return -1.0 if sc.outcome(cast(PolaritySpec, pair.spec).value, "normal") == outcome_a else 1.0
 
 
 def patch_scores(model, run: PairRun, mode: str = "first_token",
@@ -159,7 +160,7 @@ class Result(BaseResult):
 
 def run(ctx) -> dict:
     """Patch trigger / notes / both of every polarity pair (``pairs: polarity`` in the probe config:
-    ``run.py`` prepares them, :func:`kvnotes.pairs.prepare_polarity_pairs`); see the module docstring.
+    ``run.py`` prepares them, :func:`kvnotes.harness.pairs.prepare_polarity_pairs`); see the module docstring.
 
     Returns:
         ``rows`` (every aligned polarity pair: spans, clean status, per-variant scores, shifts,
@@ -172,14 +173,14 @@ def run(ctx) -> dict:
     n_boot = int(cfg.get("n_boot", 2000))
     rows = []
     for run_, row in K.each_pair(ctx, desc="dissociation"):
-        pair = run_.pair
+        pair = cast(PolarityPair, run_.pair)
         with ctx.timer("patching"):
             cols = patch_scores(model, run_, ctx.readout, ctx.budget_bytes)
         sgn = orientation(pair)
         sc = pair.spec.instance.scenario
         t0, t1 = pair.trigger
         rows.append(row | cols | {
-            "value": pair.spec.value, "value_outcome": "A" if sgn < 0 else "B",
+            "value": cast(PolaritySpec, pair.spec).value, "value_outcome": "A" if sgn < 0 else "B",
             "trigger": [t0, t1], "value_field": list(pair.value_field),
             "trigger_normal": sc.polarity_values["normal"], "trigger_inverted": sc.polarity_values["inverted"],
             "s_fixed_normal": sgn * row["s_old"], "s_fixed_inverted": sgn * row["s_new"],

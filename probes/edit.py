@@ -1,12 +1,12 @@
 """Probe ``edit``: edit the cached old prompt into the new one by every method of
-:mod:`kvnotes.edit` and measure quality against cost (paper "Models Take Notes at Prefill", §editing;
+:mod:`kvnotes.ops.edit` and measure quality against cost (paper "Models Take Notes at Prefill", §editing;
 ``docs/editing.md``).
 
-For each flipping pair (old -> new; :func:`kvnotes.kit.flipping_pairs`) the old prompt is
+For each flipping pair (old -> new; :func:`kvnotes.harness.kit.flipping_pairs`) the old prompt is
 prefilled into an all-slot cache (the *stale* cache, not counted as cost) and edited by:
 
 - ``full`` (re-prefill of the new prompt, the reference), ``stale`` (no edit), ``refresh_field``;
-- ``erratum`` / ``field_plus_erratum``: :data:`kvnotes.edit_prompts.ERRATUM_TEMPLATE` with the new value
+- ``erratum`` / ``field_plus_erratum``: :data:`kvnotes.harness.edit_prompts.ERRATUM_TEMPLATE` with the new value
   inserted at ``placement``, forwarding only what follows the longest common token prefix;
 - ``hoist``: the new value in the hoisted layout, reusing the old hoisted prompt's cache up to the
   field (that cache is what one would have stored with that layout; not counted);
@@ -26,7 +26,7 @@ new clean runs take the same candidate decision) must keep that decision.
 
 **K sweep selection.** The rankings are per-pair rules (no fitted parameters); the data-driven
 choice is *which ranking* to use: it is chosen by mean agreement over K on the selection instances
-(:func:`kvnotes.selection.split_instances`) and its curve is reported on the held-out instances.
+(:func:`kvnotes.harness.selection.split_instances`) and its curve is reported on the held-out instances.
 
 **Chain of thought** (``scenario.variant=cot``): each method's cache is decoded greedily
 (``cot.max_new_tokens``) and the decision is the first candidate named after the variant's
@@ -42,25 +42,24 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from kvnotes import edit
+from kvnotes.ops import edit
 from kvnotes.errors import KvnotesError
-from kvnotes.pairs import pair_row
-from kvnotes.readout import first_token_score
-from kvnotes.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
-from kvnotes.schema import BaseResult
-from kvnotes.selection import pair_rng, split_instances
-from kvnotes.stats import proportion
-from kvnotes import edit_prompts as sedits
+from kvnotes.harness.pairs import pair_row
+from kvnotes.harness.readout import first_token_score
+from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
+from kvnotes.records.schema import BaseResult
+from kvnotes.harness.selection import pair_rng, split_instances
+from kvnotes.harness.stats import proportion
+from kvnotes.harness import edit_prompts as sedits
 
 #: With ``scenario.variant=cot`` this probe decodes the reasoning before reading the decision.
 SUPPORTS_COT = True
-NAMED = ("stale", "refresh_field", "erratum", "field_plus_erratum", "hoist", "full")
-CONTROLS = ("wrong_erratum", "irrelevant_notice")
 
 
 @dataclass
@@ -136,7 +135,8 @@ class PairEditor:
         """The field refresh of the stale cache (computed on first use)."""
         if self._refreshed is None:
             self._refreshed = edit.refresh_field(self.model, self.stale, self.pair.new.ids, self.pair.field)
-        return self._refreshed
+        refreshed: edit.Edited = self._refreshed
+        return refreshed
 
     def notice(self, text: str, base: edit.Edited | None = None) -> tuple[edit.Edited, int]:
         """The stale (or ``base``) cache extended by the old prompt with ``text`` inserted."""
@@ -150,41 +150,127 @@ class PairEditor:
         return e, int(ep.prompt.ids[ep.prompt.decision])
 
     def named(self) -> dict[str, tuple[edit.Edited, int]]:
-        """``name -> (edited, decision token)`` for :data:`NAMED` and :data:`CONTROLS`."""
-        spec = self.pair.spec
-        correct = sedits.erratum_text(self.inst, spec.new, self.template)
-        wrong = sedits.erratum_text(self.inst, spec.old, self.template)
-        irrelevant = sedits.length_matched_notice(self.tok, sedits.notice_tokens(self.tok, correct))
-        out = {"stale": (edit.Edited(self.stale, self.d, 0, 0.0, 0.0), self.token),
-               "full": (self.full, self.token), "refresh_field": (self.refreshed, self.token),
-               "erratum": self.notice(correct), "field_plus_erratum": self.notice(correct, self.refreshed),
-               "wrong_erratum": self.notice(wrong), "irrelevant_notice": self.notice(irrelevant)}
-        old_h, new_h = sedits.hoisted_pair(self.tok, self.inst, spec.old, spec.new, self.variant, self.chat, self.kwargs)
-        cached = edit.prefill(self.model, old_h.ids[: old_h.decision])
-        out["hoist"] = (edit.extend_from(self.model, cached, new_h.prompt.ids, new_h.reuse, new_h.prompt.decision),
-                        int(new_h.prompt.ids[new_h.prompt.decision]))
-        return out
+        """``name -> (edited, decision token)`` for every registered edit method (:data:`EDIT_METHODS`)."""
+        return {name: method(self) for name, method in EDIT_METHODS.items()}
+
+    def erratum(self, value: str) -> str:
+        """The erratum text stating ``value`` for this pair's instance."""
+        return sedits.erratum_text(self.inst, value, self.template)
 
     def rankings(self, names) -> dict[str, tuple[list[int], dict]]:
-        down = self.pair.downstream
+        """``name -> (downstream positions in ranked order, cost)`` for registered rankings (:data:`RANKINGS`).
+
+        Raises:
+            KvnotesError: an unknown ranking name.
+        """
         out = {}
         for name in names:
-            if name == "attention":
-                out[name] = edit.rank_attention(self.model, self.stale, self.token, down)
-            elif name == "kv_deviation":
-                out[name] = edit.rank_kv_deviation(self.model, self.refreshed, self.pair.new.ids, down)
-            elif name == "last":
-                out[name] = (edit.rank_last(down), {"tokens": 0, "flops": 0.0, "seconds": 0.0})
-            elif name == "random":
-                rng = pair_rng(self.ctx.seed, self.pair.spec.id)
-                out[name] = (edit.rank_random(down, rng), {"tokens": 0, "flops": 0.0, "seconds": 0.0})
-            else:
-                raise KvnotesError(f"edit: unknown ranking '{name}' (known: {', '.join(edit.RANKINGS)})")
+            if name not in RANKINGS:
+                raise KvnotesError(f"edit: unknown ranking '{name}' (known: {', '.join(RANKINGS)})")
+            out[name] = RANKINGS[name](self)
         return out
 
     def selective(self, order: list[int], k: int, cost: dict) -> edit.Edited:
         return edit.selective(self.model, self.refreshed, self.pair.new.ids, order[:k], cost["seconds"],
                               cost["tokens"], cost["flops"])
+
+#: ``name -> fn(editor) -> (edited cache, decision token)``: the named edits every pair gets, in
+#: record order; a new edit method is one function registered with :func:`edit_method`.
+EDIT_METHODS: dict[str, Callable[[PairEditor], tuple[edit.Edited, int]]] = {}
+#: ``name -> fn(editor) -> (downstream positions in ranked order, cost)``: the rankings of
+#: ``selective@K``; a new ranking is one function registered with :func:`ranking`.
+RANKINGS: dict[str, Callable[[PairEditor], tuple[list[int], dict]]] = {}
+#: Edit methods that are controls (they should not move the decision the way the edit does).
+CONTROLS: list[str] = []
+_FREE = {"tokens": 0, "flops": 0.0, "seconds": 0.0}
+
+
+def edit_method(name: str, control: bool = False):
+    """Register ``fn(editor) -> (edited, decision token)`` as the edit method ``name``."""
+    def register(fn):
+        EDIT_METHODS[name] = fn
+        if control:
+            CONTROLS.append(name)
+        return fn
+    return register
+
+
+def ranking(name: str):
+    """Register ``fn(editor) -> (ranked downstream positions, cost)`` as the ranking ``name``."""
+    def register(fn):
+        RANKINGS[name] = fn
+        return fn
+    return register
+
+
+@edit_method("stale")
+def _stale(ed: PairEditor):
+    return edit.Edited(ed.stale, ed.d, 0, 0.0, 0.0), ed.token
+
+
+@edit_method("refresh_field")
+def _refresh_field(ed: PairEditor):
+    return ed.refreshed, ed.token
+
+
+@edit_method("erratum")
+def _erratum(ed: PairEditor):
+    return ed.notice(ed.erratum(ed.pair.spec.new))
+
+
+@edit_method("field_plus_erratum")
+def _field_plus_erratum(ed: PairEditor):
+    return ed.notice(ed.erratum(ed.pair.spec.new), ed.refreshed)
+
+
+@edit_method("hoist")
+def _hoist(ed: PairEditor):
+    spec = ed.pair.spec
+    old_h, new_h = sedits.hoisted_pair(ed.tok, ed.inst, spec.old, spec.new, ed.variant, ed.chat, ed.kwargs)
+    cached = edit.prefill(ed.model, old_h.ids[: old_h.decision])
+    return (edit.extend_from(ed.model, cached, new_h.prompt.ids, new_h.reuse, new_h.prompt.decision),
+            int(new_h.prompt.ids[new_h.prompt.decision]))
+
+
+@edit_method("full")
+def _full(ed: PairEditor):
+    return ed.full, ed.token
+
+
+@edit_method("wrong_erratum", control=True)
+def _wrong_erratum(ed: PairEditor):
+    return ed.notice(ed.erratum(ed.pair.spec.old))
+
+
+@edit_method("irrelevant_notice", control=True)
+def _irrelevant_notice(ed: PairEditor):
+    correct = ed.erratum(ed.pair.spec.new)
+    return ed.notice(sedits.length_matched_notice(ed.tok, sedits.notice_tokens(ed.tok, correct)))
+
+
+@ranking("attention")
+def _rank_attention(ed: PairEditor):
+    return edit.rank_attention(ed.model, ed.stale, ed.token, ed.pair.downstream)
+
+
+@ranking("kv_deviation")
+def _rank_kv_deviation(ed: PairEditor):
+    return edit.rank_kv_deviation(ed.model, ed.refreshed, ed.pair.new.ids, ed.pair.downstream)
+
+
+@ranking("last")
+def _rank_last(ed: PairEditor):
+    return edit.rank_last(ed.pair.downstream), dict(_FREE)
+
+
+@ranking("random")
+def _rank_random(ed: PairEditor):
+    return edit.rank_random(ed.pair.downstream, pair_rng(ed.ctx.seed, ed.pair.spec.id)), dict(_FREE)
+
+
+def named_methods() -> tuple[str, ...]:
+    """The registered edit methods that are not controls, in record order."""
+    return tuple(n for n in EDIT_METHODS if n not in CONTROLS)
 
 
 def sweep_methods(editor: PairEditor, rankings: list[str], ks: list[int], oracle_ranking: str | None):
@@ -405,7 +491,7 @@ def run(ctx) -> dict:
     """Every edit method on every flipping pair; see the module docstring."""
     cfg = ctx.cfg
     kwargs = dict(cfg.get("chat_template_kwargs") or {})
-    rankings = list(cfg.get("rankings", edit.RANKINGS))
+    rankings = list(cfg.get("rankings", RANKINGS))
     ks = [int(k) for k in cfg.get("ks", [0, 1, 2, 4, 8, 16, 32, 64])]
     n_boot, seed = int(cfg.get("n_boot", 2000)), ctx.seed
     oracle_ranking = cfg.get("oracle_ranking", "attention")
@@ -428,7 +514,7 @@ def run(ctx) -> dict:
     with ctx.timer("controls"):
         ctrl_rows, ctrl_skipped = control_pairs(ctx, fs, kwargs, int(cfg.get("max_control_pairs", 8)))
     with ctx.timer("statistics"):
-        named = {m: method_summary(rows, m, families, n_boot, seed) for m in NAMED + CONTROLS}
+        named = {m: method_summary(rows, m, families, n_boot, seed) for m in EDIT_METHODS}
         index = {n: (v["ranking"], v["k"]) for r in rows for n, v in r["sweep"].items()}
         sweep_names = sorted(index, key=lambda n: (index[n][0] == "oracle_copy", index[n]))
         sweep = {n: method_summary(rows, n, families, n_boot, seed, "sweep") for n in sweep_names}

@@ -15,7 +15,7 @@ Recovery ``r = (s_patched - s_old) / (s_new - s_old)`` (docs/design.md §3), unc
 **Exact refresh.** Copying the new run's field KV into the old cache is exact because the field
 only attends to ``[0, a)``, identical in both runs. The probe verifies that instead of assuming
 it: the new field tokens are run at positions ``a .. b-1`` on a view of the old cache truncated to
-``[0, a)`` (:func:`kvnotes.cache.prefix_view`; for a sliding-window layer whose window already dropped part
+``[0, a)`` (:func:`kvnotes.kv.cache.prefix_view`; for a sliding-window layer whose window already dropped part
 of ``[0, a)`` the prefix is prefilled instead, recorded as ``exact_method``), and the recomputed
 field KV (:func:`recompute_span`) is compared to the copied one (``k_max_abs_diff``,
 ``v_max_abs_diff``: max over layers, KV heads, field positions and head dims) and patched into the
@@ -23,15 +23,17 @@ old cache in its place (``r_field_exact``; ``score_abs_diff_exact`` is ``|s_exac
 nats).
 
 All variants of a pair are scored in one batched call of
-:func:`kvnotes.readout.variant_scores` (variant caches chunked to ``ctx.budget_bytes``).
-Aggregates per family (and ``all``) come from :func:`kvnotes.kit.summaries_by_family`: mean,
+:func:`kvnotes.harness.readout.variant_scores` (variant caches chunked to ``ctx.budget_bytes``).
+Aggregates per family (and ``all``) come from :func:`kvnotes.harness.kit.summaries_by_family`: mean,
 median, cluster-bootstrap CIs (scenarios, then instances) and the share of pairs whose decision the
 patch flipped (Wilson CI).
 """
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any
+
+from kvnotes.records.schema import TypedDict
 
 from dataclasses import dataclass
 
@@ -41,12 +43,12 @@ from functools import partial
 import torch
 from transformers import DynamicCache
 
-from kvnotes.schema import BaseResult, PairRow, Summary
-from kvnotes.kit import ProbeConfig
-from kvnotes import cache as kvcache
-from kvnotes import kit as K
-from kvnotes.kit import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
-from kvnotes.readout import PairRun, variant_scores
+from kvnotes.records.schema import BaseResult, PairRow, Summary
+from kvnotes.harness.kit import ProbeConfig
+from kvnotes.kv import cache as kvcache
+from kvnotes.harness import kit as K
+from kvnotes.harness.kit import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
+from kvnotes.harness.readout import PairRun, variant_scores
 
 #: Position sets patched (all layers) from the new run into the old run, in scoring order.
 VARIANTS = ("none", "field", "downstream", "field_downstream", "all")
@@ -110,7 +112,7 @@ def exact_field_source(model, run: PairRun) -> tuple[DynamicCache, dict]:
     """The old prefix cache with the field's KV recomputed from the new field tokens.
 
     The new field tokens ``new.ids[a:b]`` are run at positions ``a .. b-1`` on the old cache
-    truncated to ``[0, a)`` (:func:`kvnotes.cache.prefix_view`, else a prefill of ``old.ids[:a]``); the
+    truncated to ``[0, a)`` (:func:`kvnotes.kv.cache.prefix_view`, else a prefill of ``old.ids[:a]``); the
     resulting K/V of the field positions replace the old ones in a copy of the old cache.
 
     Returns:
@@ -121,7 +123,7 @@ def exact_field_source(model, run: PairRun) -> tuple[DynamicCache, dict]:
 
     Raises:
         RuntimeError: a field position held by the old cache is missing from the recomputation
-            (cannot happen for caches built by :func:`kvnotes.cache.prefill`).
+            (cannot happen for caches built by :func:`kvnotes.kv.cache.prefill`).
     """
     pair = run.pair
     a, b = pair.field

@@ -22,17 +22,18 @@ direction also injects field + downstream ``[a, d)``, which must reproduce the s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from collections import Counter
 
 import torch
 
-from kvnotes.schema import BaseResult, PairRow
-from kvnotes.kit import ProbeConfig
-from kvnotes import cache as kvcache
-from kvnotes import kit as K
-from kvnotes.readout import PairRun, run_pair, variant_scores
-from kvnotes.stats import proportion
+from kvnotes.records.schema import BaseResult, PairRow
+from kvnotes.harness.kit import ProbeConfig
+from kvnotes.kv import cache as kvcache
+from kvnotes.harness import kit as K
+from kvnotes.harness.readout import PairRun, run_pair, variant_scores
+from kvnotes.harness.stats import proportion
 
 DIRECTIONS = {
     # name: (base run = whose field stays, source run = whose notes are written)
@@ -96,7 +97,7 @@ def inject_run(model, run: PairRun, mode: str = "first_token",
 
 def inject_pair(model, pair, mode: str = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES,
                 min_effect: float = 1.0, flip_rule: str = "owned") -> dict:
-    """Clean run of ``pair`` (:func:`kvnotes.readout.run_pair`): its :func:`kvnotes.readout.pair_status`
+    """Clean run of ``pair`` (:func:`kvnotes.harness.readout.run_pair`): its :func:`kvnotes.harness.readout.pair_status`
     columns under ``flip_rule`` and :func:`inject_run`'s columns."""
     run = run_pair(model, pair, mode)
     return run.status(min_effect, flip_rule) | inject_run(model, run, mode, budget_bytes)
@@ -156,7 +157,7 @@ def run(ctx) -> dict:
     all_err = [abs(r[f"{n}_r_all"] - 1) for r in rows for n in DIRECTIONS if r[f"{n}_r_all"] is not None]
     score_err = [abs(r[f"{n}_s_all"] - r[f"s_{src}"]) for r in rows for n, (_, src) in DIRECTIONS.items()]
     with ctx.timer("statistics"):
-        aggregates = {
+        aggregates: dict[str, Any] = {
             "n_pairs": len(rows), "n_flip": len(flipping),
             "n_pairs_by_family": dict(Counter(r["family"] for r in rows)),
             "n_flip_by_family": dict(Counter(r["family"] for r in flipping)),

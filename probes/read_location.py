@@ -2,7 +2,7 @@
 (docs/design.md §3, §5).
 
 **Attention masses.** For each token-aligned pair and each run (old, new), the decision token is
-fed at position ``d`` on the run's prefix cache ``[0, d)``. Inside :func:`kvnotes.capture.attention_hook`
+fed at position ``d`` on the run's prefix cache ``[0, d)``. Inside :func:`kvnotes.kv.capture.attention_hook`
 the decision row's attention probabilities are computed with the model's own eager attention
 function (its scaling, logit soft-capping and GQA grouping; the mask the model built, which carries
 the sliding window), called with keyword arguments, in fp32. Mean over heads, per layer, the
@@ -20,7 +20,7 @@ decision query (row ``d`` only) sees is changed inside the hook so that it canno
 keys in the band's layers (sdpa and eager implementations); every other row and layer is untouched
 (with ``readout=full`` the teacher-forced continuation tokens read the cache unmodified). All
 variants of a run go through one batched forward on its one prefix cache, no variant cache built
-(:func:`kvnotes.knockout.decision_forward`). Reported per run: the score change ``delta = s_knock - s_clean`` (nats) and
+(:func:`kvnotes.kv.knockout.decision_forward`). Reported per run: the score change ``delta = s_knock - s_clean`` (nats) and
 ``delta_toward_other`` (the same, signed so that positive moves towards the other run's clean
 score). A knockout can change the decision merely by destroying the readout, so each
 (pair, run, variant) is classified:
@@ -38,20 +38,22 @@ cluster-bootstrap CIs (scenarios, then instances; docs/design.md §8).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any
+
+from kvnotes.records.schema import TypedDict
 
 from collections import Counter
 
 import numpy as np
 import torch
 
-from kvnotes.schema import BaseResult, PairRow
-from kvnotes.kit import ProbeConfig
-from kvnotes import cache as kvcache
-from kvnotes import kit as K
-from kvnotes.knockout import DecisionRead, decision_forward, knockout_masks
-from kvnotes.readout import candidate_scores
-from kvnotes.stats import bootstrap_weights, proportion
+from kvnotes.records.schema import BaseResult, PairRow
+from kvnotes.harness.kit import ProbeConfig
+from kvnotes.kv import cache as kvcache
+from kvnotes.harness import kit as K
+from kvnotes.kv.knockout import DecisionRead, decision_forward, knockout_masks
+from kvnotes.harness.readout import candidate_scores
+from kvnotes.harness.stats import bootstrap_weights, proportion
 
 GROUPS = ("sinks", "prefix", "field", "downstream", "decision")
 RUNS = ("old", "new")
@@ -115,8 +117,8 @@ def group_masses(probs: torch.Tensor, groups: dict[str, tuple[int, int]]) -> tor
 
 def _scores(model, pair, cache, knock, mode: str, capture: bool,
             budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> tuple[torch.Tensor, DecisionRead]:
-    """Scores ``[V]`` of knockout variants (:func:`kvnotes.readout.candidate_scores`) and the first
-    forward's :class:`kvnotes.knockout.DecisionRead`."""
+    """Scores ``[V]`` of knockout variants (:func:`kvnotes.harness.readout.candidate_scores`) and the first
+    forward's :class:`kvnotes.kv.knockout.DecisionRead`."""
     def forward(tokens, first):
         read = decision_forward(model, cache, tokens, knock, capture and first, budget_bytes)
         return read.logprobs, read

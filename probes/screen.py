@@ -11,14 +11,16 @@ imply different outcomes); control scenarios must not flip (``unexpected_flips``
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any
+
+from kvnotes.records.schema import TypedDict
 
 from dataclasses import dataclass
 
-from kvnotes.schema import BaseResult, PairRow, Summary
-from kvnotes.kit import ProbeConfig
-from kvnotes import kit as K
-from kvnotes.stats import proportion, summarize_rows
+from kvnotes.records.schema import BaseResult, PairRow, Summary
+from kvnotes.harness.kit import ProbeConfig
+from kvnotes.harness import kit as K
+from kvnotes.harness.stats import proportion, summarize_rows
 
 
 @dataclass

@@ -29,7 +29,7 @@ secondary curve. Reference variants of every pair: ``none`` (nothing; 0 by defin
 equal bands, or explicit ``[lo, hi)`` layer ranges).
 
 **Top-k selection and transfer.** Instances are split per scenario into selection and held-out
-sets (:func:`kvnotes.selection.split_instances`, ``selection_fraction``, ``ctx.seed``). Positions
+sets (:func:`kvnotes.harness.selection.split_instances`, ``selection_fraction``, ``ctx.seed``). Positions
 differ between instances, so a position is described by its offset from an anchor
 (``topk_anchor``): ``decision`` (default; offset ``d - p``, 1 = the last downstream position — the
 chat-template tail, request and answer prefix are shared text aligned from the end) or
@@ -40,15 +40,17 @@ their offsets, descending (offsets the profile lacks rank last; ties go to the s
 and the top ``k`` form its set. Held-out maps never enter a profile: every held-out row records
 the pair ids its profile was built from (``topk_profile_pairs``).
 
-All variants of one pair are evaluated in one call of :func:`kvnotes.readout.variant_scores` on
+All variants of one pair are evaluated in one call of :func:`kvnotes.harness.readout.variant_scores` on
 batched variant caches (chunked to ``ctx.budget_bytes``); identical masks are evaluated once.
-Aggregates per family (and ``all``) come from :func:`kvnotes.kit.summaries_by_family`.
+Aggregates per family (and ``all``) come from :func:`kvnotes.harness.kit.summaries_by_family`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any
+
+from kvnotes.records.schema import TypedDict
 
 import math
 from collections.abc import Sequence
@@ -57,14 +59,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kvnotes.schema import BaseResult, PairRow
-from kvnotes.kit import ProbeConfig
-from kvnotes.kit import RandomControl
-from kvnotes import cache as kvcache
-from kvnotes import kit as K
-from kvnotes.kit import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
-from kvnotes.readout import PairRun, variant_scores
-from kvnotes.selection import pair_rng, split_instances
+from kvnotes.records.schema import BaseResult, PairRow
+from kvnotes.harness.kit import ProbeConfig
+from kvnotes.harness.kit import RandomControl
+from kvnotes.kv import cache as kvcache
+from kvnotes.harness import kit as K
+from kvnotes.harness.kit import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
+from kvnotes.harness.readout import PairRun, variant_scores
+from kvnotes.harness.selection import pair_rng, split_instances
 
 SET_FAMILIES = ("suffix", "prefix", "topk", "random")
 REFERENCES = ("none", "field", "downstream", "field_downstream")
@@ -260,12 +262,12 @@ def evaluate_pair(model, run: PairRun, grid: list[dict], bands: list[dict], rng:
                   n_draws: int, topk_order: list[int] | None = None, with_field: bool = True,
                   mode: str = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES,
                   store_sets: bool = False) -> dict:
-    """Every variant of one pair in one batched :func:`kvnotes.readout.variant_scores` call.
+    """Every variant of one pair in one batched :func:`kvnotes.harness.readout.variant_scores` call.
 
     Args:
         run: the pair's clean run with prefix caches over ``[0, d)``.
         grid: :func:`grid_points`.
-        bands: :func:`kvnotes.kit.layer_bands`.
+        bands: :func:`kvnotes.harness.kit.layer_bands`.
         rng: the pair's generator for random sets (:func:`pair_rng`).
         n_draws: random sets per grid point.
         topk_order: downstream positions ranked by the selection profile (held-out pairs), or None.
@@ -412,7 +414,7 @@ def _aggregates(rows, held, grid, bands, families, n_boot, seed, anchor) -> dict
 
 
 class Band(TypedDict):
-    """A layer band (:func:`kvnotes.kit.layer_bands`)."""
+    """A layer band (:func:`kvnotes.harness.kit.layer_bands`)."""
 
     name: str
     layers: list[int]

@@ -1,7 +1,7 @@
 """The error scenario files raise: bad YAML, a schema violation, an empty selection.
 
 ``scenarios`` is data plus the code that validates and renders it; it imports nothing from
-``kvnotes`` (``kvnotes.pairs`` imports ``scenarios``, never the reverse). ``run.py`` reports a
+``kvnotes`` (``kvnotes.harness.pairs`` imports ``scenarios``, never the reverse). ``run.py`` reports a
 :class:`ScenarioError` like a :class:`kvnotes.errors.KvnotesError`: one line, exit status 2.
 """
 

@@ -183,7 +183,7 @@ class PolaritySpec:
             ``value``; ``score = log p(cand_new) - log p(cand_old)``.
 
     ``old``/``new`` are the polarity names and ``expect_flip`` is always True (inverting the gate
-    swaps the two outcomes), so the pair rows of :mod:`kvnotes.pairs` apply unchanged.
+    swaps the two outcomes), so the pair rows of :mod:`kvnotes.harness.pairs` apply unchanged.
     """
 
     instance: Instance

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Time every probe of the battery on one scenario suite, in one process, and print the total.
 
-    OMP_NUM_THREADS=2 python -m scripts.battery [--scenario default] [--threads 2] [--probes a b ...] [--records runs]
+    OMP_NUM_THREADS=2 kvnotes battery [--scenario default] [--threads 2] [--probes a b ...] [--records runs]
 
 The model (``--model``, default the embedded SmolLM2-135M) is loaded once and the pairs of the
 suite prepared once per kind (field pairs; polarity pairs for ``dissociation``), and each pair's
 clean runs (prefix caches, clean scores, decisions) are computed once for the whole battery and
-shared by every probe that screens it (:class:`kvnotes.kit.CleanRuns`, up to ``--clean-runs-mb``
+shared by every probe that screens it (:class:`kvnotes.harness.kit.CleanRuns`, up to ``--clean-runs-mb``
 of caches; ``--clean-runs-mb 0`` makes every probe prefill its pairs itself, as ``run.py`` does,
 for a before/after comparison). Then each probe's
 ``run(ctx)`` runs with the config ``run.py`` would compose for it (``conf/config.yaml`` with
@@ -31,6 +31,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from kvnotes.cli import add_machine_flags
+
 ROOT = Path(__file__).resolve().parent.parent   # the checkout (conf/)
 
 
@@ -38,15 +40,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="zoo config name under conf/model")
     ap.add_argument("--scenario", default="default", help="scenario config name under conf/scenario")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    add_machine_flags(ap)
     ap.add_argument("--probes", nargs="*", default=None, help="probe names (default: every registered probe)")
     ap.add_argument("--clean-runs-mb", type=float, default=8192,
                     help="prefix caches kept across probes (MB); 0: no sharing, every probe prefills its pairs")
     ap.add_argument("--floor", action="store_true",
                     help="print each probe's roofline floor (linear-layer FLOPs and weight reads at this machine's rates)")
     ap.add_argument("--records", help="also write each probe's record under this out_root")
-    ap.add_argument("--json", help="also write the numbers to this file")
     args = ap.parse_args()
 
     import torch
@@ -54,11 +54,12 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     import probes
-    from kvnotes.kit import CleanRuns
-    from kvnotes.models import load_model
-    from kvnotes.pairs import prepare_for_probe
-    from kvnotes.records import RECORD_NAME, Timer, complete_record, to_jsonable, write_atomic
-    from kvnotes.schema import check_result, result_schema
+    from kvnotes.harness.kit import CleanRuns
+    from kvnotes.models.loading import load_model
+    from kvnotes.harness.pairs import prepare_for_probe
+    from kvnotes.harness.jobs import complete_record
+    from kvnotes.records.store import RECORD_NAME, Timer, to_jsonable, write_atomic
+    from kvnotes.records.schema import check_result, result_schema
 
     torch.set_num_threads(args.threads)
     names = args.probes or probes.names()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Timing of one head patch against one plain forward on the embedded model.
 
-    OMP_NUM_THREADS=1 python -m scripts.bench_circuits [--repeats N] [--chunk C] [--scenario-id ID]
+    OMP_NUM_THREADS=1 kvnotes bench circuits [--repeats N] [--chunk C] [--scenario-id ID]
 
 Prints one line per mode: seconds per head patch (read: decision position on the old prefix
 cache; write: note positions [b, d) resumed from b) in batches of ``chunk`` heads, and the time of
@@ -26,12 +26,12 @@ def main() -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from kvnotes import cache as kvcache
+    from kvnotes.kv import cache as kvcache
     from circuits.heads import head_outputs, patched_scores, set_masks
-    from circuits.engine import make_engine
-    from kvnotes.models import load_model
-    from kvnotes.readout import run_pair
-    from kvnotes.tokens import tokenize_pair
+    from kvnotes.kv.engine import make_engine
+    from kvnotes.models.loading import load_model
+    from kvnotes.harness.readout import run_pair
+    from kvnotes.harness.tokens import tokenize_pair
     from scenarios import build_pairs, load_suite
 
     bundle = load_model(OmegaConf.load(ROOT / "conf/model/smollm2-135m.yaml"), "cpu")

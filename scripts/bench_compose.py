@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Time to first token: a composed prompt against its full prefill, as the context grows (paper §5).
 
-    OMP_NUM_THREADS=1 python -m scripts.bench_compose                       # CPU, embedded SmolLM2-135M
-    python -m scripts.bench_compose --gpu --lengths 2048 4096 8192 16384 32768   # random Qwen3-8B-shaped, bf16
+    OMP_NUM_THREADS=1 kvnotes bench compose                       # CPU, embedded SmolLM2-135M
+    kvnotes bench compose --device cuda --lengths 2048 4096 8192 16384 32768   # random Qwen3-8B-shaped, bf16
 
 A prompt of ``L`` tokens is a live prefix (``--prefix`` tokens), one precompiled chunk, and a live
 suffix (``--suffix`` tokens: state update + question); the chunk fills the rest. Token ids are drawn
@@ -10,8 +10,8 @@ at random from the vocabulary with a seeded generator (the time of a forward doe
 which tokens it sees). Per length, in one process:
 
 - **full**: prefill of all ``L`` tokens computing only the last position's logits
-  (:func:`kvnotes.compose.full_logits`);
-- **composed** (:class:`kvnotes.compose.ComposeRunner`, the serving path): the chunk's keys rotated
+  (:func:`kvnotes.ops.compose.full_logits`);
+- **composed** (:class:`kvnotes.ops.compose.ComposeRunner`, the serving path): the chunk's keys rotated
   by one GEMM and written with its values into a KV pool, then ONE forward of the prefix, the
   ``--seam`` recomputed chunk tokens and the suffix at their positions (each attends to every slot
   before its own), last position's logits. The pool (``max(--lengths)`` slots) is allocated once and
@@ -19,17 +19,17 @@ which tokens it sees). Per length, in one process:
   Rotation matrices are cached per delta. On GPU the forward is a CUDA graph captured once per
   token layout in its first call (``first_call_ms``, not part of the composed time, like a
   compile); the splice runs eagerly before each replay (``--no-graphs``: eager forward);
-- **one_pass** (:func:`kvnotes.compose.compose_one_pass`): the same one forward, eager, with a
+- **one_pass** (:func:`kvnotes.ops.compose.compose_one_pass`): the same one forward, eager, with a
   new cache allocated in the call (``torch.empty``) and rotation matrices built in the call;
-- **compose()** (:func:`kvnotes.compose.compose`, the library's general path, the "before"):
+- **compose()** (:func:`kvnotes.ops.compose.compose`, the library's general path, the "before"):
   prefix + seam forward on a new ``StaticCache``, rotated keys written in place, suffix forward;
-- **precompile**: the chunk's own prefill (:func:`kvnotes.compose.precompile`), done once per
+- **precompile**: the chunk's own prefill (:func:`kvnotes.ops.compose.precompile`), done once per
   chunk and reported separately (not part of the composed times).
 
 Full and each composed path are run ``--warmup`` times untimed, then ``--trials`` timed; medians
 are printed with the ratio full / composed (precompile: one timed run on CPU; on GPU one warm-up and
 ``trials // 2`` timed). On GPU the timings are CUDA events around each call (after a synchronise). The
-``--gpu`` path builds a random-weight model from a Qwen3-8B-shaped config in bf16
+``--device cuda`` path builds a random-weight model from a Qwen3-8B-shaped config in bf16
 (``AutoModelForCausalLM.from_config`` on the GPU, no weights) and imports neither hydra nor nnsight.
 ``--json PATH`` writes the table with the command line and environment. KL(full||composed) and
 top-1 agreement compare the composed path's logits with the full prefill's (same tokens); the JSON
@@ -46,19 +46,21 @@ import sys
 import time
 from pathlib import Path
 
+from kvnotes.cli import add_machine_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 
 import numpy as np
 import torch
 import transformers
 
-from kvnotes import compose as kvcompose
-from kvnotes.timing import elapsed_ms
+from kvnotes.ops import compose as kvcompose
+from kvnotes.harness.timing import elapsed_ms
 
 def gpu_model():
     """A random-weight Qwen3-8B-shaped causal LM in bf16, built directly on the GPU (the zoo entry's
-    full-size architecture, :func:`kvnotes.zoo.random_model`)."""
-    from kvnotes.zoo import random_model, zoo_config
+    full-size architecture, :func:`kvnotes.models.zoo.random_model`)."""
+    from kvnotes.models.zoo import random_model, zoo_config
 
     return random_model(zoo_config("qwen3-8b"), shrink=False, dtype=torch.bfloat16, device="cuda")
 
@@ -66,7 +68,7 @@ def gpu_model():
 def embedded_model(name: str):
     from omegaconf import OmegaConf
 
-    from kvnotes.models import load_model
+    from kvnotes.models.loading import load_model
 
     return load_model(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"), "cpu").model
 
@@ -132,7 +134,7 @@ def bench_length(model, L: int, n_prefix: int, n_suffix: int, seam: int, warmup:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gpu", action="store_true", help="random Qwen3-8B-shaped bf16 model on CUDA")
+    add_machine_flags(ap)      # --device cuda: a random Qwen3-8B-shaped bf16 model on CUDA
     ap.add_argument("--model", default="smollm2-135m", help="zoo config for the CPU path")
     ap.add_argument("--lengths", type=int, nargs="+", default=None)
     ap.add_argument("--prefix", type=int, default=32)
@@ -140,11 +142,10 @@ def main() -> None:
     ap.add_argument("--seam", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None)
     ap.add_argument("--no-graphs", action="store_true", help="GPU: run the composed forward eagerly")
     args = ap.parse_args()
+    args.gpu = args.device == "cuda"
     torch.set_num_threads(args.threads)
     if args.gpu:
         model, name = gpu_model(), "random Qwen3-8B-shaped (bf16)"

@@ -1,14 +1,14 @@
 #!/usr/bin/env python
-"""Wall time of every cache edit of :mod:`kvnotes.edit` against a full re-prefill, in one run.
+"""Wall time of every cache edit of :mod:`kvnotes.ops.edit` against a full re-prefill, in one run.
 
-    OMP_NUM_THREADS=1 python -m scripts.bench_edit                       # CPU, embedded SmolLM2-135M
-    python -m scripts.bench_edit --gpu --lengths 2048 8192 16384 32768   # GPU, random Qwen3-8B shape
+    OMP_NUM_THREADS=1 kvnotes bench edit                       # CPU, embedded SmolLM2-135M
+    kvnotes bench edit --device cuda --lengths 2048 8192 16384 32768   # GPU, random Qwen3-8B shape
 
 **CPU** (default): the embedded SmolLM2-135M on a recall scenario (``home_city``) whose filler is
 repeated until the prompt has about ``--lengths`` tokens (512, 2k, 8k); the pair changes the field
-(Paris -> London), the erratum and hoisted prompts come from :mod:`kvnotes.edit_prompts`.
+(Paris -> London), the erratum and hoisted prompts come from :mod:`kvnotes.harness.edit_prompts`.
 
-**GPU** (``--gpu``): a random-weight model from a Qwen3-8B-shaped ``Qwen3Config`` (hidden 4096, 36
+**GPU** (``--device cuda``): a random-weight model from a Qwen3-8B-shaped ``Qwen3Config`` (hidden 4096, 36
 layers, 32 heads, 8 KV heads, head_dim 128, intermediate 12288, vocab 151936, rope_theta 1e6) in
 bf16, built with ``AutoModelForCausalLM.from_config`` (no weights, no tokenizer). Prompts are
 random token ids with the same layout as the scenario (a 16-token head, a 2-token field, filler, a
@@ -20,7 +20,7 @@ Timed per length (median of ``--trials`` after ``--warmup`` runs; CUDA events on
 ``full`` (prefill of the new prompt, last-position logits only), ``refresh_field``, ``erratum``,
 ``field_plus_erratum``, ``hoist``, ``selective_last@K`` and ``selective_attention@K`` /
 ``selective_kv_deviation@K`` (ranking included) for ``--ks``. Printed: milliseconds, the speed-up
-``full / method`` and the tokens each forwards. ``--out PATH`` writes the numbers as JSON.
+``full / method`` and the tokens each forwards. ``--json PATH`` writes the numbers as JSON.
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kvnotes.cli import add_machine_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 
 import torch
 
-from kvnotes import edit
-from kvnotes.timing import elapsed_ms
+from kvnotes.ops import edit
+from kvnotes.harness.timing import elapsed_ms
 
 
 @dataclass
@@ -73,8 +75,8 @@ def synthetic_layout(n_tokens: int, vocab: int, seed: int = 0) -> Layout:
 
 def scenario_layout(bundle, n_tokens: int) -> Layout:
     """A filler-extended ``home_city`` pair (Paris -> London) of about ``n_tokens`` tokens."""
-    from kvnotes.tokens import tokenize_pair
-    from kvnotes import edit_prompts as sedits
+    from kvnotes.harness.tokens import tokenize_pair
+    from kvnotes.harness import edit_prompts as sedits
     from scenarios.instances import PairSpec, draw_instances
     from scenarios.schema import load_scenario
 
@@ -151,23 +153,23 @@ def bench_length(model, lay: Layout, clock: Clock, ks: list[int], rankings: list
 
 def qwen3_8b_model():
     """Random-weight Qwen3-8B-shaped model in bf16 on the GPU (no download): the zoo entry's
-    full-size architecture (:func:`kvnotes.zoo.random_model`)."""
-    from kvnotes.zoo import random_model, zoo_config
+    full-size architecture (:func:`kvnotes.models.zoo.random_model`)."""
+    from kvnotes.models.zoo import random_model, zoo_config
 
     return random_model(zoo_config("qwen3-8b"), shrink=False, dtype=torch.bfloat16, device="cuda")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gpu", action="store_true", help="random Qwen3-8B-shaped model on CUDA (bf16)")
+    add_machine_flags(ap)      # --device cuda: a random Qwen3-8B-shaped bf16 model on CUDA
     ap.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt tokens (CPU 512 2048 8192; GPU 2048..32768)")
     ap.add_argument("--ks", type=int, nargs="+", default=[32], help="selective K values")
     ap.add_argument("--rankings", nargs="+", default=["last", "attention", "kv_deviation"])
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
     args = ap.parse_args()
+    args.gpu = args.device == "cuda"
+    args.out = Path(args.json) if args.json else None
     torch.set_num_threads(args.threads)
     if args.gpu:
         lengths = args.lengths or [2048, 8192, 16384, 32768]
@@ -178,7 +180,7 @@ def main() -> None:
     else:
         from omegaconf import OmegaConf
 
-        from kvnotes.models import load_model
+        from kvnotes.models.loading import load_model
 
         lengths = args.lengths or [512, 2048, 8192]
         bundle = load_model(OmegaConf.load(ROOT / "conf/model/smollm2-135m.yaml"), "cpu")

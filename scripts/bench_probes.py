@@ -1,15 +1,15 @@
 #!/usr/bin/env python
 """Benchmark the batched single-position map against a naive per-variant loop, in one process.
 
-    python -m scripts.bench_probes [--n-pairs 3] [--repeats 3] [--min-time 10] [--threads N]
+    kvnotes bench probes [--n-pairs 3] [--repeats 3] [--min-time 10] [--threads N]
 
 On the same flipping recall pairs of the embedded SmolLM2-135M (``--model`` picks another zoo
 config), the single-position map (every downstream position ``p`` in ``[b, d)`` patched alone from
 the new run into the old run, all layers, decision score read) is computed two ways:
 
-- **batched**: the probe's machinery, :func:`kvnotes.kit.single_position_scores` (patch masks;
+- **batched**: the probe's machinery, :func:`kvnotes.harness.kit.single_position_scores` (patch masks;
   one cache-free forward per chunk of variants, each attending to the one shared old prefix cache
-  plus its own substituted K/V, :func:`kvnotes.cache.patched_logits`; only the two candidates'
+  plus its own substituted K/V, :func:`kvnotes.kv.cache.patched_logits`; only the two candidates'
   logits are computed);
 - **naive**: per variant, ``copy.deepcopy`` of the whole old cache, the position's K/V copied from
   the new cache in every layer, one batch-1 decode of the decision token.
@@ -47,6 +47,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from kvnotes.cli import add_machine_flags
 
 ROOT = Path(__file__).resolve().parent.parent   # the checkout (conf/, scenarios/suites)
 
@@ -107,7 +109,7 @@ class PeakMemory:
 def naive_single_position_scores(model, run) -> torch.Tensor:
     """The single-position map by a per-variant loop: deep-copy the old cache, patch position ``p``
     in every layer from the new cache, decode the decision token. Returns ``[d - b]`` scores (nats)."""
-    from kvnotes import cache as kvcache
+    from kvnotes.kv import cache as kvcache
 
     pair = run.pair
     b, d = pair.downstream
@@ -129,8 +131,8 @@ def naive_single_position_scores(model, run) -> torch.Tensor:
 
 def flipping_recall_pairs(bundle, n_pairs: int, scenario_ids: list[str] | None):
     """The first ``n_pairs`` flipping recall pairs (one instance per scenario), with their runs."""
-    from kvnotes.readout import screen_pair
-    from kvnotes.tokens import tokenize_pair
+    from kvnotes.harness.readout import screen_pair
+    from kvnotes.harness.tokens import tokenize_pair
     from scenarios import build_pairs, load_suite
 
     specs = build_pairs(load_suite([str(ROOT / "scenarios/suites")], ["recall"], scenario_ids), 1, 0)
@@ -149,8 +151,8 @@ def flipping_recall_pairs(bundle, n_pairs: int, scenario_ids: list[str] | None):
 
 def random_model(name: str, device: str, dtype: str | None):
     """A model with random weights (seed 0) of the zoo entry ``name``'s full-size architecture
-    (``conf/model/<name>.yaml``, :func:`kvnotes.zoo.random_model`), sdpa attention."""
-    from kvnotes.zoo import random_model as zoo_random_model, zoo_config
+    (``conf/model/<name>.yaml``, :func:`kvnotes.models.zoo.random_model`), sdpa attention."""
+    from kvnotes.models.zoo import random_model as zoo_random_model, zoo_config
 
     dt = getattr(torch, dtype) if dtype else torch.float32
     return zoo_random_model(zoo_config(name), shrink=False, dtype=dt, device=device, attn_implementation="sdpa")
@@ -163,7 +165,7 @@ def synthetic_runs(model, n_pairs: int, length: int):
     these serve timing and exactness only."""
     from types import SimpleNamespace
 
-    from kvnotes.readout import run_pair
+    from kvnotes.harness.readout import run_pair
 
     a, d = length // 3, length - 1
     g = torch.Generator().manual_seed(0)
@@ -207,26 +209,23 @@ def timed(fn, device, repeats: int, min_time: float):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="zoo config name under conf/model")
-    ap.add_argument("--device", default="cpu")
+    add_machine_flags(ap)
     ap.add_argument("--n-pairs", type=int, default=3)
     ap.add_argument("--scenarios", nargs="*", default=None, help="recall scenario ids (default: all)")
     ap.add_argument("--repeats", type=int, default=3, help="least timed calls per method (best is kept)")
     ap.add_argument("--min-time", type=float, default=10.0,
                     help="least seconds of timed calls per method (more calls of a fast method)")
     ap.add_argument("--budget-mb", type=float, default=1024, help="memory budget per chunk of variant caches")
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                    help="torch CPU threads (default: every CPU this process may use)")
     ap.add_argument("--random-init", metavar="MODEL",
                     help="timing only, without the checkpoint: the full-size architecture of this zoo entry "
                          "(conf/model/MODEL.yaml) with random weights (e.g. a GPU machine without weights), on "
                          "synthetic pairs")
     ap.add_argument("--prompt-len", type=int, default=110, help="--random-init: prompt length in tokens")
     ap.add_argument("--dtype", default=None, help="--random-init: torch dtype (default: float32)")
-    ap.add_argument("--json", help="also write the numbers to this file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from kvnotes.kit import single_position_scores
+    from kvnotes.harness.kit import single_position_scores
 
     if args.random_init:
         model = random_model(args.random_init, args.device, args.dtype)
@@ -235,7 +234,7 @@ def main() -> None:
     else:
         from omegaconf import OmegaConf
 
-        from kvnotes.models import load_model
+        from kvnotes.models.loading import load_model
 
         bundle = load_model(OmegaConf.load(ROOT / "conf/model" / f"{args.model}.yaml"), args.device)
         model, name = bundle.model, args.model

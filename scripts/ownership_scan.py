@@ -1,15 +1,15 @@
 #!/usr/bin/env python
 """Which expected-flip pairs of some scenario files the model OWNS: a quick scan for prompt work.
 
-A pair is owned when it flips under the ``owned`` rule of :func:`kvnotes.readout.pair_status` (the
+A pair is owned when it flips under the ``owned`` rule of :func:`kvnotes.harness.readout.pair_status` (the
 candidate decision differs, ``|s_new - s_old| >= min_effect`` nats, and each clean run's top-1 token
 over the whole vocabulary is its expected candidate's first token; ``flips_owned`` of ``probe=screen``).
 Prints, per scenario, owned / expected-flip pairs, and for every prompt whose top-1 is not its
 candidate the top-1 token and the candidates' probabilities. One model load, one forward per
 distinct prompt (full prompt, no cache surgery), so it is a screening aid, not a record.
 
-    OMP_NUM_THREADS=1 python -m scripts.ownership_scan scenarios/suites/lookup scenarios/suites/language
-    python -m scripts.ownership_scan scenarios/suites/lookup --n-instances 4 --seed 0 --quiet
+    OMP_NUM_THREADS=1 kvnotes ownership-scan scenarios/suites/lookup scenarios/suites/language
+    kvnotes ownership-scan scenarios/suites/lookup --n-instances 4 --seed 0 --quiet
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 import torch
 from omegaconf import OmegaConf
 
-from kvnotes.models import load_model
-from kvnotes.pairs import prepare_pairs
-from kvnotes.readout import clean_decisions, pair_status
+from kvnotes.models.loading import load_model
+from kvnotes.harness.pairs import prepare_pairs
+from kvnotes.harness.readout import clean_decisions, pair_status
 
 
 @torch.no_grad()

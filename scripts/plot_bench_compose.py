@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """TTFT figure from ``bench_compose.py --json`` outputs (numbers from the JSON files only).
 
-    python scripts/plot_bench_compose.py docs/bench/bench_compose_gpu.json [more.json ...] --out docs/bench/bench_compose_ttft.png
+    kvnotes bench compose-plot docs/bench/bench_compose_gpu.json [more.json ...] --out docs/bench/bench_compose_ttft.png
 """
 
 from __future__ import annotations

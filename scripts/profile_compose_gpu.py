@@ -3,12 +3,12 @@
 
     python -m scripts.profile_compose_gpu --lengths 2048 32768 [--seam 4] [--profiler]
 
-Same model and prompt as ``scripts/bench_compose.py --gpu`` (random Qwen3-8B-shaped, bf16; prefix
+Same model and prompt as ``kvnotes bench compose --device cuda`` (random Qwen3-8B-shaped, bf16; prefix
 ``--prefix`` + one chunk + suffix ``--suffix`` tokens). Per length, medians over ``--trials`` after
-``--warmup`` untimed runs, each stage timed alone with CUDA events (``kvnotes.timing.elapsed_ms``,
+``--warmup`` untimed runs, each stage timed alone with CUDA events (``kvnotes.harness.timing.elapsed_ms``,
 synchronised before and after):
 
-- the two-forward library path (:func:`kvnotes.compose.compose`): ``StaticCache`` allocation and
+- the two-forward library path (:func:`kvnotes.ops.compose.compose`): ``StaticCache`` allocation and
   lazy init, prefix + seam forward, ``delta_rotations``, rotate + splice, suffix forward, and the
   whole call;
 - the one-forward path: plan (token ids, slots), rotation matrices (cold), rotate + splice (one
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from transformers import StaticCache
 
-from kvnotes import compose as kc
-from kvnotes.timing import elapsed_ms
+from kvnotes.ops import compose as kc
+from kvnotes.harness.timing import elapsed_ms
 from scripts.bench_compose import gpu_model
 
 

@@ -3,8 +3,8 @@
 prefill, with every answer checked against the harness (paper "Models Take Notes at Prefill",
 systems claim). Runs in the serving environment (``bash scripts/install.sh --serving``)::
 
-    .venv-serving/bin/python -m scripts.serve_bench                  # the embedded SmolLM2-135M, CPU
-    .venv-serving/bin/python -m scripts.serve_bench --sessions 2 --turns 2 --doc-tokens 256 \
+    .venv-serving/bin/kvnotes serve-bench                  # the embedded SmolLM2-135M, CPU
+    .venv-serving/bin/kvnotes serve-bench --sessions 2 --turns 2 --doc-tokens 256 \
         --positions middle --rates 1 --name short                    # a short trace
 
 Stages: (1) build the traces from the scenario files (:mod:`kvnotes.serving`); (2) the harness's
@@ -97,7 +97,7 @@ def harness_stage(args, model_cfg):
     """Trace and full-prefill references (transformers); the HF model is freed before the engine starts."""
     import torch
 
-    from kvnotes.models import load_model
+    from kvnotes.models.loading import load_model
     from kvnotes.serving import build_trace
     from scenarios import load_suite
 
@@ -116,7 +116,7 @@ def harness_stage(args, model_cfg):
     ref_s = time.perf_counter() - t0
     info = dict(bundle.info)
     if model_cfg.get("embedded"):
-        from kvnotes.models import materialise_embedded
+        from kvnotes.models.loading import materialise_embedded
 
         source = str(materialise_embedded(model_cfg.embedded)[0])
     else:
@@ -334,7 +334,7 @@ def main(argv=None) -> None:
     from omegaconf import OmegaConf
 
     from kvnotes.errors import KvnotesError
-    from kvnotes.records import RECORD_NAME, is_complete, new_record, write_atomic
+    from kvnotes.records.store import RECORD_NAME, is_complete, new_record, write_atomic
 
     cfg_path = ROOT / "conf" / "model" / f"{args.model}.yaml"
     if not cfg_path.is_file():

@@ -79,7 +79,7 @@ def smol():
     """The embedded SmolLM2-135M-Instruct bundle (materialised once into the kvnotes cache)."""
     from omegaconf import OmegaConf
 
-    from kvnotes.models import load_model
+    from kvnotes.models.loading import load_model
 
     cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "model", "smollm2-135m.yaml"))
     return load_model(cfg, "cpu")
@@ -90,7 +90,7 @@ def recall_pairs(bundle, ids, n_instances=2, per_instance=None):
     ``per_instance`` pairs of each instance, to keep embedded tests short)."""
     from omegaconf import OmegaConf
 
-    from kvnotes.pairs import prepare_pairs
+    from kvnotes.harness.pairs import prepare_pairs
 
     sc = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "scenario", "default.yaml"))
     sc.families, sc.ids, sc.n_instances = ["recall"], ids, n_instances
@@ -109,8 +109,8 @@ def check_figures(name: str, res: dict, tmp_path) -> None:
 
     import probes
     from kvnotes.plots import plot_record
-    from kvnotes.records import to_jsonable
-    from kvnotes.schema import check_result, result_schema
+    from kvnotes.records.store import to_jsonable
+    from kvnotes.records.schema import check_result, result_schema
 
     record = json.loads(json.dumps(to_jsonable({"probe": name, "model": {"name": "smollm2-135m"},
                                                 "scenario": {"name": "test"}, "result": res})))
@@ -121,12 +121,12 @@ def check_figures(name: str, res: dict, tmp_path) -> None:
 
 def check_schema(name: str, res: dict) -> None:
     """A probe's result, computed on a real model, matches its declared ``Result`` schema after a
-    JSON round-trip (as in a record; ``kvnotes.schema``)."""
+    JSON round-trip (as in a record; ``kvnotes.records.schema``)."""
     import json
 
     import probes
-    from kvnotes.records import to_jsonable
-    from kvnotes.schema import check_result, result_schema
+    from kvnotes.records.store import to_jsonable
+    from kvnotes.records.schema import check_result, result_schema
 
     check_result(json.loads(json.dumps(to_jsonable(res))), result_schema(probes.module(name)))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvnotes.adapters import Adapter, adapter_table
+from kvnotes.models.adapters import Adapter, adapter_table
 from kvnotes.errors import KvnotesError
 
 EXPECTED = {  # model_type -> (sliding layer count, has post norms, has qk norm)

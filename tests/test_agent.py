@@ -22,7 +22,7 @@ def scenario_cfg(families=("recall",), ids=("home_city",)):
 
 
 def run_agent(smol, seam: int, turns: int = 3, **scenario):
-    from kvnotes.pairs import prepare_pairs
+    from kvnotes.harness.pairs import prepare_pairs
     from probes.agent import run
 
     cfg = OmegaConf.load("conf/probe/agent.yaml")
@@ -34,7 +34,7 @@ def run_agent(smol, seam: int, turns: int = 3, **scenario):
 
 
 def test_conversation_rendering_extends_the_single_turn_prompt(smol):
-    from kvnotes.tokens import build_conversation, build_prompt, render_conversation, render_text
+    from kvnotes.harness.tokens import build_conversation, build_prompt, render_conversation, render_text
 
     tok = smol.tokenizer
     one, _ = render_text(tok, "Where is it?", "It is in", True, "Be brief.")

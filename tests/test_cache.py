@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvnotes import cache as kvcache
+from kvnotes.kv import cache as kvcache
 from tests.conftest import BATCH_TOL, LOGPROB_TOL, VOCAB, WINDOW
 
 T = 3 * WINDOW            # prefix length
@@ -147,7 +147,7 @@ def test_mask_shape_mismatch_raises(caches):
 
 
 def test_shared_prefix_decode_matches_materialised_variant_caches(caches):
-    """The cache-free shared-prefix path (sparse patches, :class:`kvnotes.cache.SharedPrefix`)
+    """The cache-free shared-prefix path (sparse patches, :class:`kvnotes.kv.cache.SharedPrefix`)
     gives the logits of the materialised variant caches, for a teacher-forced continuation too
     (sliding windows, soft-capping, GQA); candidate-only logits are those columns of the full ones."""
     model, old, new, c_old, c_new = caches

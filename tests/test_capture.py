@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kvnotes import capture
-from kvnotes.capture import attention_hook, capture_attention
+from kvnotes.kv import capture
+from kvnotes.kv.capture import attention_hook, capture_attention
 
 
 def test_capture_is_transparent_and_recompute_exact(tiny):

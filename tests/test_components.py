@@ -9,8 +9,8 @@ import torch
 
 from circuits.components import (contributions, decomposition_error, direct_logit_attribution, logit_diff_direction,
                                   residual_parts, top_offset)
-from circuits.engine import NNsightEngine
-from kvnotes.adapters import Adapter
+from kvnotes.kv.engine import NNsightEngine
+from kvnotes.models.adapters import Adapter
 from tests.conftest import VOCAB, check_schema, recall_pairs
 
 TOL = 1e-4
@@ -37,7 +37,7 @@ def test_decomposition_sums_to_final_residual(tiny):
     if engine.adapter.has_post_norms:
         # the raw sublayer outputs (before the post-norm) do NOT sum to the residual: the check
         # above would fail if the engine measured them instead of the residual additions
-        from circuits.engine import Site
+        from kvnotes.kv.engine import Site
         raw = engine.run(_ids(0), capture=[Site("hook_z", 0)]).acts[Site("hook_z", 0)]
         o_proj = engine.adapter.module(tiny, "o_proj", 0)
         with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Composition invariants (kvnotes/compose.py) on tiny random models of every adapter architecture,
+"""Composition invariants (kvnotes/ops/compose.py) on tiny random models of every adapter architecture,
 Llama with llama3 / linear / YaRN rope scaling, and a partial-rotary architecture (StableLM)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers as T
 
-from kvnotes import compose
-from kvnotes.adapters import Adapter
+from kvnotes.ops import compose
+from kvnotes.models.adapters import Adapter
 from kvnotes.errors import KvnotesError
 from tests.conftest import ARCHS, VOCAB, WINDOW, build_tiny
 

@@ -1,4 +1,4 @@
-"""The chunked scenario layout (kvnotes/chunks.py) and the ``compose`` probe on the embedded model."""
+"""The chunked scenario layout (kvnotes/harness/chunks.py) and the ``compose`` probe on the embedded model."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def scenario_cfg():
 
 @pytest.fixture(scope="module")
 def result(smol):
-    from kvnotes.pairs import prepare_pairs
+    from kvnotes.harness.pairs import prepare_pairs
     from probes.compose import run
 
     cfg = OmegaConf.load("conf/probe/compose.yaml")
@@ -36,7 +36,7 @@ def result(smol):
 
 
 def test_chunk_spans_hold_the_rule_and_filler(smol):
-    from kvnotes.chunks import chunked_pairs
+    from kvnotes.harness.chunks import chunked_pairs
 
     ps = chunked_pairs(smol.tokenizer, scenario_cfg())
     assert ps.pairs and not ps.excluded

@@ -12,10 +12,10 @@ import torch
 from omegaconf import OmegaConf
 
 import circuits.direction as D
-from circuits.engine import Intervention, NNsightEngine, Site
-from kvnotes import cache as kvcache
-from kvnotes.readout import first_token_scores, run_pair
-from kvnotes.selection import pair_rng, with_split
+from kvnotes.kv.engine import Intervention, NNsightEngine, Site
+from kvnotes.kv import cache as kvcache
+from kvnotes.harness.readout import first_token_scores, run_pair
+from kvnotes.harness.selection import pair_rng, with_split
 from tests.conftest import check_schema, build_tiny
 from tests.test_heads import synthetic_pair
 
@@ -214,7 +214,7 @@ def _cfg(**over):
 
 @pytest.mark.embedded
 def test_run_on_embedded_model_is_finite_and_clean(smol):
-    from kvnotes.pairs import PairSet, prepare_pairs
+    from kvnotes.harness.pairs import PairSet, prepare_pairs
     from probes import ProbeContext
 
     sc = OmegaConf.load("conf/scenario/default.yaml")

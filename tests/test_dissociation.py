@@ -10,8 +10,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kvnotes.pairs import prepare_polarity_pairs
-from kvnotes.tokens import UNEQUAL_TRIGGER_LENGTH, PolarityPair, tokenize_pair, tokenize_polarity_pair
+from kvnotes.harness.pairs import prepare_polarity_pairs
+from kvnotes.harness.tokens import UNEQUAL_TRIGGER_LENGTH, PolarityPair, tokenize_pair, tokenize_polarity_pair
 from probes import ProbeContext
 from probes.dissociation import VARIANTS, orientation, variant_masks
 from probes.dissociation import run as run_dissociation

@@ -1,4 +1,4 @@
-"""Invariants of the cache edit operations (kvnotes.edit) on the five tiny random architectures."""
+"""Invariants of the cache edit operations (kvnotes.ops.edit) on the five tiny random architectures."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvnotes import edit
+from kvnotes.ops import edit
 from tests.conftest import VOCAB
 
 # fp32 on CPU: the same computation in different batch/mask shapes (one 4-D masked forward vs
@@ -126,7 +126,7 @@ def test_selective_is_a_true_recompute_not_a_copy(tiny):
 
 
 def test_all_slot_cache_required(tiny):
-    from kvnotes import cache as kvcache
+    from kvnotes.kv import cache as kvcache
 
     old, _ = tiny_pair()
     hybrid = kvcache.prefill(tiny, old[:D])

@@ -1,4 +1,4 @@
-"""The ``edit`` probe end to end on the embedded model, the prompt edits of kvnotes.edit_prompts, and the
+"""The ``edit`` probe end to end on the embedded model, the prompt edits of kvnotes.harness.edit_prompts, and the
 CoT decision reader."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def test_round_robin_keeps_every_scenario():
 
 @pytest.mark.embedded
 def test_prompt_edits_align_with_the_cached_prompt(smol):
-    from kvnotes import edit_prompts as edits
+    from kvnotes.harness import edit_prompts as edits
 
     pair = recall_pairs(smol, ["home_city"], 1).pairs[0]
     inst, tok = pair.spec.instance, smol.tokenizer
@@ -51,7 +51,7 @@ def test_prompt_edits_align_with_the_cached_prompt(smol):
 def test_edit_probe_end_to_end(smol, tmp_path):
     import probes
 
-    from kvnotes.pairs import PairSet
+    from kvnotes.harness.pairs import PairSet
 
     full_set = recall_pairs(smol, ["home_city"], 1)
     pairs = PairSet(full_set.pairs[:1], [], full_set.scenarios)          # one pair keeps the test short

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvnotes import cache as kvcache
-from kvnotes.readout import flip_status, run_pair, variant_scores
-from kvnotes.tokens import tokenize_pair
+from kvnotes.kv import cache as kvcache
+from kvnotes.harness.readout import flip_status, run_pair, variant_scores
+from kvnotes.harness.tokens import tokenize_pair
 from probes.blast_radius import deviation_maps, summarize_pair
 from scenarios import build_pairs, load_suite
 from tests.conftest import BATCH_TOL

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circuits.engine import KINDS, Intervention, LensEngine, NNsightEngine, Site
-from kvnotes import cache as kvcache
+from kvnotes.kv.engine import KINDS, Intervention, LensEngine, NNsightEngine, Site
+from kvnotes.kv import cache as kvcache
 from tests.conftest import ARCHS, VOCAB, build_tiny
 
 TOL = 1e-5

@@ -9,10 +9,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kvnotes import cache as kvcache
-from kvnotes.pairs import PairSet
+from kvnotes.kv import cache as kvcache
+from kvnotes.harness.pairs import PairSet
 from kvnotes.plots import plot_record
-from kvnotes.readout import PairRun, variant_scores
+from kvnotes.harness.readout import PairRun, variant_scores
 from probes import ProbeContext
 from probes.field_refresh import VARIANTS, exact_field_source, refresh_pair, variant_positions
 from probes.field_refresh import run as run_probe

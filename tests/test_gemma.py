@@ -14,11 +14,11 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from kvnotes import cache as kvcache
+from kvnotes.kv import cache as kvcache
 from kvnotes.errors import KvnotesError
-from kvnotes.models import assemble_parts, embedded_source
-from kvnotes.pairs import prepare_pairs
-from kvnotes.tokens import rendering
+from kvnotes.models.loading import assemble_parts, embedded_source
+from kvnotes.harness.pairs import prepare_pairs
+from kvnotes.harness.tokens import rendering
 from probes import ProbeContext
 from probes.field_refresh import run as run_field_refresh
 from probes.screen import run as run_screen
@@ -135,7 +135,7 @@ def long_scenario(tmp_path) -> str:
 @pytest.fixture(scope="module")
 def gemma():
     """The embedded Gemma-3-270M bundle (assembled and materialised once into the kvnotes cache)."""
-    from kvnotes.models import load_model
+    from kvnotes.models.loading import load_model
 
     return load_model(OmegaConf.load(os.path.join(CONF, "model", "gemma-3-270m.yaml")), "cpu")
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from circuits.engine import Intervention, NNsightEngine, Site
-from kvnotes.selection import pair_rng, rank_by_mean, with_split
+from kvnotes.kv.engine import Intervention, NNsightEngine, Site
+from kvnotes.harness.selection import pair_rng, rank_by_mean, with_split
 from circuits.heads import (clean_residuals, head_outputs, map_pairs, patched_scores, random_head_sets, set_masks,
                             single_head_map)
-from kvnotes import cache as kvcache
-from kvnotes.readout import first_token_scores, run_pair, variant_scores
+from kvnotes.kv import cache as kvcache
+from kvnotes.harness.readout import first_token_scores, run_pair, variant_scores
 from tests.conftest import VOCAB, build_tiny, check_schema
 
 T, A, B = 15, 4, 6          # prompt length, field span [A, B); decision d = T - 1
@@ -55,7 +55,7 @@ def test_read_all_heads_is_one_and_none_is_zero(setup):
 
 def test_write_all_heads_equals_downstream_kv_patch(setup):
     """Every head's output at [b, d) from the new run == the new run's KV at [b, d) (every layer):
-    checks the resumed prefill against kvnotes.cache patching."""
+    checks the resumed prefill against kvnotes.kv.cache patching."""
     model, engine, pair, run, src = setup
     L, H = engine.adapter.n_layers, engine.adapter.n_heads
     prefix = kvcache.prefix_cache(model, run.old_cache, pair.old.ids, B)

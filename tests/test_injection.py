@@ -10,8 +10,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kvnotes.pairs import prepare_pairs
-from kvnotes.tokens import Prompt, TokenizedPair
+from kvnotes.harness.pairs import prepare_pairs
+from kvnotes.harness.tokens import Prompt, TokenizedPair
 from probes import ProbeContext
 from probes.injection import DIRECTIONS, inject_pair, injection_masks
 from probes.injection import run as run_injection

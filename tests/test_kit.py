@@ -11,9 +11,9 @@ import pytest
 from omegaconf import OmegaConf
 
 import probes
-from kvnotes import kit as K
+from kvnotes.harness import kit as K
 from kvnotes.errors import KvnotesError
-from kvnotes.schema import BaseResult, SchemaError, check_result, result_schema
+from kvnotes.records.schema import BaseResult, SchemaError, check_result, result_schema
 from tests.conftest import recall_pairs
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "adding_a_probe.md"
@@ -47,6 +47,10 @@ def test_schema_check_finds_missing_keys_and_wrong_types():
     check_result(good, BaseResult)
     with pytest.raises(SchemaError, match=r"result.rows\[0\].flips"):
         check_result(good | {"rows": [row | {"flips": "yes"}]}, BaseResult)
+    with pytest.raises(SchemaError, match=r"result.rows\[5\].s_old"):       # every row, not the first few
+        check_result(good | {"rows": [row] * 5 + [row | {"s_old": None}]}, BaseResult)
+    with pytest.raises(SchemaError, match=r"result.rows\[0\].effect"):      # a bool is not a number
+        check_result(good | {"rows": [row | {"effect": True}]}, BaseResult)
     with pytest.raises(SchemaError, match="missing key 'excluded'"):
         check_result({k: v for k, v in good.items() if k != "excluded"}, BaseResult)
 
@@ -91,7 +95,7 @@ def _without_timing(res: dict) -> dict:
     """A probe result as JSON text, for an exact comparison of two runs."""
     import json
 
-    from kvnotes.records import to_jsonable
+    from kvnotes.records.store import to_jsonable
     return json.loads(json.dumps(to_jsonable(res), sort_keys=True, default=str))
 
 

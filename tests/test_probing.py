@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvnotes.kit import recovery_summary
-from kvnotes.selection import split_instances
-from kvnotes.readout import Decision, pair_status
+from kvnotes.harness.kit import recovery_summary
+from kvnotes.harness.selection import split_instances
+from kvnotes.harness.readout import Decision, pair_status
 
 
 def rows(n_scen=5, n_inst=4, n_pair=3):

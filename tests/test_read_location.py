@@ -12,13 +12,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kvnotes import cache as kvcache
-from kvnotes.adapters import Adapter
-from kvnotes.capture import attention_hook
-from kvnotes.pairs import prepare_pairs
+from kvnotes.kv import cache as kvcache
+from kvnotes.models.adapters import Adapter
+from kvnotes.kv.capture import attention_hook
+from kvnotes.harness.pairs import prepare_pairs
 from probes import ProbeContext
-from kvnotes.kit import layer_bands
-from kvnotes.knockout import DecisionRowHook, decision_forward, knockout_masks
+from kvnotes.harness.kit import layer_bands
+from kvnotes.kv.knockout import DecisionRowHook, decision_forward, knockout_masks
 from probes.read_location import (
     GROUPS,
     collapse_flags,

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from kvnotes.records import load_record
+from kvnotes.records.store import load_record
 
 #: CI installs Chromium and its driver from the Debian packages (.ci/run); elsewhere the browser
 #: test runs where they are installed (apt-get install chromium chromium-driver).
@@ -18,7 +18,7 @@ BROWSER = shutil.which("chromedriver") and (shutil.which("chromium") or shutil.w
 
 
 def test_report_without_records_is_one_line(tmp_path, capsys):
-    from kvnotes.report import main
+    from kvnotes.records.report import main
 
     with pytest.raises(SystemExit) as stop:
         main([str(tmp_path), "-o", str(tmp_path / "site")])
@@ -27,7 +27,7 @@ def test_report_without_records_is_one_line(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def site(sweep, tmp_path_factory):
-    from kvnotes.report import build_report
+    from kvnotes.records.report import build_report
 
     out = tmp_path_factory.mktemp("site")
     return out, build_report([sweep[0]], out)

@@ -39,7 +39,7 @@ from tests.conftest import fruit_scenario
 def test_bad_input_is_one_line_before_the_model_loads(override, needles, tmp_path, monkeypatch, capsys):
     """``run.py``'s own ``main`` in this process (a subprocess per case would cost seconds each; the
     subprocess path is covered below): exit status 2, one ``kvnotes: error:`` line, nothing written."""
-    import run as cli
+    from kvnotes.cli import run as cli
 
     out = tmp_path / "runs" if "out_root" not in override else None
     args = ["probe=field_refresh", override] + ([f"out_root={out}"] if out else [])
@@ -65,7 +65,7 @@ def test_bad_point_of_a_sweep_fails_the_sweep_up_front(tmp_path):
 def test_largest_zoo_model_offline_is_the_offline_error_and_shards(tmp_path):
     """llama-3.1-70b shards by default (device_map auto) and, without its weights, ends with the
     one-line offline error (the weights are never touched, so no memory error)."""
-    from kvnotes.zoo import zoo_config
+    from kvnotes.models.zoo import zoo_config
 
     assert zoo_config("llama-3.1-70b").device_map == "auto"
     proc = run("model=llama-3.1-70b", "device=cpu", f"out_root={tmp_path}", env={"HF_HOME": str(tmp_path / "hf")})
@@ -87,8 +87,8 @@ def test_typed_config_accepts_the_shipped_configs():
     from hydra import compose, initialize_config_dir
 
     import probes
-    from kvnotes.runconfig import check_run_config
-    from kvnotes.zoo import zoo_names
+    from kvnotes.harness.runconfig import check_run_config
+    from kvnotes.models.zoo import zoo_names
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         for model in zoo_names():
@@ -98,7 +98,7 @@ def test_typed_config_accepts_the_shipped_configs():
 
 
 def test_identity_ignores_only_non_result_keys():
-    from kvnotes.runconfig import identity, identity_diff
+    from kvnotes.harness.runconfig import identity, identity_diff
 
     a = {"plot": True, "force": False, "out_root": "a", "min_effect": 1.0,
          "probe": {"progress": True, "ks": [1, 2]}, "scenario": {"n_instances": 2}}
@@ -116,7 +116,7 @@ def test_identity_ignores_only_non_result_keys():
 def test_explicit_device_map_naming_unknown_module_is_refused():
     import transformers as T
 
-    from kvnotes.models import check_device_map
+    from kvnotes.models.loading import check_device_map
 
     cfg = T.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                         num_key_value_heads=1, vocab_size=64)
@@ -131,7 +131,7 @@ def test_explicit_device_map_naming_unknown_module_is_refused():
 def test_placement_kwargs_refuse_bad_devices_and_quantization_on_cpu():
     from omegaconf import OmegaConf
 
-    from kvnotes.models import placement_kwargs
+    from kvnotes.models.loading import placement_kwargs
 
     cpu = torch.device("cpu")
     base = {"name": "x", "device_map": None, "max_memory": None, "offload_folder": None, "quantization": None}
@@ -148,8 +148,8 @@ def test_placement_kwargs_refuse_bad_devices_and_quantization_on_cpu():
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A random Qwen3 checkpoint (no tied embeddings) saved with the embedded SmolLM2 tokenizer."""
-    from kvnotes.models import load_tokenizer
-    from kvnotes.zoo import Shrink, random_model, zoo_config
+    from kvnotes.models.loading import load_tokenizer
+    from kvnotes.models.zoo import Shrink, random_model, zoo_config
 
     tok = load_tokenizer(zoo_config("smollm2-135m"))
     model = random_model(zoo_config("qwen3-8b"), Shrink(vocab_size=len(tok)))
@@ -168,11 +168,11 @@ def _rows(out: Path) -> tuple[dict, list[dict]]:
 
 
 def _job(overrides: list[str], out: Path) -> dict:
-    """``run.py``'s job path in this process (:func:`kvnotes.jobs.run_job`): compose, check, load, run."""
+    """``run.py``'s job path in this process (:func:`kvnotes.harness.jobs.run_job`): compose, check, load, run."""
     from hydra import compose, initialize_config_dir
 
-    from kvnotes.jobs import run_job
-    from kvnotes.runconfig import check_run_config
+    from kvnotes.harness.jobs import run_job
+    from kvnotes.harness.runconfig import check_run_config
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=overrides + [f"out_root={out}"])
@@ -232,7 +232,7 @@ def test_sweep_over_flip_rule_and_keys_writes_one_record_per_point(fruit, tmp_pa
     assert other.returncode == 0 and "wrote" in other.stdout
     assert len(list(tmp_path.rglob("record.json"))) == 5
 
-    from kvnotes.records import records_frame
+    from kvnotes.records.store import records_frame
 
     frame = records_frame(tmp_path)
     assert frame.groupby("overrides").ngroups == 5
@@ -287,7 +287,7 @@ def test_two_processes_on_one_record_never_mix(fruit, tmp_path):
 def test_slurm_jobs_check_device_and_quantization_where_they_run(capsys):
     """Submitted from a login node without GPUs, a SLURM sweep is not refused for asking for CUDA or
     nf4: each job checks its own device on the node it runs on. Locally the same request is refused."""
-    import run as cli
+    from kvnotes.cli import run as cli
 
     cli.precheck(["-m", "hydra/launcher=slurm_multigpu", "model=llama-3.1-70b", "model.quantization=nf4", "device=cuda"])
     with pytest.raises(SystemExit):

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from kvnotes.models import materialise_embedded
+    from kvnotes.models.loading import materialise_embedded
 
     from omegaconf import OmegaConf
 
@@ -37,7 +37,7 @@ def test_trace_layouts(tokenizer):
     the appended notice; the hoisted field stands after the shared document; positions move the field."""
     from kvnotes.serving import build_trace
     from scenarios import load_suite
-    from kvnotes.edit_prompts import common_prefix_length
+    from kvnotes.harness.edit_prompts import common_prefix_length
 
     scs = load_suite([str(ROOT / "scenarios/suites")], ids=["home_city"])
     reqs, excluded = build_trace(tokenizer, scs, 1, 3, 200, ["early", "late"], ["in_place", "erratum", "hoist"])

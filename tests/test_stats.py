@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvnotes.stats import bootstrap_weights, cluster_bootstrap, cluster_bootstrap_ci, summarize, wilson
+from kvnotes.harness.stats import bootstrap_weights, cluster_bootstrap, cluster_bootstrap_ci, summarize, wilson
 
 
 def clustered(rng, n_scen=20, n_inst=4, n_pair=2, mu=0.3):

@@ -9,8 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 import probes.suffix_recovery as sr
-from kvnotes.kit import layer_bands
-from kvnotes.pairs import PairSet
+from kvnotes.harness.kit import layer_bands
+from kvnotes.harness.pairs import PairSet
 from kvnotes.plots import plot_record
 from probes import ProbeContext
 from tests.conftest import check_schema, recall_pairs

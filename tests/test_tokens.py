@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvnotes.errors import KvnotesError
-from kvnotes.tokens import UNEQUAL_FIELD_LENGTH, char_span_to_tokens, tokenize, tokenize_pair
+from kvnotes.harness.tokens import UNEQUAL_FIELD_LENGTH, char_span_to_tokens, tokenize, tokenize_pair
 from scenarios import build_pairs
 from scenarios.schema import validate
 

@@ -1,7 +1,7 @@
 """The zoo conformance lane (``pytest -m zoo``): every ``conf/model`` entry, on its shrunk random-weight
-model (:func:`kvnotes.zoo.random_model`), through ``run.py``'s own job path (:func:`kvnotes.jobs.run_job`).
+model (:func:`kvnotes.models.zoo.random_model`), through ``run.py``'s own job path (:func:`kvnotes.harness.jobs.run_job`).
 
-Entries with the same structural signature (:func:`kvnotes.zoo.signature`) share one run, named for
+Entries with the same structural signature (:func:`kvnotes.models.zoo.signature`) share one run, named for
 each. Per run: every probe and circuit writes a record that validates against its schema (circuits
 on both engine backends where TransformerLens has an adapter for the architecture), and the
 invariants hold on that architecture: field + downstream recovery = 1 and everything-patched = 1,
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvnotes import zoo
+from kvnotes.models import zoo
 
 pytestmark = [pytest.mark.zoo, pytest.mark.embedded]
 
@@ -71,7 +71,7 @@ def compose_cfg(model: str, probe: str, extra: list[str] = ()):
 
 
 def run_probe(model, probe, bundle, out: Path, extra=()) -> dict:
-    from kvnotes.jobs import run_job
+    from kvnotes.harness.jobs import run_job
 
     cfg = compose_cfg(model, probe, list(extra))
     path = run_job(cfg, out / probe / "-".join(extra).replace("=", "_"), {"launcher": "zoo lane"},
@@ -110,7 +110,7 @@ def check_invariants(recs: dict) -> list[str]:
 
 def check_selective_equals_full(bundle) -> None:
     """Refreshing the field and recomputing every downstream position equals a full re-prefill."""
-    from kvnotes import edit
+    from kvnotes.ops import edit
 
     model = bundle.model
     g = torch.Generator().manual_seed(1)
@@ -133,7 +133,7 @@ def check_reposition(bundle) -> str:
     """A chunk prefilled at 0..n-1 and re-positioned to p..p+n-1 equals the chunk prefilled at
     p..p+n-1 (every layer's keys; values untouched); ``compose_one_pass`` equals ``compose``; the
     no-rotate control differs."""
-    from kvnotes import compose as kvcompose
+    from kvnotes.ops import compose as kvcompose
 
     model = bundle.model
     g = torch.Generator().manual_seed(2)
@@ -160,7 +160,7 @@ def check_reposition(bundle) -> str:
 @pytest.mark.parametrize("model", sorted(GROUPS), ids=[f"{m}[{'+'.join(GROUPS[m])}]" for m in sorted(GROUPS)])
 def test_zoo_entry(model, tmp_path):
     import probes
-    from kvnotes.jobs import load_bundle
+    from kvnotes.harness.jobs import load_bundle
 
     bundle = load_bundle(compose_cfg(model, "screen"))
     assert bundle.adapter.n_kv_heads == zoo.architecture_config(zoo.zoo_config(model)).get_text_config(

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvnotes import zoo
-from kvnotes.adapters import Adapter
+from kvnotes.models import zoo
+from kvnotes.models.adapters import Adapter
 
 
 @pytest.mark.parametrize("name", zoo.zoo_names())
@@ -70,7 +70,7 @@ def test_embedded_models_match_their_blocks(name):
     """The transcribed block equals the config of the real embedded checkpoint (keys the block sets)."""
     from transformers import AutoConfig
 
-    from kvnotes.models import materialise_embedded
+    from kvnotes.models.loading import materialise_embedded
 
     cfg = zoo.zoo_config(name)
     path, _ = materialise_embedded(cfg.embedded)

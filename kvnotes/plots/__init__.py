@@ -41,7 +41,7 @@ def plot_record(record: dict, out_dir: str | Path) -> list[Path]:
     return fn(record, Path(out_dir)) if fn else []
 
 
-#: How each ``ci_method`` of :func:`kvnotes.stats.summarize` is named in figure titles.
+#: How each ``ci_method`` of :func:`kvnotes.harness.stats.summarize` is named in figure titles.
 CI_METHOD_NAMES = {"cluster_bootstrap": "cluster bootstrap (>= 5 scenarios)",
                    "t_over_scenario_means": "t over scenario means (2-4 scenarios)",
                    "t_over_instance_means": "t over instance means (1 scenario)",

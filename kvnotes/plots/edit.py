@@ -38,13 +38,13 @@ def plot_edit(record: dict, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 5))
     methods = agg["methods"]
     for name, summary in methods.items():
-        if "@" in name or name not in MARKERS:
+        if "@" in name:
             continue
         p, ci, n = _agreement(summary, variant)
         x = summary["frac"]["all"]["mean"]
         if p is None or x is None:
             continue
-        _point(ax, x, p, ci, marker=MARKERS[name], ms=9, ls="none", label=f"{name} (n={n})")
+        _point(ax, x, p, ci, marker=MARKERS.get(name, "o"), ms=9, ls="none", label=f"{name} (n={n})")
     sweep = agg.get("sweep") or {k: v for k, v in methods.items() if "@" in k}
     lines: dict[str, list] = {}
     for name, summary in sweep.items():

@@ -75,9 +75,9 @@ def knockout_figure(record: dict) -> plt.Figure:
                     lo.append(c_lo)
                     hi.append(c_hi)
                     coll.append((c["n_collapsed"], c["n"], c["flip_intact"]["k"]))
-                ys, lo, hi = np.asarray(ys), np.asarray(lo), np.asarray(hi)
-                ax.bar(xs, ys, width, color=colors[g], label=group if i == 0 and j == 0 else None)
-                ax.errorbar(xs, ys, yerr=[ys - lo, hi - ys], fmt="none", ecolor="k", lw=0.8, capsize=2)
+                y, y_lo, y_hi = np.asarray(ys), np.asarray(lo), np.asarray(hi)
+                ax.bar(xs, y, width, color=colors[g], label=group if i == 0 and j == 0 else None)
+                ax.errorbar(xs, y, yerr=[y - y_lo, y_hi - y], fmt="none", ecolor="k", lw=0.8, capsize=2)
                 for x, y, (nc, n, nf) in zip(xs, hi, coll):
                     if nc:
                         ax.text(x, y, f"{nc}/{n}", ha="center", va="bottom", fontsize=6, color="crimson")

@@ -1,0 +1,86 @@
+"""The ``kvnotes`` command: one entry point, one subcommand per job.
+
+    kvnotes run [hydra overrides]        compose a config and run a probe (same as python run.py)
+    kvnotes table RECORD...              a record's table (by its probe), or --results DIR --suite S
+    kvnotes plot RECORD... [-o DIR]      a record's figures
+    kvnotes report RUNS -o SITE          the offline HTML report of a records tree
+    kvnotes bench NAME [flags]           a micro-benchmark: probes, circuits, edit, compose, compose-plot, compose-gpu
+    kvnotes battery [flags]              every probe in one process, with the roofline floor (--floor)
+    kvnotes serve-bench [flags]          the vLLM prefix-caching experiment (serving environment)
+    kvnotes ownership-scan PATH...       which scenario values the model owns
+
+Each subcommand's ``--help`` gives its flags. Shared flags mean the same everywhere: ``--device``
+(``cpu``, ``cuda``, ``auto``), ``--threads`` (torch CPU threads; default every CPU this process may
+use), ``--json PATH`` (also write the numbers), ``--model`` (a ``conf/model`` name).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+#: subcommand -> (module with ``main()``, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("kvnotes.cli.run", "compose a config with Hydra and run a probe (python run.py)"),
+    "table": ("kvnotes.cli.table", "a record's table, by its probe; --results DIR for a model's results table"),
+    "plot": ("kvnotes.cli.plot", "draw a record's figures"),
+    "report": ("kvnotes.records.report", "the offline HTML report of a records tree"),
+    "battery": ("scripts.battery", "every probe in one process; --floor for the roofline floor"),
+    "serve-bench": ("scripts.serve_bench", "the vLLM prefix-caching experiment (bash scripts/install.sh --serving)"),
+    "ownership-scan": ("scripts.ownership_scan", "which scenario values the model owns"),
+}
+#: ``kvnotes bench NAME`` -> module with ``main()``
+BENCHES: dict[str, str] = {
+    "probes": "scripts.bench_probes",
+    "circuits": "scripts.bench_circuits",
+    "edit": "scripts.bench_edit",
+    "compose": "scripts.bench_compose",
+    "compose-plot": "scripts.plot_bench_compose",
+    "compose-gpu": "scripts.profile_compose_gpu",
+}
+
+
+def usage() -> str:
+    lines = ["usage: kvnotes <command> [args]   (kvnotes <command> --help for its flags)", "", "commands:"]
+    for name, (_, text) in COMMANDS.items():
+        lines.append(f"  {name:<15} {text}")
+    lines.append(f"  {'bench':<15} a micro-benchmark: {', '.join(BENCHES)}")
+    return "\n".join(lines)
+
+
+def _fail(msg: str) -> None:
+    print(f"kvnotes: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Dispatch ``kvnotes <command> [args]`` to the command's ``main()`` with ``sys.argv`` set to its
+    own arguments (so each command parses its flags as when run as a module)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        sys.exit(0 if argv else 2)
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "bench":
+        if not rest or rest[0] in ("-h", "--help"):
+            print(f"usage: kvnotes bench NAME [flags]\n\nbenchmarks: {', '.join(BENCHES)}")
+            sys.exit(0 if rest else 2)
+        if rest[0] not in BENCHES:
+            _fail(f"unknown benchmark '{rest[0]}' (known: {', '.join(BENCHES)})")
+        target, prog, rest = BENCHES[rest[0]], f"kvnotes bench {rest[0]}", rest[1:]
+    elif cmd in COMMANDS:
+        target, prog = COMMANDS[cmd][0], f"kvnotes {cmd}"
+    else:
+        _fail(f"unknown command '{cmd}' (known: {', '.join([*COMMANDS, 'bench'])})")
+    sys.argv = [prog, *rest]
+    importlib.import_module(target).main()
+
+
+def add_machine_flags(ap, device: str = "cpu") -> None:
+    """The flags every benchmark shares: ``--device``, ``--threads`` (default: every CPU this process
+    may use) and ``--json PATH``."""
+    ap.add_argument("--device", default=device, help=f"cpu, cuda or auto (default {device})")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="torch CPU threads (default: every CPU this process may use)")
+    ap.add_argument("--json", default=None, help="also write the numbers to this file")

@@ -1,0 +1,191 @@
+"""``kvnotes run`` (and ``python run.py``): compose config -> load model -> build pairs -> run probe -> write record.
+
+    python run.py                                   # blast_radius on the embedded SmolLM2-135M
+    python run.py model=qwen3-8b probe=screen       # a hub model (GPU)
+    python run.py -m model=smollm2-135m probe=blast_radius,screen   # one record per job
+
+A record lives at ``<out_root>/<model>/<probe>/<scenario>/<overrides>/record.json``, where
+``<overrides>`` names the job's command-line overrides other than the group choices and the keys
+that cannot change a result (``hydra.job.config.override_dirname`` in ``conf/config.yaml``; empty for
+a plain run): a sweep over any key keeps its records side by
+side. A complete record is reused only when the config that produced it equals the requested one;
+otherwise the job stops with one line naming the keys that differ (``force=true`` replaces it).
+Two processes asking for the same record take turns on a lock file beside it.
+
+Bad input (unknown model/probe/scenario or key, a value of the wrong type, a device or quantization
+this machine cannot run, an unwritable out_root, invalid scenario files, a model unavailable
+offline) is reported as one line on stderr with exit status 2, before any model loads, and no
+record is written. Ctrl-C leaves no record behind (exit status 130).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+from kvnotes import CHECKOUT
+
+CONF = CHECKOUT / "conf"
+GROUPS = ("model", "probe", "scenario")
+#: Sweep points composed and checked up front (a larger sweep checks its first ones).
+MAX_CHECKED = 64
+
+
+def fail(msg: str, status: int = 2) -> None:
+    print(f"kvnotes: error: {msg}", file=sys.stderr)
+    sys.exit(status)
+
+
+def remove_empty_dirs(path: Path, stop: Path) -> None:
+    """Remove ``path`` and its parents while empty, up to (not including) ``stop``."""
+    path, stop = path.resolve(), stop.resolve()
+    while path != stop and stop in path.parents and path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+        path = path.parent
+
+
+def check_choices(argv: list[str]) -> None:
+    """Reject unknown config-group choices with one line before Hydra prints its own page."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if not sep or key not in GROUPS:
+            continue
+        known = sorted(p.stem for p in (CONF / key).glob("*.yaml") if not p.stem.startswith("_"))
+        for choice in value.split(","):
+            if choice and choice not in known:
+                fail(f"unknown {key} '{choice}' (known: {', '.join(known)})")
+
+
+def _hydra_message(exc: Exception) -> str:
+    """Hydra's multi-line composition error (and the OmegaConf error behind it) as one line."""
+    text = "\n".join(str(e) for e in (exc, exc.__cause__) if e is not None)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
+    if key and any("not in struct" in ln for ln in lines):
+        return f"unknown key '{key}' (a misspelt key? to add a new key use +{key}=...)"
+    return lines[0] if not key else f"{key}: {lines[0]}"
+
+
+def precheck(argv: list[str]) -> None:
+    """Compose the config of every job the command line asks for (each point of a sweep, up to
+    :data:`MAX_CHECKED`) and check it (:func:`kvnotes.harness.runconfig.check_run_config`) before Hydra
+    runs anything: every mistake is one line, before any model loads."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from kvnotes.harness.runconfig import USER_ERRORS
+    from kvnotes.harness.runconfig import check_run_config
+
+    args = [a for a in argv if not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(args)
+    except Exception as exc:  # hydra's OverrideParseException and friends
+        fail(f"cannot parse the overrides: {str(exc).splitlines()[0]}")
+    # a job that runs on another machine (a SLURM launcher) checks its device and quantization there
+    local = not any(o.key_or_group == "hydra/launcher" and "slurm" in str(o.value()) for o in overrides)
+    fixed, sweeps = [], []
+    for o in overrides:
+        if o.key_or_group.split(".")[0].split("/")[0] == "hydra":
+            continue
+        if o.is_sweep_override():
+            sweeps.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+        else:
+            fixed.append(o.input_line)
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        for point in itertools.islice(itertools.product(*sweeps), MAX_CHECKED):
+            try:
+                cfg = compose("config", overrides=fixed + list(point))
+            except Exception as exc:  # ConfigCompositionException, OmegaConf errors
+                fail(_hydra_message(exc))
+            try:
+                check_run_config(cfg, machine=local)
+            except USER_ERRORS as exc:
+                fail(str(exc))
+
+
+#: Longest record-directory part spelled out in full; longer ones keep a prefix and a hash.
+MAX_VARIANT_CHARS = 120
+
+
+def variant_dir(override_dirname: str) -> str:
+    """The record directory's last part from Hydra's ``override_dirname``: ``''`` for no overrides,
+    else the overrides with path separators made safe; past :data:`MAX_VARIANT_CHARS` characters a
+    readable prefix and a hash of the whole (file systems cap a name at 255 bytes). The record keeps
+    every override in full (``hydra.overrides``)."""
+    import hashlib
+
+    name = override_dirname.replace("/", "%2F")
+    if len(name) <= MAX_VARIANT_CHARS:
+        return name
+    return f"{name[:MAX_VARIANT_CHARS - 13]}~{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+
+
+def main() -> None:
+    try:
+        _main()
+    except KeyboardInterrupt:
+        fail("interrupted; no record written", status=130)
+
+
+def _main() -> None:
+    argv = sys.argv[1:]
+    check_choices(argv)
+    if "--help" not in argv and "-h" not in argv:
+        precheck(argv)
+    import hydra
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("kvnotes_variant"):
+        OmegaConf.register_new_resolver("kvnotes_variant", variant_dir)
+    hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")(job)()
+
+
+def job(cfg) -> None:
+    from filelock import FileLock
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from kvnotes.harness.runconfig import USER_ERRORS
+    from kvnotes.harness.jobs import run_job
+    from kvnotes.records.store import RECORD_NAME, is_complete, load_record
+    from kvnotes.harness.runconfig import check_run_config, identity, identity_diff
+
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    record_path = out_dir / RECORD_NAME
+    hydra_info = {"choices": dict(hc.runtime.choices), "overrides": list(hc.overrides.task),
+                  "output_dir": str(out_dir), "mode": str(hc.mode)}
+    try:
+        check_run_config(cfg)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(record_path) + ".lock"):        # a second process waits, then finds the record
+            if is_complete(record_path) and not cfg.force:
+                differ = identity_diff(identity(load_record(record_path)["config"]),
+                                       identity(OmegaConf.to_container(cfg, resolve=True)))
+                if not differ:
+                    print(f"kvnotes: {record_path} is complete; skipping (force=true to re-run)")
+                    return
+                shown = ", ".join(differ[:6]) + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
+                fail(f"{record_path} holds a record of a different config (differs in {shown}): force=true "
+                     f"replaces it, or choose another out_root")
+            run_job(cfg, out_dir, hydra_info)
+    except USER_ERRORS as exc:
+        _clean(out_dir, record_path, Path(cfg.out_root))
+        fail(str(exc))
+    except KeyboardInterrupt:
+        _clean(out_dir, record_path, Path(cfg.out_root))
+        fail("interrupted; no record written", status=130)
+
+
+def _clean(out_dir: Path, record_path: Path, out_root: Path) -> None:
+    """Remove this job's lock file (when no record is there) and its directories while empty."""
+    lock = Path(str(record_path) + ".lock")
+    if lock.exists() and not record_path.exists():
+        lock.unlink(missing_ok=True)
+    remove_empty_dirs(out_dir, out_root)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""One job: composed run config -> model -> pairs -> probe -> record. ``run.py`` (Hydra's entry
+point) and the zoo conformance lane (``tests/test_zoo.py``) call :func:`run_job`, so the lane
+exercises the command line's own path.
+
+User errors (:data:`kvnotes.harness.runconfig.USER_ERRORS`) propagate as exceptions; ``run.py`` turns them
+into one line and exit status 2. No record is written unless the probe completed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvnotes.harness.pairs import pair_meta
+from kvnotes.harness.tokens import rendering
+from kvnotes.records import store
+
+
+def load_bundle(cfg: Any):
+    """The :class:`kvnotes.models.loading.ModelBundle` of a run config (``cfg.model`` on ``cfg.device``)."""
+    from kvnotes.models.loading import load_model
+
+    return load_model(cfg.model, cfg.device)
+
+
+def run_job(cfg: Any, out_dir: Path, hydra_info: dict, log: Callable[[str], None] = print,
+            bundle: Any = None) -> Path:
+    """Run the probe of a composed run config and write its record under ``out_dir``.
+
+    Args:
+        cfg: the composed run config (``conf/config.yaml`` with model, probe, scenario chosen).
+        out_dir: the job's directory; the record is ``out_dir/record.json``.
+        hydra_info: ``{choices, overrides, output_dir, mode}`` of the Hydra run, kept in the record.
+        log: where progress lines go.
+        bundle: an already loaded model for ``cfg.model`` (the conformance lane reuses one per zoo
+            entry); None loads it.
+
+    Returns:
+        the record path.
+
+    Raises:
+        KvnotesError, ScenarioError: bad input (nothing written).
+    """
+    from omegaconf import OmegaConf
+
+    from kvnotes.harness import registry
+    from kvnotes.errors import KvnotesError
+    from kvnotes.harness.pairs import prepare_for_probe
+    from kvnotes.records.store import RECORD_NAME, Timer, to_jsonable, write_atomic
+    from kvnotes.records.envelope import check_record
+    from kvnotes.records.schema import check_result, result_schema
+
+    record_path = Path(out_dir) / RECORD_NAME
+    timer = Timer()
+    t0 = time.perf_counter()
+    probe_cfg = registry.typed_config(cfg.probe)
+    probe_run = registry.get(probe_cfg)
+    registry.check_variant(probe_cfg, cfg.scenario.get("variant", "direct"))
+    with timer("load_model"):
+        bundle = bundle if bundle is not None else load_bundle(cfg)
+    with timer("pairs"):
+        pairs = prepare_for_probe(bundle.tokenizer, probe_cfg.pairs, cfg.scenario, cfg.model)
+    if not pairs.pairs:
+        raise KvnotesError(f"no token-aligned pairs in scenario '{cfg.scenario.name}' "
+                           f"(excluded: {pairs.exclusion_counts()})")
+    ctx = registry.ProbeContext.from_run_config(cfg, probe_cfg, bundle, pairs, timer)
+    with timer("probe"):
+        result = probe_run(ctx)
+    result = to_jsonable(result)
+    check_result(result, result_schema(registry.module(probe_cfg)))       # the declared Result
+    record = complete_record(OmegaConf.to_container(cfg, resolve=True), hydra_info, bundle, pairs, cfg.scenario,
+                             result, timer.stages | {"total": time.perf_counter() - t0})
+    check_record(to_jsonable(record))                                   # the published envelope
+    write_atomic(record_path, record)
+    log(f"kvnotes: wrote {record_path}")
+    if cfg.plot:
+        from kvnotes.plots import plot_record
+
+        for path in plot_record(record, out_dir):
+            log(f"kvnotes: wrote {path}")
+    return record_path
+
+
+def complete_record(cfg: dict, hydra: dict, bundle, pairs, scenario_cfg, result: dict, timing: dict) -> dict:
+    """A complete record of one probe run: provenance (:func:`new_record`), the model as loaded and
+    the attention implementation actually used (an engine such as the TransformerLens bridge may
+    switch it during the probe), the scenario suite and its rendering, the probe's ``result``
+    (already JSON-able and checked against its schema), the stage ``timing`` in seconds, and the
+    pairs' decoded tokens (:func:`prompt_tokens`), so figures and reports need no model.
+
+    Args:
+        cfg: the resolved run config (``conf/config.yaml`` composed), as a dict.
+        bundle: the :class:`kvnotes.models.loading.ModelBundle` the probe ran on.
+        pairs: the :class:`kvnotes.harness.pairs.PairSet` it was given.
+    """
+    model_info = bundle.info | {"attn_implementation_loaded": bundle.info.get("attn_implementation"),
+                                "attn_implementation": bundle.attn_implementation}
+    record = store.new_record(cfg["probe"]["name"], cfg, hydra, model_info, int(cfg["seed"]))
+    record["scenario"] = {"name": scenario_cfg.name, "n_scenarios": len(pairs.scenarios),
+                          "n_pairs_aligned": len(pairs.pairs), "n_excluded": len(pairs.excluded),
+                          "families": sorted({s.family for s in pairs.scenarios}),
+                          "rendering": rendering(bundle.tokenizer, bool(scenario_cfg.get("chat_template", True)))}
+    record["prompts"] = prompt_tokens(bundle.tokenizer, pairs)
+    record["vocab"] = row_vocabulary(bundle.tokenizer, result)
+    record["result"] = result
+    record["timing"] = timing
+    record["status"] = "complete"
+    return record
+
+
+def row_vocabulary(tokenizer, result: dict) -> dict[str, str]:
+    """The decoded text of every token id the rows name as a clean run's top-1 (``top1_id_*``), so a
+    reader shows the model's answers without its tokenizer."""
+    ids = {int(v) for row in result.get("rows", []) for k, v in row.items()
+           if k.startswith("top1_id_") and isinstance(v, int)}
+    return {str(i): tokenizer.decode([i]) for i in sorted(ids)}
+
+
+def prompt_tokens(tokenizer, pairs) -> dict:
+    """What a reader needs to show a pair without the model: per aligned pair id, the old prompt's
+    tokens decoded one by one (their concatenation is the rendered prompt), the new value's field
+    tokens, the field span ``[a, b)``, the decision position and the candidates' texts."""
+    out = {}
+    for pair in pairs.pairs:
+        a, b = pair.field
+        out[pair_meta(pair.spec)["pair"]] = {
+            "tokens": tokenizer.batch_decode([[int(i)] for i in pair.old.ids]),
+            "new_field": tokenizer.batch_decode([[int(i)] for i in pair.new.ids[a:b]]),
+            "field": [a, b], "decision": pair.decision,
+            "cand_old": tokenizer.decode(list(pair.cand_old)), "cand_new": tokenizer.decode(list(pair.cand_new)),
+        }
+    return out

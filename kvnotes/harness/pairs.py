@@ -1,0 +1,125 @@
+"""From a scenario config to token-aligned pairs, with exclusions counted by reason.
+
+This is the step ``run.py`` performs before any probe: load the suite, draw instances, render and
+tokenise every old/new pair, and set aside those that cannot be compared position by position.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvnotes.errors import KvnotesError
+from kvnotes.harness.tokens import TokenizedPair, tokenize_pair, tokenize_polarity_pair
+from scenarios import build_pairs, load_suite
+from scenarios.instances import build_polarity_pairs
+
+
+@dataclass
+class PairSet:
+    """The pairs a probe works on.
+
+    Attributes:
+        pairs: token-aligned pairs, in suite order.
+        excluded: rows ``{pair, scenario, family, reason}`` for pairs set aside at tokenisation.
+        scenarios: the loaded scenarios (for per-family reporting of empty families).
+        skipped: rows ``{scenario, family, reason}`` of scenarios that give no pairs of this kind
+            (polarity pairs: scenarios without a ``polarity`` block).
+    """
+
+    pairs: list[TokenizedPair]
+    excluded: list[dict] = field(default_factory=list)
+    scenarios: list = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
+
+    def exclusion_counts(self) -> dict[str, int]:
+        return dict(Counter(r["reason"] for r in self.excluded))
+
+
+def prepare_pairs(tokenizer, scenario_cfg: Any, polarity: str = "normal",
+                  template_kwargs: dict | None = None) -> PairSet:
+    """Build the :class:`PairSet` described by a ``conf/scenario/*.yaml`` config.
+
+    Args:
+        scenario_cfg: mapping with ``paths``, ``families``, ``ids``, ``n_instances``, ``seed``,
+            ``variant`` and ``chat_template``.
+        polarity: ``"normal"`` or ``"inverted"`` rule trigger (see :mod:`scenarios.schema`).
+        template_kwargs: extra chat-template arguments from the model config.
+
+    Raises:
+        KvnotesError: invalid scenario files, an empty selection, or values that do not change tokens.
+    """
+    scenarios = load_suite(list(scenario_cfg.paths), scenario_cfg.get("families"), scenario_cfg.get("ids"))
+    specs = build_pairs(scenarios, int(scenario_cfg.n_instances), int(scenario_cfg.seed),
+                        scenario_cfg.get("variant", "direct"), polarity)
+    return _tokenized(PairSet([], [], scenarios), specs, tokenize_pair, tokenizer, scenario_cfg, template_kwargs)
+
+
+def _tokenized(out: PairSet, specs, tokenize, tokenizer, scenario_cfg: Any, template_kwargs: dict | None) -> PairSet:
+    """``out`` with every spec tokenised: aligned pairs appended to ``pairs``, the others to
+    ``excluded`` with the tokeniser's reason."""
+    for spec in specs:
+        tp = tokenize(tokenizer, spec, bool(scenario_cfg.get("chat_template", True)), template_kwargs)
+        if isinstance(tp, str):
+            out.excluded.append(pair_meta(spec) | {"reason": tp})
+        else:
+            out.pairs.append(tp)
+    return out
+
+
+#: Kinds of pairs a probe can ask for (probe config key ``pairs``).
+PAIR_KINDS = ("field", "polarity")
+
+
+def prepare_polarity_pairs(tokenizer, scenario_cfg: Any, template_kwargs: dict | None = None,
+                           scenarios: list | None = None) -> PairSet:
+    """The polarity pairs (field fixed, the rule's trigger word flipped normal -> inverted;
+    :class:`kvnotes.harness.tokens.PolarityPair`) of the scenarios a ``conf/scenario/*.yaml`` config selects.
+
+    Args:
+        scenarios: the loaded scenarios (default: loaded from ``scenario_cfg``).
+
+    Returns:
+        a :class:`PairSet` whose ``skipped`` lists scenarios without a polarity block; pairs whose
+        trigger words tokenise to different lengths are excluded (``unequal_trigger_length``).
+
+    Raises:
+        KvnotesError: invalid scenario files, or no selected scenario has a polarity block.
+    """
+    if scenarios is None:
+        scenarios = load_suite(list(scenario_cfg.paths), scenario_cfg.get("families"), scenario_cfg.get("ids"))
+    specs, skipped = build_polarity_pairs(scenarios, int(scenario_cfg.n_instances), int(scenario_cfg.seed),
+                                          scenario_cfg.get("variant", "direct"))
+    if not specs:
+        raise KvnotesError(f"no scenario with a polarity block among the selected ones ({len(skipped)} skipped: "
+                           f"{dict(Counter(s['reason'] for s in skipped))}); select e.g. scenario.families=[policy_gate]")
+    return _tokenized(PairSet([], [], scenarios, skipped), specs, tokenize_polarity_pair, tokenizer, scenario_cfg,
+                      template_kwargs)
+
+
+def pair_meta(spec) -> dict:
+    """Identifying columns of a pair row."""
+    inst = spec.instance
+    return {"pair": spec.id, "scenario": inst.scenario.id, "family": inst.scenario.family,
+            "domain": inst.scenario.domain, "instance": inst.id, "old": spec.old, "new": spec.new,
+            "expect_flip": spec.expect_flip}
+
+
+def pair_row(pair: TokenizedPair) -> dict:
+    """Identifying columns plus spans and candidate tokens of a token-aligned pair."""
+    return pair_meta(pair.spec) | {
+        "field": list(pair.field), "decision": pair.decision, "n_tokens": len(pair.old.ids),
+        "cand_old": list(pair.cand_old), "cand_new": list(pair.cand_new),
+    }
+
+
+def prepare_for_probe(tokenizer, kind: str, scenario_cfg: Any, model_cfg: Any) -> PairSet:
+    """The pairs a probe asks for (``pairs`` of its config: ``field`` -> :func:`prepare_pairs`,
+    ``polarity`` -> :func:`prepare_polarity_pairs`), rendered with the model config's
+    ``chat_template_kwargs``; what ``run.py`` and ``scripts.battery`` hand a probe."""
+    kwargs = model_cfg.get("chat_template_kwargs")
+    kwargs = dict(kwargs) if kwargs else {}
+    if kind == "polarity":
+        return prepare_polarity_pairs(tokenizer, scenario_cfg, template_kwargs=kwargs)
+    return prepare_pairs(tokenizer, scenario_cfg, template_kwargs=kwargs)

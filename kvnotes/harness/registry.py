@@ -1,0 +1,149 @@
+"""The probe registry and the context a probe gets: probes are found from their config.
+
+A probe is one module with ``run(ctx: ProbeContext) -> dict`` and a ``Config`` dataclass of its
+keys (a subclass of :class:`kvnotes.harness.kit.ProbeConfig`), plus one config file
+``conf/probe/<name>.yaml`` whose ``_target_`` names the run function (``probes.<name>.run``, or
+any importable module: ``circuits.heads.run``, ``mypackage.myprobe.run``). Shared keys
+(``progress``, ``n_boot``, ``pairs``) live in ``conf/probe/_base.yaml``. Probes never load models
+or write files: ``run.py`` hands them a loaded model and token-aligned pairs and serialises the
+returned result (``rows``, ``aggregates``, ``exclusions`` and probe-specific keys) into a record.
+See ``docs/adding_a_probe.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from kvnotes import CHECKOUT
+from kvnotes.kv.cache import DEFAULT_BUDGET_BYTES
+from kvnotes.errors import KvnotesError
+from kvnotes.harness.kit import CleanRuns, ProbeConfig
+from kvnotes.models.loading import ModelBundle
+from kvnotes.harness.pairs import PairSet
+from kvnotes.harness.readout import check_flip_rule
+from kvnotes.records.store import Timer
+
+#: The probe config group.
+CONF_DIR = CHECKOUT / "conf" / "probe"
+
+
+def names() -> list[str]:
+    """Registered probe names: the config files of ``conf/probe`` (``_base`` excluded)."""
+    return sorted(p.stem for p in CONF_DIR.glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def load_config(name: str, overrides: dict | None = None) -> DictConfig:
+    """The typed config of probe ``name``: ``conf/probe/_base.yaml``, then ``conf/probe/<name>.yaml``,
+    then ``overrides``, checked against the probe's ``Config`` (:func:`typed_config`).
+
+    Raises:
+        KvnotesError: no probe of that name, or a key the probe does not declare.
+    """
+    path = CONF_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise KvnotesError(f"unknown probe '{name}' (known: {', '.join(names())})")
+    cfg = OmegaConf.merge(OmegaConf.load(CONF_DIR / "_base.yaml"), OmegaConf.load(path), overrides or {})
+    return typed_config(cfg)
+
+
+def module(cfg_or_name):
+    """The module of a probe, from its config's ``_target_`` (``module.run``) or its name.
+
+    Raises:
+        KvnotesError: no such probe, or a ``_target_`` that cannot be imported or has no ``run``.
+    """
+    cfg = load_config(cfg_or_name) if isinstance(cfg_or_name, str) else cfg_or_name
+    target = cfg.get("_target_") if hasattr(cfg, "get") else None
+    if not target:
+        raise KvnotesError(f"probe config '{cfg.get('name')}' has no _target_ (module.run of the probe)")
+    mod_name, _, fn = str(target).rpartition(".")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as exc:
+        raise KvnotesError(f"probe '{cfg.get('name')}': cannot import {mod_name} ({exc})") from None
+    if fn != "run" or not hasattr(mod, "run"):
+        raise KvnotesError(f"probe '{cfg.get('name')}': _target_ {target} is not a module's run function")
+    return mod
+
+
+def typed_config(cfg) -> DictConfig:
+    """``cfg`` merged into its probe module's ``Config`` dataclass (``ProbeConfig`` when the module
+    declares none): values are type-checked and every key must be declared.
+
+    Raises:
+        KvnotesError: an unknown (e.g. misspelt) key or a value of the wrong type, in one line.
+    """
+    raw = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
+    raw = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k != "defaults"])
+    schema = getattr(module(raw), "Config", ProbeConfig)
+    try:
+        out = OmegaConf.merge(OmegaConf.structured(schema), raw)
+    except (ConfigKeyError, ValidationError) as exc:
+        known = sorted(k for k in OmegaConf.structured(schema).keys())
+        msg = str(exc).splitlines()[0]
+        raise KvnotesError(f"probe '{raw.get('name')}': {msg} (declared keys: {', '.join(known)})") from None
+    OmegaConf.set_struct(out, True)
+    return cast(DictConfig, out)
+
+
+@dataclass
+class ProbeContext:
+    """What a probe gets: the model, the pairs, its config, the readout definition (mode, the flip
+    rule ``owned``/``relative`` and its ``min_effect`` margin; ``docs/design.md``), a seed, a stage
+    timer and the memory budget (bytes) for one chunk of batched variant caches (``budget_mb`` of
+    the run config). ``clean_runs`` is a :class:`kvnotes.harness.kit.CleanRuns` store shared by the
+    probes of one job (``scripts.battery``), or None: every probe prefills its pairs itself."""
+
+    bundle: ModelBundle
+    pairs: PairSet
+    cfg: Any
+    readout: str = "first_token"
+    min_effect: float = 1.0
+    flip_rule: str = "owned"
+    seed: int = 0
+    timer: Timer = field(default_factory=Timer)
+    scenario_cfg: Any = None
+    budget_bytes: int = DEFAULT_BUDGET_BYTES
+    clean_runs: CleanRuns | None = None
+
+    def __post_init__(self) -> None:
+        if self.cfg is not None and self.cfg.get("_target_"):
+            self.cfg = typed_config(self.cfg)
+
+    @classmethod
+    def from_run_config(cls, cfg, probe_cfg, bundle: ModelBundle, pairs: PairSet, timer: Timer,
+                        clean_runs: CleanRuns | None = None) -> ProbeContext:
+        """The context ``run.py`` (and ``scripts.battery``) hand a probe: readout, flip rule,
+        ``min_effect``, seed, scenario config and memory budget from the composed run config
+        ``cfg`` (``conf/config.yaml``); ``probe_cfg`` is the typed probe config; ``clean_runs``
+        the job's shared clean-run store, if any."""
+        check_flip_rule(str(cfg.flip_rule), bundle.info.get("source") == "random", bundle.name)
+        return cls(bundle=bundle, pairs=pairs, cfg=probe_cfg, readout=cfg.readout, min_effect=float(cfg.min_effect),
+                   flip_rule=str(cfg.flip_rule), seed=int(cfg.seed), timer=timer, scenario_cfg=cfg.scenario,
+                   budget_bytes=int(float(cfg.budget_mb) * (1 << 20)), clean_runs=clean_runs)
+
+
+def get(cfg_or_name) -> Callable[[ProbeContext], dict]:
+    """The ``run`` function of a probe, from its config or its name (see :func:`module`)."""
+    return module(cfg_or_name).run
+
+
+def check_variant(cfg_or_name, variant: str) -> None:
+    """Refuse a chain-of-thought prompt variant for a probe that would score the decision right
+    after the reasoning opener, with no reasoning generated.
+
+    Raises:
+        KvnotesError: ``variant == "cot"`` and the probe does not declare ``SUPPORTS_COT``.
+    """
+    if variant == "cot" and not getattr(module(cfg_or_name), "SUPPORTS_COT", False):
+        able = [n for n in names() if getattr(module(n), "SUPPORTS_COT", False)]
+        name = cfg_or_name if isinstance(cfg_or_name, str) else cfg_or_name.get("name")
+        raise KvnotesError(f"probe '{name}' reads the decision right after the answer prefix and generates no "
+                           f"reasoning, so it does not support scenario.variant=cot"
+                           f" (probes that do: {', '.join(able) or 'none'})")

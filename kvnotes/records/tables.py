@@ -1,0 +1,358 @@
+"""Tables of records as Markdown, one implementation for ``kvnotes table`` and the HTML report
+(:mod:`kvnotes.records.report`): every number comes from the record. :data:`TABLES` maps a probe to
+its table (``fn(record) -> str``, registered with :func:`table`); probes without one get
+:func:`aggregates_table`. :func:`results_table` joins several records of one model and suite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+#: probe -> its table (a record in, Markdown out); filled by :func:`table`.
+TABLES: dict[str, Callable[[dict], str]] = {}
+
+
+def table(probe: str):
+    """Register ``fn(record) -> Markdown`` as the table of probe ``probe``: a new probe's table is
+    one decorated function in this module."""
+    def register(fn: Callable[[dict], str]) -> Callable[[dict], str]:
+        TABLES[probe] = fn
+        return fn
+    return register
+
+
+class _Lines:
+    """Collects printed lines (``print`` semantics: one call, one line)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, text: str = "") -> None:
+        self.lines.append(text)
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def fmt_counts(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"
+
+
+def fmt_p(p: dict) -> str:
+    if not p or p.get("p") is None:
+        return "n/a"
+    ci = p.get("ci")
+    return f"{p['p']:.2f} [{ci[0]:.2f}, {ci[1]:.2f}] (n={p['n']})" if ci else f"{p['p']:.2f} (n={p['n']})"
+
+
+def fmt(v, spec=".3f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def fmt_kn(p: dict) -> str:
+    return "–" if not p.get("n") else f"{p['p']:.2f} ({p['k']}/{p['n']})"
+
+
+SCOPES = (("all", "all turns"), ("turn1", "turn 1"), ("turn2+", "turns 2+"))
+
+
+def fmt_share(s: dict) -> str:
+    """``k/n = mean [interval] (method)`` of a share aggregate; ``-`` without rows."""
+    if not s.get("n"):
+        return "-"
+    ci = s.get("ci_mean")
+    method = {"cluster_bootstrap": "", "t_over_scenario_means": " t", "t_over_instance_means": " ti"}.get(
+        s.get("ci_method") or "", "")
+    # a share lies in [0, 1]: t-intervals over 2-4 cluster means are clipped to it for display
+    interval = f" [{max(ci[0], 0.0):.2f}, {min(ci[1], 1.0):.2f}]{method}" if ci else ""
+    return f"{s['k']}/{s['n']} = {s['mean']:.2f}{interval}"
+
+
+#: Short marks of the interval methods (``kvnotes.harness.stats.summarize`` ``ci_method``).
+CI_MARKS = {"cluster_bootstrap": "", "t_over_scenario_means": "t", "t_over_instance_means": "ti",
+            "none_single_cluster": "1 cluster"}
+
+
+def ci(d: dict | None) -> str:
+    """``mean [lo, hi]`` with a mark of the interval's method; no interval for a single cluster."""
+    if not d or d.get("mean") is None:
+        return "-"
+    mark = CI_MARKS.get(d.get("ci_method") or "cluster_bootstrap", d.get("ci_method"))
+    if not d.get("ci_mean"):
+        return f"{d['mean']:.2f} ({mark or 'no interval'})"
+    lo, hi = d["ci_mean"]
+    return f"{d['mean']:.2f} [{lo:.2f}, {hi:.2f}]{' ' + mark if mark else ''} (n={d['n']}, {d['n_scenarios']} sc.)"
+
+
+def summaries(tree, path: tuple = ()) -> list[tuple[str, dict]]:
+    """Every summary (a mapping with ``mean`` and ``n``) under an aggregates tree, with its path."""
+    if isinstance(tree, dict):
+        if "mean" in tree and "n" in tree:
+            scalar = tree["mean"] is None or isinstance(tree["mean"], (int, float))
+            return [("/".join(path), tree)] if scalar else []
+        return [x for k, v in tree.items() for x in summaries(v, path + (str(k),))]
+    return []
+
+
+def aggregates_table(rec: dict, limit: int = 60) -> str:
+    """Every summary aggregate of a record (``mean [interval] method (n, scenarios)``), by path."""
+    w = _Lines()
+    rows = [(p, s) for p, s in summaries(rec["result"].get("aggregates", {})) if s.get("n")]
+    w(f"{len(rows)} aggregates with pairs (flip rule `{rec['config'].get('flip_rule')}`)"
+      + (f"; the first {limit}:" if len(rows) > limit else ":") + "\n")
+    w("| aggregate | mean [95% interval] (n, scenarios) | median | interval method |")
+    w("|---|---|---|---|")
+    for path, s in rows[:limit]:
+        med = s.get("median")
+        w(f"| {path} | {ci(s)} | {'-' if med is None else f'{med:.3f}'} | {s.get('ci_method') or '-'} |")
+    return w.text()
+
+
+@table("screen")
+def screen_table(rec: dict, by: str = "family") -> str:
+    """The per-family (``by="family"``) or per-scenario screen table of a ``screen`` record."""
+    w = _Lines()
+    table = rec["result"]["aggregates"][f"by_{by}"]
+    w(f"Model `{rec['model']['name']}`, scenario `{rec['scenario']['name']}` "
+      f"({rec['config']['scenario']['n_instances']} instances per scenario, seed {rec['config']['scenario']['seed']}), "
+      f"readout `{rec['config']['readout']}`, flip rule `{rec['config'].get('flip_rule', 'relative')}`, "
+      f"min_effect {rec['config']['min_effect']} nats.\n")
+    w(f"| {by} | scenarios | aligned pairs | flipping, relative rule | flipping, owned rule | owned flips when expected (95% Wilson CI) | unexpected flips | not flipping (configured rule) | excluded |")
+    w("|---|---|---|---|---|---|---|---|---|")
+    for fam, t in table.items():
+        own = t["owned_when_expected"]
+        rate = f"{own['k']}/{own['n']} = {own['p']:.2f} ({own['ci'][0]:.2f}-{own['ci'][1]:.2f})" if own["ci"] else "-"
+        w(f"| {fam} | {t['n_scenarios']} | {t['n_pairs']} | {t['n_flip_relative']} | {t['n_flip_owned']} | {rate} "
+          f"| {t['unexpected_flips']} | {fmt_counts(t['not_flipping'])} | {fmt_counts(t['excluded'])} |")
+    agg = rec["result"]["aggregates"]
+    w(f"\nTotal: {agg['n_flip']} flipping of {agg['n_pairs']} aligned pairs, in families {', '.join(agg['flip_families']) or 'none'}.")
+    return w.text()
+
+
+@table("edit")
+def edit_table(record: dict) -> str:
+    """The method table of an ``edit`` record (direct or ``cot`` variant), with its controls and the ranking chosen on selection instances."""
+    w = _Lines()
+    agg = record["result"]["aggregates"]
+    variant = agg.get("variant", "direct")
+    w(f"## {record['model']['name']} · edit · {record['scenario']['name']} · {variant} · "
+          f"n_flip={agg['n_flip']} · exclusions {record['result']['exclusions']}\n")
+    if variant == "cot":
+        w("| method | agrees with full (Wilson 95%) | reached marker | tokens recomputed / total |")
+        w("|---|---|---|---|")
+        for name, m in agg["methods"].items():
+            w(f"| {name} | {fmt_p(m['agreement']['all'])} | {fmt_p(m['reached_marker'])} | "
+                  f"{fmt(m['frac']['all']['mean'])} |")
+        w("\ncontrols (moved the stale decision): "
+              + ", ".join(f"{k} {fmt_p(v)}" for k, v in agg["controls"].items()))
+        return w.text()
+    w("| method | agrees with full (Wilson 95%) | mean recovery | KL(full‖m) nats | top-1 = full | "
+          "tokens / total | FLOPs / full | time / full (median) |")
+    w("|---|---|---|---|---|---|---|---|")
+    rows = list(agg["methods"].items())
+    rows += [(n, m) for n, m in agg["sweep"].items()]
+    for name, m in rows:
+        rec = m["recovery"]["all"]
+        w(f"| {name} | {fmt_p(rec.get('decision_flipped'))} | {fmt(rec['mean'], '.2f')} | "
+              f"{fmt(m['kl']['all']['mean'])} | {fmt_p(m['top1']['all'])} | {fmt(m['frac']['all']['mean'])} | "
+              f"{fmt(m['flops_frac']['all']['mean'])} | {fmt(m['time_ratio']['all']['median'], '.2f')} |")
+    c = agg["controls"]
+    moved = ", ".join(f"{k} {fmt_p(v['all'])}" for k, v in c.items() if k != "overcorrection")
+    w(f"\ncontrols (moved the stale decision): {moved}; over-correction (correct erratum flips "
+      f"a same-decision control pair): {fmt_p(c['overcorrection'])}")
+    ch = agg["ranking_choice"]
+    w(f"\nranking chosen on selection instances: {ch['chosen']} (selection mean agreement over K: "
+          f"{ {k: (None if v is None else round(v, 3)) for k, v in ch['selection_score'].items()} }); held-out agreement "
+          f"by K: " + ", ".join(f"{k}: {fmt_p(p)}" for k, p in (ch["held_out"].get(ch["chosen"]) or {}).items()))
+    return w.text()
+
+
+@table("compose")
+def compose_table(rec: dict) -> str:
+    """The variant, seam and edit-arm tables of a ``compose`` record."""
+    w = _Lines()
+    agg = rec["result"]["aggregates"]
+    w(f"model {rec['model']['name']}, scenario {rec['scenario']['name']} "
+          f"(n_instances {rec['config']['scenario']['n_instances']}): {agg['n_aligned']} aligned pairs, "
+          f"{agg['n_prompts']} distinct prompts, {agg['n_owned_prompts']} owned by the full prefill, "
+          f"{agg['n_flip']} flipping pairs; check max |logit(full seam) - logit(full)| = "
+          f"{agg['checks']['max_abs_logit_diff_full_seam']:.2e}\n")
+    w("| variant | decision agreement (owned) | top-1 agreement (all) | KL(full‖composed) mean [95% CI] | recovery mean | logit cosine |")
+    w("|---|---|---|---|---|---|")
+    for v, d in agg["variants"].items():
+        kl = d["kl"]["all"]
+        ci = kl.get("ci_mean") or [float("nan")] * 2
+        rec_ = d["recovery"]["all"]
+        r = "–" if not rec_.get("n") else f"{rec_['mean']:.2f} (n={rec_['n']})"
+        w(f"| {v} | {fmt_kn(d['decision_agreement']['all'])} | {fmt_kn(d['top1_agreement']['all'])} | "
+              f"{kl['mean']:.4f} [{ci[0]:.4f}, {ci[1]:.4f}] | {r} | {d['logit_cosine']['all']['mean']:.4f} |")
+    fams = agg["families"]
+    w("\nDecision agreement on owned prompts per family (rotate/sink=bos vs no_rotate/sink=bos):\n")
+    w("| seam | " + " | ".join(f"{f} rotate | {f} no_rotate" for f in fams) + " |")
+    w("|---|" + "---|" * (2 * len(fams)))
+    for s in agg["seams"]:
+        cells = []
+        for f in fams:
+            for r in ("rotate", "no_rotate"):
+                cells.append(fmt_kn(agg["variants"][f"{r}/sink=bos/seam={s}"]["decision_agreement"][f]))
+        w(f"| {s} | " + " | ".join(cells) + " |")
+    arms = agg.get("edit_arms")
+    if arms:
+        w("\nEdits inside a composition, judged against a full prefill of the edited text:\n")
+        w("| arm | method | agreement with oracle (owned) | accuracy (new value's candidate top-1) | KL(oracle‖method) mean |")
+        w("|---|---|---|---|---|")
+        for arm, d in arms.items():
+            for k, m in d.items():
+                if isinstance(m, dict):
+                    kl = m["kl"]["mean"]
+                    w(f"| {arm} (n={d['n']}, excluded {d['excluded']}) | {k} | {fmt_kn(m['agreement_owned'])} | "
+                          f"{fmt_kn(m['accuracy'])} | {'–' if kl is None else f'{kl:.3f}'} |")
+    return w.text()
+
+
+@table("agent")
+def agent_table(record: dict) -> str:
+    """The per-family, per-turn table of an ``agent`` record."""
+    w = _Lines()
+    agg = record["result"]["aggregates"]
+    w(f"## {record['model']['name']} · agent · {record['scenario']['name']} · {agg['turns']} turns, seam "
+          f"{agg['seam']}, sink {agg['sink']} · {agg['n_trajectories']} trajectories, excluded "
+          f"{record['result']['exclusions'] or 0}\n")
+    w("| family | turns | agent correct | oracle correct | transcript correct | agent = oracle (oracle owns) "
+          "| agent = transcript | KL(oracle‖agent) | time oracle / agent | time transcript / agent |")
+    w("|---|---|---|---|---|---|---|---|---|---|")
+    for fam, scopes in agg["by_family"].items():
+        for scope, label in SCOPES:
+            a = scopes[scope]
+            if not a["n_turns"]:
+                continue
+            t = a["time"]
+            kl = a["kl_oracle"]["mean"]
+            w(f"| {fam} | {label} | {fmt_share(a['agent_accuracy'])} | {fmt_share(a['oracle_accuracy'])} | "
+                  f"{fmt_share(a['transcript_accuracy'])} | {fmt_share(a['agreement_oracle_owned'])} | "
+                  f"{fmt_share(a['agreement_transcript'])} | {'-' if kl is None else f'{kl:.3f}'} | "
+                  f"{t['ratio_oracle_over_agent']:.2f} | {t['ratio_transcript_over_agent']:.2f} |")
+    w("\nIntervals: means of the 0/1 indicators, 95%: cluster bootstrap with >= 5 scenarios, `t` over "
+          "scenario means (2-4), `ti` over instance means (1 scenario); clipped to [0, 1]. Times: sums over the turns "
+          f"(device {agg['device']}); chunk precompile excluded "
+          f"({agg['by_family']['all']['all']['time']['precompile_ms_total'] / 1e3:.1f} s in all).")
+    return w.text()
+
+
+def record_table(rec: dict) -> str:
+    """The table of a record: its probe's (:data:`TABLES`), else :func:`aggregates_table`."""
+    return TABLES.get(rec.get("probe"), aggregates_table)(rec)
+
+
+def _share_ci(p: dict) -> str:
+    if not p or not p.get("n"):
+        return "–"
+    lo, hi = p["ci"]
+    return f"{p['k']}/{p['n']} ({p['p']:.2f} [{lo:.2f}, {hi:.2f}])"
+
+
+@table("serving")
+def serving_table(rec: dict) -> str:
+    """The measured serving table of a ``scripts/serve_bench.py`` record (per rate, field position
+    and arm: hit rates, time to first token on update turns, correctness against the harness)."""
+    w = _Lines()
+    res = rec["result"]
+    w(f"model {rec['model']['name']} · vLLM {rec['packages'].get('vllm')} · block size "
+          f"{res['engine']['block_size']} · {rec['scenario']['n_scenarios']} scenarios "
+          f"({', '.join(rec['scenario']['families'])}) · {rec['config']['sessions']} sessions x "
+          f"{rec['config']['turns']} turns · shared document {rec['config']['doc_tokens']} tokens\n")
+    w("| rate (req/s) | field | arm | sent | hit rate (all) | hit rate (updates) | engine hit rate | "
+          "TTFT p50 / p90 updates (s) | p90 ratio in_place/arm | throughput (req/s) | owned | "
+          "correct (owned) | agreement with harness |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ratio = res["aggregates"]["p90_ttft_ratio_vs_in_place"]
+    for run in sorted(res["runs"], key=lambda r: (r["rate"], ["early", "middle", "late"].index(r["position"])
+                                                   if r["position"] in ("early", "middle", "late") else 9)):
+        arm, pos, rate = run["arm"], run["position"], run["rate"]
+        r = ratio.get(arm, {}).get(pos, {}).get(str(rate))
+        w(f"| {rate:g} | {pos} | {arm} | {run['n_sent']}/{run['n_sent'] + run['n_not_sent']} | "
+              f"{_fmt_none(run['hit_rate'], '.3f')} | {_fmt_none(run['hit_rate_updates'], '.3f')} | "
+              f"{_fmt_none(run.get('engine_hit_rate'), '.3f')} | {_fmt_none(run['ttft_updates_p50_s'])} / "
+              f"{_fmt_none(run['ttft_updates_p90_s'])} | {_fmt_none(r)} | {_fmt_none(run['throughput_rps'], '.3f')} | "
+              f"{run['n_owned']}/{run['n_sent']} | {_share_ci(run['correct_owned'])} | {_share_ci(run['agreement'])} |")
+    cc = res["cross_check"]
+    w(f"\ncross-check ({len(cc['rows'])} prompts, whole vocabulary): max |Δ log p| candidates "
+          f"{cc['max_abs_diff_candidates']:.2e} nats, whole vocabulary {cc['max_abs_diff_vocab']:.2e} nats, "
+          f"tolerance {cc['tolerance_nats']:g}, top-1 equal: {cc['all_top1_equal']}")
+    diffs = [r["max_abs_diff_candidates"] for r in res["rows"] if r.get("sent")]
+    w(f"every served request ({len(diffs)}): max |Δ log p| of the candidates vs the harness "
+          f"{max(diffs):.2e} nats")
+    cold = [(r["arm"], r["position"], r["rate"]) for r in res["runs"]
+            if not (r["reset_ok"] and r["first_request_cached_tokens"] == 0)]
+    w(f"cold start: every run reset the prefix cache and its first request had 0 cached tokens: "
+          f"{not cold}{'' if not cold else f' (not: {cold})'}")
+
+    return w.text()
+
+
+def _fmt_none(x, spec=".2f", none="–") -> str:
+    return none if x is None else format(x, spec)
+
+
+#: The probes :func:`results_table` joins, in column order.
+RESULTS_PROBES = ("screen", "field_refresh", "suffix_recovery", "injection")
+
+
+def results_table(recs: dict[str, dict]) -> str:
+    """The per-family results table of one model and suite from its records (probe -> record, any of
+    :data:`RESULTS_PROBES`; a missing record leaves its columns ``-``)."""
+    w = _Lines()
+    fams = set()
+    for r in recs.values():
+        fams |= {row["family"] for row in r["result"]["rows"]}
+    sr = recs.get("suffix_recovery")
+    if sr:
+        grid = [(g["kind"], g["value"]) for g in sr["result"]["grid"]]
+        i10, i1 = grid.index(("fraction", 0.1)), grid.index(("count", 1))
+    w("| family | flipping / aligned pairs | field-only refresh | downstream only | last 10% of downstream (held-out) "
+          "| top-1 position (held-out) | k-matched random position (held-out) | notes injected: decision follows notes |")
+    w("|---|---|---|---|---|---|---|---|")
+    for fam in sorted(fams) + ["all"]:
+        cells = [fam]
+        scr = recs.get("screen")
+        t = scr["result"]["aggregates"]["by_family"].get(fam) if scr else None
+        if scr and fam == "all":
+            a = scr["result"]["aggregates"]
+            cells.append(f"{a['n_flip']}/{a['n_pairs']}")
+        else:
+            cells.append(f"{t['n_flip']}/{t['n_pairs']}" if t else "-")
+        fr = recs.get("field_refresh")
+        rec = fr["result"]["aggregates"]["recovery"] if fr else {}
+        cells += [ci(rec.get("field", {}).get(fam)), ci(rec.get("downstream", {}).get(fam))]
+        if sr:
+            cur = sr["result"]["aggregates"]["curves"]["heldout"]
+            cells += [ci(cur["suffix"][i10].get(fam)), ci(cur["topk"][i1].get(fam)), ci(cur["random"][i1].get(fam))]
+        else:
+            cells += ["-"] * 3
+        inj = recs.get("injection")
+        f = inj["result"]["aggregates"]["flipping"].get(fam) if inj else None
+        cells.append(fmt_kn_or_dash(f["old_notes_into_new"]["follow_notes"]) + " / " + fmt_kn_or_dash(f["new_notes_into_old"]["follow_notes"])
+                     if f else "-")
+        w("| " + " | ".join(cells) + " |")
+    w("\nIntervals: 95% two-stage cluster bootstrap with >= 5 scenarios; `t` = t-interval over scenario "
+          "means (2-4 scenarios); `ti` = t-interval over instance means (1 scenario); none for a single cluster.")
+
+    return w.text()
+
+
+def fmt_kn_or_dash(d: dict | None) -> str:
+    """``k/n``, or ``-`` for no count."""
+    return f"{d['k']}/{d['n']}" if d else "-"
+
+
+def suite_records(model_dir: str | Path, suite: str) -> dict[str, dict]:
+    """The records :func:`results_table` reads: ``<model_dir>/<probe>/<suite>/record.json``, those that exist."""
+    from kvnotes.records.store import load_record
+
+    recs = {}
+    for probe in RESULTS_PROBES:
+        path = Path(model_dir) / probe / suite / "record.json"
+        if path.is_file():
+            recs[probe] = load_record(path)
+    return recs

@@ -1,0 +1,84 @@
+"""The ``kvnotes`` command and the record envelope: subcommands, one-line errors, tables from
+records, the published JSON Schema."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvnotes.errors import KvnotesError
+from kvnotes.records.envelope import check_record, json_schema
+from kvnotes.records.store import find_records, load_record
+from kvnotes.records.tables import TABLES, record_table, screen_table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def kvnotes(*args):
+    return subprocess.run([sys.executable, "-c", "from kvnotes.cli import main; main()", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_help_lists_every_subcommand():
+    proc = kvnotes("--help")
+    assert proc.returncode == 0
+    for cmd in ("run", "table", "plot", "report", "bench", "battery", "serve-bench", "ownership-scan"):
+        assert f"\n  {cmd} " in proc.stdout, cmd
+    assert "probes, circuits, edit, compose" in proc.stdout
+
+
+@pytest.mark.parametrize("args,needle", [(["nope"], "unknown command 'nope'"),
+                                         (["bench", "nope"], "unknown benchmark 'nope'")])
+def test_unknown_subcommand_is_one_line(args, needle):
+    proc = kvnotes(*args)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"kvnotes: error: {needle}")
+
+
+def test_subcommand_help_passes_through():
+    proc = kvnotes("table", "--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: kvnotes table")
+
+
+def test_record_schema_file_is_current():
+    """``docs/record.schema.json`` is what ``python -m kvnotes.records.envelope`` writes."""
+    published = json.loads((ROOT / "docs" / "record.schema.json").read_text())
+    assert published == json.loads(json.dumps(json_schema()))
+    assert {"schema", "schema_version", "status", "probe", "model", "host"} <= set(published["required"])
+
+
+def test_envelope_rejects_a_broken_record():
+    good = {"schema": "kvnotes.record", "schema_version": 2, "status": "complete", "probe": "screen",
+            "created": "2026-11-24T06:00:00+0000", "config": {}, "hydra": {}, "model": {"name": "m", "source": "random"},
+            "seed": 0, "packages": {"torch": "2.13.0"}, "git": {}, "host": {"platform": "x", "torch_threads": 2,
+                                                                               "cuda": None}}
+    check_record(good)
+    with pytest.raises(KvnotesError, match=r"^record\.seed: "):
+        check_record(good | {"seed": "zero"})
+    with pytest.raises(KvnotesError, match=r"^record\.model\.name: Field required"):
+        check_record(good | {"model": {"source": "random"}})
+
+
+@pytest.mark.embedded
+def test_sweep_records_and_tables(sweep, tmp_path):
+    """Records written by ``run.py`` pass the envelope; ``kvnotes table`` prints each record's
+    registered table, the same text the library returns."""
+    out, _ = sweep
+    paths = find_records(out)
+    assert len(paths) == 2
+    for path in paths:
+        check_record(load_record(path))
+    screen = next(p for p in paths if "/screen/" in str(p))
+    proc = kvnotes("table", str(screen), "--by", "scenario")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == screen_table(load_record(screen), "scenario")
+    blast = next(p for p in paths if "/blast_radius/" in str(p))
+    proc = kvnotes("table", str(blast))
+    assert proc.returncode == 0 and proc.stdout == record_table(load_record(blast))
+    assert "blast_radius" not in TABLES and set(TABLES) >= {"screen", "edit", "compose", "agent", "serving"}
+    proc = kvnotes("table", str(tmp_path / "missing.json"))
+    assert proc.returncode != 0 and proc.stderr.startswith("kvnotes: error: cannot read record")
