@@ -31,7 +31,7 @@ The ratio and the exactness check hold; the scores mean nothing.
 Threads: ``--threads`` defaults to every CPU the process may use (``os.sched_getaffinity``; torch's
 own default counts physical cores, 1 on the 2-vCPU CI machine). The naive loop's batch-1 decode is
 bound by reading the weights from memory, the batched one by arithmetic, so the ratio grows with
-the cores (README, "Probes", has the numbers of the 2-vCPU CI machine).
+the cores (docs/results/performance.md has the numbers of the 2-vCPU CI machine).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Architecture adapters (declared in kvnotes/adapters.yaml) on tiny random models."""
+"""Architecture adapters (declared in kvnotes/models/adapters.yaml) on tiny random models."""
 
 from __future__ import annotations
 

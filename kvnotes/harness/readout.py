@@ -88,7 +88,8 @@ def variant_scores(model, pair: TokenizedPair, base: DynamicCache, source: Dynam
 
     Args:
         pair: the token-aligned pair (gives the decision token and candidate ids).
-        base, source: prefix caches over positions ``[0, d)`` (usually old and new).
+        base: prefix caches over positions ``[0, d)`` (usually old and new).
+        source: prefix caches over positions ``[0, d)`` (usually old and new).
         masks: bool ``[V, n_layers, d]`` patch masks (see :mod:`kvnotes.kv.cache`).
 
     Returns:

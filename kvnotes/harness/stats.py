@@ -92,7 +92,8 @@ def cluster_bootstrap(values: Sequence[float], scenarios: Sequence, instances: S
 
     Args:
         values: one value per pair.
-        scenarios, instances: the pair's scenario id and instance id (cluster labels).
+        scenarios: the pair's scenario id and instance id (cluster labels).
+        instances: the pair's scenario id and instance id (cluster labels).
         stat: ``"mean"`` or ``"median"`` of the pooled resampled values.
         n_boot: number of bootstrap replicates.
         seed: seed of the ``numpy.random.Generator``.

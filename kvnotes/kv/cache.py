@@ -50,7 +50,8 @@ def cache_from_tensors(config, keys: Sequence[torch.Tensor], values: Sequence[to
     hold fewer slots than that).
 
     Args:
-        keys, values: per layer ``[batch, kv_heads, slots, head_dim]``.
+        keys: per layer ``[batch, kv_heads, slots, head_dim]``.
+        values: per layer ``[batch, kv_heads, slots, head_dim]``.
     """
     if config is None:                      # all slots: every layer a plain DynamicLayer
         cache = DynamicCache()
@@ -180,7 +181,8 @@ def build_variants(config, base: DynamicCache, source: DynamicCache, masks: torc
     """Variant caches: layer ``l``, position ``p`` from ``source`` where ``masks[v, l, p]``, else ``base``.
 
     Args:
-        base, source: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
+        base: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
+        source: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
         masks: bool ``[V, n_layers, T]``.
 
     Returns:
@@ -239,7 +241,8 @@ class SharedPrefix:
     float rounding.
 
     Args:
-        base, source: batch-1 caches over ``[0, start)``.
+        base: batch-1 caches over ``[0, start)``.
+        source: batch-1 caches over ``[0, start)``.
         masks: bool ``[V, n_layers, start]``: positions whose K/V variant ``v`` takes from ``source``.
         n: fed tokens per variant; start: position of the first.
         hide: optional bool ``[V, n_layers, start]``: prefix positions variant ``v``'s *first* fed
@@ -351,7 +354,8 @@ def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch
     order of ``masks``.
 
     Args:
-        base, source: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
+        base: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
+        source: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
         masks: bool ``[V, n_layers, T]``.
         tokens: ``[n]`` token ids fed after the prefix.
         vocab_ids: compute only these tokens' logits (the unembedding rows of ``vocab_ids``; a

@@ -83,7 +83,8 @@ def eager_probabilities(module, query: torch.Tensor, key: torch.Tensor, value: t
 
     Args:
         query: ``[B, heads, r, head_dim]`` (the rows of interest).
-        key, value: ``[B, kv_heads, kv_len, head_dim]``.
+        key: ``[B, kv_heads, kv_len, head_dim]``.
+        value: ``[B, kv_heads, kv_len, head_dim]``.
         mask: additive fp32 ``[B|1, 1, r, kv_len]``.
 
     Returns:

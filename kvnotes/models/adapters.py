@@ -86,7 +86,7 @@ class Adapter:
         if config.model_type not in table:
             raise KvnotesError(
                 f"no architecture adapter for model_type '{config.model_type}' "
-                f"(known: {', '.join(sorted(table))}); add an entry to kvnotes/adapters.yaml"
+                f"(known: {', '.join(sorted(table))}); add an entry to kvnotes/models/adapters.yaml"
             )
 
     @classmethod

@@ -227,7 +227,8 @@ def random_model(model_cfg: Any, shrink: Shrink | bool | None = True, seed: int 
         model_cfg: a model config with an ``architecture`` block (e.g. :func:`zoo_config`).
         shrink: ``True`` (default :class:`Shrink`), a :class:`Shrink`, or ``False``/``None`` for the
             full-size shape (GPU timing; ``device="meta"`` builds it without memory).
-        dtype: parameter dtype. device: where the weights are created.
+        dtype: parameter dtype.
+        device: where the weights are created.
         attn_implementation: ``sdpa`` / ``eager``; default the entry's ``attn_implementation``.
 
     Returns:

@@ -182,7 +182,8 @@ def rotate_into(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: t
 
     Args:
         keys: ``[..., head_dim]``, post-RoPE keys.
-        cos, sin: ``[rot_dim]`` from :func:`delta_rotations`.
+        cos: ``[rot_dim]`` from :func:`delta_rotations`.
+        sin: ``[rot_dim]`` from :func:`delta_rotations`.
         out: a tensor of ``keys``' shape (broadcast over batch allowed).
 
     Returns:
@@ -748,7 +749,8 @@ def compose_one_pass(model, parts: Sequence, rotate: bool = True, seam: int = 0,
 
     Args:
         parts: as :func:`compose`; a chunk part is one :class:`Chunk` (no per-row lists).
-        rotate, seam: one value for every row.
+        rotate: one value for every row.
+        seam: one value for every row.
         cache: a :class:`SlotCache` to write into (``B`` rows, ``max_len >= L``), e.g. a pool reused
             across calls; default: a new one of exactly ``L`` slots (``torch.empty``).
         rot_cache: dict in which rotation matrices are kept per delta across calls.
@@ -862,7 +864,8 @@ def decision_metrics(full: torch.Tensor, composed: torch.Tensor) -> dict[str, to
     """Agreement of a composed run with the full prefill at the decision position.
 
     Args:
-        full, composed: fp32 logits ``[B, vocab]``.
+        full: fp32 logits ``[B, vocab]``.
+        composed: fp32 logits ``[B, vocab]``.
 
     Returns:
         per row: ``kl`` = KL(full || composed) in nats (``sum p_full (log p_full - log p_comp)``

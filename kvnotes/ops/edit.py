@@ -338,7 +338,9 @@ def selective(model, refreshed: Edited, ids: torch.Tensor, positions: Sequence[i
     Args:
         refreshed: the :func:`refresh_field` result (its cost is included).
         positions: downstream positions to recompute (any order; deduplicated and sorted).
-        rank_seconds, rank_tokens, rank_flops: cost of the ranking that chose ``positions``.
+        rank_seconds: cost of the ranking that chose ``positions``.
+        rank_tokens: cost of the ranking that chose ``positions``.
+        rank_flops: cost of the ranking that chose ``positions``.
     """
     pos = torch.as_tensor(sorted(set(int(p) for p in positions)), dtype=torch.long)
     cache, sec = _timed(lambda: recompute_positions(model, refreshed.cache, ids, pos))

@@ -2,7 +2,7 @@
 
 One module per probe (``kvnotes/plots/<probe>.py``) registers its drawing function with
 :func:`plotter`; :func:`plot_record` imports the module named after the record's probe and
-dispatches. ``scripts/plot.py`` is the command-line front end and the notebooks call the same
+dispatches. ``kvnotes plot`` is the command-line front end and the notebooks call the same
 functions.
 """
 
