@@ -48,7 +48,6 @@ chunk, seam and rotation for every row.
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -57,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
-from transformers import AttentionInterface, DynamicCache, PreTrainedConfig, StaticCache
+from transformers import AttentionInterface, DynamicCache, StaticCache
 from transformers.cache_utils import Cache, StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -453,7 +452,6 @@ def compose(model, parts: Sequence, rotate: bool | Sequence[bool] = True, seam: 
 ONE_PASS_ATTENTION = "kvnotes_one_pass"
 #: Query runs of the forward in flight: ``((first row, end row, end slot), ...)``; None outside it.
 _RUNS: ContextVar = ContextVar("kvnotes_one_pass_runs", default=None)
-_ATTN_CONFIGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def rotation_matrix(cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
@@ -584,23 +582,17 @@ AttentionInterface.register(ONE_PASS_ATTENTION, _one_pass_attention)
 
 @contextmanager
 def _one_pass(model, runs: tuple):
-    """Within: the model's attention is :func:`_one_pass_attention` over ``runs`` (its configs'
-    attention implementation switched; restored on exit). No mask is built for an unregistered
-    mask implementation, so the model passes ``attention_mask=None`` down."""
-    cfgs = _ATTN_CONFIGS.get(model)
-    if cfgs is None:
-        cfgs = list({id(m.config): m.config for m in model.modules()
-                     if isinstance(getattr(m, "config", None), PreTrainedConfig)}.values())
-        _ATTN_CONFIGS[model] = cfgs
-    old = [c._attn_implementation_internal for c in cfgs]
+    """Within: the model's attention is :func:`_one_pass_attention` over ``runs``, selected with
+    transformers' public ``set_attn_implementation`` (restored on exit). No mask is built for an
+    implementation without a registered mask function, so the model passes ``attention_mask=None``
+    down."""
+    old = model.config._attn_implementation
     token = _RUNS.set(runs)
-    for c in cfgs:
-        c._attn_implementation_internal = ONE_PASS_ATTENTION
+    model.set_attn_implementation(ONE_PASS_ATTENTION)
     try:
         yield
     finally:
-        for c, o in zip(cfgs, old):
-            c._attn_implementation_internal = o
+        model.set_attn_implementation(old)
         _RUNS.reset(token)
 
 
