@@ -35,13 +35,14 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import Field as PydField
 
 from scenarios.errors import ScenarioError
 
-TEXT_KEYS = ("context", "rule", "request")
 ROOT = Path(__file__).resolve().parent
 
 
@@ -102,88 +103,137 @@ def _fail(source: str, key: str, msg: str) -> None:
     raise ScenarioError(f"{source}: key '{key}': {msg}")
 
 
-def validate(raw: Any, source: str) -> Scenario:
-    """Validate a parsed scenario mapping and return a :class:`Scenario`.
+class _File(BaseModel):
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
 
-    Raises:
-        ScenarioError: naming the file and the key at fault.
-    """
+
+class FieldFile(_File):
+    """``field:`` of a scenario file."""
+
+    slot: str
+    values: dict[str, str] | list[str] = PydField(description="value -> outcome, or values that are their own outcomes")
+    pairs: list[tuple[str, str]] | None = None
+
+
+class VariantFile(_File):
+    """One entry of ``variants:``."""
+
+    decision: str
+    answer_prefix: str
+    answer_marker: str = "Answer:"
+
+
+class PolarityFile(_File):
+    """``polarity:`` of a scenario file."""
+
+    slot: str
+    values: dict[Literal["normal", "inverted"], str]
+
+
+class ScenarioFile(_File):
+    """A scenario file as written (the module docstring gives each key's meaning); :func:`validate`
+    adds the checks that relate keys to each other."""
+
+    id: str | None = None
+    family: str
+    domain: str
+    description: str | None = None
+    field: FieldFile
+    candidates: dict[str, str]
+    slots: dict[str, str | list[str]] = PydField(default_factory=dict)
+    context: str
+    filler: list[str] = PydField(default_factory=list)
+    n_filler: int | None = None
+    rule: str
+    request: str
+    variants: dict[str, VariantFile]
+    polarity: PolarityFile | None = None
+    system: str | None = None
+
+
+def _key(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _parse(raw: Any, source: str) -> ScenarioFile:
+    """The file's mapping as a :class:`ScenarioFile` (pydantic), or one line naming file and key."""
     if not isinstance(raw, dict):
         raise ScenarioError(f"{source}: a scenario file must be a mapping")
-    for key in ("family", "domain", "field", "candidates", "context", "rule", "request", "variants"):
-        if key not in raw:
+    try:
+        return ScenarioFile.model_validate({k if isinstance(k, str) else str(k): v for k, v in raw.items()})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS)))
+        key = _key(loc)
+        if err["type"] == "missing":
             _fail(source, key, "missing")
-    known = {"id", "family", "domain", "description", "field", "candidates", "slots", "context", "filler",
-             "n_filler", "rule", "request", "variants", "polarity", "system"}
-    for key in raw:
-        if key not in known:
-            _fail(source, key, f"unknown key (known: {', '.join(sorted(known))})")
-    fld = raw["field"]
-    if not isinstance(fld, dict) or "slot" not in fld or "values" not in fld:
-        _fail(source, "field", "needs 'slot' and 'values'")
-    slot = fld["slot"]
-    values = fld["values"]
-    if isinstance(values, list):
-        values = {str(v): str(v) for v in values}
-    if not isinstance(values, dict) or len(values) < 2:
+        if err["type"] == "extra_forbidden":
+            known = ", ".join(sorted(ScenarioFile.model_fields if len(loc) == 1 else []))
+            _fail(source, key, "unknown key" + (f" (known: {known})" if known else ""))
+        _fail(source, key, err["msg"])
+    raise AssertionError("unreachable")
+
+
+#: Union-branch names pydantic puts in error locations (not keys of the file).
+_UNION_TAGS = {"str", "list", "dict", "none"}
+
+
+def validate(raw: Any, source: str) -> Scenario:
+    """Validate a parsed scenario mapping and return a :class:`Scenario`: the file's shape and types
+    with pydantic (:class:`ScenarioFile`), then the checks that relate keys to each other (outcomes
+    are candidates, slots are declared, the field slot appears once, in the context).
+
+    Raises:
+        ScenarioError: naming the file and the key at fault, in one line.
+    """
+    f = _parse(raw, source)
+    slot = f.field.slot
+    values = {v: v for v in f.field.values} if isinstance(f.field.values, list) else dict(f.field.values)
+    if len(values) < 2:
         _fail(source, "field.values", "needs at least two values")
-    values = {str(k): str(v) for k, v in values.items()}
-    candidates = raw["candidates"]
-    if not isinstance(candidates, dict) or len(candidates) < 2:
+    candidates = dict(f.candidates)
+    if len(candidates) < 2:
         _fail(source, "candidates", "needs at least two outcome -> continuation entries")
-    candidates = {str(k): str(v) for k, v in candidates.items()}
     for value, outcome in values.items():
         if outcome not in candidates:
             _fail(source, f"field.values.{value}", f"outcome '{outcome}' is not a key of 'candidates'")
     if len(set(candidates.values())) != len(candidates):
         _fail(source, "candidates", "two outcomes share one continuation")
-    pairs = fld.get("pairs")
-    if pairs is None:
-        keys = list(values)
-        pairs = [(keys[i], keys[j]) for i in range(len(keys)) for j in range(i + 1, len(keys))]
+    keys = list(values)
+    pairs = f.field.pairs if f.field.pairs is not None else \
+        [(keys[i], keys[j]) for i in range(len(keys)) for j in range(i + 1, len(keys))]
     for i, pair in enumerate(pairs):
-        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(str(v) in values for v in pair)):
-            _fail(source, f"field.pairs[{i}]", f"must be [old, new] with both in field.values, got {pair!r}")
-    pairs = tuple((str(a), str(b)) for a, b in pairs)
-
-    slots = raw.get("slots") or {}
-    if not isinstance(slots, dict):
-        _fail(source, "slots", "must be a mapping of slot -> list of options or '#' pattern")
+        if not all(v in values for v in pair):
+            _fail(source, f"field.pairs[{i}]", f"must be [old, new] with both in field.values, got {list(pair)!r}")
+    pairs = tuple((a, b) for a, b in pairs)
+    slots = dict(f.slots)
     for name, opts in slots.items():
-        if not (isinstance(opts, str) or (isinstance(opts, list) and opts)):
+        if isinstance(opts, list) and not opts:
             _fail(source, f"slots.{name}", "must be a non-empty list or a pattern string")
-    polarity = raw.get("polarity")
     pol_slot, pol_values = None, {}
-    if polarity is not None:
-        if not isinstance(polarity, dict) or set(polarity) != {"slot", "values"} or \
-                set(polarity["values"] or {}) != {"normal", "inverted"}:
+    if f.polarity is not None:
+        if set(f.polarity.values) != {"normal", "inverted"}:
             _fail(source, "polarity", "needs slot and values {normal, inverted}")
         if len(set(candidates)) != 2 or len(set(values.values())) != 2:
             _fail(source, "polarity", "needs exactly two outcomes, both used by field.values, to invert")
-        pol_slot, pol_values = polarity["slot"], {k: str(v) for k, v in polarity["values"].items()}
-
-    variants = raw["variants"]
-    if not isinstance(variants, dict) or "direct" not in variants:
+        pol_slot, pol_values = f.polarity.slot, dict(f.polarity.values)
+    if "direct" not in f.variants:
         _fail(source, "variants", "needs at least a 'direct' variant")
     parsed_variants = {}
-    for name, var in variants.items():
-        if not isinstance(var, dict) or not {"decision", "answer_prefix"} <= set(var) <= \
-                {"decision", "answer_prefix", "answer_marker"}:
-            _fail(source, f"variants.{name}", "needs 'decision' and 'answer_prefix' (and optionally 'answer_marker')")
-        if "{" in str(var["answer_prefix"]) or "}" in str(var["answer_prefix"]):
+    for name, var in f.variants.items():
+        if "{" in var.answer_prefix or "}" in var.answer_prefix:
             _fail(source, f"variants.{name}.answer_prefix", "takes no slots (braces are not filled here)")
-        parsed_variants[name] = Variant(str(var["decision"]), str(var["answer_prefix"]),
-                                        str(var.get("answer_marker", "Answer:")))
-
-    texts = {k: raw[k] for k in TEXT_KEYS}
+        parsed_variants[name] = Variant(var.decision, var.answer_prefix, var.answer_marker)
+    filler = f.filler
+    texts = {"context": f.context, "rule": f.rule, "request": f.request}
     texts.update({f"variants.{n}.decision": v.decision for n, v in parsed_variants.items()})
-    filler = raw.get("filler") or []
-    texts.update({f"filler[{i}]": f for i, f in enumerate(filler)})
+    texts.update({f"filler[{i}]": sentence for i, sentence in enumerate(filler)})
     allowed = set(slots) | {slot} | ({pol_slot} if pol_slot else set())
     field_uses = 0
     for key, text in texts.items():
-        if not isinstance(text, str):
-            _fail(source, key, "must be a string")
         try:
             names = _placeholders(text)
         except ValueError as exc:
@@ -196,17 +246,17 @@ def validate(raw: Any, source: str) -> Scenario:
             _fail(source, key, f"the field slot '{{{slot}}}' may appear only in 'context' (the rule comes after the field)")
     if field_uses != 1:
         _fail(source, "context", f"must contain the field slot '{{{slot}}}' exactly once (found {field_uses})")
-    if pol_slot and pol_slot not in _placeholders(raw["rule"]):
+    if pol_slot and pol_slot not in _placeholders(f.rule):
         _fail(source, "polarity.slot", f"slot '{{{pol_slot}}}' is not used in 'rule'")
-    n_filler = int(raw.get("n_filler", min(3, len(filler))))
+    n_filler = f.n_filler if f.n_filler is not None else min(3, len(filler))
     if n_filler > len(filler):
         _fail(source, "n_filler", f"{n_filler} exceeds the {len(filler)} filler sentences")
     return Scenario(
-        id=str(raw.get("id") or Path(source).stem), family=str(raw["family"]), domain=str(raw["domain"]),
+        id=f.id or Path(source).stem, family=f.family, domain=f.domain,
         source=source, field_slot=slot, values=values, pairs=pairs, candidates=candidates, slots=slots,
-        context=raw["context"], filler=tuple(filler), n_filler=n_filler, rule=raw["rule"],
-        request=raw["request"], variants=parsed_variants, polarity_slot=pol_slot,
-        polarity_values=pol_values, system=raw.get("system"),
+        context=f.context, filler=tuple(filler), n_filler=n_filler, rule=f.rule,
+        request=f.request, variants=parsed_variants, polarity_slot=pol_slot,
+        polarity_values=pol_values, system=f.system,
     )
 
 
