@@ -38,6 +38,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from kvnotes.kv import cache as kvcache
 from kvnotes.ops import compose as kvcompose
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.pairs import pair_row
@@ -204,7 +205,7 @@ def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_te
     for seam in seams:
         cache, _ = kvcompose.compose(model, prompt_parts(po.ids[:d].view(1, -1), so, chunks), True, seam,
                                      all_slots=True)        # the in-place edit needs every position
-        stale = kvedit.from_tensors([l.keys[:, :, :d] for l in cache.layers], [l.values[:, :, :d] for l in cache.layers])
+        stale = kvcache.AllSlotCache.from_tensors([l.keys[:, :, :d] for l in cache.layers], [l.values[:, :, :d] for l in cache.layers])
         edited = kvedit.refresh_field(model, stale, pn.ids, pn.field)
         token = int(pn.ids[d])
         res["refreshed"].append(kvedit.decision_logprobs(model, edited.cache, token, d))

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kvnotes.kv.cache import AllSlotCache
 from kvnotes.ops import edit
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.pairs import pair_row
@@ -126,7 +127,7 @@ class PairEditor:
                                "probe.chat_template_kwargs to the model's chat_template_kwargs")
         self.d = pair.decision
         self.token = int(pair.old.ids[self.d])
-        self.stale = edit.prefill(self.model, pair.old.ids[: self.d])
+        self.stale = AllSlotCache.prefill(self.model, pair.old.ids[: self.d])
         self.full = edit.full(self.model, pair.new.ids, self.d)
         self._refreshed = None
 
@@ -227,7 +228,7 @@ def _field_plus_erratum(ed: PairEditor):
 def _hoist(ed: PairEditor):
     spec = ed.pair.spec
     old_h, new_h = sedits.hoisted_pair(ed.tok, ed.inst, spec.old, spec.new, ed.variant, ed.chat, ed.kwargs)
-    cached = edit.prefill(ed.model, old_h.ids[: old_h.decision])
+    cached = AllSlotCache.prefill(ed.model, old_h.ids[: old_h.decision])
     return (edit.extend_from(ed.model, cached, new_h.prompt.ids, new_h.reuse, new_h.prompt.decision),
             int(new_h.prompt.ids[new_h.prompt.decision]))
 

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 import torch
 
+from kvnotes.kv.cache import AllSlotCache
 from kvnotes.ops import edit
 from kvnotes.harness.timing import elapsed_ms
 
@@ -118,8 +119,8 @@ def bench_length(model, lay: Layout, clock: Clock, ks: list[int], rankings: list
     """Time every method on one layout; rows ``{method, ms, tokens}``."""
     d, de, dh = len(lay.old) - 1, len(lay.erratum) - 1, len(lay.hoist_old) - 1
     b = lay.field[1]
-    stale = edit.prefill(model, lay.old[:d])
-    hoist_cached = edit.prefill(model, lay.hoist_old[:dh])
+    stale = AllSlotCache.prefill(model, lay.old[:d])
+    hoist_cached = AllSlotCache.prefill(model, lay.hoist_old[:dh])
     token = int(lay.old[d])
     rows = []
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvnotes.kv.cache import AllSlotCache, check_all_slots, extend
 from kvnotes.ops import edit
 from tests.conftest import VOCAB
 
@@ -42,7 +43,7 @@ def lp(model, e, tok):
 
 def test_selective_all_downstream_equals_full(tiny):
     old, new = tiny_pair()
-    stale = edit.prefill(tiny, old[:D])
+    stale = AllSlotCache.prefill(tiny, old[:D])
     ref = edit.full(tiny, new, D)
     refreshed = edit.refresh_field(tiny, stale, new, FIELD)
     sel = edit.selective(tiny, refreshed, new, range(FIELD[1], D))
@@ -53,7 +54,7 @@ def test_selective_all_downstream_equals_full(tiny):
 
 def test_selective_k0_equals_refresh_field(tiny):
     old, new = tiny_pair()
-    stale = edit.prefill(tiny, old[:D])
+    stale = AllSlotCache.prefill(tiny, old[:D])
     refreshed = edit.refresh_field(tiny, stale, new, FIELD)
     sel = edit.selective(tiny, refreshed, new, [])
     assert kv_diff(sel.cache, refreshed.cache, D) == 0.0
@@ -72,9 +73,9 @@ def test_erratum_path_equals_full_prefill_of_edited_prompt(tiny):
     cut = 20                                       # notice inserted before position 20
     edited = torch.cat([old[:cut], notice, old[cut:]])
     d = len(edited) - 1
-    stale = edit.prefill(tiny, old[:D])
+    stale = AllSlotCache.prefill(tiny, old[:D])
     e = edit.extend_from(tiny, stale, edited, cut, d)
-    ref = edit.prefill(tiny, edited[:d])
+    ref = AllSlotCache.prefill(tiny, edited[:d])
     assert e.tokens == d - cut
     assert kv_diff(e.cache, ref, d) < TOL
     ref_lp = edit.decision_logprobs(tiny, ref, int(edited[d]), d)
@@ -83,14 +84,14 @@ def test_erratum_path_equals_full_prefill_of_edited_prompt(tiny):
 
 def test_4d_recompute_of_one_position_equals_recomputing_it_alone(tiny):
     old, new = tiny_pair()
-    refreshed = edit.refresh_field(tiny, edit.prefill(tiny, old[:D]), new, FIELD)
+    refreshed = edit.refresh_field(tiny, AllSlotCache.prefill(tiny, old[:D]), new, FIELD)
     for p in (FIELD[1], D - 1):                   # first downstream (window not full) and last
         check_one_position(tiny, refreshed, new, p)
 
 
 def check_one_position(tiny, refreshed, new, p):
     got = edit.recompute_positions(tiny, refreshed.cache, new, torch.tensor([p]))
-    alone = edit.extend(tiny, refreshed.cache, new[p:p + 1], p)          # plain forward on [0, p)
+    alone = extend(tiny, refreshed.cache, new[p:p + 1], p)          # plain forward on [0, p)
     for lg, la in zip(got.layers, alone.layers):
         assert float((lg.keys[:, :, p] - la.keys[:, :, p]).abs().max()) < TOL
         assert float((lg.values[:, :, p] - la.values[:, :, p]).abs().max()) < TOL
@@ -105,7 +106,7 @@ def sequential_reference(model, refreshed, ids, positions):
     plain forward on the cache as edited so far truncated to its position, writing it back."""
     cache = refreshed.cache
     for p in sorted(positions):
-        alone = edit.extend(model, cache, ids[p:p + 1], p)
+        alone = extend(model, cache, ids[p:p + 1], p)
         cache = edit.splice(cache, torch.tensor([p]), [l.keys[:, :, p:p + 1] for l in alone.layers],
                             [l.values[:, :, p:p + 1] for l in alone.layers])
     return cache
@@ -113,7 +114,7 @@ def sequential_reference(model, refreshed, ids, positions):
 
 def test_selective_is_a_true_recompute_not_a_copy(tiny):
     old, new = tiny_pair()
-    stale = edit.prefill(tiny, old[:D])
+    stale = AllSlotCache.prefill(tiny, old[:D])
     ref = edit.full(tiny, new, D)
     refreshed = edit.refresh_field(tiny, stale, new, FIELD)
     positions = [9, 13, 14, 18]
@@ -132,12 +133,12 @@ def test_all_slot_cache_required(tiny):
     hybrid = kvcache.prefill(tiny, old[:D])
     if any(getattr(l, "is_sliding", False) for l in hybrid.layers):
         with pytest.raises(ValueError, match="every position"):
-            edit.check_all_slots(hybrid)
+            check_all_slots(hybrid)
 
 
 def test_rankings_cover_downstream(tiny):
     old, new = tiny_pair()
-    stale = edit.prefill(tiny, old[:D])
+    stale = AllSlotCache.prefill(tiny, old[:D])
     refreshed = edit.refresh_field(tiny, stale, new, FIELD)
     down = (FIELD[1], D)
     att, cost = edit.rank_attention(tiny, stale, int(old[D]), down)

@@ -110,6 +110,7 @@ def check_invariants(recs: dict) -> list[str]:
 
 def check_selective_equals_full(bundle) -> None:
     """Refreshing the field and recomputing every downstream position equals a full re-prefill."""
+    from kvnotes.kv.cache import AllSlotCache
     from kvnotes.ops import edit
 
     model = bundle.model
@@ -118,7 +119,7 @@ def check_selective_equals_full(bundle) -> None:
     new = old.clone()
     new[12:14] = torch.randint(2000, 4000, (2,), generator=g)
     d = 39
-    stale = edit.prefill(model, old[:d])
+    stale = AllSlotCache.prefill(model, old[:d])
     refreshed = edit.refresh_field(model, stale, new, (12, 14))
     sel = edit.selective(model, refreshed, new, range(14, d))
     full = edit.full(model, new, d)

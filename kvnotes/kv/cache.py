@@ -1,10 +1,21 @@
 """Cache surgery on the real ``transformers`` ``DynamicCache`` (transformers 5.x, docs/design.md §4).
 
 Layout: ``cache.layers[i].keys/values`` are ``[batch, kv_heads, slots, head_dim]``, keys post-RoPE,
-GQA not expanded. Caches are built with ``config=`` so sliding-window layers keep their window: once
-a window has filled, a sliding layer holds only the last ``window - 1`` positions and slot ``j`` is
-position ``cumulative_length - n_slots + j``, not ``j``. Every forward on a cache passes explicit
-``position_ids`` (RoPE) and, when batching, a full-length attention mask.
+GQA not expanded. Every forward on a cache passes explicit ``position_ids`` (RoPE) and, when
+batching, a full-length attention mask. Two kinds of cache, each with one prefill, view and
+truncation:
+
+- a **windowed** cache, a ``DynamicCache`` built with ``config=`` as the model would build it
+  (:func:`prefill`, :func:`view`, :func:`prefix_view`): sliding-window layers keep their window, so
+  once a window has filled a sliding layer holds only the last ``window - 1`` positions and slot
+  ``j`` is position ``cumulative_length - n_slots + j``, not ``j``. The probes patch these.
+- an **all-slot** cache, :class:`AllSlotCache` (:meth:`AllSlotCache.prefill`,
+  :meth:`AllSlotCache.from_tensors`, :meth:`AllSlotCache.truncate`): every layer holds every
+  position (sliding windows are applied by the attention mask), so slot ``j`` is position ``j`` in
+  every layer. The edit operations (:mod:`kvnotes.ops.edit`) work on these.
+
+The third kind, the pooled static cache of one-forward composition, is
+:class:`kvnotes.ops.compose.SlotCache`.
 
 A *patch mask* is a bool tensor ``[V, n_layers, T]`` over the prefix positions ``[0, T)``: variant
 ``v`` takes layer ``l``'s key/value at position ``p`` from the source ("new") cache where the mask
@@ -41,9 +52,8 @@ def seq_length(cache: DynamicCache) -> int:
 
 def cache_from_tensors(config, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                        seen: int) -> DynamicCache:
-    """A ``DynamicCache`` (built with ``config=``; ``config=None``: an all-slot cache, every layer a plain
-    ``DynamicLayer`` that holds every position, as the edit operations need) whose layers reference
-    the given tensors.
+    """A windowed ``DynamicCache`` (built with ``config=``) whose layers reference the given tensors;
+    ``config=None`` gives an :class:`AllSlotCache` (:meth:`AllSlotCache.from_tensors`).
 
     No copy is made: a forward on the new cache concatenates into fresh tensors, so the inputs are
     never modified. ``seen`` is the number of positions the tensors represent (sliding layers may
@@ -53,17 +63,81 @@ def cache_from_tensors(config, keys: Sequence[torch.Tensor], values: Sequence[to
         keys: per layer ``[batch, kv_heads, slots, head_dim]``.
         values: per layer ``[batch, kv_heads, slots, head_dim]``.
     """
-    if config is None:                      # all slots: every layer a plain DynamicLayer
-        cache = DynamicCache()
-        cache.layers = [DynamicLayer() for _ in keys]
-    else:
-        cache = DynamicCache(config=config)
+    if config is None:
+        return AllSlotCache.from_tensors(keys, values)
+    cache = DynamicCache(config=config)
     for layer, k, v in zip(cache.layers, keys, values, strict=True):
         layer.lazy_initialization(k, v)
         layer.keys, layer.values = k, v
         if getattr(layer, "is_sliding", False):
             layer.cumulative_length = seen
     return cache
+
+
+class AllSlotCache(DynamicCache):
+    """A ``DynamicCache`` whose every layer is a plain ``DynamicLayer`` holding every position, also
+    for sliding-window layers (their window is applied through the attention mask): slot ``j`` is
+    position ``j`` in every layer. Built empty (``AllSlotCache()``, grown by forwards), by
+    :meth:`prefill` or :meth:`from_tensors`; :meth:`truncate` views a prefix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @classmethod
+    def from_tensors(cls, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> AllSlotCache:
+        """An all-slot cache over the given tensors (referenced, not copied; a forward on it
+        concatenates into fresh tensors, so the inputs are never modified).
+
+        Args:
+            keys: per layer ``[batch, kv_heads, positions, head_dim]``.
+            values: per layer ``[batch, kv_heads, positions, head_dim]``.
+        """
+        cache = cls()
+        cache.layers = [DynamicLayer() for _ in keys]
+        for layer, k, v in zip(cache.layers, keys, values, strict=True):
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        return cache
+
+    @classmethod
+    def prefill(cls, model, ids: torch.Tensor) -> AllSlotCache:
+        """The all-slot prefix cache of ``ids`` (``[T]``), positions ``0..T-1``."""
+        return extend(model, None, ids, 0)
+
+    def truncate(self, n: int) -> AllSlotCache:
+        """A view over positions ``[0, n)`` (slices, no copy)."""
+        check_all_slots(self)
+        return AllSlotCache.from_tensors([l.keys[:, :, :n] for l in self.layers],
+                                         [l.values[:, :, :n] for l in self.layers])
+
+
+def check_all_slots(cache: DynamicCache) -> int:
+    """Number of positions of an all-slot cache.
+
+    Raises:
+        ValueError: a layer is a sliding-window layer or holds fewer slots than positions.
+    """
+    n = cache.layers[0].keys.shape[-2]
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False) or layer.keys.shape[-2] != n:
+            raise ValueError(f"layer {i} does not hold every position; edit caches must be all-slot caches "
+                             f"(kvnotes.kv.cache.AllSlotCache)")
+    return n
+
+
+@torch.no_grad()
+def extend(model, cache: AllSlotCache | None, ids: torch.Tensor, start: int) -> AllSlotCache:
+    """Forward ``ids`` (``[n]``) at positions ``start ..`` on top of the all-slot ``cache`` (over
+    ``[0, start)``; None for an empty prefix) and return the extended cache; ``cache`` itself is left
+    unchanged."""
+    ids = ids.view(1, -1).to(model.device)
+    n = ids.shape[1]
+    work = AllSlotCache() if cache is None or start == 0 else cache.truncate(start)
+    pos = torch.arange(start, start + n, device=model.device).unsqueeze(0)
+    mask = torch.ones(1, start + n, dtype=torch.long, device=model.device)
+    model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=work, use_cache=True,
+          logits_to_keep=1)
+    return work
 
 
 def view(cache: DynamicCache, config) -> DynamicCache:

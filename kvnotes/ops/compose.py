@@ -117,7 +117,7 @@ def precompile(model, ids: torch.Tensor, sink_ids: torch.Tensor | None = None, o
     ids = ids.view(-1)
     sink = ids.new_zeros(0) if sink_ids is None else sink_ids.view(-1).to(ids.device)
     full = torch.cat([sink, ids]).view(1, -1).to(model.device)
-    cache = DynamicCache()          # no config: plain layers, none of them drops positions
+    cache = kvcache.AllSlotCache()          # every layer keeps every position
     pos = torch.arange(offset, offset + full.shape[1], device=model.device).unsqueeze(0)
     model(input_ids=full, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
     k = len(sink)
@@ -401,7 +401,7 @@ def compose(model, parts: Sequence, rotate: bool | Sequence[bool] = True, seam: 
     if static:
         cache = StaticCache(config=model.config, max_cache_len=total)
     else:
-        cache = DynamicCache() if all_slots else DynamicCache(config=model.config)
+        cache = kvcache.AllSlotCache() if all_slots else DynamicCache(config=model.config)
     pos, logits, rots_cache = 0, None, {}
     items = [p if isinstance(p, torch.Tensor) else _per_row(p, B, "chunks") for p in parts]
     seams_of = {}

@@ -26,7 +26,7 @@ every method and not counted.
 **All-slot caches.** A hybrid cache built with ``config=`` keeps only the last ``window - 1``
 positions of a sliding-window layer, so an edit of an earlier position is impossible there (the
 states it needs are gone). Editing therefore works on caches whose every layer holds every position
-(:func:`prefill`: a ``DynamicCache()`` without config); sliding layers keep their window semantics
+(:class:`kvnotes.kv.cache.AllSlotCache`: ``AllSlotCache.prefill``); sliding layers keep their window semantics
 through the attention mask (the model's own mask for plain forwards, :func:`selective_mask` for the
 4-D path, with the window applied per layer type). :func:`check_all_slots` rejects other caches.
 """
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from kvnotes.kv import cache as kvcache
+from kvnotes.kv.cache import AllSlotCache, check_all_slots, extend
 from kvnotes.kv.capture import attention_hook
 
 #: Rankings of downstream positions for :func:`selective`.
@@ -63,7 +63,7 @@ class Edited:
             the downstream tokens through 2 of ``L`` layers: ``n * 2 / L``); 0 for other methods.
     """
 
-    cache: DynamicCache
+    cache: AllSlotCache
     pos: int
     tokens: int
     flops: float
@@ -105,61 +105,16 @@ def span_pairs(start: int, end: int) -> int:
 
 # ---------------------------------------------------------------------------------------- caches
 
-def from_tensors(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> DynamicCache:
-    """An all-slot ``DynamicCache`` (every layer a full ``DynamicLayer``) over the given tensors
-    (``[batch, kv_heads, slots, head_dim]`` per layer; referenced, not copied)."""
-    return kvcache.cache_from_tensors(None, keys, values, int(keys[0].shape[-2]))
-
-
-def check_all_slots(cache: DynamicCache) -> int:
-    """Number of positions of an all-slot cache.
-
-    Raises:
-        ValueError: a layer is a sliding-window layer or holds fewer slots than positions.
-    """
-    n = cache.layers[0].keys.shape[-2]
-    for i, layer in enumerate(cache.layers):
-        if getattr(layer, "is_sliding", False) or layer.keys.shape[-2] != n:
-            raise ValueError(f"layer {i} does not hold every position; edit caches must be built by "
-                             f"kvnotes.ops.edit.prefill (a DynamicCache without config)")
-    return n
-
-
-def truncate(cache: DynamicCache, n: int) -> DynamicCache:
-    """A view of an all-slot cache over ``[0, n)`` (slices, no copy)."""
-    check_all_slots(cache)
-    return from_tensors([l.keys[:, :, :n] for l in cache.layers], [l.values[:, :, :n] for l in cache.layers])
-
-
 @torch.no_grad()
-def extend(model, cache: DynamicCache | None, ids: torch.Tensor, start: int) -> DynamicCache:
-    """Forward ``ids`` (``[n]``) at positions ``start ..`` on top of ``cache`` (over ``[0, start)``;
-    None for an empty prefix) and return the extended cache; ``cache`` itself is left unchanged."""
-    ids = ids.view(1, -1).to(model.device)
-    n = ids.shape[1]
-    work = DynamicCache() if cache is None or start == 0 else truncate(cache, start)
-    pos = torch.arange(start, start + n, device=model.device).unsqueeze(0)
-    mask = torch.ones(1, start + n, dtype=torch.long, device=model.device)
-    model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=work, use_cache=True,
-          logits_to_keep=1)
-    return work
-
-
-def prefill(model, ids: torch.Tensor) -> DynamicCache:
-    """All-slot prefix cache of ``ids`` (``[T]``): every layer keeps every position."""
-    return extend(model, None, ids, 0)
-
-
-@torch.no_grad()
-def decision_logprobs(model, cache: DynamicCache, token: int, pos: int) -> torch.Tensor:
+def decision_logprobs(model, cache: AllSlotCache, token: int, pos: int) -> torch.Tensor:
     """fp32 log-probs ``[vocab]`` of the next token after feeding ``token`` at ``pos`` on a view of
     ``cache`` (over ``[0, pos)``; left unchanged)."""
-    lp = kvcache.continuation_logprobs(model, truncate(cache, pos), torch.tensor([token]), pos)
+    lp = kvcache.continuation_logprobs(model, cache.truncate(pos), torch.tensor([token]), pos)
     return lp[0, -1]
 
 
 @torch.no_grad()
-def decision_logprobs_batch(model, caches: Sequence[DynamicCache], token: int, pos: int,
+def decision_logprobs_batch(model, caches: Sequence[AllSlotCache], token: int, pos: int,
                             budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> torch.Tensor:
     """:func:`decision_logprobs` of several all-slot caches over ``[0, pos)`` in batched forwards
     (caches stacked per chunk of ``budget_bytes``).
@@ -173,15 +128,15 @@ def decision_logprobs_batch(model, caches: Sequence[DynamicCache], token: int, p
     return torch.cat(out)
 
 
-def stack(caches: Sequence[DynamicCache], pos: int) -> DynamicCache:
+def stack(caches: Sequence[AllSlotCache], pos: int) -> AllSlotCache:
     """One batch-``len(caches)`` all-slot cache over ``[0, pos)`` from batch-1 caches (one copy)."""
     n_layers = len(caches[0].layers)
-    return from_tensors([torch.cat([c.layers[l].keys[:, :, :pos] for c in caches]) for l in range(n_layers)],
-                        [torch.cat([c.layers[l].values[:, :, :pos] for c in caches]) for l in range(n_layers)])
+    return AllSlotCache.from_tensors([torch.cat([c.layers[l].keys[:, :, :pos] for c in caches]) for l in range(n_layers)],
+                                     [torch.cat([c.layers[l].values[:, :, :pos] for c in caches]) for l in range(n_layers)])
 
 
 @torch.no_grad()
-def greedy(model, caches: Sequence[DynamicCache], token: int, pos: int, max_new_tokens: int,
+def greedy(model, caches: Sequence[AllSlotCache], token: int, pos: int, max_new_tokens: int,
            stop_ids: Sequence[int] = (), stop=None) -> list[list[int]]:
     """Greedy decode of several edited caches in lockstep: feed ``token`` at ``pos`` on each, then
     each sequence's argmax repeatedly (one batched forward per step).
@@ -212,8 +167,8 @@ def greedy(model, caches: Sequence[DynamicCache], token: int, pos: int, max_new_
     return out
 
 
-def splice(cache: DynamicCache, positions: torch.Tensor, keys: Sequence[torch.Tensor],
-           values: Sequence[torch.Tensor]) -> DynamicCache:
+def splice(cache: AllSlotCache, positions: torch.Tensor, keys: Sequence[torch.Tensor],
+           values: Sequence[torch.Tensor]) -> AllSlotCache:
     """A new all-slot cache equal to ``cache`` with the slots at ``positions`` (``[k]``) replaced by
     ``keys[l]``/``values[l]`` (``[1, kv_heads, k, head_dim]``); one copy per layer."""
     ks, vs = [], []
@@ -223,7 +178,7 @@ def splice(cache: DynamicCache, positions: torch.Tensor, keys: Sequence[torch.Te
         nv[:, :, positions] = v.to(nv.dtype)
         ks.append(nk)
         vs.append(nv)
-    return from_tensors(ks, vs)
+    return AllSlotCache.from_tensors(ks, vs)
 
 
 def _timed(fn):
@@ -236,25 +191,25 @@ def _timed(fn):
 
 def full(model, new_ids: torch.Tensor, d: int) -> Edited:
     """Re-prefill of the new prompt's positions ``[0, d)`` (the reference)."""
-    cache, sec = _timed(lambda: prefill(model, new_ids[:d]))
+    cache, sec = _timed(lambda: AllSlotCache.prefill(model, new_ids[:d]))
     return Edited(cache, d, d, forward_flops(model.config, d, span_pairs(0, d)), sec)
 
 
-def refresh_field(model, stale: DynamicCache, new_ids: torch.Tensor, field: tuple[int, int]) -> Edited:
+def refresh_field(model, stale: AllSlotCache, new_ids: torch.Tensor, field: tuple[int, int]) -> Edited:
     """Recompute the field span ``[a, b)`` from the new tokens against the unchanged prefix ``[0, a)``
     and write it in place; downstream ``[b, d)`` stays stale. Exact for the field positions."""
     a, b = field
     d = check_all_slots(stale)
 
     def op():
-        rec = extend(model, truncate(stale, a), new_ids[a:b], a)
+        rec = extend(model, stale.truncate(a), new_ids[a:b], a)
         pos = torch.arange(a, b, device=stale.layers[0].keys.device)
         return splice(stale, pos, [l.keys[:, :, a:b] for l in rec.layers], [l.values[:, :, a:b] for l in rec.layers])
     cache, sec = _timed(op)
     return Edited(cache, d, b - a, forward_flops(model.config, b - a, span_pairs(a, b)), sec)
 
 
-def extend_from(model, cached: DynamicCache, ids: torch.Tensor, reuse: int, d: int) -> Edited:
+def extend_from(model, cached: AllSlotCache, ids: torch.Tensor, reuse: int, d: int) -> Edited:
     """Reuse positions ``[0, reuse)`` of ``cached`` and forward ``ids[reuse:d]`` (an edited prompt
     aligned by its longest common token prefix, :func:`kvnotes.harness.edit_prompts.edited_prompt`)."""
     cache, sec = _timed(lambda: extend(model, cached, ids[reuse:d], reuse))
@@ -304,7 +259,7 @@ def selective_mask(model, d: int, positions: torch.Tensor) -> torch.Tensor | dic
 
 
 @torch.no_grad()
-def recompute_positions(model, cache: DynamicCache, ids: torch.Tensor, positions: torch.Tensor) -> DynamicCache:
+def recompute_positions(model, cache: AllSlotCache, ids: torch.Tensor, positions: torch.Tensor) -> AllSlotCache:
     """Recompute the K/V of ``positions`` (``[k]``, sorted) of an all-slot cache over ``[0, d)`` in one
     forward with the 4-D :func:`selective_mask`, writing the new K/V back in every layer.
 
@@ -318,7 +273,7 @@ def recompute_positions(model, cache: DynamicCache, ids: torch.Tensor, positions
     if len(positions) == 0:
         return cache
     positions = positions.to(model.device)
-    work = truncate(cache, d)
+    work = cache.truncate(d)
     mask = selective_mask(model, d, positions)
     model(input_ids=ids.to(model.device)[positions].view(1, -1), position_ids=positions.view(1, -1),
           attention_mask=mask, past_key_values=work, use_cache=True, logits_to_keep=1)
@@ -328,7 +283,7 @@ def recompute_positions(model, cache: DynamicCache, ids: torch.Tensor, positions
         at = positions.to(k_all.device)           # source slice is a contiguous view of the same storage
         ks.append(k_all[:, :, :d].index_copy(2, at, k_all[:, :, d:]))
         vs.append(v_all[:, :, :d].index_copy(2, at, v_all[:, :, d:]))
-    return from_tensors(ks, vs)
+    return AllSlotCache.from_tensors(ks, vs)
 
 
 def selective(model, refreshed: Edited, ids: torch.Tensor, positions: Sequence[int], rank_seconds: float = 0.0,
@@ -350,7 +305,7 @@ def selective(model, refreshed: Edited, ids: torch.Tensor, positions: Sequence[i
                   refreshed.seconds + sec + rank_seconds, rank_tokens)
 
 
-def oracle_copy(refreshed: Edited, reference: DynamicCache, positions: Sequence[int]) -> Edited:
+def oracle_copy(refreshed: Edited, reference: AllSlotCache, positions: Sequence[int]) -> Edited:
     """UPPER BOUND, not an edit method: the refreshed cache with ``positions`` copied from the full
     re-prefill ``reference`` (it reads what only the expensive method computes). Its cost is that
     of the field refresh plus the positions, as if they were free to obtain."""
@@ -375,7 +330,7 @@ def rank_random(downstream: tuple[int, int], rng: np.random.Generator) -> list[i
 
 
 @torch.no_grad()
-def rank_attention(model, stale: DynamicCache, token: int, downstream: tuple[int, int]) -> tuple[list[int], dict]:
+def rank_attention(model, stale: AllSlotCache, token: int, downstream: tuple[int, int]) -> tuple[list[int], dict]:
     """Downstream positions by the attention the decision row pays them on the stale cache.
 
     The decision token is fed at ``d`` on the stale cache; every layer's attention probabilities of
@@ -448,9 +403,9 @@ def rank_kv_deviation(model, refreshed: Edited, ids: torch.Tensor, downstream: t
     b, d = downstream
     n_layers = _shape(model.config)["L"]
     t0 = time.perf_counter()
-    prefix = truncate(refreshed.cache, b)
+    prefix = refreshed.cache.truncate(b)
     with first_layers(model, 2):
-        two = from_tensors([l.keys for l in prefix.layers[:2]], [l.values for l in prefix.layers[:2]])
+        two = AllSlotCache.from_tensors([l.keys for l in prefix.layers[:2]], [l.values for l in prefix.layers[:2]])
         rec = extend(model, two, ids[b:d], b)
     stale = refreshed.cache.layers[1]
     dev = ((rec.layers[1].keys[:, :, b:d] - stale.keys[:, :, b:d]).float().pow(2).sum((0, 1, 3)).sqrt()
