@@ -59,7 +59,7 @@ still fitted on.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -390,9 +390,136 @@ class Result(CircuitResult):
     scanned layer: sufficiency and necessity of every variant)."""
 
 
+@dataclass
+class _Work:
+    """What the stages of :func:`run` share: the engine, the flipping pairs and their rows, the
+    scanned layers, the evaluated pairs, and per evaluated pair its clean note residuals, prefix
+    caches and fitted direction."""
+
+    ctx: Any
+    engine: Any
+    fs: Any
+    rows: list[dict]
+    layers: list[int]
+    evaluated: set
+    progress: bool
+    stats: dict = field(default_factory=dict)
+    caps: dict = field(default_factory=dict)
+    prefixes: dict = field(default_factory=dict)
+    fits: dict = field(default_factory=dict)
+    resume_err: list = field(default_factory=list)
+
+    def fitted(self, split: str):
+        """Evaluated pairs of one split that have a fit: ``(run, row, fit, x_old, x_new)``."""
+        for run_, row in tqdm(list(zip(self.fs.runs, self.rows)), desc=f"direction: {split}",
+                              disable=not self.progress):
+            if row["split"] != split or row["pair"] not in self.evaluated:
+                continue
+            if self.fits[row["pair"]] is None:
+                row["skipped"] = "no_shared_outcome_pair"
+                continue
+            yield run_, row, self.fits[row["pair"]], *self.caps[row["pair"]]
+
+
+def _capture_residuals(w: _Work, scope: str) -> None:
+    """Stage 1: clean note residuals of every selection pair (fitting) and every evaluated pair,
+    then one direction fit per evaluated pair."""
+    model = w.ctx.bundle.model
+    for run_, row in tqdm(list(zip(w.fs.runs, w.rows)), desc="direction: residuals", disable=not w.progress):
+        if row["split"] != "selection" and row["pair"] not in w.evaluated:
+            continue
+        pair = run_.pair
+        b, d = pair.field[1], pair.decision
+        with w.ctx.timer("capture"):
+            pre = (kvcache.prefix_cache(model, run_.old_cache, pair.old.ids, b),
+                   kvcache.prefix_cache(model, run_.new_cache, pair.new.ids, b))
+            x_old, lp_old = capture_notes(w.engine, pair.old.ids, pre[0], b, d, w.layers)
+            x_new, lp_new = capture_notes(w.engine, pair.new.ids, pre[1], b, d, w.layers)
+        w.resume_err.append(max(abs(float(first_token_scores(lp_old, pair)[0]) - run_.s_old),
+                                abs(float(first_token_scores(lp_new, pair)[0]) - run_.s_new)))
+        row["outcomes"] = list(outcomes(run_))
+        if row["split"] == "selection":
+            accumulate(w.stats, row, outcomes(run_), x_old, x_new)
+        if row["pair"] in w.evaluated:
+            w.caps[row["pair"]] = (x_old, x_new)
+            w.prefixes[row["pair"]] = pre
+    for row in w.rows:
+        if row["pair"] in w.evaluated:
+            w.fits[row["pair"]] = fit_direction(w.stats, row, tuple(row["outcomes"]), scope)
+
+
+def _selection_scan(w: _Work) -> None:
+    """Stage 2: sufficiency of the direction per layer on the evaluated selection pairs."""
+    for run_, row, fit, x_old, x_new in w.fitted("selection"):
+        curve = []
+        for li, layer in enumerate(w.layers):
+            with w.ctx.timer("selection_scan"):
+                v = injections(x_new[li] - x_old[li], fit.u[li], torch.empty(0, fit.u.shape[1]))["direction"]
+                s = added_scores(w.engine, run_, run_.pair.old.ids, w.prefixes[row["pair"]][0], layer, v[None])
+            curve.append(float(run_.recovery(s)[0]))
+        row["selection_suff"] = curve
+        row["fit_scenarios"], row["fit_instances"] = fit.scenarios, fit.instances
+
+
+def _heldout_scan(w: _Work, chosen: dict, n_draws: int, ablate_to: str) -> None:
+    """Stage 3: every variant per layer on the evaluated held-out pairs (the chosen layer marked)."""
+    for run_, row, fit, x_old, x_new in w.fitted("heldout"):
+        rand = random_directions(pair_rng(w.ctx.seed, row["pair"]), n_draws, x_old.shape[-1])
+        row["fit_scenarios"], row["fit_instances"], row["fit_n_pairs"] = fit.scenarios, fit.instances, fit.n_pairs
+        row["layers"] = {}
+        for li, layer in enumerate(w.layers):
+            with w.ctx.timer("heldout_scan"):
+                row["layers"][str(layer)] = _heldout_layer(w.engine, run_, x_old, x_new, fit, li, layer, rand,
+                                                           ablate_to, w.prefixes[row["pair"]])
+        if row["family"] in chosen:
+            row["chosen_layer"] = chosen[row["family"]]["layer"]
+
+
+def _summaries(held_rows: list[dict], layers: list[int], families, n_boot: int, seed: int) -> tuple[dict, dict]:
+    """Stage 4: recovery curves per variant and layer, and at each family's chosen layer."""
+    def flat(rs, layer_of, kind, variant):
+        return [r | {"_r": r["layers"][str(layer_of(r))][kind][variant],
+                     "_f": r["layers"][str(layer_of(r))][f"{kind}_flipped"][variant]} for r in rs]
+
+    curves = {}
+    for kind, variants in (("suff", SUFF), ("nec", NEC)):
+        curves[kind] = {v: {str(l): K.summaries_by_family(flat(held_rows, lambda r, l=l: l, kind, v), "_r", "_f",
+                                                          families, n_boot, seed) for l in layers}
+                        for v in variants}
+    at_chosen = {}
+    hc = [r for r in held_rows if "chosen_layer" in r]
+    for kind, variants in (("suff", SUFF), ("nec", NEC)):
+        at_chosen[kind] = {v: K.summaries_by_family(flat(hc, lambda r: r["chosen_layer"], kind, v), "_r", "_f",
+                                                    families, n_boot, seed) for v in variants}
+    nats = [r | {"_d": r["layers"][str(r["chosen_layer"])]["nec_nats"]["direction"]} for r in hc]
+    at_chosen["nec_nats_direction"] = K.summaries_by_family(nats, "_d", None, families, n_boot, seed)
+    return curves, at_chosen
+
+
+def _checks(w: _Work, chosen: dict, held_rows: list[dict], held_ids: set, scope: str) -> dict:
+    """The probe's self-checks: no selection leaks into held-out numbers, exact resumes, matched controls."""
+    rows = w.rows
+    return {
+        "layer_choice_pairs_in_heldout": sum(p in held_ids for c in chosen.values() for p in c["pairs"]),
+        # leave-one-scenario-out scopes never fit on the pair's scenario; no scope on its instance
+        "fit_scenario_equals_own": (sum(r["scenario"] in r.get("fit_scenarios", []) for r in rows)
+                                    if scope != "scenario" else None),
+        "fit_instance_equals_own": sum(r["instance"] in r.get("fit_instances", []) for r in rows),
+        "fit_pairs_in_heldout": sum(p in held_ids for v in w.stats.values() for p in v["pairs"]),
+        "fit_pairs": sum(len(v["pairs"]) for v in w.stats.values()),
+        "max_resume_score_error": max(w.resume_err, default=None),
+        "max_random_norm_rel_error": max((lv["random_norm_rel_error"] for r in held_rows
+                                          for lv in r["layers"].values()), default=None),
+        "random_k_matched": all(all(k == lv["k"] for k in lv["random_k"]) for r in held_rows
+                                for lv in r["layers"].values()),
+    }
+
+
 def run(ctx) -> dict:
     """Difference-of-means conclusion direction: sufficiency, necessity, controls, layer chosen on
-    the selection split; see the module docstring.
+    the selection split; see the module docstring. Stages: clean residuals and fits
+    (:func:`_capture_residuals`), the selection scan (:func:`_selection_scan`) and layer choice, the
+    held-out scan (:func:`_heldout_scan`), summaries and checks.
 
     Returns:
         the probe result (``rows``, ``aggregates``, ``exclusions``, ``excluded``, ``split``,
@@ -403,7 +530,6 @@ def run(ctx) -> dict:
         ValueError: bad ``fit_scope`` / ``ablate_to`` / ``layers``, or ``random.n_draws < 1``.
     """
     cfg = ctx.cfg
-    model = ctx.bundle.model
     L = ctx.bundle.adapter.n_layers
     layers = scan_layers(L, cfg.get("layers"), cfg.get("n_layers_scan"))
     scope, ablate_to = str(cfg.fit_scope), str(cfg.ablate_to)
@@ -414,115 +540,32 @@ def run(ctx) -> dict:
         raise ValueError("random.n_draws must be >= 1: the norm-matched random control is required")
     engine, fs, rows, sel, held = start_circuit(ctx)
     n_boot = int(cfg.n_boot)
-    progress = bool(cfg.get("progress", True))
-    evaluated = eval_pairs(rows, cfg.get("max_pairs_per_family"), ctx.seed)
+    w = _Work(ctx, engine, fs, rows, layers, eval_pairs(rows, cfg.get("max_pairs_per_family"), ctx.seed),
+              bool(cfg.get("progress", True)))
     families = K.families_of(ctx, rows + fs.excluded)
-    # 1. clean note residuals: every selection pair (fitting) and every evaluated pair
-    stats: dict = {}
-    caps: dict = {}
-    prefixes: dict = {}
-    resume_err = []
-    for run_, row in tqdm(list(zip(fs.runs, rows)), desc="direction: residuals", disable=not progress):
-        if row["split"] != "selection" and row["pair"] not in evaluated:
-            continue
-        pair = run_.pair
-        b, d = pair.field[1], pair.decision
-        with ctx.timer("capture"):
-            pre = (kvcache.prefix_cache(model, run_.old_cache, pair.old.ids, b),
-                   kvcache.prefix_cache(model, run_.new_cache, pair.new.ids, b))
-            x_old, lp_old = capture_notes(engine, pair.old.ids, pre[0], b, d, layers)
-            x_new, lp_new = capture_notes(engine, pair.new.ids, pre[1], b, d, layers)
-        resume_err.append(max(abs(float(first_token_scores(lp_old, pair)[0]) - run_.s_old),
-                              abs(float(first_token_scores(lp_new, pair)[0]) - run_.s_new)))
-        row["outcomes"] = list(outcomes(run_))
-        if row["split"] == "selection":
-            accumulate(stats, row, outcomes(run_), x_old, x_new)
-        if row["pair"] in evaluated:
-            caps[row["pair"]] = (x_old, x_new)
-            prefixes[row["pair"]] = pre
-    fits = {}
-    for row in rows:
-        if row["pair"] in evaluated:
-            fits[row["pair"]] = fit_direction(stats, row, tuple(row["outcomes"]), scope)
-    def fitted(split: str):
-        """Evaluated pairs of one split that have a fit: ``(run, row, fit, x_old, x_new)``."""
-        for run_, row in tqdm(list(zip(fs.runs, rows)), desc=f"direction: {split}", disable=not progress):
-            if row["split"] != split or row["pair"] not in evaluated:
-                continue
-            if fits[row["pair"]] is None:
-                row["skipped"] = "no_shared_outcome_pair"
-                continue
-            yield run_, row, fits[row["pair"]], *caps[row["pair"]]
-
-    # 2. sufficiency of the direction per layer on evaluated selection pairs -> layer per family
-    for run_, row, fit, x_old, x_new in fitted("selection"):
-        curve = []
-        for li, layer in enumerate(layers):
-            with ctx.timer("selection_scan"):
-                v = injections(x_new[li] - x_old[li], fit.u[li], torch.empty(0, fit.u.shape[1]))["direction"]
-                s = added_scores(engine, run_, run_.pair.old.ids, prefixes[row["pair"]][0], layer, v[None])
-            curve.append(float(run_.recovery(s)[0]))
-        row["selection_suff"] = curve
-        row["fit_scenarios"], row["fit_instances"] = fit.scenarios, fit.instances
+    _capture_residuals(w, scope)
+    _selection_scan(w)
     chosen = choose_layers(rows, layers, families)
-    # 3. every variant per layer on evaluated held-out pairs
-    for run_, row, fit, x_old, x_new in fitted("heldout"):
-        rand = random_directions(pair_rng(ctx.seed, row["pair"]), n_draws, x_old.shape[-1])
-        row["fit_scenarios"], row["fit_instances"], row["fit_n_pairs"] = fit.scenarios, fit.instances, fit.n_pairs
-        row["layers"] = {}
-        for li, layer in enumerate(layers):
-            with ctx.timer("heldout_scan"):
-                row["layers"][str(layer)] = _heldout_layer(engine, run_, x_old, x_new, fit, li, layer, rand,
-                                                           ablate_to, prefixes[row["pair"]])
-        if row["family"] in chosen:
-            row["chosen_layer"] = chosen[row["family"]]["layer"]
+    _heldout_scan(w, chosen, n_draws, ablate_to)
     fs.runs = [r.released() for r in fs.runs]
-    caps.clear()
-    prefixes.clear()
+    w.caps.clear()
+    w.prefixes.clear()
     held_rows = [r for r in rows if r["split"] == "heldout" and "layers" in r]
     with ctx.timer("statistics"):
-        def flat(rs, layer_of, kind, variant):
-            return [r | {"_r": r["layers"][str(layer_of(r))][kind][variant],
-                         "_f": r["layers"][str(layer_of(r))][f"{kind}_flipped"][variant]} for r in rs]
-
-        curves = {}
-        for kind, variants in (("suff", SUFF), ("nec", NEC)):
-            curves[kind] = {v: {str(l): K.summaries_by_family(flat(held_rows, lambda r, l=l: l, kind, v), "_r", "_f",
-                                                    families, n_boot, ctx.seed) for l in layers}
-                            for v in variants}
-        at_chosen = {}
-        hc = [r for r in held_rows if "chosen_layer" in r]
-        for kind, variants in (("suff", SUFF), ("nec", NEC)):
-            at_chosen[kind] = {v: K.summaries_by_family(flat(hc, lambda r: r["chosen_layer"], kind, v), "_r", "_f",
-                                              families, n_boot, ctx.seed) for v in variants}
-        nats = [r | {"_d": r["layers"][str(r["chosen_layer"])]["nec_nats"]["direction"]} for r in hc]
-        at_chosen["nec_nats_direction"] = K.summaries_by_family(nats, "_d", None, families, n_boot, ctx.seed)
+        curves, at_chosen = _summaries(held_rows, layers, families, n_boot, ctx.seed)
     sel_ids = {r["pair"] for r in rows if r["split"] == "selection"}
     held_ids = {r["pair"] for r in rows if r["split"] == "heldout"}
-    checks = {
-        "layer_choice_pairs_in_heldout": sum(p in held_ids for c in chosen.values() for p in c["pairs"]),
-        # leave-one-scenario-out scopes never fit on the pair's scenario; no scope on its instance
-        "fit_scenario_equals_own": (sum(r["scenario"] in r.get("fit_scenarios", []) for r in rows)
-                                    if scope != "scenario" else None),
-        "fit_instance_equals_own": sum(r["instance"] in r.get("fit_instances", []) for r in rows),
-        "fit_pairs_in_heldout": sum(p in held_ids for v in stats.values() for p in v["pairs"]),
-        "fit_pairs": sum(len(v["pairs"]) for v in stats.values()),
-        "max_resume_score_error": max(resume_err, default=None),
-        "max_random_norm_rel_error": max((lv["random_norm_rel_error"] for r in held_rows
-                                          for lv in r["layers"].values()), default=None),
-        "random_k_matched": all(all(k == lv["k"] for k in lv["random_k"]) for r in held_rows
-                                for lv in r["layers"].values()),
-    }
     aggregates = {
         "n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
         "n_selection": len(sel_ids), "n_heldout": len(held_ids),
-        "n_evaluated": {"selection": sum(r["pair"] in evaluated for r in rows if r["split"] == "selection"),
+        "n_evaluated": {"selection": sum(r["pair"] in w.evaluated for r in rows if r["split"] == "selection"),
                         "heldout": len(held_rows)},
         "n_skipped": {"no_shared_outcome_pair": sum(r.get("skipped") == "no_shared_outcome_pair" for r in rows)},
         "families": families, "layers": layers, "n_layers": L, "fit_scope": scope, "ablate_to": ablate_to,
         "n_draws": n_draws, "note_positions": "downstream [b, d)", "site": "resid_post (decoder layer output)",
-        "chosen_layers": chosen, "curves": curves, "at_chosen": at_chosen, "checks": checks,
-        "fit_scenarios_per_family": {f: sorted({v["scenario"] for v in stats.values() if v["family"] == f})
+        "chosen_layers": chosen, "curves": curves, "at_chosen": at_chosen,
+        "checks": _checks(w, chosen, held_rows, held_ids, scope),
+        "fit_scenarios_per_family": {f: sorted({v["scenario"] for v in w.stats.values() if v["family"] == f})
                                      for f in families},
         "outcome_pairs": {f: sorted({outcome_pair(*r["outcomes"]) for r in rows if r["family"] == f and "outcomes" in r})
                           for f in families},

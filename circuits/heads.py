@@ -199,96 +199,117 @@ class Result(CircuitResult):
     ``random_<mode>`` (mode ``read`` / ``write``), mapped selection rows ``maps``."""
 
 
-def run(ctx) -> dict:
-    """Read/write head patching, top-k transfer to held-out instances; see the module docstring."""
-    engine, fs, rows, sel, held = start_circuit(ctx)
-    cfg = ctx.cfg
+def _single_head_maps(ctx, engine, fs, rows, modes: list[str], chunk: int, progress: bool) -> dict[str, dict]:
+    """Stage 1: single-head maps of the selection pairs (at most ``max_map_pairs_per_family`` per
+    family, drawn by a seeded Generator; held-out ones only for figures when asked):
+    ``pair -> mode -> [n_layers, n_heads]``."""
     model = ctx.bundle.model
-    L, H = engine.adapter.n_layers, engine.adapter.n_heads
-    chunk = int(cfg.chunk_heads)
-    ks = sorted({int(k) for k in cfg.ks if 0 < int(k) <= L * H})
-    n_draws = int(cfg.random.n_draws)
-    n_boot = int(cfg.n_boot)
     maps: dict[str, dict] = {}
-    progress = bool(cfg.get("progress", True))
-    modes = [m for m in HEAD_SITES if m in cfg.get("modes", HEAD_SITES)]
-    if not modes or set(cfg.get("modes", HEAD_SITES)) - set(HEAD_SITES):
-        raise KvnotesError(f"heads: modes must be a non-empty subset of {list(HEAD_SITES)} (got {list(cfg.modes)})")
-    # 1. single-head maps (selection pairs, at most max_map_pairs_per_family of them per family,
-    #    drawn by a seeded Generator; held-out ones only for figures when asked)
-    mapped = map_pairs(rows, cfg.get("max_map_pairs_per_family"), ctx.seed)
+    mapped = map_pairs(rows, ctx.cfg.get("max_map_pairs_per_family"), ctx.seed)
     for run_, row in tqdm(list(zip(fs.runs, rows)), desc="heads: single-head maps", disable=not progress):
-        if row["pair"] not in mapped and not (row["split"] == "heldout" and cfg.heldout_maps):
+        if row["pair"] not in mapped and not (row["split"] == "heldout" and ctx.cfg.heldout_maps):
             continue
-        pair = run_.pair
         with ctx.timer("head_outputs"):
-            source = head_outputs(engine, pair.new.ids)
+            source = head_outputs(engine, run_.pair.new.ids)
         maps[row["pair"]] = {}
         for mode in modes:
             with ctx.timer(f"{mode}_map"):
                 prefix, resid = _mode_start(engine, model, run_, mode)
                 maps[row["pair"]][mode] = single_head_map(engine, run_, source, mode, prefix, chunk, resid)
+    return maps
+
+
+def _topk_row(ctx, engine, run_, row: dict, rankings: dict, modes: list[str], ks: list[int], n_draws: int,
+              chunk: int) -> None:
+    """Stage 2 for one held-out pair: all heads, the family's cumulative top-k and k-matched random
+    head sets patched in one batch per mode; columns written into ``row``."""
+    L, H = engine.adapter.n_layers, engine.adapter.n_heads
+    with ctx.timer("head_outputs"):
+        source = head_outputs(engine, run_.pair.new.ids)
+    rng = pair_rng(ctx.seed, row["pair"])
+    all_heads = [(l, h) for l in range(L) for h in range(H)]
+    for mode in modes:
+        rk = rankings[mode].get(row["family"])
+        if rk is None:
+            continue
+        sets = [all_heads]
+        sets += [rk["order"][:k] for k in ks]
+        rand = [random_head_sets(rng, L, H, k, n_draws) for k in ks]
+        sets += [s for draws in rand for s in draws]
+        with ctx.timer(f"{mode}_topk"):
+            prefix, resid = _mode_start(engine, ctx.bundle.model, run_, mode)
+            s = patched_scores(engine, run_, source, set_masks(sets, L, H), mode, prefix, chunk, resid)
+        r = run_.recovery(s).numpy()
+        flipped = run_.decision_flipped(s).numpy()
+        row[f"r_{mode}_all"] = float(r[0])
+        row[f"topk_{mode}"] = {str(k): {"r": float(r[1 + i]), "flipped": bool(flipped[1 + i]),
+                                        "heads": [list(x) for x in sets[1 + i]]} for i, k in enumerate(ks)}
+        base = 1 + len(ks)
+        row[f"random_{mode}"] = {}
+        for i, k in enumerate(ks):
+            rr = r[base + i * n_draws: base + (i + 1) * n_draws]
+            ff = flipped[base + i * n_draws: base + (i + 1) * n_draws]
+            row[f"random_{mode}"][str(k)] = {"r": float(rr.mean()), "flipped": bool(ff.mean() > 0.5),
+                                             "draws": rr.tolist(), "k_sizes": [len(x) for x in rand[i]]}
+        row[f"ranking_pairs_{mode}"] = rk["pairs"]
+
+
+def _summaries(out_rows: list[dict], maps: dict, modes: list[str], ks: list[int], families, n_boot: int,
+               seed: int) -> tuple[dict, dict]:
+    """Stage 3: held-out top-k / random / all-heads curves per mode, and the mean selection maps."""
+    held_rows = [r for r in out_rows if r["split"] == "heldout"]
+    curves: dict = {}
+    for mode in modes:
+        hr = [r for r in held_rows if f"topk_{mode}" in r]
+        curves[mode] = {}
+        for kind in ("topk", "random"):
+            curves[mode][kind] = {}
+            for k in ks:
+                flat = [r | {"_r": r[f"{kind}_{mode}"][str(k)]["r"], "_f": r[f"{kind}_{mode}"][str(k)]["flipped"]}
+                        for r in hr]
+                curves[mode][kind][str(k)] = K.summaries_by_family(flat, "_r", "_f", families, n_boot, seed)
+        curves[mode]["all_heads"] = K.summaries_by_family([r | {"_r": r[f"r_{mode}_all"]} for r in hr], "_r", None,
+                                                          families, n_boot, seed)
+    sel_maps: dict = {}
+    for mode in modes:
+        sel_maps[mode] = {}
+        for f in families + ["all"]:
+            ms = [maps[r["pair"]][mode] for r in out_rows
+                  if r["split"] == "selection" and r["pair"] in maps and (f == "all" or r["family"] == f)]
+            sel_maps[mode][f] = {"mean": np.mean(np.stack(ms), 0).tolist(), "n": len(ms)} if ms else {"n": 0}
+    return curves, sel_maps
+
+
+def run(ctx) -> dict:
+    """Read/write head patching, top-k transfer to held-out instances; see the module docstring.
+    Stages: single-head maps on selection pairs (:func:`_single_head_maps`), rankings per family,
+    top-k and random sets on held-out pairs (:func:`_topk_row`), summaries and checks."""
+    engine, fs, rows, sel, held = start_circuit(ctx)
+    cfg = ctx.cfg
+    L, H = engine.adapter.n_layers, engine.adapter.n_heads
+    chunk = int(cfg.chunk_heads)
+    ks = sorted({int(k) for k in cfg.ks if 0 < int(k) <= L * H})
+    n_draws = int(cfg.random.n_draws)
+    n_boot = int(cfg.n_boot)
+    progress = bool(cfg.get("progress", True))
+    modes = [m for m in HEAD_SITES if m in cfg.get("modes", HEAD_SITES)]
+    if not modes or set(cfg.get("modes", HEAD_SITES)) - set(HEAD_SITES):
+        raise KvnotesError(f"heads: modes must be a non-empty subset of {list(HEAD_SITES)} (got {list(cfg.modes)})")
+    maps = _single_head_maps(ctx, engine, fs, rows, modes, chunk, progress)
     families = K.families_of(ctx, rows + fs.excluded)
     rankings = {mode: _ranking_by_family(rows, maps, mode, families) for mode in modes}
-    # 2. cumulative top-k vs random on held-out pairs
     out_rows = []
     for run_, row in tqdm(list(zip(fs.runs, rows)), desc="heads: top-k held-out", disable=not progress):
-        pair = run_.pair
         row = dict(row)
         if row["pair"] in maps:
             row["maps"] = {m: maps[row["pair"]][m].tolist() for m in modes}
         if row["split"] == "heldout":
-            with ctx.timer("head_outputs"):
-                source = head_outputs(engine, pair.new.ids)
-            rng = pair_rng(ctx.seed, row["pair"])
-            all_heads = [(l, h) for l in range(L) for h in range(H)]
-            for mode in modes:
-                rk = rankings[mode].get(row["family"])
-                if rk is None:
-                    continue
-                sets = [all_heads]
-                sets += [rk["order"][:k] for k in ks]
-                rand = [random_head_sets(rng, L, H, k, n_draws) for k in ks]
-                sets += [s for draws in rand for s in draws]
-                with ctx.timer(f"{mode}_topk"):
-                    prefix, resid = _mode_start(engine, model, run_, mode)
-                    s = patched_scores(engine, run_, source, set_masks(sets, L, H), mode, prefix, chunk, resid)
-                r = run_.recovery(s).numpy()
-                flipped = run_.decision_flipped(s).numpy()
-                row[f"r_{mode}_all"] = float(r[0])
-                row[f"topk_{mode}"] = {str(k): {"r": float(r[1 + i]), "flipped": bool(flipped[1 + i]),
-                                                "heads": [list(x) for x in sets[1 + i]]} for i, k in enumerate(ks)}
-                base = 1 + len(ks)
-                row[f"random_{mode}"] = {}
-                for i, k in enumerate(ks):
-                    rr = r[base + i * n_draws: base + (i + 1) * n_draws]
-                    ff = flipped[base + i * n_draws: base + (i + 1) * n_draws]
-                    row[f"random_{mode}"][str(k)] = {"r": float(rr.mean()), "flipped": bool(ff.mean() > 0.5),
-                                                     "draws": rr.tolist(), "k_sizes": [len(x) for x in rand[i]]}
-                row[f"ranking_pairs_{mode}"] = rk["pairs"]
+            _topk_row(ctx, engine, run_, row, rankings, modes, ks, n_draws, chunk)
         out_rows.append(row)
     fs.runs = [r.released() for r in fs.runs]
     held_rows = [r for r in out_rows if r["split"] == "heldout"]
     with ctx.timer("statistics"):
-        curves = {}
-        for mode in modes:
-            hr = [r for r in held_rows if f"topk_{mode}" in r]
-            curves[mode] = {}
-            for kind in ("topk", "random"):
-                curves[mode][kind] = {}
-                for k in ks:
-                    flat = [r | {"_r": r[f"{kind}_{mode}"][str(k)]["r"], "_f": r[f"{kind}_{mode}"][str(k)]["flipped"]}
-                            for r in hr]
-                    curves[mode][kind][str(k)] = K.summaries_by_family(flat, "_r", "_f", families, n_boot, ctx.seed)
-            curves[mode]["all_heads"] = K.summaries_by_family([r | {"_r": r[f"r_{mode}_all"]} for r in hr], "_r", None,
-                                                    families, n_boot, ctx.seed)
-        sel_maps = {}
-        for mode in modes:
-            sel_maps[mode] = {}
-            for f in families + ["all"]:
-                ms = [maps[r["pair"]][mode] for r in out_rows
-                      if r["split"] == "selection" and r["pair"] in maps and (f == "all" or r["family"] == f)]
-                sel_maps[mode][f] = {"mean": np.mean(np.stack(ms), 0).tolist(), "n": len(ms)} if ms else {"n": 0}
+        curves, sel_maps = _summaries(out_rows, maps, modes, ks, families, n_boot, ctx.seed)
     held_ids = {r["pair"] for r in out_rows if r["split"] == "heldout"}
     checks = {
         "ranking_pairs_in_heldout": sum(p in held_ids for m in modes for rk in rankings[m].values() for p in rk["pairs"]),

@@ -258,6 +258,50 @@ class Result(BaseResult):
     examples: dict[str, dict[str, Any]]
 
 
+def _knockout_pair(ctx, pr, row: dict, variants: list[dict], n_sinks: int, drop_nats: float, top_k: int) -> list[dict]:
+    """One pair, both runs: the clean attention masses per key group (written into ``row``) and one
+    knockout row per run and variant (score change, knocked candidate log-probs, collapse flags)."""
+    model, n_layers = ctx.bundle.model, ctx.bundle.adapter.n_layers
+    pair = pr.pair
+    groups = key_groups(pair.field, pair.decision, n_sinks)
+    masks = torch.cat([torch.zeros(1, n_layers, pair.decision, dtype=torch.bool)] +
+                      [knockout_masks(n_layers, pair.decision, groups, [(v["groups"], v["layers"])])
+                       for v in variants])
+    row |= {"groups": {g: list(s) for g, s in groups.items()}}
+    base = {k: row[k] for k in ("pair", "scenario", "family", "instance", "flips")}
+    null_err = 0.0
+    ko_rows = []
+    for run_name, cache, s_clean, s_other in (("old", pr.old_cache, pr.s_old, pr.s_new),
+                                              ("new", pr.new_cache, pr.s_new, pr.s_old)):
+        with ctx.timer("knockout"):
+            scores, read = _scores(model, pair, cache, masks, ctx.readout, True, ctx.budget_bytes)
+        mass = group_masses(read.probs[0], groups)                       # [L, G] clean variant
+        row[f"mass_{run_name}"] = mass.tolist()
+        row[f"recon_err_{run_name}"] = read.recon_err
+        row[f"knocked_mass_max_{run_name}"] = max(
+            float(group_masses(read.probs[i + 1], groups)[l0:l1][:, [GROUPS.index(g) for g in v["groups"]]].sum(-1).max())
+            for i, v in enumerate(variants) for l0, l1 in [v["layers"]])
+        null_err = max(null_err, abs(float(scores[0]) - s_clean))
+        flags = collapse_flags(read.logprobs[:, 0], (pair.cand_old[0], pair.cand_new[0]), drop_nats, top_k)
+        lp_c = read.logprobs[:, 0][:, [pair.cand_old[0], pair.cand_new[0]]]
+        row[f"lp_cand_{run_name}"] = lp_c[0].tolist()                  # clean [cand_old, cand_new]
+        toward = 1.0 if s_other > s_clean else -1.0
+        for i, v in enumerate(variants, start=1):
+            s_k = float(scores[i])
+            changed = (s_k > 0) != (float(scores[0]) > 0)
+            ko_rows.append(base | {
+                "run": run_name, "variant": v["name"], "group": v["group"], "band": v["band"],
+                "s_clean": float(scores[0]), "s_knock": s_k, "delta": s_k - float(scores[0]),
+                "delta_toward_other": toward * (s_k - float(scores[0])),
+                "lp_cand_knock": lp_c[i].tolist(),
+                "collapse_drop": bool(flags["drop"][i]), "collapse_topk": bool(flags["topk_lost"][i]),
+                "collapsed": bool(flags["collapsed"][i]), "decision_changed": changed,
+                "flip_intact": changed and not bool(flags["collapsed"][i]),
+            })
+    row["null_knockout_err"] = null_err
+    return ko_rows
+
+
 def run(ctx) -> dict:
     """Attention masses and knockouts of every aligned pair; see the module docstring.
 
@@ -271,51 +315,15 @@ def run(ctx) -> dict:
         aggregates), ``groups``, ``bands``, ``variants``, ``collapse``.
     """
     cfg = ctx.cfg
-    model = ctx.bundle.model
     n_layers = ctx.bundle.adapter.n_layers
     n_sinks = int(cfg.n_sinks)
     drop_nats, top_k = float(cfg.collapse.drop_nats), int(cfg.collapse.top_k)
     n_boot = int(cfg.get("n_boot", 2000))
-    budget = ctx.budget_bytes
     bands, variants = _variants(cfg, n_layers)
     rows, ko_rows, examples = [], [], {}
     for pr, row in K.each_pair(ctx, desc="read_location"):
         pair = pr.pair
-        groups = key_groups(pair.field, pair.decision, n_sinks)
-        masks = torch.cat([torch.zeros(1, n_layers, pair.decision, dtype=torch.bool)] +
-                          [knockout_masks(n_layers, pair.decision, groups, [(v["groups"], v["layers"])])
-                           for v in variants])
-        row |= {"groups": {g: list(s) for g, s in groups.items()}}
-        base = {k: row[k] for k in ("pair", "scenario", "family", "instance", "flips")}
-        null_err = 0.0
-        for run_name, cache, s_clean, s_other in (("old", pr.old_cache, pr.s_old, pr.s_new),
-                                                  ("new", pr.new_cache, pr.s_new, pr.s_old)):
-            with ctx.timer("knockout"):
-                scores, read = _scores(model, pair, cache, masks, ctx.readout, True, budget)
-            mass = group_masses(read.probs[0], groups)                       # [L, G] clean variant
-            row[f"mass_{run_name}"] = mass.tolist()
-            row[f"recon_err_{run_name}"] = read.recon_err
-            row[f"knocked_mass_max_{run_name}"] = max(
-                float(group_masses(read.probs[i + 1], groups)[l0:l1][:, [GROUPS.index(g) for g in v["groups"]]].sum(-1).max())
-                for i, v in enumerate(variants) for l0, l1 in [v["layers"]])
-            null_err = max(null_err, abs(float(scores[0]) - s_clean))
-            flags = collapse_flags(read.logprobs[:, 0], (pair.cand_old[0], pair.cand_new[0]), drop_nats, top_k)
-            lp_c = read.logprobs[:, 0][:, [pair.cand_old[0], pair.cand_new[0]]]
-            row[f"lp_cand_{run_name}"] = lp_c[0].tolist()                  # clean [cand_old, cand_new]
-            toward = 1.0 if s_other > s_clean else -1.0
-            for i, v in enumerate(variants, start=1):
-                s_k = float(scores[i])
-                changed = (s_k > 0) != (float(scores[0]) > 0)
-                ko_rows.append(base | {
-                    "run": run_name, "variant": v["name"], "group": v["group"], "band": v["band"],
-                    "s_clean": float(scores[0]), "s_knock": s_k, "delta": s_k - float(scores[0]),
-                    "delta_toward_other": toward * (s_k - float(scores[0])),
-                    "lp_cand_knock": lp_c[i].tolist(),
-                    "collapse_drop": bool(flags["drop"][i]), "collapse_topk": bool(flags["topk_lost"][i]),
-                    "collapsed": bool(flags["collapsed"][i]), "decision_changed": changed,
-                    "flip_intact": changed and not bool(flags["collapsed"][i]),
-                })
-        row["null_knockout_err"] = null_err
+        ko_rows += _knockout_pair(ctx, pr, row, variants, n_sinks, drop_nats, top_k)
         rows.append(row)
         fam = row["family"]
         if fam not in examples or (row["flips"] and not examples[fam]["flips"]):

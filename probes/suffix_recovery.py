@@ -258,6 +258,45 @@ class VariantPlan:
 
 
 @torch.no_grad()
+def _position_sets(fams: list[str], ks: list[int | None], down: tuple[int, int], rng: np.random.Generator,
+                   n_draws: int, topk_order: list[int] | None) -> dict[str, list]:
+    """Per set family and grid point, the downstream position sets to patch (None where ``k`` was
+    skipped): one set for suffix/prefix/topk, ``n_draws`` seeded random sets for ``random``."""
+    sets: dict[str, list] = {f: [] for f in fams}
+    for k in ks:
+        for f in fams:
+            if k is None:
+                sets[f].append(None)
+            elif f == "suffix":
+                sets[f].append([suffix_set(down, k)])
+            elif f == "prefix":
+                sets[f].append([prefix_set(down, k)])
+            elif f == "topk":
+                assert topk_order is not None
+                sets[f].append([sorted(topk_order[:k])])
+            else:
+                sets[f].append(random_sets(rng, down, k, n_draws))
+    return sets
+
+
+def _curves(idx: dict, rec: list[float], flip: list[bool]) -> tuple[dict, dict]:
+    """Per curve name and grid point: the mean recovery over its sets and whether most of them
+    flip the decision (None for a skipped grid point)."""
+    curves, flipped = {}, {}
+    for name, per_k in idx.items():
+        vals: list = []
+        flips: list = []
+        for ids in per_k:
+            if ids is None:
+                vals.append(None)
+                flips.append(None)
+            else:
+                vals.append(float(np.mean([rec[i] for i in ids])))
+                flips.append(sum(flip[i] for i in ids) > len(ids) / 2)
+        curves[name], flipped[name] = vals, flips
+    return curves, flipped
+
+
 def evaluate_pair(model, run: PairRun, grid: list[dict], bands: list[dict], rng: np.random.Generator,
                   n_draws: int, topk_order: list[int] | None = None, with_field: bool = True,
                   mode: str = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES,
@@ -297,19 +336,7 @@ def evaluate_pair(model, run: PairRun, grid: list[dict], bands: list[dict], rng:
     band_idx = [plan.add(range(b, d), range(*band["layers"])) for band in bands]
     ks = [k_for(pt, n) for pt in grid]
     fams = [f for f in SET_FAMILIES if f != "topk" or topk_order is not None]
-    sets: dict[str, list] = {f: [] for f in fams}
-    for k in ks:
-        for f in fams:
-            if k is None:
-                sets[f].append(None)
-            elif f == "suffix":
-                sets[f].append([suffix_set(down, k)])
-            elif f == "prefix":
-                sets[f].append([prefix_set(down, k)])
-            elif f == "topk":
-                sets[f].append([sorted(topk_order[:k])])
-            else:
-                sets[f].append(random_sets(rng, down, k, n_draws))
+    sets = _position_sets(fams, ks, down, rng, n_draws, topk_order)
     idx = {f: [None if s is None else [plan.add(x) for x in s] for s in sets[f]] for f in fams}
     if with_field:
         idx |= {f"field+{f}": [None if s is None else [plan.add(field + x) for x in s] for s in sets[f]] for f in fams}
@@ -324,17 +351,7 @@ def evaluate_pair(model, run: PairRun, grid: list[dict], bands: list[dict], rng:
     out["single_flipped"] = [flip[i] for i in single]
     out["bands"] = [rec[i] for i in band_idx]
     out["bands_flipped"] = [flip[i] for i in band_idx]
-    out["curves"], out["curves_flipped"] = {}, {}
-    for name, per_k in idx.items():
-        vals, flips = [], []
-        for ids in per_k:
-            if ids is None:
-                vals.append(None)
-                flips.append(None)
-            else:
-                vals.append(float(np.mean([rec[i] for i in ids])))
-                flips.append(sum(flip[i] for i in ids) > len(ids) / 2)
-        out["curves"][name], out["curves_flipped"][name] = vals, flips
+    out["curves"], out["curves_flipped"] = _curves(idx, rec, flip)
     rnd = idx["random"]
     out["random_draws"] = [None if ids is None else [rec[i] for i in ids] for ids in rnd]
     out["random_flip_share"] = [None if ids is None else float(np.mean([flip[i] for i in ids])) for ids in rnd]
@@ -445,6 +462,24 @@ class Result(BaseResult):
     examples: dict[str, dict[str, Any]]
 
 
+def _checks(rows: list[dict], held_rows: list[dict], grid: list[dict], sel) -> dict:
+    """The probe's self-checks: exact references, the full set equals the downstream patch, random
+    sets inside the downstream span and of their size, held-out profiles from selection pairs only."""
+    inst_of = {r["pair"]: r["instance"] for r in rows}
+    full_idx = [g for g, pt in enumerate(grid) if pt["kind"] == "fraction" and pt["value"] == 1.0]
+    return {
+        "max_abs_none": K.worst(rows, "r_none"),
+        "max_abs_field_downstream_minus_1": K.worst(rows, "r_field_downstream", 1.0),
+        "max_abs_full_set_minus_downstream": max((abs(r["curves"][f][g] - r["r_downstream"]) for r in rows
+                                                  for f in r["curves"] if not f.startswith("field+") for g in full_idx),
+                                                 default=None),
+        "random_outside_downstream": sum(r["random_outside"] for r in rows),
+        "random_size_mismatch": sum(s != k for r in rows for k, ss in zip(r["k"], r["random_sizes"]) if ss for s in ss),
+        "heldout_profile_pairs_not_in_selection": sum(inst_of[p] not in sel for r in held_rows
+                                                      for p in r["topk_profile_pairs"]),
+    }
+
+
 def run(ctx) -> dict:
     """Suffix / prefix / top-k / random recovery curves, single-position map and layer bands of
     every flipping pair; see the module docstring."""
@@ -502,19 +537,7 @@ def run(ctx) -> dict:
     with ctx.timer("statistics"):
         aggregates = _aggregates(rows, held_rows, grid, bands, families, n_boot, ctx.seed, anchor)
 
-    inst_of = {r["pair"]: r["instance"] for r in rows}
-    full_idx = [g for g, pt in enumerate(grid) if pt["kind"] == "fraction" and pt["value"] == 1.0]
-    aggregates["checks"] = {
-        "max_abs_none": K.worst(rows, "r_none"),
-        "max_abs_field_downstream_minus_1": K.worst(rows, "r_field_downstream", 1.0),
-        "max_abs_full_set_minus_downstream": max((abs(r["curves"][f][g] - r["r_downstream"]) for r in rows
-                                                  for f in r["curves"] if not f.startswith("field+") for g in full_idx),
-                                                 default=None),
-        "random_outside_downstream": sum(r["random_outside"] for r in rows),
-        "random_size_mismatch": sum(s != k for r in rows for k, ss in zip(r["k"], r["random_sizes"]) if ss for s in ss),
-        "heldout_profile_pairs_not_in_selection": sum(inst_of[p] not in sel for r in held_rows
-                                                      for p in r["topk_profile_pairs"]),
-    }
+    aggregates["checks"] = _checks(rows, held_rows, grid, sel)
     aggregates |= {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
                    "n_selection": sum(r["split"] == "selection" for r in rows), "n_heldout": len(held_rows),
                    "n_heldout_without_profile": sum(r["split"] == "heldout" and "topk_sets" not in r for r in rows),
