@@ -40,7 +40,7 @@ def test_adapter_geometry_and_paths(tiny):
 
 
 def test_gemma3_local_and_global_rope_theta():
-    from tests.conftest import build_tiny
+    from tests.helpers import build_tiny
 
     ad = Adapter.for_model(build_tiny("gemma3"))
     thetas = dict(zip(ad.layer_types, ad.rope_theta))

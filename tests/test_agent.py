@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from probes import ProbeContext
-from tests.conftest import check_figures, check_schema
+from tests.helpers import check_figures, check_schema
 
 #: fp32 on CPU: with whole chunks recomputed (seam >= chunk length) the agent's composed-then-
 #: appended cache is the transcript's full prefill computed in several forwards; measured KL ~1e-9.

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from scripts.battery import Roofline, machine_rates
-from tests.conftest import build_tiny
+from tests.helpers import build_tiny
 
 T = 11
 

@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from kvnotes.kv import cache as kvcache
-from tests.conftest import BATCH_TOL, LOGPROB_TOL, VOCAB, WINDOW
+from tests.helpers import BATCH_TOL, LOGPROB_TOL, VOCAB, WINDOW
 
 T = 3 * WINDOW            # prefix length
 FIELD = (5, 8)            # field span [a, b)
@@ -180,7 +180,7 @@ def test_shared_prefix_decode_matches_materialised_variant_caches(caches):
 def test_auto_routes_sparse_variants_cache_free_on_a_long_prefix(monkeypatch):
     """On a prefix long enough for chunks of MIN_SHARED_CHUNK, auto runs single positions on the
     shared prefix and a dense variant on the batch view, with the batch-view path's numbers."""
-    from tests.conftest import build_tiny
+    from tests.helpers import build_tiny
 
     model = build_tiny("llama")
     g = torch.Generator().manual_seed(3)

@@ -11,7 +11,7 @@ from circuits.components import (contributions, decomposition_error, direct_logi
                                   residual_parts, top_offset)
 from kvnotes.kv.engine import NNsightEngine
 from kvnotes.models.adapters import Adapter
-from tests.conftest import VOCAB, check_schema, recall_pairs
+from tests.helpers import VOCAB, check_schema, recall_pairs
 
 TOL = 1e-4
 # fp32 logits of a tiny model are O(1); the attribution re-derives them through the final norm in a

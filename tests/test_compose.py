@@ -13,7 +13,7 @@ import transformers as T
 from kvnotes.ops import compose
 from kvnotes.models.adapters import Adapter
 from kvnotes.errors import KvnotesError
-from tests.conftest import ARCHS, VOCAB, WINDOW, build_tiny
+from tests.helpers import ARCHS, VOCAB, WINDOW, build_tiny
 
 # fp32 on CPU: a delta rotation of a post-RoPE key and the key computed at the shifted position
 # differ only by fp32 rounding of angles up to ~256 rad and of the shifted forward (~1e-6 measured);

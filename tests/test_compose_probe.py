@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from probes import ProbeContext
-from tests.conftest import check_figures
+from tests.helpers import check_figures
 
 # fp32 on CPU: recomputing whole chunks (seam >= chunk length) is the full prefill done in three
 # forwards instead of one; measured differences are ~3e-5 in logits of magnitude ~20.

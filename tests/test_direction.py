@@ -16,7 +16,7 @@ from kvnotes.kv.engine import Intervention, NNsightEngine, Site
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness.readout import first_token_scores, run_pair
 from kvnotes.harness.selection import pair_rng, with_split
-from tests.conftest import check_schema, build_tiny
+from tests.helpers import check_schema, build_tiny
 from tests.test_heads import synthetic_pair
 
 HID = 64

@@ -17,7 +17,7 @@ from probes.dissociation import VARIANTS, orientation, variant_masks
 from probes.dissociation import run as run_dissociation
 from scenarios import build_pairs, draw_instances, load_suite, render_user_text
 from scenarios.instances import NO_POLARITY_BLOCK, build_polarity_pairs, render_user_text_spans, slot_char_spans
-from tests.conftest import check_figures
+from tests.helpers import check_figures
 from tests.test_tokens import scenario
 
 POLARITY = {"rule": "Colour rules {gate} apply.", "polarity": {"slot": "gate", "values": {"normal": "always", "inverted": "never"}}}

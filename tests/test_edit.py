@@ -8,7 +8,7 @@ import torch
 
 from kvnotes.kv.cache import AllSlotCache, check_all_slots, extend
 from kvnotes.ops import edit
-from tests.conftest import VOCAB
+from tests.helpers import VOCAB
 
 # fp32 on CPU: the same computation in different batch/mask shapes (one 4-D masked forward vs
 # a sequential or full prefill) differs by float rounding only, ~1e-6 on these tiny models.
@@ -151,7 +151,7 @@ def test_rankings_cover_downstream(tiny):
 
 
 def test_flops_formula():
-    from tests.conftest import tiny_config
+    from tests.helpers import tiny_config
 
     cfg = tiny_config("llama")
     per = cfg.num_hidden_layers * (64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 96)

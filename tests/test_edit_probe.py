@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from probes.edit import read_decision, round_robin
-from tests.conftest import check_figures, recall_pairs
+from tests.helpers import check_figures, recall_pairs
 
 # fp32 CPU: K=0 selective and the field refresh are the same cache; the KL of the same
 # distribution computed twice is rounding only.

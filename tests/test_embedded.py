@@ -10,7 +10,7 @@ from kvnotes.harness.readout import flip_status, run_pair, variant_scores
 from kvnotes.harness.tokens import tokenize_pair
 from probes.blast_radius import deviation_maps, summarize_pair
 from scenarios import build_pairs, load_suite
-from tests.conftest import BATCH_TOL
+from tests.helpers import BATCH_TOL
 
 
 @pytest.fixture(scope="module")

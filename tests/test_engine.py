@@ -8,7 +8,7 @@ import torch
 
 from kvnotes.kv.engine import KINDS, Intervention, LensEngine, NNsightEngine, Site, kv_patch
 from kvnotes.kv import cache as kvcache
-from tests.conftest import ARCHS, BATCH_TOL, VOCAB, build_tiny
+from tests.helpers import ARCHS, BATCH_TOL, VOCAB, build_tiny
 
 TOL = 1e-5
 T = 14

@@ -16,7 +16,7 @@ from kvnotes.harness.readout import PairRun, variant_scores
 from probes import ProbeContext
 from probes.field_refresh import VARIANTS, exact_field_source, refresh_pair, variant_positions
 from probes.field_refresh import run as run_probe
-from tests.conftest import VOCAB, WINDOW, check_schema, recall_pairs
+from tests.helpers import VOCAB, WINDOW, check_schema, recall_pairs
 
 T = 3 * WINDOW            # prefix length: longer than the sliding window, so windows fill
 FIELD = (5, 8)
@@ -89,7 +89,7 @@ def test_exact_refresh_equals_copied(tiny, t, field):
 
 def test_exact_refresh_detects_a_wrong_field():
     """Negative control: recomputing a different token at the field gives a large K difference."""
-    from tests.conftest import build_tiny
+    from tests.helpers import build_tiny
 
     model = build_tiny("llama")
     run = tiny_run(model)

@@ -15,7 +15,7 @@ from circuits.heads import (clean_residuals, head_outputs, map_pairs, patched_sc
                             single_head_map)
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness.readout import first_token_scores, run_pair, variant_scores
-from tests.conftest import VOCAB, build_tiny, check_schema
+from tests.helpers import VOCAB, build_tiny, check_schema
 
 T, A, B = 15, 4, 6          # prompt length, field span [A, B); decision d = T - 1
 
@@ -141,7 +141,7 @@ def test_probe_run_on_embedded_model_with_capped_maps(smol):
 
     from circuits.heads import run as run_heads
     from probes import ProbeContext
-    from tests.conftest import recall_pairs
+    from tests.helpers import recall_pairs
 
     cfg = OmegaConf.load("conf/probe/heads.yaml")
     cfg.progress, cfg.n_boot, cfg.ks, cfg.random.n_draws, cfg.max_map_pairs_per_family = False, 200, [1, 4], 2, 1

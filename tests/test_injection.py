@@ -16,7 +16,7 @@ from probes import ProbeContext
 from probes.injection import DIRECTIONS, inject_pair, injection_masks
 from probes.injection import run as run_injection
 from scenarios import build_pairs
-from tests.conftest import check_figures
+from tests.helpers import check_figures
 from tests.test_cache import FIELD, T, full_logprobs, prompts, reference_patched
 from tests.test_tokens import scenario
 

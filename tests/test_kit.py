@@ -14,7 +14,7 @@ import probes
 from kvnotes.harness import kit as K
 from kvnotes.errors import KvnotesError
 from kvnotes.records.schema import BaseResult, SchemaError, check_result, result_schema
-from tests.conftest import recall_pairs
+from tests.helpers import recall_pairs
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "adding_a_probe.md"
 

@@ -26,7 +26,7 @@ from probes.read_location import (
     key_groups,
 )
 from probes.read_location import run as run_read_location
-from tests.conftest import ARCHS, VOCAB, WINDOW, build_tiny, check_figures
+from tests.helpers import ARCHS, VOCAB, WINDOW, build_tiny, check_figures
 
 T = 3 * WINDOW            # prefix length (longer than the sliding window)
 FIELD = (5, 8)

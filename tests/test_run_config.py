@@ -16,7 +16,7 @@ import torch
 
 from kvnotes.errors import KvnotesError
 from tests.test_cli import ROOT, one_line_error, run
-from tests.conftest import fruit_scenario
+from tests.helpers import fruit_scenario
 
 
 # ------------------------------------------------------------------ bad input: one line, before loading

@@ -13,7 +13,7 @@ from kvnotes.harness.kit import layer_bands
 from kvnotes.harness.pairs import PairSet
 from kvnotes.plots import plot_record
 from probes import ProbeContext
-from tests.conftest import check_schema, recall_pairs
+from tests.helpers import check_schema, recall_pairs
 
 GRID = {"fractions": [0.1, 0.5, 1.0], "counts": [1, 4, 1000]}     # 1000 exceeds every downstream
 N_DRAWS = 3
