@@ -26,7 +26,7 @@ Every decision (vocabulary top-1 at the decision position) is compared with
   model follows the state update;
 - the **expected outcome**: the scenario's candidate for the turn's value (its first token).
 
-Times (:func:`kvnotes.harness.timing.elapsed_ms`: CUDA events on GPU, ``perf_counter`` on CPU): ``agent_ms``
+Times (:func:`kvnotes.harness.timing.elapsed_ms`, ``torch.utils.benchmark``; wall time, the device synchronised): ``agent_ms``
 is the compose call (turn 1) or the incremental forward (later turns); ``oracle_ms`` and
 ``transcript_ms`` are full prefills computing only the last position's logits. A prompt met twice in
 a trajectory (the turn-1 transcript is the turn-1 oracle prompt; a value that comes back) is

@@ -41,9 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 from kvnotes.cli import add_machine_flags
@@ -55,7 +53,7 @@ import torch
 import transformers
 
 from kvnotes.ops import compose as kvcompose
-from kvnotes.harness.timing import elapsed_ms
+from kvnotes.harness.timing import elapsed_ms, time_calls
 
 def gpu_model():
     """A random-weight Qwen3-8B-shaped causal LM in bf16, built directly on the GPU (the zoo entry's
@@ -73,54 +71,34 @@ def embedded_model(name: str):
     return load_model(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"), "cpu").model
 
 
-class Clock:
-    """Milliseconds of a call: CUDA events on GPU, ``perf_counter`` on CPU."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-
-    def __call__(self, fn) -> float:
-        return elapsed_ms(fn, self.cuda)
-
-
-def timed(clock: Clock, fn, warmup: int, trials: int) -> tuple[dict, object]:
-    """Median/min of ``trials`` timed calls after ``warmup`` untimed ones; also the last result."""
-    for _ in range(warmup):
-        fn()
-    ms, box = [], []
-    for _ in range(trials):
-        ms.append(clock(lambda: box.append(fn())))
-        box[:-1] = []
-    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "trials_ms": ms}, box[-1]
+def timed(fn, warmup: int, trials: int) -> tuple[dict, object]:
+    """Median/min of ``trials`` timed calls after ``warmup`` untimed ones (:func:`time_calls`); also
+    the last result."""
+    timing, res = time_calls(fn, warmup, trials)
+    return timing.as_dict(), res
 
 
 @torch.no_grad()
 def bench_length(model, L: int, n_prefix: int, n_suffix: int, seam: int, warmup: int, trials: int,
-                 clock: Clock, seed: int, runner: kvcompose.ComposeRunner) -> dict:
+                 cuda: bool, seed: int, runner: kvcompose.ComposeRunner) -> dict:
     rng = np.random.default_rng([seed, L])
     vocab = model.config.get_text_config().vocab_size
     ids = torch.from_numpy(rng.integers(0, vocab, L)).long().to(model.device)
     prefix, chunk_ids, suffix = ids[:n_prefix], ids[n_prefix:L - n_suffix], ids[L - n_suffix:]
-    pre, chunk = timed(clock, lambda: kvcompose.precompile(model, chunk_ids), 1 if clock.cuda else 0,
-                       max(1, trials // 2) if clock.cuda else 1)
-    full, ref = timed(clock, lambda: kvcompose.full_logits(model, ids), warmup, trials)
+    pre, chunk = timed(lambda: kvcompose.precompile(model, chunk_ids), 1 if cuda else 0,
+                       max(1, trials // 2) if cuda else 1)
+    full, ref = timed(lambda: kvcompose.full_logits(model, ids), warmup, trials)
     parts = [prefix, chunk, suffix]
     # first call of this layout: on GPU it captures the CUDA graph (a warm-up, timed apart, excluded)
-    if clock.cuda:
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    runner(parts, True, seam)
-    if clock.cuda:
-        torch.cuda.synchronize()
-    first_ms = (time.perf_counter() - t) * 1e3
-    comp, (_, got) = timed(clock, lambda: runner(parts, True, seam), warmup, trials)
-    one, (_, got_one) = timed(clock, lambda: kvcompose.compose_one_pass(model, parts, True, seam), warmup, trials)
-    api, (_, got_api) = timed(clock, lambda: kvcompose.compose(model, parts, True, seam), warmup, trials)
+    first_ms = elapsed_ms(lambda: runner(parts, True, seam))
+    comp, (_, got) = timed(lambda: runner(parts, True, seam), warmup, trials)
+    one, (_, got_one) = timed(lambda: kvcompose.compose_one_pass(model, parts, True, seam), warmup, trials)
+    api, (_, got_api) = timed(lambda: kvcompose.compose(model, parts, True, seam), warmup, trials)
     # the composed and full runs see the same tokens: how far apart are their next-token distributions
     m = kvcompose.decision_metrics(ref, got)
     m_api = kvcompose.decision_metrics(ref, got_api)
     del chunk
-    if clock.cuda:
+    if cuda:
         torch.cuda.empty_cache()
     return {"length": L, "chunk_tokens": int(chunk_ids.numel()), "full": full, "composed": comp,
             "one_pass": one, "compose_api": api, "precompile": pre, "first_call_ms": first_ms,
@@ -155,7 +133,6 @@ def main() -> None:
         model, name = embedded_model(args.model), args.model
         lengths = args.lengths or [1024, 2048, 4096, 8192]
         device = f"cpu ({platform.processor() or platform.machine()}, {args.threads} thread(s))"
-    clock = Clock(args.gpu)
     # the serving path's KV pool: allocated once for the longest prompt, reused by every call
     runner = kvcompose.ComposeRunner(model, max(lengths), graphs=args.gpu and not args.no_graphs)
     header = (f"# {' '.join(['python', *sys.argv])}\n# model: {name}; device: {device}; torch {torch.__version__}; "
@@ -171,7 +148,7 @@ def main() -> None:
           f"{'precompile_ms':>13} {'first_call_ms':>13} {'KL(full||comp)':>14} top1", flush=True)
     out = []
     for L in lengths:
-        r = bench_length(model, L, args.prefix, args.suffix, args.seam, args.warmup, args.trials, clock, args.seed,
+        r = bench_length(model, L, args.prefix, args.suffix, args.seam, args.warmup, args.trials, args.gpu, args.seed,
                          runner)
         out.append(r)
         print(f"{L:>7} {r['full']['median_ms']:>9.1f} {r['composed']['median_ms']:>11.1f} "

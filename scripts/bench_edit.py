@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,7 +40,7 @@ import torch
 
 from kvnotes.kv.cache import AllSlotCache
 from kvnotes.ops import edit
-from kvnotes.harness.timing import elapsed_ms
+from kvnotes.harness.timing import time_calls
 
 
 @dataclass
@@ -102,17 +101,15 @@ def scenario_layout(bundle, n_tokens: int) -> Layout:
                   h_new.reuse)
 
 
+@dataclass
 class Clock:
-    """Median wall milliseconds of a callable: CUDA events on GPU, perf_counter on CPU."""
+    """Median wall milliseconds of ``trials`` calls after ``warmup`` (:func:`time_calls`)."""
 
-    def __init__(self, cuda: bool, trials: int, warmup: int):
-        self.cuda, self.trials, self.warmup = cuda, trials, warmup
+    trials: int
+    warmup: int
 
     def __call__(self, fn) -> float:
-        for _ in range(self.warmup):
-            fn()
-        times = [elapsed_ms(fn, self.cuda) for _ in range(self.trials)]
-        return statistics.median(times)
+        return time_calls(fn, self.warmup, self.trials)[0].median_ms
 
 
 def bench_length(model, lay: Layout, clock: Clock, ks: list[int], rankings: list[str]) -> list[dict]:
@@ -189,7 +186,7 @@ def main() -> None:
         layouts = lambda n: scenario_layout(bundle, n)                        # noqa: E731
         device = f"CPU ({platform.processor() or platform.machine()}, {args.threads} thread(s))"
         model_name = "SmolLM2-135M-Instruct (fp32)"
-    clock = Clock(args.gpu, args.trials, args.warmup)
+    clock = Clock(args.trials, args.warmup)
     import transformers
 
     header = (f"# bench_edit: {model_name} on {device}; torch {torch.__version__}, transformers "

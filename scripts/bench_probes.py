@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 from kvnotes.cli import add_machine_flags
+from kvnotes.harness.timing import time_calls
 
 ROOT = Path(__file__).resolve().parent.parent   # the checkout (conf/, scenarios/suites)
 
@@ -194,13 +195,8 @@ def timed(fn, device, repeats: int, min_time: float):
     (as ``timeit`` does), so that a fast method is sampled over as long a stretch of the machine's
     state as a slow one. Memory is sampled in a separate call: the sampling thread would compete
     with torch's threads for the cores and perturb the timed calls."""
-    times, res = [], None
-    while len(times) < repeats or sum(times) < min_time:
-        t0 = time.perf_counter()
-        res = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    timing, res = time_calls(fn, 0, repeats, min_time)
+    times = [ms / 1e3 for ms in timing.trials_ms]
     with PeakMemory(device) as pm:
         fn()
     return res, times, pm.peak

@@ -5,8 +5,9 @@
 
 Same model and prompt as ``kvnotes bench compose --device cuda`` (random Qwen3-8B-shaped, bf16; prefix
 ``--prefix`` + one chunk + suffix ``--suffix`` tokens). Per length, medians over ``--trials`` after
-``--warmup`` untimed runs, each stage timed alone with CUDA events (``kvnotes.harness.timing.elapsed_ms``,
-synchronised before and after):
+``--warmup`` untimed runs, each stage timed alone (``kvnotes.harness.timing.elapsed_ms``: a
+``torch.utils.benchmark`` measurement, the device synchronised before the clock is read; the outputs
+in docs/bench were measured with CUDA events, which leave out the host's launch time):
 
 - the two-forward library path (:func:`kvnotes.ops.compose.compose`): ``StaticCache`` allocation and
   lazy init, prefix + seam forward, ``delta_rotations``, rotate + splice, suffix forward, and the
