@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from transformers import DynamicCache
@@ -23,11 +24,13 @@ from transformers import DynamicCache
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness.tokens import TokenizedPair
 
-READOUT_MODES = ("first_token", "full")
+ReadoutMode = Literal["first_token", "full"]
+READOUT_MODES: tuple[str, ...] = get_args(ReadoutMode)
 #: Flip rules: ``owned`` (top-1 answers + margin), ``relative`` (candidate sign change + margin) and
 #: ``synthetic`` (the margin alone, for random-weight models only: they decide nothing, so the
 #: conformance lane needs pairs whose score moves; records name the rule).
-FLIP_RULES = ("owned", "relative", "synthetic")
+FlipRule = Literal["owned", "relative", "synthetic"]
+FLIP_RULES: tuple[str, ...] = get_args(FlipRule)
 NO_DECISION_CHANGE = "no_decision_change"
 SMALL_EFFECT = "small_effect"
 NOT_OWNED = "not_owned"
@@ -44,7 +47,7 @@ def first_token_scores(logprobs: torch.Tensor, pair: TokenizedPair) -> torch.Ten
     return logprobs[:, pair.cand_new[0]] - logprobs[:, pair.cand_old[0]]
 
 
-def candidate_scores(forward, pair: TokenizedPair, mode: str = "first_token"):
+def candidate_scores(forward, pair: TokenizedPair, mode: ReadoutMode = "first_token"):
     """The one scoring path of the project: the score ``s`` of every variant of a forward.
 
     Args:
@@ -78,7 +81,7 @@ def candidate_scores(forward, pair: TokenizedPair, mode: str = "first_token"):
 
 @torch.no_grad()
 def variant_scores(model, pair: TokenizedPair, base: DynamicCache, source: DynamicCache, masks: torch.Tensor,
-                   mode: str = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> torch.Tensor:
+                   mode: ReadoutMode = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> torch.Tensor:
     """Scores of patch variants of the pair's prefix caches.
 
     ``first_token``: the logit difference of the candidates' first tokens, from their two logits
@@ -179,7 +182,7 @@ class PairRun:
         """Bool: the patched run takes the new run's candidate decision."""
         return (s_patched > 0) == (self.s_new > 0)
 
-    def status(self, min_effect: float = 1.0, flip_rule: str = "owned") -> dict:
+    def status(self, min_effect: float = 1.0, flip_rule: FlipRule = "owned") -> dict:
         """:func:`pair_status` columns of this run (with ownership columns when known)."""
         return pair_status(self.s_old, self.s_new, min_effect, flip_rule, self.decisions)
 
@@ -198,7 +201,7 @@ class PairRun:
 
 
 @torch.no_grad()
-def run_pair(model, pair: TokenizedPair, mode: str = "first_token", prefill=None) -> PairRun:
+def run_pair(model, pair: TokenizedPair, mode: ReadoutMode = "first_token", prefill=None) -> PairRun:
     """Prefill both prompts of a pair (positions ``[0, d)``) and score the clean runs.
 
     The clean scores come from the same code path as patched scores (mask none / all), so recovery
@@ -253,7 +256,7 @@ def flip_status(s_old: float, s_new: float, min_effect: float = 1.0) -> str | No
     return None
 
 
-def pair_status(s_old: float, s_new: float, min_effect: float = 1.0, flip_rule: str = "owned",
+def pair_status(s_old: float, s_new: float, min_effect: float = 1.0, flip_rule: FlipRule = "owned",
                 decisions: tuple[Decision, Decision] | None = None) -> dict:
     """Columns describing a pair's clean decision under a flip rule.
 
@@ -291,8 +294,8 @@ def first_token_score(logprobs: torch.Tensor, pair: TokenizedPair) -> float:
     return float(first_token_scores(logprobs[None], pair)[0])
 
 
-def screen_pair(model, pair: TokenizedPair, mode: str = "first_token", min_effect: float = 1.0,
-                flip_rule: str = "owned") -> tuple[PairRun, dict]:
+def screen_pair(model, pair: TokenizedPair, mode: ReadoutMode = "first_token", min_effect: float = 1.0,
+                flip_rule: FlipRule = "owned") -> tuple[PairRun, dict]:
     """Run a pair (prefix caches + clean scores + vocabulary decisions) and describe its clean
     decision under ``flip_rule``.
 

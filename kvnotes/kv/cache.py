@@ -27,6 +27,7 @@ of a whole cache); :func:`build_variants` materialises the same caches explicitl
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Literal
 
 import torch
 from transformers import DynamicCache
@@ -409,7 +410,7 @@ def _candidate_logits(model, hidden: torch.Tensor, vocab_ids: torch.Tensor) -> t
 @torch.no_grad()
 def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, tokens: torch.Tensor,
                    budget_bytes: int = DEFAULT_BUDGET_BYTES, vocab_ids: Sequence[int] | None = None,
-                   method: str = "auto") -> torch.Tensor:
+                   method: Literal["auto", "shared", "substitute"] = "auto") -> torch.Tensor:
     """Batched activation patching on the KV cache: the fed tokens' logits in every patch variant.
 
     Each variant's prefix cache is the base cache with layer ``l``'s K/V at position ``p`` taken

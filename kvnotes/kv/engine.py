@@ -50,6 +50,7 @@ from contextlib import contextmanager
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 from transformers import DynamicCache
@@ -57,10 +58,12 @@ from transformers import DynamicCache
 from kvnotes.kv import cache as kvcache
 from kvnotes.models.adapters import Adapter
 
+SiteKind = Literal["resid_pre", "hook_z", "attn_out", "mlp_out", "resid_post", "hook_rot_k", "hook_v"]
 KINDS = ("resid_pre", "hook_z", "attn_out", "mlp_out", "resid_post")
 #: Sites on the prefix cache's entries (TransformerLens ``attn.hook_rot_k`` / ``attn.hook_v``).
 CACHE_KINDS = ("hook_rot_k", "hook_v")
-INTERVENTION_MODES = ("set", "add")
+InterventionMode = Literal["set", "add"]
+INTERVENTION_MODES: tuple[str, ...] = get_args(InterventionMode)
 # Execution order of the sites inside one decoder layer (nnsight requires in-order access).
 _ORDER = {k: i for i, k in enumerate(KINDS)}
 
@@ -69,7 +72,7 @@ _ORDER = {k: i for i, k in enumerate(KINDS)}
 class Site:
     """One site: ``kind`` (see :data:`KINDS` and :data:`CACHE_KINDS`) at decoder layer ``layer``."""
 
-    kind: str
+    kind: SiteKind
     layer: int
 
     def __post_init__(self):
@@ -97,7 +100,7 @@ class Intervention:
     site: Site
     positions: Sequence[int]
     value: torch.Tensor
-    mode: str = "set"
+    mode: InterventionMode = "set"
     heads: Sequence[int] | None = None
     where: torch.Tensor | None = None
 
