@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
+from einops import rearrange
 from transformers import DynamicCache
 
 from kvnotes.kv import cache as kvcache
@@ -199,10 +200,10 @@ def apply_cache_interventions(cache: DynamicCache, config, interventions: Sequen
         heads = torch.arange(t.shape[1], device=t.device) if iv.heads is None else \
             torch.as_tensor(list(iv.heads), dtype=torch.long, device=t.device)
         cur = t[:, heads][:, :, slots]                                   # [V, H', P, hd]
-        val = iv.value.to(t.dtype).to(t.device).permute(0, 2, 1, 3)      # [V|1, H', P, hd]
+        val = rearrange(iv.value.to(t.dtype).to(t.device), "v p h d -> v h p d")
         new = cur + val if iv.mode == "add" else val.expand_as(cur)
         if iv.where is not None:
-            new = torch.where(iv.where.to(t.device).permute(0, 2, 1)[..., None], new, cur)
+            new = torch.where(rearrange(iv.where.to(t.device), "v p h -> v h p 1"), new, cur)
         sub_ = t[:, heads]
         sub_[:, :, slots] = new
         t[:, heads] = sub_
@@ -230,7 +231,7 @@ def kv_patch(masks: torch.Tensor, source: DynamicCache) -> list[Intervention]:
         kvh = layer.keys.shape[1]
         w = where[:, :, None].expand(-1, -1, kvh)
         for kind, t in (("hook_rot_k", layer.keys), ("hook_v", layer.values)):
-            out.append(Intervention(Site(kind, l), pos.tolist(), t.permute(0, 2, 1, 3), "set", where=w))
+            out.append(Intervention(Site(kind, l), pos.tolist(), rearrange(t, "b h p d -> b p h d"), "set", where=w))
     return out
 
 
@@ -322,7 +323,7 @@ class Engine(ABC):
 
     def _shape_capture(self, site: Site, x: torch.Tensor) -> torch.Tensor:
         if site.kind == "hook_z":
-            return x.reshape(x.shape[0], x.shape[1], self.adapter.n_heads, -1)
+            return rearrange(x, "v t (h d) -> v t h d", h=self.adapter.n_heads)
         return x
 
     @abstractmethod
