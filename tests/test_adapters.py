@@ -58,3 +58,29 @@ def test_unknown_architecture_is_a_clear_error(tiny):
 
     with pytest.raises(KvnotesError, match="no architecture adapter for model_type 'nonesuch'"):
         Adapter.for_model(Fake())
+
+
+@pytest.mark.parametrize("name,kind", [("Qwen3NextConfig", "linear_attention"), ("JambaConfig", "linear_attention"),
+                                       ("MambaConfig", "linear_attention"), ("FalconH1Config", "hybrid"),
+                                       ("RecurrentGemmaConfig", "linear_attention"), ("BambaConfig", "linear_attention")])
+def test_recurrent_layers_are_refused_in_one_line(name, kind):
+    """Models whose layers keep a recurrent state are refused before loading, naming the layer type."""
+    import transformers as T
+
+    from kvnotes.errors import KvnotesError
+    from kvnotes.models.adapters import Adapter
+
+    config = getattr(T, name)()
+    with pytest.raises(KvnotesError) as err:
+        Adapter.check_config(config)
+    msg = str(err.value)
+    assert f"'{kind}' layers" in msg and config.model_type in msg and "\n" not in msg
+
+
+def test_per_token_models_pass_the_recurrence_check():
+    import transformers as T
+
+    from kvnotes.models.adapters import check_per_token
+
+    for config in (T.LlamaConfig(), T.Gemma3TextConfig(), T.Qwen3MoeConfig(), T.Qwen2_5_VLConfig()):
+        check_per_token(config)

@@ -113,3 +113,15 @@ def test_notebook_executes_on_sweep_records(sweep):
         os.environ.pop("KVNOTES_RUNS")
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "6 rows from 2 records" in text and "2 figures" in text
+
+
+def test_recurrent_architecture_is_refused_before_loading(tmp_path):
+    """A checkpoint whose layers keep a recurrent state (Qwen3-Next: linear attention) is refused in
+    one line naming the layer type, before any weights are read (the directory holds only a config)."""
+    import transformers as T
+
+    ckpt = tmp_path / "qwen3-next"
+    T.Qwen3NextConfig(num_hidden_layers=4).save_pretrained(ckpt)
+    one_line_error(run("model=qwen3-8b", f"model.path={ckpt}", f"out_root={tmp_path / 'runs'}"),
+                   "qwen3_next", "'linear_attention' layers (3 of 4 layers)")
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("record.json"))

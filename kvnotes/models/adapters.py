@@ -45,6 +45,31 @@ def _get(root: torch.nn.Module, path: str | None) -> torch.nn.Module | None:
     return module
 
 
+#: Layer types whose cache is one K/V entry per token (transformers' ``config.layer_types`` names).
+PER_TOKEN_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def check_per_token(config) -> None:
+    """Refuse a model whose layers keep a state that is not one K/V entry per token: linear
+    attention, Mamba/SSM or convolution layers (Qwen3-Next, Jamba, Bamba, Zamba2, Falcon-H1,
+    RecurrentGemma, Mamba, ...). Editing, patching and re-positioning act on per-token entries; a
+    recurrent state folds every earlier token into one tensor, so a field edit or a moved chunk
+    cannot be applied to it (the paper's Figure 13a marks these out of scope).
+
+    Raises:
+        KvnotesError: one line naming the blocking layer type and how many layers have it.
+    """
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = list(getattr(text, "layer_types", None) or [])
+    blocking = [t for t in types if t not in PER_TOKEN_LAYER_TYPES]
+    if blocking:
+        kind = max(set(blocking), key=blocking.count)
+        raise KvnotesError(
+            f"model_type '{config.model_type}' keeps a recurrent state in its '{kind}' layers "
+            f"({len(blocking)} of {len(types)} layers): kvnotes edits, patches and moves per-token KV "
+            f"entries only, so it refuses this architecture (docs/extending/architecture.md, support table)")
+
+
 @dataclass(frozen=True)
 class Adapter:
     """Where the pieces of a decoder-only transformer live, and its attention geometry.
@@ -77,11 +102,13 @@ class Adapter:
 
     @staticmethod
     def check_config(config) -> None:
-        """Refuse a config whose ``model_type`` has no entry in ``adapters.yaml`` (before loading).
+        """Refuse, before loading, a config whose layers keep a recurrent state
+        (:func:`check_per_token`) or whose ``model_type`` has no entry in ``adapters.yaml``.
 
         Raises:
-            KvnotesError: one line naming the model type and the known ones.
+            KvnotesError: one line naming the blocking layer type, or the model type and the known ones.
         """
+        check_per_token(config)
         table = adapter_table()
         if config.model_type not in table:
             raise KvnotesError(
