@@ -1,10 +1,13 @@
-"""Timing for probes and benchmark scripts, through ``torch.utils.benchmark``: one measurement
-tool for the project.
+"""Timing for probes and benchmark scripts: one measurement tool for the project, on
+``torch.utils.benchmark``'s clock (``torch.utils.benchmark.utils.timer.timer``: it synchronises the
+accelerator before reading the host clock, so a GPU time includes the host's launch of the work;
+the earlier hand-written timer read CUDA events, which exclude it: microseconds against the
+milliseconds of the forwards timed here).
 
-``torch.utils.benchmark.Timer`` synchronises the accelerator (``torch.accelerator.synchronize``)
-before reading the host clock, so a GPU time includes the host's launch of the work (the earlier
-hand-written timer read CUDA events, which exclude it; for the forwards timed here the difference
-is the launch overhead, microseconds against milliseconds).
+Every call is timed exactly once. ``torch.utils.benchmark.Timer`` itself is not used: its
+``timeit`` runs two untimed warm-up calls per measurement and pins torch to one thread unless told
+otherwise, while the calls timed here take seconds, run on every core, and some extend a cache in
+place (a repeated call would change what is measured).
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from torch.utils import benchmark
+from torch.utils.benchmark.utils.timer import timer as clock
 
 
 def elapsed_ms(fn: Callable[[], object], cuda: bool = False) -> float:
-    """Milliseconds taken by one call of ``fn()`` (a ``Timer.timeit(1)`` measurement; ``cuda`` is
-    kept for callers' clarity: the timer synchronises any accelerator itself)."""
-    return benchmark.Timer(stmt="fn()", globals={"fn": fn}).timeit(1).mean * 1e3
+    """Milliseconds taken by one call of ``fn()`` (``cuda`` is kept for callers' clarity: the clock
+    synchronises any accelerator itself)."""
+    t0 = clock()
+    fn()
+    return (clock() - t0) * 1e3
 
 
 @dataclass
@@ -44,13 +49,12 @@ def time_calls(fn: Callable[[], object], warmup: int = 1, trials: int = 5,
                min_time: float = 0.0) -> tuple[Timing, object]:
     """Timed calls of ``fn`` after ``warmup`` untimed ones: at least ``trials`` and until they add
     up to ``min_time`` seconds (as ``timeit`` does, so a fast function is sampled over as long a
-    stretch of the machine's state as a slow one). One ``Timer.timeit(1)`` per call, so the last
-    call's result can be returned with the timing."""
+    stretch of the machine's state as a slow one). Each call timed once; the last call's result is
+    returned with the timing."""
     for _ in range(warmup):
         fn()
     box: list = []
-    timer = benchmark.Timer(stmt="box[:] = [fn()]", globals={"fn": fn, "box": box})
     ms: list[float] = []
     while len(ms) < trials or sum(ms) < min_time * 1e3:
-        ms.append(timer.timeit(1).mean * 1e3)
+        ms.append(elapsed_ms(lambda: box.__setitem__(slice(None), [fn()])))
     return Timing(ms), box[0] if box else None
