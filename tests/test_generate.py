@@ -81,3 +81,20 @@ def test_sampling_is_seeded_and_a_marker_test_is_required(tiny):
     assert [c.ids for c in a.chains] == [c.ids for c in b.chains]
     with pytest.raises(ValueError, match="marker test"):
         generate(tiny, batch, prompts[:, -1], T - 1, 5)
+
+
+def test_one_kv_head_and_sliding_window_shape():
+    """The zoo's Gemma-3-270M shape (one KV head, a window shorter than prompt + chain): batched
+    chains equal the per-variant loop."""
+    from kvnotes.models.zoo import random_model, zoo_config
+
+    model = random_model(zoo_config("gemma-3-270m"), seed=0)
+    assert model.config.get_text_config().num_key_value_heads == 1
+    prompts = _prompts(3, seed=5)
+    batch, caches = _batch_cache(model, prompts)
+    loop = [generate(model, c, prompts[v, -1], T - 1, 8, NEVER) for v, c in enumerate(caches)]
+    both = generate(model, batch, prompts[:, -1], T - 1, 8, NEVER)
+    assert [c.ids for c in both.chains] == [g.chains[0].ids for g in loop]
+    zero = generate(model, batch, prompts[:, -1], T - 1, 0)
+    direct = kvcache.continuation_logprobs(model, kvcache.view(caches[2], model.config), prompts[2, -1:], T - 1)[0, -1]
+    assert (zero.logprobs[2] - direct).abs().max() < BATCH_TOL
