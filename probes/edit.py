@@ -29,8 +29,11 @@ choice is *which ranking* to use: it is chosen by mean agreement over K on the s
 (:func:`kvnotes.harness.selection.split_instances`) and its curve is reported on the held-out instances.
 
 **Chain of thought** (``scenario.variant=cot``): each method's cache is decoded greedily
-(``cot.max_new_tokens``) and the decision is the first candidate named after the variant's
-``answer_marker``. A pair counts when the full run reaches the marker and decides the new outcome
+(``cot.max_new_tokens``) by the shared generated readout (:mod:`kvnotes.harness.generate`) until
+the decoded text ends with the variant's ``answer_marker``; the decision is read right after it as
+the direct readout reads it: the outcome whose candidate's first token is the top-1 (none when the
+top-1 is neither: not owned), with the score ``s`` in nats. A chain that never reaches the marker
+is not scored (``reached`` false). A pair counts when the full run reaches the marker and decides the new outcome
 while the stale run decides the old one (a generated flip; pairs are screened by generation, not by
 the first-token readout, which in CoT is the first reasoning token); the rest are excluded by
 reason (``full_no_marker``, ``stale_no_marker``, ``no_cot_flip``).
@@ -52,7 +55,8 @@ from kvnotes.kv.cache import AllSlotCache
 from kvnotes.ops import edit
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.pairs import pair_row
-from kvnotes.harness.readout import first_token_score
+from kvnotes.harness.generate import generate, text_marker
+from kvnotes.harness.readout import first_token_score, first_token_scores
 from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
 from kvnotes.records.schema import BaseResult
 from kvnotes.harness.selection import pair_rng, split_instances
@@ -68,7 +72,6 @@ class CotConfig:
     """``cot`` keys: greedy decoding of the reasoning (``scenario.variant=cot``)."""
 
     max_new_tokens: int = 40
-    tokens_after_marker: int = 3
     ks: list[int] = field(default_factory=lambda: [8, 32])
     max_pairs: Optional[int] = 12
 
@@ -404,41 +407,41 @@ def choose_ranking(rows, rankings, ks, seed, fraction) -> dict:
 
 # -------------------------------------------------------------------------------------------- cot
 
-def read_decision(text: str, marker: str, candidates: dict[str, str]) -> str | None:
-    """The outcome whose candidate text (stripped, case-insensitive) occurs first after the first
-    ``marker`` in ``text``; None when the marker is missing or no candidate follows it."""
-    at = text.find(marker)
-    if at < 0:
-        return None
-    tail = text[at + len(marker):].lower()
-    hits = [(tail.find(c.strip().lower()), o) for o, c in candidates.items() if c.strip() and c.strip().lower() in tail]
-    return min(hits)[1] if hits else None
+def decision_after_marker(logprobs: torch.Tensor, pair, o_old: str, o_new: str) -> str | None:
+    """The owned decision read after the answer marker, as the direct readout reads it at the
+    decision position: the outcome whose candidate's first token is the vocabulary top-1 of
+    ``logprobs`` (``[vocab]``), or None when the top-1 is neither candidate (not owned)."""
+    top = int(logprobs.argmax())
+    return o_old if top == pair.cand_old[0] else o_new if top == pair.cand_new[0] else None
 
 
 def cot_pairs(ctx, kwargs, rankings, ks) -> tuple[list[dict], list[dict]]:
-    """CoT readout of every method on the pairs whose generated decision flips (see module doc)."""
+    """CoT readout of every method on the pairs whose generated decision flips (see module doc):
+    chains from :func:`kvnotes.harness.generate.generate`, the decision read after the marker."""
     cfg = ctx.cfg
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     cot = cfg.get("cot") or {}
-    max_new = int(cot.get("max_new_tokens", 48))
-    after = int(cot.get("tokens_after_marker", 4))
+    max_new = int(cot.get("max_new_tokens", 40))
     limit = cot.get("max_pairs")
     stop_ids = [i for i in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(i, int) and i >= 0]
     rows, excluded = [], list(ctx.pairs.excluded)
 
-    def decide(items: dict, sc, marker) -> dict[str, tuple[str | None, str]]:
-        """``{name: (edited, token)}`` -> ``{name: (decision, generated text)}``; one batched greedy
-        decode per decision position."""
+    def decide(items: dict, pair, marker, o_old, o_new) -> dict[str, dict]:
+        """``{name: (edited, token)}`` -> ``{name: {decision, reached, s, text, chain_len}}``; one
+        batched generation per decision position (the methods' caches stacked, one copy)."""
         groups: dict = {}
         for name, (e, t) in items.items():
             groups.setdefault((e.pos, t), []).append(name)
         res = {}
         for (pos, t), names in groups.items():
-            gens = edit.greedy(model, [items[n][0].cache for n in names], t, pos, max_new, stop_ids,
-                               stop=lambda out: _marker_done(tok, out, marker, after))
-            for n, ids in zip(names, gens):
-                text = tok.decode(ids, skip_special_tokens=True)
-                res[n] = (read_decision(text, marker, sc.candidates), text)
+            gen = generate(model, edit.stack([items[n][0].cache for n in names], pos), t, pos, max_new,
+                           text_marker(tok, marker), stop_ids)
+            for j, n in enumerate(names):
+                chain, lp = gen.chains[j], gen.logprobs[j]
+                res[n] = {"decision": decision_after_marker(lp, pair, o_old, o_new) if chain.reached else None,
+                          "reached": chain.reached, "text": tok.decode(chain.ids, skip_special_tokens=True),
+                          "chain_len": chain.length, "stopped": chain.stopped,
+                          "s": float(first_token_scores(lp[None], pair)[0]) if chain.reached else None}
         return res
 
     order = round_robin([pair_row(p) for p in ctx.pairs.pairs])
@@ -452,23 +455,29 @@ def cot_pairs(ctx, kwargs, rankings, ks) -> tuple[list[dict], list[dict]]:
         with ctx.timer("cot_screen"):
             ed = PairEditor(ctx, pair, kwargs)
             screen = decide({"full": (ed.full, ed.token), "stale": (edit.Edited(ed.stale, ed.d, 0, 0.0, 0.0), ed.token)},
-                            sc, marker)
-            (full_dec, full_text), (stale_dec, stale_text) = screen["full"], screen["stale"]
-        base = pair_row(pair) | {"full_text": full_text, "stale_text": stale_text, "full_decision": full_dec,
-                                 "stale_decision": stale_dec}
-        reason = ("full_no_marker" if full_dec is None else "stale_no_marker" if stale_dec is None
-                  else None if (full_dec == o_new and stale_dec == o_old) else "no_cot_flip")
+                            pair, marker, o_old, o_new)
+            full, stale = screen["full"], screen["stale"]
+        base = pair_row(pair) | {"full_text": full["text"], "stale_text": stale["text"],
+                                 "full_decision": full["decision"], "stale_decision": stale["decision"],
+                                 "full_chain_len": full["chain_len"], "stale_chain_len": stale["chain_len"]}
+        reason = ("full_no_marker" if not full["reached"] else "stale_no_marker" if not stale["reached"]
+                  else None if (full["decision"] == o_new and stale["decision"] == o_old) else "no_cot_flip")
         if reason:
             excluded.append(base | {"reason": reason})
             continue
-        methods = {"full": {"decision": full_dec, "agree": True, "reached": True, "tokens": ed.full.tokens, "frac": 1.0},
-                   "stale": {"decision": stale_dec, "agree": False, "reached": True, "tokens": 0, "frac": 0.0}}
+        full_dec, stale_dec = full["decision"], stale["decision"]
+        methods = {"full": {"decision": full_dec, "agree": True, "reached": True, "tokens": ed.full.tokens, "frac": 1.0,
+                            "s": full["s"], "chain_len": full["chain_len"]},
+                   "stale": {"decision": stale_dec, "agree": False, "reached": True, "tokens": 0, "frac": 0.0,
+                             "s": stale["s"], "chain_len": stale["chain_len"]}}
         with ctx.timer("cot_methods"):
             items = {n: v for n, v in ed.named().items() if n not in ("full", "stale")}
             items |= {n: (e, ed.token) for n, _, _, e in sweep_methods(ed, rankings, ks, None)}
-            for name, (dec, _) in decide(items, sc, marker).items():
-                methods[name] = {"decision": dec, "agree": dec == full_dec, "reached": dec is not None,
-                                 "tokens": items[name][0].tokens, "frac": items[name][0].tokens / ed.full.tokens}
+            for name, got in decide(items, pair, marker, o_old, o_new).items():
+                methods[name] = {"decision": got["decision"], "agree": got["decision"] == full_dec,
+                                 "reached": got["reached"], "tokens": items[name][0].tokens,
+                                 "frac": items[name][0].tokens / ed.full.tokens, "s": got["s"],
+                                 "chain_len": got["chain_len"]}
             for name in CONTROLS:                          # no decision read: not moved (see reached)
                 dec = methods[name]["decision"]
                 methods[name]["moved"] = dec is not None and dec != stale_dec
@@ -476,14 +485,6 @@ def cot_pairs(ctx, kwargs, rankings, ks) -> tuple[list[dict], list[dict]]:
     if excluded_limit:
         excluded.append({"pair": None, "family": None, "reason": "beyond_max_pairs", "count": excluded_limit})
     return rows, excluded
-
-
-def _marker_done(tok, out: list[int], marker: str, after: int) -> bool:
-    """Stop a CoT decode ``after`` tokens past the first marker (the answer has been named)."""
-    if len(out) < after + 1:
-        return False
-    text = tok.decode(out[:-after], skip_special_tokens=True)
-    return marker in text
 
 
 # --------------------------------------------------------------------------------------------- run

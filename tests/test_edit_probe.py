@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from probes.edit import read_decision, round_robin
+from probes.edit import decision_after_marker, round_robin
 from tests.helpers import check_figures, recall_pairs
 
 # fp32 CPU: K=0 selective and the field refresh are the same cache; the KL of the same
@@ -15,11 +15,18 @@ from tests.helpers import check_figures, recall_pairs
 KL_TOL = 1e-5
 
 
-def test_read_decision():
-    cands = {"Paris": " Paris", "London": " London"}
-    assert read_decision("I think London... Answer: Paris, not London", "Answer:", cands) == "Paris"
-    assert read_decision("London is it", "Answer:", cands) is None
-    assert read_decision("Answer: nobody knows", "Answer:", cands) is None
+def test_decision_after_marker_is_the_owned_top1():
+    """After the marker the decision is read as at the decision position: the outcome whose
+    candidate's first token is the top-1; another top-1 is no (owned) decision."""
+    from types import SimpleNamespace
+
+    pair = SimpleNamespace(cand_old=(5, 9), cand_new=(7,))
+    lp = torch.log_softmax(torch.tensor([0.0, 0, 0, 0, 0, 1.0, 0, 3.0, 0, 0]), -1)
+    assert decision_after_marker(lp, pair, "London", "Paris") == "Paris"
+    lp[5] = 10.0
+    assert decision_after_marker(lp, pair, "London", "Paris") == "London"
+    lp[2] = 20.0
+    assert decision_after_marker(lp, pair, "London", "Paris") is None
 
 
 def test_round_robin_keeps_every_scenario():

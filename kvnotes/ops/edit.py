@@ -135,38 +135,6 @@ def stack(caches: Sequence[AllSlotCache], pos: int) -> AllSlotCache:
                                      [torch.cat([c.layers[l].values[:, :, :pos] for c in caches]) for l in range(n_layers)])
 
 
-@torch.no_grad()
-def greedy(model, caches: Sequence[AllSlotCache], token: int, pos: int, max_new_tokens: int,
-           stop_ids: Sequence[int] = (), stop=None) -> list[list[int]]:
-    """Greedy decode of several edited caches in lockstep: feed ``token`` at ``pos`` on each, then
-    each sequence's argmax repeatedly (one batched forward per step).
-
-    Args:
-        caches: batch-1 all-slot caches over ``[0, pos)`` (left unchanged).
-        stop: optional ``fn(generated ids) -> bool`` checked after each token.
-
-    Returns:
-        per cache, the generated token ids (at most ``max_new_tokens``; a sequence ends after a token
-        in ``stop_ids`` or when ``stop`` says so; decoding ends when all have).
-    """
-    work = stack(caches, pos)
-    V = len(caches)
-    tokens = torch.full((V, 1), token, dtype=torch.long)
-    out: list[list[int]] = [[] for _ in range(V)]
-    done = [False] * V
-    for step in range(max_new_tokens):
-        lp = kvcache.continuation_logprobs(model, work, tokens, pos + step)
-        nxt = lp[:, -1].argmax(-1).cpu()
-        for i in range(V):
-            if not done[i]:
-                out[i].append(int(nxt[i]))
-                done[i] = int(nxt[i]) in stop_ids or (stop is not None and stop(out[i]))
-        if all(done):
-            break
-        tokens = nxt.view(V, 1)
-    return out
-
-
 def splice(cache: AllSlotCache, positions: torch.Tensor, keys: Sequence[torch.Tensor],
            values: Sequence[torch.Tensor]) -> AllSlotCache:
     """A new all-slot cache equal to ``cache`` with the slots at ``positions`` (``[k]``) replaced by
