@@ -45,9 +45,6 @@ from kvnotes.kv import cache as kvcache
 from kvnotes.kv.cache import AllSlotCache, check_all_slots, extend
 from kvnotes.kv.capture import attention_hook
 
-#: Rankings of downstream positions for :func:`selective`.
-RANKINGS = ("attention", "kv_deviation", "last", "random")
-
 
 @dataclass
 class Edited:
