@@ -59,6 +59,7 @@ def main() -> None:
     from kvnotes.harness.pairs import prepare_for_probe
     from kvnotes.harness.jobs import complete_record
     from kvnotes.records.store import RECORD_NAME, Timer, to_jsonable, write_atomic
+    from kvnotes.errors import KvnotesError
     from kvnotes.records.schema import check_result, result_schema
 
     torch.set_num_threads(args.threads)
@@ -82,7 +83,13 @@ def main() -> None:
         cfg = cfgs[name]
         probe_cfg = probes.typed_config(cfg.probe)
         if probe_cfg.pairs not in pairs:
-            pairs[probe_cfg.pairs] = prepare_for_probe(bundle.tokenizer, probe_cfg.pairs, cfg.scenario, cfg.model)
+            try:
+                pairs[probe_cfg.pairs] = prepare_for_probe(bundle.tokenizer, probe_cfg.pairs, cfg.scenario, cfg.model)
+            except KvnotesError as exc:          # e.g. a suite without polarity scenarios for dissociation
+                pairs[probe_cfg.pairs] = exc
+        if isinstance(pairs[probe_cfg.pairs], KvnotesError):
+            print(f"  {name:16s}  skipped: {pairs[probe_cfg.pairs]}", flush=True)
+            continue
         timer = Timer()
         ctx = probes.ProbeContext.from_run_config(cfg, probe_cfg, bundle, pairs[probe_cfg.pairs], timer, store)
         t = time.perf_counter()
