@@ -11,7 +11,8 @@ of caches; ``--clean-runs-mb 0`` makes every probe prefill its pairs itself, as 
 for a before/after comparison). Then each probe's
 ``run(ctx)`` runs with the config ``run.py`` would compose for it (``conf/config.yaml`` with
 ``model=``, ``probe=``, ``scenario=``; progress bars off), and its wall time is printed as it
-finishes, with the total at the end. ``--floor`` also prints each probe's roofline floor: every
+finishes, with the total at the end (a probe whose pairs the suite cannot give, such as
+``dissociation`` without polarity scenarios, is skipped with one line). ``--floor`` also prints each probe's roofline floor: every
 call of a linear layer (a forward hook on each ``nn.Linear``) costs at least its FLOPs at this
 machine's best GEMM rate or its weight's bytes at its best weight-read rate, whichever is larger
 (:class:`Roofline`): a time no implementation making the same calls can beat (attention and
