@@ -55,11 +55,11 @@ from kvnotes.kv.cache import AllSlotCache
 from kvnotes.ops import edit
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.pairs import pair_row
-from kvnotes.harness.generate import generate, text_marker
+from kvnotes.harness.generate import generate, owned_side, stop_tokens, text_marker
 from kvnotes.harness.readout import first_token_score, first_token_scores
 from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
 from kvnotes.records.schema import BaseResult
-from kvnotes.harness.selection import pair_rng, split_instances
+from kvnotes.harness.selection import pair_rng, round_robin, split_instances
 from kvnotes.harness.stats import proportion
 from kvnotes.harness import edit_prompts as sedits
 
@@ -326,17 +326,6 @@ def direct_pair(ctx, run, kwargs, rankings, ks, oracle_ranking, sweep: bool) -> 
     return out
 
 
-def round_robin(rows: list[dict]) -> list[int]:
-    """Row indices ordered round-robin over scenarios (first pair of each scenario, then second...),
-    so a cap keeps every scenario represented."""
-    seen: Counter = Counter()
-    rank = []
-    for i, r in enumerate(rows):
-        rank.append((seen[r["scenario"]], i))
-        seen[r["scenario"]] += 1
-    return [i for _, i in sorted(rank)]
-
-
 def control_pairs(ctx, fs, kwargs, limit: int) -> tuple[list[dict], dict]:
     """Over-correction: the correct erratum on pairs whose clean runs take the same candidate
     decision; ``overcorrected`` = the erratum's decision differs from full's."""
@@ -408,11 +397,9 @@ def choose_ranking(rows, rankings, ks, seed, fraction) -> dict:
 # -------------------------------------------------------------------------------------------- cot
 
 def decision_after_marker(logprobs: torch.Tensor, pair, o_old: str, o_new: str) -> str | None:
-    """The owned decision read after the answer marker, as the direct readout reads it at the
-    decision position: the outcome whose candidate's first token is the vocabulary top-1 of
-    ``logprobs`` (``[vocab]``), or None when the top-1 is neither candidate (not owned)."""
-    top = int(logprobs.argmax())
-    return o_old if top == pair.cand_old[0] else o_new if top == pair.cand_new[0] else None
+    """The owned decision read after the answer marker as an outcome name
+    (:func:`kvnotes.harness.generate.owned_side`), or None when it is not owned."""
+    return {"old": o_old, "new": o_new}.get(owned_side(logprobs, pair) or "")
 
 
 def cot_pairs(ctx, kwargs, rankings, ks) -> tuple[list[dict], list[dict]]:
@@ -423,7 +410,7 @@ def cot_pairs(ctx, kwargs, rankings, ks) -> tuple[list[dict], list[dict]]:
     cot = cfg.get("cot") or {}
     max_new = int(cot.get("max_new_tokens", 40))
     limit = cot.get("max_pairs")
-    stop_ids = [i for i in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(i, int) and i >= 0]
+    stop_ids = stop_tokens(tok)
     rows, excluded = [], list(ctx.pairs.excluded)
 
     def decide(items: dict, pair, marker, o_old, o_new) -> dict[str, dict]:

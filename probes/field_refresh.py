@@ -31,7 +31,7 @@ patch flipped (Wilson CI).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from kvnotes.records.schema import TypedDict
 
@@ -41,6 +41,7 @@ from collections import Counter
 from functools import partial
 
 import torch
+from tqdm import tqdm
 from transformers import DynamicCache
 
 from kvnotes.records.schema import BaseResult, PairRow, Summary
@@ -48,10 +49,15 @@ from kvnotes.harness.kit import ProbeConfig
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness import kit as K
 from kvnotes.harness.kit import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
-from kvnotes.harness.readout import PairRun, variant_scores
+from kvnotes.harness.generate import generate, owned_side, stop_tokens, text_marker
+from kvnotes.harness.pairs import pair_row
+from kvnotes.harness.selection import round_robin
+from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
 
 #: Position sets patched (all layers) from the new run into the old run, in scoring order.
 VARIANTS = ("none", "field", "downstream", "field_downstream", "all")
+#: With ``scenario.variant=cot`` the variants' reasoning is generated and the decision read after it.
+SUPPORTS_COT = True
 #: Variants whose recovery is fixed by construction (reported as checks, not findings).
 CHECK_VARIANTS = ("none", "field_downstream", "all")
 
@@ -62,6 +68,9 @@ class Config(ProbeConfig):
 
     exact: bool = True
     keep_caches: bool = False
+    #: ``scenario.variant=cot``: most tokens generated per chain, and how many aligned pairs to screen
+    cot_max_new_tokens: int = 40
+    cot_max_pairs: Optional[int] = 12
 
 
 def variant_positions(field: tuple[int, int], decision: int) -> dict[str, list[int]]:
@@ -202,12 +211,12 @@ def refresh_pair(model, run: PairRun, mode: str = "first_token",
 class RefreshRow(PairRow):
     """A flipping pair: ``r_<variant>`` (recovery), ``s_<variant>``, ``flipped_<variant>``."""
 
-    r_none: float
-    r_field: float
-    r_downstream: float
-    r_field_downstream: float
-    r_all: float
-    flipped_field: bool
+    r_none: float | None
+    r_field: float | None
+    r_downstream: float | None
+    r_field_downstream: float | None
+    r_all: float | None
+    flipped_field: bool | None
 
 
 class RefreshAggregates(TypedDict):
@@ -227,11 +236,89 @@ class Result(BaseResult):
     variants: list[str]
 
 
+def cot_pair(ctx, pair, max_new: int) -> tuple[dict, str | None]:
+    """One pair under chain of thought: every variant's patched cache (:func:`kvnotes.kv.cache.build_variants`,
+    ``none`` = the clean old run, ``all`` = the clean new run) decodes its reasoning in one batch
+    (:func:`kvnotes.harness.generate.generate`) and the decision is read after the answer marker.
+
+    Returns:
+        (the row: ``s_<v>`` scores after the marker (None: marker not reached), ``r_<v>`` recovery
+        against the clean chains, ``flipped_<v>`` (the chain names the new candidate), ``reached_<v>``,
+        ``chain_len_<v>``; the exclusion reason or None for a generated flip).
+    """
+    model, tok = ctx.bundle.model, ctx.bundle.tokenizer
+    sc = pair.spec.instance.scenario
+    d = pair.decision
+    n_layers = ctx.bundle.adapter.n_layers
+    sets = variant_positions(pair.field, d)
+    with ctx.timer("prefill"):
+        old_c, new_c = kvcache.prefill(model, pair.old.ids[:d]), kvcache.prefill(model, pair.new.ids[:d])
+    masks = kvcache.position_masks(n_layers, d, [sets[v] for v in VARIANTS])
+    with ctx.timer("generate"):
+        gen = generate(model, kvcache.build_variants(model.config, old_c, new_c, masks), int(pair.old.ids[d]), d,
+                       max_new, text_marker(tok, sc.variants[pair.spec.variant].answer_marker), stop_tokens(tok))
+    row = pair_row(pair)
+    side = {}
+    for i, v in enumerate(VARIANTS):
+        chain, lp = gen.chains[i], gen.logprobs[i]
+        side[v] = owned_side(lp, pair) if chain.reached else None
+        row[f"s_{v}"] = float(first_token_scores(lp[None], pair)[0]) if chain.reached else None
+        row[f"reached_{v}"], row[f"chain_len_{v}"] = chain.reached, chain.length
+        row[f"flipped_{v}"] = side[v] == "new" if chain.reached else None
+    row["old_text"] = tok.decode(gen.chains[0].ids, skip_special_tokens=True)
+    row["new_text"] = tok.decode(gen.chains[-1].ids, skip_special_tokens=True)
+    if not row["reached_none"] or not row["reached_all"]:
+        return row, "old_no_marker" if not row["reached_none"] else "new_no_marker"
+    if side["none"] != "old" or side["all"] != "new":
+        return row, "no_cot_flip"
+    s_old, s_new = row["s_none"], row["s_all"]
+    row |= {"s_old": s_old, "s_new": s_new, "effect": s_new - s_old, "flips": True, "reason": None}
+    for v in VARIANTS:
+        row[f"r_{v}"] = None if row[f"s_{v}"] is None else (row[f"s_{v}"] - s_old) / (s_new - s_old)
+    return row, None
+
+
+def run_cot(ctx) -> dict:
+    """:func:`run` under ``scenario.variant=cot``: pairs screened by generation (the clean old chain
+    decides the old candidate and the new chain the new one, both after the marker), then the
+    variants' recovery from their chains. Variants whose chain does not reach the marker are left
+    out of that variant's summary and counted (``n_unreached``)."""
+    cfg = ctx.cfg
+    n_boot = int(cfg.get("n_boot", 2000))
+    limit = cfg.get("cot_max_pairs")
+    order = round_robin([pair_row(p) for p in ctx.pairs.pairs])      # a cap keeps every scenario
+    pairs = [ctx.pairs.pairs[i] for i in (order if limit is None else order[: int(limit)])]
+    rows, excluded = [], list(ctx.pairs.excluded)
+    for pair in tqdm(pairs, desc="field_refresh cot", disable=not cfg.get("progress", True)):
+        row, reason = cot_pair(ctx, pair, int(cfg.get("cot_max_new_tokens", 40)))
+        if reason:
+            excluded.append(row | {"reason": reason})
+        else:
+            rows.append(row)
+    families = families_of(ctx, rows + excluded)
+    with ctx.timer("statistics"):
+        recovery = {v: summaries_by_family(rows, f"r_{v}", f"flipped_{v}", families, n_boot, ctx.seed)
+                    for v in VARIANTS}
+    exclusions = K.exclusion_counts(excluded)
+    if len(pairs) < len(ctx.pairs.pairs):                  # counted, no rows: never screened
+        exclusions["beyond_max_pairs"] = len(ctx.pairs.pairs) - len(pairs)
+    aggregates = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
+                  "families": families, "readout": "generated", "findings": ["field", "downstream"],
+                  "checks_by_construction": list(CHECK_VARIANTS), "recovery": recovery,
+                  "n_unreached": {v: sum(not r[f"reached_{v}"] for r in rows) for v in VARIANTS},
+                  "checks": {"max_abs_none": K.worst(rows, "r_none"), "max_abs_all_minus_1": K.worst(rows, "r_all", 1.0)},
+                  "exclusions_by_family": exclusions_by_family(excluded, families)}
+    return {"rows": rows, "exclusions": dict(exclusions), "excluded": excluded, "variants": list(VARIANTS),
+            "aggregates": aggregates}
+
+
 def run(ctx) -> dict:
     """Field-only vs field+downstream refresh of every flipping pair; see the module docstring.
 
     Each flipping pair is refreshed right after its clean run (its prefix caches are used once and
     dropped), so every pair is prefilled once per job."""
+    if ctx.scenario_cfg is not None and ctx.scenario_cfg.get("variant") == "cot":
+        return run_cot(ctx)
     cfg = ctx.cfg
     model = ctx.bundle.model
     n_boot = int(cfg.get("n_boot", 2000))

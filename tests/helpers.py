@@ -46,7 +46,7 @@ def build_tiny(arch: str, seed: int = 0):
     return model
 
 
-def recall_pairs(bundle, ids, n_instances=2, per_instance=None):
+def recall_pairs(bundle, ids, n_instances=2, per_instance=None, variant="direct"):
     """Token-aligned pairs of the named recall scenarios of the shipped suite (at most
     ``per_instance`` pairs of each instance, to keep embedded tests short)."""
     from omegaconf import OmegaConf
@@ -54,7 +54,7 @@ def recall_pairs(bundle, ids, n_instances=2, per_instance=None):
     from kvnotes.harness.pairs import prepare_pairs
 
     sc = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "scenario", "default.yaml"))
-    sc.families, sc.ids, sc.n_instances = ["recall"], ids, n_instances
+    sc.families, sc.ids, sc.n_instances, sc.variant = ["recall"], ids, n_instances, variant
     ps = prepare_pairs(bundle.tokenizer, sc)
     if per_instance is not None:
         seen: dict = {}

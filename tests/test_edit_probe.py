@@ -7,7 +7,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from probes.edit import decision_after_marker, round_robin
+from kvnotes.harness.selection import round_robin
+from probes.edit import decision_after_marker
 from tests.helpers import check_figures, recall_pairs
 
 # fp32 CPU: K=0 selective and the field refresh are the same cache; the KL of the same

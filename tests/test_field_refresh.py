@@ -177,3 +177,24 @@ def test_figure_from_record(result, tmp_path):
               "result": res}
     paths = plot_record(record, tmp_path)
     assert [p.name for p in paths] == ["field_refresh.png"] and paths[0].stat().st_size > 10_000
+
+
+def test_cot_reads_each_variant_after_its_generated_reasoning(smol):
+    """``scenario.variant=cot``: each variant's reasoning is generated and the decision read after
+    the marker. The clean chains bound the recovery exactly (``none`` = 0, ``all`` = 1: the same
+    caches decode the same chains), every kept pair is a generated flip, and pairs whose chains miss
+    the marker are excluded by reason, never scored."""
+    ps = recall_pairs(smol, ["favourite_colour"], n_instances=1, variant="cot")
+    ctx = ProbeContext(bundle=smol, pairs=ps, cfg=probe_cfg(cot_max_pairs=3), seed=0,
+                       scenario_cfg=OmegaConf.create({"variant": "cot"}))
+    res = run_probe(ctx)
+    check_schema("field_refresh", res)
+    rows, agg = res["rows"], res["aggregates"]
+    assert agg["readout"] == "generated" and rows
+    assert len(rows) + sum(res["exclusions"].values()) == len(ps.pairs)
+    assert set(res["exclusions"]) <= {"old_no_marker", "new_no_marker", "no_cot_flip", "beyond_max_pairs"}
+    for r in rows:
+        assert r["reached_none"] and r["reached_all"] and r["flips"]
+        assert r["r_none"] == 0.0 and abs(r["r_all"] - 1.0) < 1e-6
+        assert r["flipped_all"] and not r["flipped_none"] and r["chain_len_all"] > 0
+    assert agg["recovery"]["field"]["all"]["n"] == sum(r["r_field"] is not None for r in rows)

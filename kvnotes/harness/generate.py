@@ -148,3 +148,17 @@ def _choose(lp: torch.Tensor, temperature: float, generator: torch.Generator | N
     if temperature <= 0:
         return lp.argmax(-1)
     return torch.multinomial(torch.softmax(lp / temperature, -1), 1, generator=generator).view(-1)
+
+
+def owned_side(logprobs: torch.Tensor, pair) -> str | None:
+    """Which candidate the decision after the marker names, read as the direct readout reads the
+    decision position: ``"old"`` / ``"new"`` when the vocabulary top-1 of ``logprobs`` (``[vocab]``)
+    is that candidate's first token, None when it is neither (not an owned decision)."""
+    top = int(logprobs.argmax())
+    return "old" if top == pair.cand_old[0] else "new" if top == pair.cand_new[0] else None
+
+
+def stop_tokens(tokenizer) -> list[int]:
+    """End-of-turn token ids that stop a chain (``eos`` and ChatML's ``<|im_end|>`` where known)."""
+    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    return sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != tokenizer.unk_token_id)

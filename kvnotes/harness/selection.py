@@ -11,6 +11,7 @@ rows. Capped sweeps draw whole instances across scenarios (:func:`sample_instanc
 from __future__ import annotations
 
 import zlib
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -125,3 +126,14 @@ def rank_by_mean(selection_maps: Sequence[np.ndarray]) -> list[tuple[int, ...]]:
         raise ValueError("no selection maps to rank on")
     mean = np.mean(np.stack(selection_maps), axis=0)
     return sorted(np.ndindex(*mean.shape), key=lambda ix: (-mean[ix], ix))
+
+
+def round_robin(rows: list[dict]) -> list[int]:
+    """Row indices ordered round-robin over scenarios (first pair of each scenario, then second...),
+    so a cap keeps every scenario represented."""
+    seen: Counter = Counter()
+    rank = []
+    for i, r in enumerate(rows):
+        rank.append((seen[r["scenario"]], i))
+        seen[r["scenario"]] += 1
+    return [i for _, i in sorted(rank)]
