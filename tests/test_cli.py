@@ -54,8 +54,8 @@ def test_field_missing_from_template(tmp_path):
 
 
 def test_cot_variant_refused_by_probes_that_do_not_generate(tmp_path):
-    proc = run("probe=field_refresh", "scenario.variant=cot", f"out_root={tmp_path}")
-    one_line_error(proc, "field_refresh", "scenario.variant=cot", "probes that do: edit")
+    proc = run("probe=suffix_recovery", "scenario.variant=cot", f"out_root={tmp_path}")
+    one_line_error(proc, "suffix_recovery", "scenario.variant=cot", "probes that do: edit, field_refresh")
     assert not any(tmp_path.iterdir())
 
 
