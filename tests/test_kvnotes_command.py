@@ -82,3 +82,26 @@ def test_sweep_records_and_tables(sweep, tmp_path):
     assert "blast_radius" not in TABLES and set(TABLES) >= {"screen", "edit", "compose", "agent", "serving"}
     proc = kvnotes("table", str(tmp_path / "missing.json"))
     assert proc.returncode != 0 and proc.stderr.startswith("kvnotes: error: cannot read record")
+
+
+def test_serving_table_renders_every_run():
+    """The serving table (a ``serve_bench`` record; no vLLM here) names every run, its ratio and
+    shares, with one missing marker for absent numbers."""
+    share = {"k": 3, "n": 4, "p": 0.75, "ci": [0.3, 0.95]}
+    run = {"arm": "erratum", "position": "early", "rate": 1.0, "n_sent": 4, "n_not_sent": 0, "hit_rate": 0.5,
+           "hit_rate_updates": 0.77, "engine_hit_rate": None, "ttft_updates_p50_s": 0.1, "ttft_updates_p90_s": 0.2,
+           "throughput_rps": 1.5, "n_owned": 4, "correct_owned": share, "agreement": share, "reset_ok": True,
+           "first_request_cached_tokens": 0}
+    rec = {"probe": "serving", "model": {"name": "m"}, "packages": {"vllm": "0.32.0"},
+           "scenario": {"n_scenarios": 2, "families": ["recall"]},
+           "config": {"sessions": 2, "turns": 3, "doc_tokens": 600},
+           "result": {"engine": {"block_size": 16}, "runs": [run, run | {"arm": "in_place", "position": "late"}],
+                      "aggregates": {"p90_ttft_ratio_vs_in_place": {"erratum": {"early": {"1.0": 2.5}}}},
+                      "cross_check": {"rows": [1], "max_abs_diff_candidates": 1e-5, "max_abs_diff_vocab": 2e-5,
+                                      "tolerance_nats": 1e-3, "all_top1_equal": True},
+                      "rows": [{"sent": True, "max_abs_diff_candidates": 3e-5}]}}
+    text = record_table(rec)
+    lines = [ln for ln in text.splitlines() if ln.startswith("| 1 |")]
+    assert len(lines) == 2 and "| early | erratum |" in lines[0] and "| 2.50 |" in lines[0]
+    assert "0.75 [0.30, 0.95] (n=4)" in lines[0] and "| n/a |" in lines[0]
+    assert "cold start: every run reset the prefix cache and its first request had 0 cached tokens: True" in text

@@ -245,13 +245,6 @@ def record_table(rec: dict) -> str:
     return TABLES.get(rec.get("probe"), aggregates_table)(rec)
 
 
-def _share_ci(p: dict) -> str:
-    if not p or not p.get("n"):
-        return "–"
-    lo, hi = p["ci"]
-    return f"{p['k']}/{p['n']} ({p['p']:.2f} [{lo:.2f}, {hi:.2f}])"
-
-
 @table("serving")
 def serving_table(rec: dict) -> str:
     """The measured serving table of a ``scripts/serve_bench.py`` record (per rate, field position
@@ -272,10 +265,10 @@ def serving_table(rec: dict) -> str:
         arm, pos, rate = run["arm"], run["position"], run["rate"]
         r = ratio.get(arm, {}).get(pos, {}).get(str(rate))
         w(f"| {rate:g} | {pos} | {arm} | {run['n_sent']}/{run['n_sent'] + run['n_not_sent']} | "
-              f"{_fmt_none(run['hit_rate'], '.3f')} | {_fmt_none(run['hit_rate_updates'], '.3f')} | "
-              f"{_fmt_none(run.get('engine_hit_rate'), '.3f')} | {_fmt_none(run['ttft_updates_p50_s'])} / "
-              f"{_fmt_none(run['ttft_updates_p90_s'])} | {_fmt_none(r)} | {_fmt_none(run['throughput_rps'], '.3f')} | "
-              f"{run['n_owned']}/{run['n_sent']} | {_share_ci(run['correct_owned'])} | {_share_ci(run['agreement'])} |")
+              f"{fmt(run['hit_rate'], '.3f')} | {fmt(run['hit_rate_updates'], '.3f')} | "
+              f"{fmt(run.get('engine_hit_rate'), '.3f')} | {fmt(run['ttft_updates_p50_s'], '.2f')} / "
+              f"{fmt(run['ttft_updates_p90_s'], '.2f')} | {fmt(r, '.2f')} | {fmt(run['throughput_rps'], '.3f')} | "
+              f"{run['n_owned']}/{run['n_sent']} | {fmt_p(run['correct_owned'])} | {fmt_p(run['agreement'])} |")
     cc = res["cross_check"]
     w(f"\ncross-check ({len(cc['rows'])} prompts, whole vocabulary): max |Δ log p| candidates "
           f"{cc['max_abs_diff_candidates']:.2e} nats, whole vocabulary {cc['max_abs_diff_vocab']:.2e} nats, "
@@ -289,10 +282,6 @@ def serving_table(rec: dict) -> str:
           f"{not cold}{'' if not cold else f' (not: {cold})'}")
 
     return w.text()
-
-
-def _fmt_none(x, spec=".2f", none="–") -> str:
-    return none if x is None else format(x, spec)
 
 
 #: The probes :func:`results_table` joins, in column order.
