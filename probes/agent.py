@@ -139,9 +139,9 @@ def update_text(instance: Instance, value: str, variant: str) -> str:
     return "\n".join(p for p in (erratum_text(instance, value), pieces["request"], pieces["decision"]) if p)
 
 
-def _timed(cuda: bool, fn):
+def _timed(fn):
     box = []
-    ms = elapsed_ms(lambda: box.append(fn()), cuda)
+    ms = elapsed_ms(lambda: box.append(fn()))
     return ms, box[0]
 
 
@@ -161,17 +161,16 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
         merge with the answer prefix) or ``transcript_not_incremental``.
     """
     sc = instance.scenario
-    cuda = model.device.type == "cuda"
     first_user, field_chars, prefix = render_layout(instance, values[0], variant, CHUNKED_ORDER)
     made = layout_prompt(tok, instance, values[0], CHUNKED_ORDER, CHUNK_NAMES, variant, None, chat, template_kwargs)
     if isinstance(made, str):
         return made
     prompt1, spans = made
     sink_tokens = sink_ids(prompt1.ids, sink, spans[0][0])
-    pre_ms, chunks = _timed(cuda, lambda: [kvcompose.precompile(model, prompt1.ids[a:b], sink_tokens)
+    pre_ms, chunks = _timed(lambda: [kvcompose.precompile(model, prompt1.ids[a:b], sink_tokens)
                                            for a, b in spans])
     sliding = kvcompose.has_sliding_layers(model)
-    full = per_prompt(lambda ids: _timed(cuda, lambda: kvcompose.full_logits(model, ids)), 2 * len(values))
+    full = per_prompt(lambda ids: _timed(lambda: kvcompose.full_logits(model, ids)), 2 * len(values))
     users, answers, rows = [first_user], [], []
     cache, cached = None, None
     for t, value in enumerate(values, start=1):
@@ -193,7 +192,7 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
         # --- the agent: compose (turn 1) or forward only what is new
         if t == 1:
             parts = prompt_parts(conv.ids.view(1, -1), spans, chunks)
-            ms, (cache, logits) = _timed(cuda, lambda: kvcompose.compose(model, parts, True, seam, static=False))
+            ms, (cache, logits) = _timed(lambda: kvcompose.compose(model, parts, True, seam, static=False))
             agent = torch.log_softmax(logits[0], -1)
             reuse = 0
         else:
@@ -202,7 +201,7 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
                 if sliding:
                     return NOT_INCREMENTAL
                 cache.crop(reuse)
-            ms, lp = _timed(cuda, lambda: kvcache.continuation_logprobs(model, cache, conv.ids[reuse:], reuse,
+            ms, lp = _timed(lambda: kvcache.continuation_logprobs(model, cache, conv.ids[reuse:], reuse,
                                                                          last_only=True))
             agent = lp[0, -1]
         cached = conv.ids

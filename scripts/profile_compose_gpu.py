@@ -45,7 +45,7 @@ def med(fn, warmup: int, trials: int) -> tuple[float, float]:
         fn()
     gpu, cpu = [], []
     for _ in range(trials):
-        gpu.append(elapsed_ms(fn, True))
+        gpu.append(elapsed_ms(fn))
         torch.cuda.synchronize()
         t = time.perf_counter()
         fn()
@@ -106,7 +106,7 @@ def profile_length(model, L: int, args) -> None:
         times = {name: [] for name, _ in stages}
         for trial in range(W + T):
             for name, fn in stages:
-                ms = elapsed_ms(fn, True)
+                ms = elapsed_ms(fn)
                 if trial >= W:
                     times[name].append(ms)
         print(" compose() (two forwards), stage by stage:", flush=True)

@@ -114,13 +114,13 @@ def generate(model, cache: DynamicCache, tokens: torch.Tensor | int, pos: int, m
     work = kvcache.expand_cache(cache, config, V)
     feed = tok.expand(V).reshape(V, 1).to(model.device)
     chains = [Chain([], False, "max_new_tokens") for _ in range(V)]
-    decision = torch.full((V, model.config.get_text_config().vocab_size), float("nan"))
+    decision: torch.Tensor | None = None                   # [V, vocab], NaN until read
     live = list(range(V))                                   # rows still decoding (all rows are fed)
     step = 0
     while live:
         lp = kvcache.continuation_logprobs(model, work, feed, pos + step, last_only=True)[:, -1].cpu()
-        if decision.shape[1] != lp.shape[1]:
-            decision = torch.full((V, lp.shape[1]), float("nan"))
+        if decision is None:
+            decision = torch.full_like(lp, float("nan"))
         nxt = _choose(lp, temperature, generator)
         still = []
         for i in live:
@@ -140,6 +140,7 @@ def generate(model, cache: DynamicCache, tokens: torch.Tensor | int, pos: int, m
         live = still
         feed = nxt.view(V, 1).to(model.device)              # finished rows keep decoding (ignored)
         step += 1
+    assert decision is not None                            # the loop runs at least once
     return Generated(chains, decision)
 
 

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from torch.utils.benchmark.utils.timer import timer as clock
 
 
-def elapsed_ms(fn: Callable[[], object], cuda: bool = False) -> float:
-    """Milliseconds taken by one call of ``fn()`` (``cuda`` is kept for callers' clarity: the clock
-    synchronises any accelerator itself)."""
+def elapsed_ms(fn: Callable[[], object]) -> float:
+    """Milliseconds taken by one call of ``fn()`` (the clock synchronises any accelerator itself)."""
     t0 = clock()
     fn()
     return (clock() - t0) * 1e3
