@@ -198,3 +198,15 @@ def test_cot_reads_each_variant_after_its_generated_reasoning(smol):
         assert r["r_none"] == 0.0 and abs(r["r_all"] - 1.0) < 1e-6
         assert r["flipped_all"] and not r["flipped_none"] and r["chain_len_all"] > 0
     assert agg["recovery"]["field"]["all"]["n"] == sum(r["r_field"] is not None for r in rows)
+    # independent reference: the "all" variant (every prefix position patched from the new run) decodes
+    # as the new prompt's own prefill does, chain and score after the marker
+    from kvnotes.harness.generate import generate, stop_tokens, text_marker
+    from kvnotes.harness.readout import first_token_scores
+
+    pair = next(p for p in ps.pairs if p.spec.id == rows[0]["pair"])
+    d = pair.decision
+    marker = pair.spec.instance.scenario.variants["cot"].answer_marker
+    ref = generate(smol.model, kvcache.prefill(smol.model, pair.new.ids[:d]), int(pair.new.ids[d]), d, 40,
+                   text_marker(smol.tokenizer, marker), stop_tokens(smol.tokenizer))
+    assert ref.chains[0].reached and ref.chains[0].length == rows[0]["chain_len_all"]
+    assert abs(float(first_token_scores(ref.logprobs[:1], pair)[0]) - rows[0]["s_all"]) < 1e-3

@@ -40,7 +40,9 @@ def test_zero_new_tokens_is_the_direct_readout(tiny):
 
 
 def test_batched_chains_equal_a_per_variant_loop(tiny):
-    prompts = _prompts(4, seed=1)
+    # greedy tokens compared across batch shapes: seed 9 leaves no near-tie on any tiny architecture
+    # (every step's top-1 leads the top-2 by >= 1.9e-3 nats, ~200x BATCH_TOL; seed 1 had 1.2e-5)
+    prompts = _prompts(4, seed=9)
     batch, caches = _batch_cache(tiny, prompts)
     loop = [generate(tiny, c, prompts[v, -1], T - 1, 6, NEVER) for v, c in enumerate(caches)]
     both = generate(tiny, batch, prompts[:, -1], T - 1, 6, NEVER)
