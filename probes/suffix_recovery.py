@@ -43,6 +43,17 @@ the pair ids its profile was built from (``topk_profile_pairs``).
 All variants of one pair are evaluated in one call of :func:`kvnotes.harness.readout.variant_scores` on
 batched variant caches (chunked to ``ctx.budget_bytes``); identical masks are evaluated once.
 Aggregates per family (and ``all``) come from :func:`kvnotes.harness.kit.summaries_by_family`.
+
+**Chain of thought** (``scenario.variant=cot``, :func:`run_cot`): the coarse curves only. Pairs are
+screened by generation (:func:`kvnotes.harness.kit.cot_screen`: the clean old chain names the old
+candidate and the new chain the new one, each read after its answer marker; ``cot_max_pairs``
+round-robin over scenarios, the rest counted ``beyond_max_pairs``). Each screened pair's
+references, ``suffix`` / ``prefix`` sets at ``cot_fractions`` of its downstream (with the field too
+when ``with_field``) and layer bands decode their reasoning from their patched caches in one batch
+(:func:`kvnotes.kv.generate.generate`), and recovery is read after each chain's marker against the
+clean chains' scores. A variant whose chain misses its marker is left out of that curve point and
+counted (``n_unreached``). The single-position map, and ``topk`` / ``random`` sets that need it or
+many draws, stay direct-readout only: asking for them under cot is refused in one line.
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvnotes.records.schema import TypedDict
+from kvnotes.records.schema import NotRequired, TypedDict
 
 import math
 from collections.abc import Sequence
@@ -65,10 +76,17 @@ from kvnotes.harness.kit import RandomControl
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness import kit as K
 from kvnotes.harness.kit import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
-from kvnotes.harness.readout import PairRun, variant_scores
+from kvnotes.errors import KvnotesError
+from kvnotes.harness.pairs import pair_row
+from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
 from kvnotes.harness.selection import pair_rng, split_instances
+from kvnotes.kv.generate import generate, owned_side, stop_tokens
 
 SET_FAMILIES = ("suffix", "prefix", "topk", "random")
+#: Set families of the chain-of-thought curves (the others need the direct single-position map).
+COT_FAMILIES = ("suffix", "prefix")
+#: With ``scenario.variant=cot`` the coarse curves are read after generated reasoning.
+SUPPORTS_COT = True
 REFERENCES = ("none", "field", "downstream", "field_downstream")
 ANCHORS = ("decision", "field_end")
 NO_DOWNSTREAM = "no_downstream"
@@ -98,6 +116,12 @@ class Config(ProbeConfig):
     with_field: bool = True
     store_sets: bool = False
     keep_caches: bool = True
+    #: ``scenario.variant=cot``: set sizes (fractions of the downstream), set families, most tokens
+    #: generated per chain, and how many aligned pairs to screen
+    cot_fractions: list[float] = field(default_factory=lambda: [0.1, 0.25, 0.5, 1.0])
+    cot_families: list[str] = field(default_factory=lambda: list(COT_FAMILIES))
+    cot_max_new_tokens: int = 40
+    cot_max_pairs: Any = 12
 
 
 def grid_points(fractions: Sequence[float], counts: Sequence[int]) -> list[dict]:
@@ -438,15 +462,16 @@ class Band(TypedDict):
 
 
 class SuffixRow(PairRow):
-    """A flipping pair: split, single-position map, band and curve recoveries."""
+    """A flipping pair: split, single-position map, band and curve recoveries (under cot: no split
+    or single-position map, and None where a chain missed its marker)."""
 
-    split: str
+    split: NotRequired[str]
     downstream: list[int]
-    single: list[float]
-    bands: list[float]
+    single: NotRequired[list[float]]
+    bands: list[float | None]
     curves: dict[str, list[float | None]]
-    r_none: float
-    r_downstream: float
+    r_none: float | None
+    r_downstream: float | None
 
 
 class Result(BaseResult):
@@ -480,9 +505,168 @@ def _checks(rows: list[dict], held_rows: list[dict], grid: list[dict], sel) -> d
     }
 
 
+# ---------------------------------------------------------------------------------------------
+# chain of thought: the coarse curves read after generated reasoning
+
+
+def cot_plan(pair, fractions: Sequence[float], families: Sequence[str], bands: list[dict],
+             with_field: bool, n_layers: int) -> tuple[VariantPlan, dict]:
+    """The variants of one pair under chain of thought, deduplicated by mask.
+
+    Returns:
+        (the plan, names -> unique-mask index: ``ref:<name>`` for :data:`REFERENCES`,
+        ``<family>@<i>`` / ``field+<family>@<i>`` for the ``i``-th fraction, ``band@<i>``).
+    """
+    a, b = pair.field
+    d = pair.decision
+    plan = VariantPlan(n_layers, d)
+    field_pos = list(range(a, b))
+    names = {"ref:none": plan.add([]), "ref:field": plan.add(field_pos), "ref:downstream": plan.add(range(b, d)),
+             "ref:field_downstream": plan.add(range(a, d))}
+    for i, f in enumerate(fractions):
+        k = k_for({"kind": "fraction", "value": float(f)}, d - b)
+        assert k is not None
+        for fam in families:
+            pos = suffix_set((b, d), k) if fam == "suffix" else prefix_set((b, d), k)
+            names[f"{fam}@{i}"] = plan.add(pos)
+            if with_field:
+                names[f"field+{fam}@{i}"] = plan.add(field_pos + pos)
+    for i, band in enumerate(bands):
+        names[f"band@{i}"] = plan.add(range(b, d), range(*band["layers"]))
+    return plan, names
+
+
+@torch.no_grad()
+def cot_pair(ctx, pair, fractions: Sequence[float], families: Sequence[str], bands: list[dict],
+             with_field: bool, max_new: int) -> tuple[dict, str | None]:
+    """One pair under chain of thought: screened by its clean chains
+    (:func:`kvnotes.harness.kit.cot_screen`), then every variant of :func:`cot_plan` decodes its chain
+    from its patched cache (one batched :func:`kvnotes.kv.generate.generate`) and its score is read
+    after the chain's marker.
+
+    Returns:
+        (the row: the clean columns and chains; ``k`` (set size per fraction), ``r_<ref>`` /
+        ``flipped_<ref>``, ``curves`` / ``curves_flipped`` (family -> per fraction), ``bands`` /
+        ``bands_flipped`` (None where the chain missed its marker), ``chains`` (name -> chain record),
+        ``n_unreached``, ``n_variants``; the exclusion reason (``no_downstream``, a clean chain
+        without its marker, ``no_cot_flip``) or None).
+    """
+    model, tok = ctx.bundle.model, ctx.bundle.tokenizer
+    d, b = pair.decision, pair.field[1]
+    row = pair_row(pair)
+    if d <= b:
+        return row, NO_DOWNSTREAM
+    with ctx.timer("prefill"):
+        old_c, new_c = kvcache.prefill(model, pair.old.ids[:d]), kvcache.prefill(model, pair.new.ids[:d])
+    screen, why = K.cot_screen(ctx, pair, old_c, new_c, max_new)
+    row |= screen
+    if why:
+        return row, why
+    plan, names = cot_plan(pair, fractions, families, bands, with_field, len(old_c.layers))
+    with ctx.timer("generate"):
+        gen = generate(model, kvcache.build_variants(model.config, old_c, new_c, plan.masks()), int(pair.old.ids[d]),
+                       d, max_new, K.cot_marker(ctx, pair), stop_tokens(tok))
+    s_old, s_new = row["s_old"], row["s_new"]
+    r: list[float | None] = []
+    flip: list[bool | None] = []
+    for lp, chain in zip(gen.logprobs, gen.chains, strict=True):
+        s = float(first_token_scores(lp[None], pair)[0]) if chain.reached else None
+        r.append(None if s is None else (s - s_old) / (s_new - s_old))
+        flip.append(owned_side(lp, pair) == "new" if chain.reached else None)
+    n = d - b
+    row |= {"downstream": [b, d], "n_downstream": n, "n_variants": len(plan.specs),
+            "k": [k_for({"kind": "fraction", "value": float(f)}, n) for f in fractions],
+            "chains": {name: gen.chains[i].record() for name, i in names.items()},
+            "n_unreached": sum(not c.reached for c in gen.chains)}
+    for ref in REFERENCES:
+        i = names[f"ref:{ref}"]
+        row[f"r_{ref}"], row[f"flipped_{ref}"] = r[i], flip[i]
+    curve_names = [*families, *((f"field+{f}" for f in families) if with_field else ())]
+    row["curves"] = {c: [r[names[f"{c}@{i}"]] for i in range(len(fractions))] for c in curve_names}
+    row["curves_flipped"] = {c: [flip[names[f"{c}@{i}"]] for i in range(len(fractions))] for c in curve_names}
+    row["bands"] = [r[names[f"band@{i}"]] for i in range(len(bands))]
+    row["bands_flipped"] = [flip[names[f"band@{i}"]] for i in range(len(bands))]
+    return row, None
+
+
+def _cot_summaries(rows: list[dict], value, flipped, families: list[str], n_boot: int, seed: int) -> dict:
+    """:func:`kvnotes.harness.kit.summaries_by_family` over the chains that reached their marker, with
+    ``n_unreached`` (rows whose chain for this point missed it) per family and ``all``."""
+    got = summaries_by_family(rows, value, flipped, families, n_boot, seed)
+    for g, cell in got.items():
+        cell["n_unreached"] = sum(value(r) is None for r in rows if g == "all" or r["family"] == g)
+    return got
+
+
+def cot_settings(cfg) -> tuple[list[float], list[str], int]:
+    """The cot curves' fractions, set families and token budget from the probe config.
+
+    Raises:
+        KvnotesError: a family other than ``suffix`` / ``prefix`` (``topk`` needs the single-position
+            map, which stays direct), or a fraction outside ``(0, 1]``.
+    """
+    fams = [str(f) for f in cfg.get("cot_families", list(COT_FAMILIES))]
+    bad = [f for f in fams if f not in COT_FAMILIES]
+    if bad:
+        raise KvnotesError(f"suffix_recovery under scenario.variant=cot runs the coarse curves ({', '.join(COT_FAMILIES)})"
+                           f"; {', '.join(bad)} need the single-position map or many draws, which stay direct-readout only")
+    fractions = [float(f) for f in cfg.get("cot_fractions", [0.1, 0.25, 0.5, 1.0])]
+    grid_points(fractions, [])                                                      # validate
+    return fractions, fams, int(cfg.get("cot_max_new_tokens", 40))
+
+
+def run_cot(ctx) -> dict:
+    """:func:`run` under ``scenario.variant=cot`` (see "Chain of thought" in the module docstring)."""
+    cfg = ctx.cfg
+    fractions, fams, max_new = cot_settings(cfg)
+    n_layers = ctx.bundle.adapter.n_layers
+    bands_spec = cfg.layer_bands
+    bands = K.layer_bands(n_layers, bands_spec if isinstance(bands_spec, int) else [list(x) for x in bands_spec])
+    n_boot = int(cfg.get("n_boot", 2000))
+    limit = cfg.get("cot_max_pairs")
+    pairs, beyond = K.cot_selection(ctx, None if limit is None else int(limit))
+    rows, screened_out = [], []
+    for pair in tqdm(pairs, desc="suffix_recovery cot", disable=not K.progress(ctx)):
+        row, why = cot_pair(ctx, pair, fractions, fams, bands, bool(cfg.with_field), max_new)
+        (screened_out if why else rows).append(row | {"reason": why})
+    excluded = list(ctx.pairs.excluded) + screened_out
+    exclusions = K.exclusion_counts(excluded)
+    if beyond:
+        exclusions["beyond_max_pairs"] = beyond
+    families = families_of(ctx, rows + excluded)
+    curve_names = list(rows[0]["curves"]) if rows else []
+    with ctx.timer("statistics"):
+        curves = {c: [_cot_summaries(rows, lambda r, c=c, i=i: r["curves"][c][i],
+                                     lambda r, c=c, i=i: bool(r["curves_flipped"][c][i]), families, n_boot, ctx.seed)
+                      for i in range(len(fractions))] for c in curve_names}
+        refs = {n: _cot_summaries(rows, lambda r, n=n: r[f"r_{n}"], lambda r, n=n: bool(r[f"flipped_{n}"]),
+                                  families, n_boot, ctx.seed) for n in REFERENCES}
+        band_aggs = [_cot_summaries(rows, lambda r, i=i: r["bands"][i], lambda r, i=i: bool(r["bands_flipped"][i]),
+                                    families, n_boot, ctx.seed) for i in range(len(bands))]
+    full = [i for i, f in enumerate(fractions) if f == 1.0]
+    aggregates = {
+        "readout": "generated", "max_new_tokens": max_new, "cot_fractions": fractions, "cot_families": fams,
+        "n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_screened": len(pairs), "n_flip": len(rows),
+        "families": families, "curves": {"heldout": {}, "all": curves}, "references": refs, "bands": band_aggs,
+        "n_unreached": sum(r["n_unreached"] for r in rows),
+        "direct_only": ["single", "topk", "random"],
+        "checks": {"max_abs_none": K.worst(rows, "r_none"),
+                   "max_abs_field_downstream_minus_1": K.worst(rows, "r_field_downstream", 1.0),
+                   "max_abs_full_set_minus_downstream": max(
+                       (abs(r["curves"][f][g] - r["r_downstream"]) for r in rows for f in fams for g in full
+                        if r["curves"][f][g] is not None and r["r_downstream"] is not None), default=None)},
+        "exclusions_by_family": exclusions_by_family(excluded, families)}
+    return {"rows": rows, "exclusions": exclusions, "excluded": excluded, "aggregates": aggregates,
+            "grid": [{"kind": "fraction", "value": f} for f in fractions], "layer_bands": bands,
+            "set_families": fams, "topk_anchor": str(cfg.topk_anchor), "split": {}, "selection_pairs": [],
+            "examples": {}}
+
+
 def run(ctx) -> dict:
     """Suffix / prefix / top-k / random recovery curves, single-position map and layer bands of
     every flipping pair; see the module docstring."""
+    if K.is_cot(ctx):
+        return run_cot(ctx)
     cfg = ctx.cfg
     model = ctx.bundle.model
     n_layers = model.config.get_text_config().num_hidden_layers

@@ -24,7 +24,7 @@ def _curve(ax, xs, cells: list[dict], group: str, color, label: str, ls: str = "
 def _curves_figure(record: dict, out_dir: Path) -> Path:
     res = record["result"]
     agg = res["aggregates"]
-    scope = "heldout" if agg["curves"]["heldout"] else "all"
+    scope = "heldout" if agg["curves"].get("heldout") else "all"
     curves = agg["curves"][scope]
     grid = res["grid"]
     groups = [g for g in ["all", *agg["families"]]
@@ -55,7 +55,8 @@ def _curves_figure(record: dict, out_dir: Path) -> Path:
             ax.set_ylabel(f"{g}: recovery")
             ax.set_title(("field + set" if with_field else "downstream set only") + f", {scope}", fontsize=8)
             ax.legend(fontsize=6)
-    fig.suptitle(f"{title(record)} · mean recovery, 95% CI")
+    readout = " · decision read after generated reasoning" if agg.get("readout") == "generated" else ""
+    fig.suptitle(f"{title(record)} · mean recovery, 95% CI{readout}")
     fig.tight_layout()
     return save(fig, out_dir, "suffix_recovery_curves.png")
 
@@ -96,7 +97,9 @@ def _bands_figure(record: dict, out_dir: Path) -> Path:
     groups = [g for g in ["all", *agg["families"]] if agg["bands"] and agg["bands"][0][g]["n"]]
     x = np.arange(len(bands))
     w = 0.8 / max(1, len(groups))
-    fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(bands) + 6), 4.2))
+    single = agg.get("single")                      # absent under cot: the map is direct-readout only
+    fig, axes = plt.subplots(1, 2 if single else 1, figsize=(max(10, 1.6 * len(bands) + 6), 4.2), squeeze=False)
+    axes = axes[0]
     for j, g in enumerate(groups):
         color = plt.cm.tab10(j % 10)
         for i in range(len(bands)):
@@ -107,7 +110,11 @@ def _bands_figure(record: dict, out_dir: Path) -> Path:
     axes[0].set_ylabel("recovery (all downstream positions, one layer band)")
     axes[0].set_title("per-layer-band recovery, 95% CI", fontsize=9)
     axes[0].legend(fontsize=7)
-    by = agg["single"]["by_offset"]["decision"]
+    if not single:
+        fig.suptitle(title(record))
+        fig.tight_layout()
+        return save(fig, out_dir, "suffix_recovery_bands.png")
+    by = single["by_offset"]["decision"]
     for j, g in enumerate(groups):
         prof = by[g]
         axes[1].plot(prof["offset"], prof["mean"], marker=".", color=plt.cm.tab10(j % 10), label=g)
@@ -127,6 +134,8 @@ def plot_suffix_recovery(record: dict, out_dir: Path) -> list[Path]:
     """Recovery curves with CI bands per family (suffix / prefix / top-k / random, held-out
     pairs), the single-position map of one example pair per family over its tokens (field and
     decision marked), and layer-band bars with the offset-averaged single-position profile."""
-    if not record["result"]["rows"]:
+    res = record["result"]
+    if not res["rows"]:
         return []
-    return [_curves_figure(record, out_dir), _map_figure(record, out_dir), _bands_figure(record, out_dir)]
+    maps = [_map_figure(record, out_dir)] if res["examples"] else []       # none under cot
+    return [_curves_figure(record, out_dir), *maps, _bands_figure(record, out_dir)]

@@ -296,6 +296,8 @@ def results_table(recs: dict[str, dict]) -> str:
     for r in recs.values():
         fams |= {row["family"] for row in r["result"]["rows"]}
     sr = recs.get("suffix_recovery")
+    if sr and sr["result"]["aggregates"].get("readout") == "generated":
+        sr = None                                  # cot: coarse curves only, no held-out top-k columns
     if sr:
         grid = [(g["kind"], g["value"]) for g in sr["result"]["grid"]]
         i10, i1 = grid.index(("fraction", 0.1)), grid.index(("count", 1))
