@@ -40,10 +40,33 @@ with the transcript, KL(oracle || agent) and KL(transcript || agent) in nats (me
 interval that fits the number of scenario clusters, :func:`kvnotes.harness.stats.summarize`; turns of one
 trajectory are one instance cluster), and the time totals with the ratios oracle / agent and
 transcript / agent.
+
+**Chain of thought** (``scenario.variant=cot``; :mod:`kvnotes.kv.generate`). The prompt ends with the
+variant's reasoning opener and each decision is read right after the variant's answer marker in a
+generated chain (greedy, at most ``cot_max_new_tokens`` tokens; on a thinking model the model config's
+``thinking`` switch is applied to the rendering and the marker counts only after the think block). Each side's cache is built as above over its prompt *without its last token* (the
+agent: compose at turn 1, the incremental forward later; oracle and transcript: a full prefill), then
+the side decodes its chain from the last token (:func:`kvnotes.kv.generate.generate`, which leaves the
+cache as it was) and its decision distribution is the one after the marker. The agent's answer that
+closes the turn is its chain's text (decoded without special tokens) followed by the candidate its
+post-marker decision prefers (candidate ids tokenised in context after prompt + chain); the next turn
+forwards everything after the longest common token prefix with the cached ids (its last prompt
+token, the chain, the answer, the new user message). Rows add each side's chain
+(:meth:`kvnotes.kv.generate.Chain.record`), reached flag and ``<side>_generate_ms`` (the decoding, apart
+from ``agent_ms`` / ``oracle_ms`` / ``transcript_ms``, which stay the compose / incremental / full
+prefill times); top-1s, correctness, agreements and KLs come from the post-marker distributions. An
+oracle or transcript chain that misses its marker keeps the turn's row with that side's comparisons
+None: it is left out of their metrics and counted (``aggregates.n_unreached``), as is a side after
+whose chain the expected candidate merges with the text (``aggregates.n_candidate_merges``: that
+side's correctness None). An *agent* chain that misses its marker ends the trajectory (the
+conversation cannot go on without an answer): its earlier rows are kept and the trajectory is counted
+as excluded (``agent_no_marker`` or ``agent_truncated_in_think``, with the turn and the chain).
+``aggregates.readout`` is ``"generated"`` (``"direct"`` without cot).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,10 +81,11 @@ from kvnotes.harness.chunks import CHUNK_NAMES, CHUNKED_ORDER, SINKS, layout_pro
 from kvnotes.harness.edit_prompts import common_prefix_length, erratum_text, render_layout, user_pieces
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.kit import ProbeConfig, by_family, exclusion_counts, per_prompt, progress, summary
-from kvnotes.records.schema import BaseResult, ExclusionRow, TypedDict
+from kvnotes.kv.generate import Chain, Generated, MarkerTest, answer_marker, generate, stop_tokens, unreached_reason
+from kvnotes.records.schema import BaseResult, ExclusionRow, NotRequired, TypedDict
 from kvnotes.harness.selection import pair_rng
 from kvnotes.harness.timing import elapsed_ms
-from kvnotes.harness.tokens import CANDIDATE_MERGES, build_conversation, continuation_ids
+from kvnotes.harness.tokens import CANDIDATE_MERGES, Prompt, build_conversation, continuation_ids, tokenize
 from scenarios.instances import Instance, draw_instances
 
 #: Exclusion reason: a later conversation re-tokenises earlier turns differently and the model
@@ -69,6 +93,12 @@ from scenarios.instances import Instance, draw_instances
 NOT_INCREMENTAL = "transcript_not_incremental"
 #: Turn scopes of the aggregates.
 SCOPES = {"all": lambda t: True, "turn1": lambda t: t == 1, "turn2+": lambda t: t >= 2}
+#: With ``scenario.variant=cot`` every side generates its reasoning and decides after the answer marker.
+SUPPORTS_COT = True
+#: The three readings of each decision.
+SIDES = ("agent", "oracle", "transcript")
+#: Exclusion reasons (cot) of a trajectory ended by the agent's chain missing its answer marker.
+AGENT_UNREACHED = ("agent_no_marker", "agent_truncated_in_think")
 
 
 @dataclass
@@ -79,6 +109,27 @@ class Config(ProbeConfig):
     seam: int = 4
     sink: str = "bos"
     template_kwargs: Any = None
+    #: ``scenario.variant=cot``: most tokens generated per chain
+    cot_max_new_tokens: int = 40
+
+
+@dataclass(frozen=True)
+class CotReadout:
+    """The generated readout of one trajectory under ``scenario.variant=cot``.
+
+    Attributes:
+        max_new_tokens: most tokens generated per chain (0: the decision is read after the prompt's
+            last token, which is the direct readout).
+        marker: the answer-marker test (:func:`kvnotes.kv.generate.answer_marker`); may be None only
+            with ``max_new_tokens == 0``.
+        stop_ids: end tokens that stop a chain unreached (:func:`kvnotes.kv.generate.stop_tokens`).
+        thinking: the model reasons in a think block (for the unreached reason).
+    """
+
+    max_new_tokens: int
+    marker: MarkerTest | None
+    stop_ids: tuple[int, ...] = ()
+    thinking: bool = False
 
 
 class TurnRow(TypedDict):
@@ -91,25 +142,37 @@ class TurnRow(TypedDict):
     turn: int
     value: str
     expected: str
-    expected_first_token: int
+    expected_first_token: int | None
     answer: str
     agent_top1: int
-    oracle_top1: int
-    transcript_top1: int
-    oracle_owned: bool
-    agent_correct: bool
-    oracle_correct: bool
-    transcript_correct: bool
-    agree_oracle: bool
-    agree_transcript: bool
-    kl_oracle: float
-    kl_transcript: float
+    oracle_top1: int | None
+    transcript_top1: int | None
+    oracle_owned: bool | None
+    agent_correct: bool | None
+    oracle_correct: bool | None
+    transcript_correct: bool | None
+    agree_oracle: bool | None
+    agree_transcript: bool | None
+    kl_oracle: float | None
+    kl_transcript: float | None
     conversation_tokens: int
     reused_tokens: int
     agent_ms: float
     oracle_ms: float
     transcript_ms: float
     precompile_ms: float
+    # scenario.variant=cot only: the chains, the text that closed the turn, the decoding times
+    answer_text: NotRequired[str]
+    expected_first_tokens: NotRequired[dict[str, int | None]]
+    agent_chain: NotRequired[dict[str, Any]]
+    oracle_chain: NotRequired[dict[str, Any]]
+    transcript_chain: NotRequired[dict[str, Any]]
+    agent_reached: NotRequired[bool]
+    oracle_reached: NotRequired[bool]
+    transcript_reached: NotRequired[bool]
+    agent_generate_ms: NotRequired[float]
+    oracle_generate_ms: NotRequired[float]
+    transcript_generate_ms: NotRequired[float]
 
 
 class Result(BaseResult):
@@ -150,27 +213,85 @@ def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
     return float(kvcompose.decision_metrics(p_log[None], q_log[None])["kl"][0])
 
 
-@torch.no_grad()
-def run_trajectory(model, tok, instance: Instance, values: list[str], variant: str, seam: int, sink: str,
-                   chat: bool, template_kwargs: dict) -> list[dict] | str:
-    """Run one trajectory (see the module docstring).
+def candidates_after(tok, prompt: Prompt, chain_ids: Sequence[int], candidates) -> tuple[str, dict]:
+    """The candidates' token ids in context after ``prompt`` followed by a generated chain.
+
+    Args:
+        prompt: the prompt the chain was generated from.
+        chain_ids: the generated token ids (decoded without special tokens).
+        candidates: candidate strings.
 
     Returns:
-        one row per turn (:class:`TurnRow`), or an exclusion reason: ``chunk_boundary_inside_token``
-        (:mod:`kvnotes.harness.chunks`), ``candidate_merges_with_prompt`` (the expected candidate's tokens
-        merge with the answer prefix) or ``transcript_not_incremental``.
+        (the chain's text, ``{candidate: ids tuple, or None when it merges with prompt + chain}``,
+        :func:`kvnotes.harness.tokens.continuation_ids`). An empty chain tokenises after ``prompt``
+        itself.
+    """
+    text = tok.decode(list(chain_ids), skip_special_tokens=True) if len(chain_ids) else ""
+    where = prompt
+    if text:
+        ids, offsets = tokenize(tok, prompt.text + text)
+        where = Prompt(prompt.text + text, ids, offsets, prompt.field_chars, prompt.field)
+    return text, {c: continuation_ids(tok, where, c) for c in candidates}
+
+
+def decode_after(model, cache, ids: torch.Tensor, cot: CotReadout) -> Generated:
+    """Decode one chain from a cache over ``ids[:-1]`` fed ``ids[-1]`` (the prompt's last token) and
+    read the decision after its marker (:func:`kvnotes.kv.generate.generate`; ``cache`` is left
+    unchanged).
+
+    Args:
+        cache: batch-1 cache over ``[0, len(ids) - 1)``.
+        ids: ``[T]`` the prompt's token ids.
+
+    Returns:
+        :class:`kvnotes.kv.generate.Generated` with one chain; its ``logprobs[0]`` (fp32 ``[vocab]``, on
+        the CPU) is NaN when the chain did not reach its marker.
+
+    Raises:
+        ValueError: ``cot.max_new_tokens > 0`` without a marker test.
+    """
+    return generate(model, cache, int(ids[-1]), len(ids) - 1, cot.max_new_tokens, cot.marker, cot.stop_ids)
+
+
+def _unreached(tok, side: str, chain: Chain, thinking: bool) -> str:
+    why = unreached_reason(tok, chain, thinking)
+    return f"{side}_{'no_marker' if why == 'no_answer_marker' else why}"
+
+
+@torch.no_grad()
+def run_trajectory(model, tok, instance: Instance, values: list[str], variant: str, seam: int, sink: str,
+                   chat: bool, template_kwargs: dict,
+                   cot: CotReadout | None = None) -> tuple[list[dict], dict | None]:
+    """Run one trajectory (see the module docstring).
+
+    Args:
+        cot: the generated readout (``scenario.variant=cot``); None reads every decision directly at
+            the decision position.
+
+    Returns:
+        (one row per turn (:class:`TurnRow`), None) for a completed trajectory, else (rows kept,
+        ``{"reason": ...}``): ``chunk_boundary_inside_token`` (:mod:`kvnotes.harness.chunks`),
+        ``candidate_merges_with_prompt`` (the expected candidate's tokens merge with the answer prefix)
+        or ``transcript_not_incremental``, with no rows; under ``cot`` also ``agent_no_marker`` /
+        ``agent_truncated_in_think`` (the agent's chain missed its marker) or
+        ``agent_candidate_merges_with_prompt`` (every candidate merges with the agent's chain), with
+        the rows of the earlier turns and the exclusion's ``turn`` (and ``agent_chain``).
+
+    Raises:
+        ValueError: ``cot.max_new_tokens > 0`` without a marker test.
     """
     sc = instance.scenario
     first_user, field_chars, prefix = render_layout(instance, values[0], variant, CHUNKED_ORDER)
     made = layout_prompt(tok, instance, values[0], CHUNKED_ORDER, CHUNK_NAMES, variant, None, chat, template_kwargs)
     if isinstance(made, str):
-        return made
+        return [], {"reason": made}
     prompt1, spans = made
     sink_tokens = sink_ids(prompt1.ids, sink, spans[0][0])
     pre_ms, chunks = _timed(lambda: [kvcompose.precompile(model, prompt1.ids[a:b], sink_tokens)
                                            for a, b in spans])
     sliding = kvcompose.has_sliding_layers(model)
     full = per_prompt(lambda ids: _timed(lambda: kvcompose.full_logits(model, ids)), 2 * len(values))
+    decoded = per_prompt(lambda ids: _prefill_and_decode(model, ids, cot), 2 * len(values))
     users, answers, rows = [first_user], [], []
     cache, cached = None, None
     for t, value in enumerate(values, start=1):
@@ -179,32 +300,46 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
         conv = build_conversation(tok, users, answers, field_chars, prefix, chat, sc.system, template_kwargs)
         if t == 1:
             assert torch.equal(conv.ids, prompt1.ids), "turn 1 must be the chunked prompt"
-            oracle_ids = prompt1.ids
+            oracle_prompt = prompt1
         else:
             made = layout_prompt(tok, instance, value, CHUNKED_ORDER, CHUNK_NAMES, variant, None, chat, template_kwargs)
             if isinstance(made, str):
-                return made
-            oracle_ids = made[0].ids
-        cands = {c: continuation_ids(tok, conv, c) for c in dict.fromkeys(sc.candidates.values())}
+                return [], {"reason": made}
+            oracle_prompt = made[0]
+        oracle_ids = oracle_prompt.ids
         expected = sc.candidates[sc.outcome(value)]
-        if cands[expected] is None:
-            return CANDIDATE_MERGES
-        # --- the agent: compose (turn 1) or forward only what is new
+        if cot is None:
+            cands = {c: continuation_ids(tok, conv, c) for c in dict.fromkeys(sc.candidates.values())}
+            if cands[expected] is None:
+                return [], {"reason": CANDIDATE_MERGES}
+        # --- the agent: compose (turn 1) or forward only what is new; under cot, all but the last token
+        fed = conv.ids if cot is None else conv.ids[:-1]
         if t == 1:
-            parts = prompt_parts(conv.ids.view(1, -1), spans, chunks)
+            parts = prompt_parts(fed.view(1, -1), spans, chunks)
             ms, (cache, logits) = _timed(lambda: kvcompose.compose(model, parts, True, seam, static=False))
             agent = torch.log_softmax(logits[0], -1)
             reuse = 0
         else:
-            reuse = min(common_prefix_length(cached, conv.ids), len(conv.ids) - 1)
+            reuse = min(common_prefix_length(cached, fed), len(fed) - 1)
             if reuse < len(cached):
                 if sliding:
-                    return NOT_INCREMENTAL
+                    return [], {"reason": NOT_INCREMENTAL}
                 cache.crop(reuse)
-            ms, lp = _timed(lambda: kvcache.continuation_logprobs(model, cache, conv.ids[reuse:], reuse,
+            ms, lp = _timed(lambda: kvcache.continuation_logprobs(model, cache, fed[reuse:], reuse,
                                                                          last_only=True))
             agent = lp[0, -1]
-        cached = conv.ids
+        cached = fed
+        if cot is not None:
+            row = _cot_turn(model, tok, cot, cache, conv, oracle_prompt, decoded, expected,
+                            list(dict.fromkeys(sc.candidates.values())))
+            if "reason" in row:
+                return rows, row | {"turn": t}
+            answers.append(row["answer_text"])
+            rows.append({"trajectory": instance.id, "scenario": sc.id, "family": sc.family, "instance": instance.id,
+                         "turn": t, "value": value, "expected": expected} | row
+                        | {"conversation_tokens": len(conv.ids), "reused_tokens": reuse, "agent_ms": ms,
+                           "precompile_ms": pre_ms if t == 1 else 0.0})
+            continue
         oracle_ms, oracle_logits = full(oracle_ids)
         transcript_ms, transcript_logits = full(conv.ids)
         oracle = torch.log_softmax(oracle_logits[0], -1)
@@ -224,25 +359,86 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
                      "conversation_tokens": len(conv.ids), "reused_tokens": reuse, "agent_ms": ms,
                      "oracle_ms": oracle_ms, "transcript_ms": transcript_ms,
                      "precompile_ms": pre_ms if t == 1 else 0.0})
-    return rows
+    return rows, None
+
+
+def _prefill_and_decode(model, ids: torch.Tensor, cot: CotReadout | None) -> tuple[float, float, Generated]:
+    """(full prefill ms of ``ids[:-1]``, decoding ms, :func:`decode_after`'s result)."""
+    assert cot is not None
+    ms, cache = _timed(lambda: kvcache.prefill(model, ids[:-1]))
+    gen_ms, gen = _timed(lambda: decode_after(model, cache, ids, cot))
+    return ms, gen_ms, gen
+
+
+def _cot_turn(model, tok, cot: CotReadout, cache, conv: Prompt, oracle_prompt: Prompt, decoded, expected: str,
+              candidates: list[str]) -> dict:
+    """One decision under the generated readout: the agent decodes from its cache over ``conv`` minus
+    its last token, the oracle and the transcript from full prefills (memoised per prompt by
+    ``decoded``). Returns the row's readout columns (``answer_text`` closes the turn), or
+    ``{"reason": ..., ...}`` when the agent cannot answer."""
+    agent_gen_ms, agen = _timed(lambda: decode_after(model, cache, conv.ids, cot))
+    gens: dict[str, Generated] = {"agent": agen}
+    chain = agen.chains[0]
+    if not chain.reached:
+        return {"reason": _unreached(tok, "agent", chain, cot.thinking), "agent_chain": chain.record()}
+    oracle_ms, oracle_gen_ms, gens["oracle"] = decoded(oracle_prompt.ids)
+    transcript_ms, transcript_gen_ms, gens["transcript"] = decoded(conv.ids)
+    prompts = {"agent": conv, "oracle": oracle_prompt, "transcript": conv}
+    chains = {k: g.chains[0] for k, g in gens.items()}
+    lps = {k: g.logprobs[0] for k, g in gens.items()}
+    texts, cands = {}, {}
+    for k in SIDES:
+        if chains[k].reached:
+            texts[k], cands[k] = candidates_after(tok, prompts[k], chains[k].ids, candidates)
+    first = {k: cands[k][expected][0] if k in cands and cands[k][expected] is not None else None for k in SIDES}
+    usable = {c: ids for c, ids in cands["agent"].items() if ids is not None}
+    if not usable:
+        return {"reason": f"agent_{CANDIDATE_MERGES}", "agent_chain": chain.record()}
+    answer = max(usable, key=lambda c: float(lps["agent"][usable[c][0]]))
+    top = {k: int(lps[k].argmax()) if chains[k].reached else None for k in SIDES}
+    correct = {k: top[k] == first[k] if top[k] is not None and first[k] is not None else None for k in SIDES}
+    vs = {k: chains[k].reached for k in SIDES}
+    return {"expected_first_token": first["agent"], "answer": answer, **{f"{k}_top1": v for k, v in top.items()},
+            "oracle_owned": correct["oracle"], **{f"{k}_correct": v for k, v in correct.items()},
+            "agree_oracle": top["agent"] == top["oracle"] if vs["oracle"] else None,
+            "agree_transcript": top["agent"] == top["transcript"] if vs["transcript"] else None,
+            "kl_oracle": _kl(lps["oracle"], lps["agent"]) if vs["oracle"] else None,
+            "kl_transcript": _kl(lps["transcript"], lps["agent"]) if vs["transcript"] else None,
+            "oracle_ms": oracle_ms, "transcript_ms": transcript_ms,
+            "answer_text": texts["agent"] + answer,
+            "expected_first_tokens": first,
+            **{f"{k}_chain": chains[k].record() for k in SIDES}, **{f"{k}_reached": chains[k].reached for k in SIDES},
+            "agent_generate_ms": agent_gen_ms, "oracle_generate_ms": oracle_gen_ms,
+            "transcript_generate_ms": transcript_gen_ms}
 
 
 def _share(rows: list[dict], key: str, n_boot: int, seed: int) -> dict:
-    """Share of rows with ``key`` true: ``k`` and a :func:`kvnotes.harness.kit.summary` of the indicator."""
+    """Share of rows with ``key`` true, over the rows where it is not None (a side whose chain
+    missed its marker): ``k`` and a :func:`kvnotes.harness.kit.summary` of the indicator."""
+    rows = [r for r in rows if r[key] is not None]
     return {"k": sum(bool(r[key]) for r in rows)} | summary(rows, lambda r: float(r[key]), n_boot, seed)
 
 
 def _times(rows: list[dict]) -> dict:
     tot = {k: float(sum(r[f"{k}_ms"] for r in rows)) for k in ("agent", "oracle", "transcript", "precompile")}
-    return {f"{k}_ms_total": v for k, v in tot.items()} | {
+    out = {f"{k}_ms_total": v for k, v in tot.items()} | {
         "ratio_oracle_over_agent": tot["oracle"] / tot["agent"] if tot["agent"] else None,
         "ratio_transcript_over_agent": tot["transcript"] / tot["agent"] if tot["agent"] else None,
         "agent_ms_median": float(np.median([r["agent_ms"] for r in rows])) if rows else None,
         "oracle_ms_median": float(np.median([r["oracle_ms"] for r in rows])) if rows else None}
+    if rows and "agent_generate_ms" in rows[0]:            # cot: the decoding, apart
+        gen = {k: float(sum(r[f"{k}_generate_ms"] for r in rows)) for k in SIDES}
+        both = {k: tot[k] + gen[k] for k in SIDES}
+        out |= {f"{k}_generate_ms_total": v for k, v in gen.items()} | {
+            "ratio_oracle_over_agent_with_generate": both["oracle"] / both["agent"] if both["agent"] else None,
+            "ratio_transcript_over_agent_with_generate":
+                both["transcript"] / both["agent"] if both["agent"] else None}
+    return out
 
 
 def aggregate(rows: list[dict], families: list[str], n_boot: int, seed: int) -> dict:
-    """Per family (and ``all``) and turn scope (:data:`SCOPES`): see the module docstring."""
+    """Per family (and ``all``) and turn scope (:data:`SCOPES`): see the module docstring. Comparisons
+    that are None (a side whose chain missed its marker) are left out of their metric."""
     out = {}
     for fam, frows in by_family(rows, families).items():
         out[fam] = {}
@@ -254,8 +450,9 @@ def aggregate(rows: list[dict], families: list[str], n_boot: int, seed: int) -> 
                 **{f"{k}_accuracy": _share(rs, f"{k}_correct", n_boot, seed) for k in ("agent", "oracle", "transcript")},
                 "agreement_oracle_owned": _share(owned, "agree_oracle", n_boot, seed),
                 "agreement_transcript": _share(rs, "agree_transcript", n_boot, seed),
-                "kl_oracle": summary(rs, "kl_oracle", n_boot, seed),
-                "kl_transcript": summary(rs, "kl_transcript", n_boot, seed),
+                "kl_oracle": summary([r for r in rs if r["kl_oracle"] is not None], "kl_oracle", n_boot, seed),
+                "kl_transcript": summary([r for r in rs if r["kl_transcript"] is not None], "kl_transcript", n_boot,
+                                         seed),
                 "time": _times(rs)}
     return out
 
@@ -280,6 +477,14 @@ def run(ctx) -> dict:
                  for inst in draw_instances(sc, int(ctx.scenario_cfg.n_instances), seed)]
     if not instances:
         raise KvnotesError(f"probe agent: no scenario of the selection has the '{variant}' variant")
+    cot_on, thinking = variant == "cot", bool(getattr(ctx, "thinking", False))
+    switch = getattr(ctx, "template_kwargs", None) or {}
+    if cot_on and "enable_thinking" in switch:             # render as the marker test expects (think block)
+        tk = {**tk, "enable_thinking": switch["enable_thinking"]}
+    max_new = int(cfg.get("cot_max_new_tokens", 40))
+    if cot_on and max_new < 0:
+        raise KvnotesError(f"probe agent: cot_max_new_tokens must be >= 0 (got {max_new})")
+    stop = tuple(stop_tokens(tok)) if cot_on else ()
     first = layout_prompt(tok, instances[0], next(iter(instances[0].scenario.values)), CHUNKED_ORDER, CHUNK_NAMES,
                           variant, None, chat, tk)
     if not isinstance(first, str):
@@ -287,17 +492,26 @@ def run(ctx) -> dict:
     rows, excluded = [], []
     for inst in tqdm(instances, desc="agent", disable=not progress(ctx)):
         values = trajectory_values(inst, turns, ctx.seed)
+        cot = (CotReadout(max_new, answer_marker(tok, inst.scenario.variants[variant].answer_marker, thinking), stop,
+                          thinking) if cot_on else None)
         with ctx.timer("trajectories"):
-            got = run_trajectory(model, tok, inst, values, variant, seam, sink, chat, tk)
-        if isinstance(got, str):
+            got, why = run_trajectory(model, tok, inst, values, variant, seam, sink, chat, tk, cot)
+        rows.extend(got)
+        if why is not None:
             excluded.append({"pair": inst.id, "scenario": inst.scenario.id, "family": inst.scenario.family,
-                             "instance": inst.id, "reason": got})
-        else:
-            rows.extend(got)
+                             "instance": inst.id} | why)
     families = sorted({s.family for s in ctx.pairs.scenarios})
     with ctx.timer("statistics"):
         agg = aggregate(rows, families, int(cfg.get("n_boot", 2000)), ctx.seed)
     aggregates = {"turns": turns, "seam": seam, "sink": sink, "n_trajectories": len({r["trajectory"] for r in rows}),
                   "n_excluded": len(excluded), "families": families, "by_family": agg,
-                  "device": model.device.type}
+                  "device": model.device.type, "readout": "generated" if cot_on else "direct"}
+    if cot_on:
+        aggregates |= {
+            "cot_max_new_tokens": max_new,
+            # agent: trajectories its chain ended (also in the exclusions); oracle/transcript: kept turns
+            "n_unreached": {"agent": sum(r["reason"] in AGENT_UNREACHED for r in excluded),
+                            **{k: sum(not r[f"{k}_reached"] for r in rows) for k in ("oracle", "transcript")}},
+            "n_candidate_merges": {k: sum(r[f"{k}_reached"] and r["expected_first_tokens"][k] is None for r in rows)
+                                   for k in SIDES}}
     return {"rows": rows, "aggregates": aggregates, "exclusions": exclusion_counts(excluded), "excluded": excluded}
