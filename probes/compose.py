@@ -35,11 +35,34 @@ vision tower, behind each sink) spliced with the text chunks and moved by the mo
 bookkeeping (``rotate``) or not (``no_rotate``), seam 0. Per prompt ``prompts[*].image_chunk``
 holds KL / top-1 agreement / logit cosine vs that full prefill per variant; ``aggregates.image_chunk``
 says the arm ran (grid, tokens, seed, where) and summarises them.
+
+**Chain of thought** (``scenario.variant=cot``; :func:`run_cot`): the prompt ends with a reasoning
+opener, so the decision is not read at the decision position but after a generated chain. For at
+most ``cot_max_pairs`` chunked pairs (round-robin over scenarios; the rest counted
+``beyond_max_pairs``, no rows), every distinct prompt is cut before its last token ``L - 1``: the
+full prefill of ``[0, L-1)`` and every composed variant ``(rotate, sink, seam)``, ``seam`` in
+``cot_seams``, of the same tokens (one batched compose, dynamic cache) are fed token ``L - 1`` and
+decode greedily (the shared generated readout, :func:`kvnotes.kv.generate.generate`, at most
+``cot_max_new_tokens`` tokens) until the scenario's answer marker; the decision is read right after
+it. Per prompt (``result.prompts``): the full chain and each variant's chain (ids, length,
+``marker_at``), ``owned`` (the full chain's top-1 after its marker is the expected candidate's first
+token), per variant ``top1_agree`` and KL(full || composed) of the two decision distributions (only
+when both reached their markers) and ``same_chain`` (token for token the full chain). A full chain
+that misses its marker excludes its prompt (``full_no_marker`` / ``full_truncated_in_think``, kept
+in ``excluded`` with its chain; the prompt is never composed) and the pairs that use it
+(``old_no_marker`` / ``new_no_marker``); a composed chain that misses its marker is left out of
+that variant's metrics and counted (``n_unreached``). Per pair (``result.rows``): the generated
+flip (the full old chain names the old candidate, the full new chain the new one; others are kept
+with ``flips = False`` and counted ``no_cot_flip``) and per variant whether the composed new chain
+takes the new decision. ``aggregates.readout`` is ``"generated"``; ``exclusions`` counts prompts
+for the ``full_*`` reasons and pairs for every other reason. The edit arms and the image chunk read
+the decision position directly: the edit arms are skipped under cot (``aggregates.edit_arms`` None,
+``edit_arms_note``) and ``image_chunk: true`` is refused.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from dataclasses import dataclass, field, replace
 
@@ -50,8 +73,10 @@ from tqdm import tqdm
 from kvnotes.kv import cache as kvcache
 from kvnotes.ops import compose as kvcompose
 from kvnotes.errors import KvnotesError
+from kvnotes.harness import kit as K
 from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
+from kvnotes.kv.generate import generate, owned_side, stop_tokens
 from kvnotes.records.schema import BaseResult
 from kvnotes.harness.stats import proportion
 from kvnotes.harness.chunks import SINKS, CHUNKED_ORDER, FIELD_CHUNK_ORDER, chunked_pairs, layout_prompt, prompt_parts, sink_ids
@@ -67,6 +92,15 @@ class Config(ProbeConfig):
     edit_arm_seams: list[int] = field(default_factory=lambda: [0, 4])
     image_chunk: bool = False
     image_grid: list[int] = field(default_factory=lambda: [1, 4, 4])
+    #: ``scenario.variant=cot``: most tokens generated per chain, chunked pairs screened, seams composed
+    cot_max_new_tokens: int = 40
+    cot_max_pairs: Optional[int] = 12
+    cot_seams: list[int] = field(default_factory=lambda: [0, 4])
+
+
+#: With ``scenario.variant=cot`` the full prefill and every composed variant generate their reasoning and
+#: the decision is read after the answer marker (:func:`run_cot`).
+SUPPORTS_COT = True
 
 
 class Result(BaseResult):
@@ -304,8 +338,287 @@ def aggregate_arms(rows: list[dict], seams: list[int], families: list[str], n_bo
     return out
 
 
+# ---------------------------------------------------------------------------------------------------
+# chain of thought (scenario.variant=cot): the decision read after a generated chain
+
+
+def _stack(model, caches: list):
+    """Batch-1 prefix caches of equal length (same layer layout) stacked into one batch, referenced
+    layer by layer (:func:`kvnotes.kv.cache.cache_from_tensors`)."""
+    if len(caches) == 1:
+        return caches[0]
+    return kvcache.cache_from_tensors(model.config, [torch.cat([c.layers[l].keys for c in caches])
+                                                     for l in range(len(caches[0].layers))],
+                                      [torch.cat([c.layers[l].values for c in caches])
+                                       for l in range(len(caches[0].layers))], kvcache.seq_length(caches[0]))
+
+
+@torch.no_grad()
+def cot_generate(model, ids: torch.Tensor, chunks: tuple, variants: list[tuple[bool, str, int]], max_new: int,
+                 marker, stop_ids) -> list[dict]:
+    """Generated readout of prompts that share their chunks (the prompts of one instance): the full
+    prefill and every composed variant of each prompt without its last token decode a chain from
+    that token (fed at ``L - 1``, greedy, :func:`kvnotes.kv.generate.generate`) and the decision is
+    read after each chain's answer marker.
+
+    The full chains decode first, in one batch (each prompt prefilled with
+    :func:`kvnotes.kv.cache.prefill`); a prompt whose full chain misses its marker is not composed.
+    The rest are composed as :func:`compose_prompts` composes them (chunks precompiled once per
+    sink, rows ``variant x prompt``) over ``[0, L-1)`` in one batched
+    :func:`kvnotes.ops.compose.compose` (``static=False``: a cache generation can grow) and decode in
+    one batch.
+
+    Args:
+        ids: ``[P, L]`` token ids of ``P`` prompts of equal length, identical at the chunk spans and
+            before the first chunk; every chunk ends before ``L - 1``.
+        chunks: token spans ``(a, b)`` of the chunks.
+        variants: ``(rotate, sink, seam)`` of each composed variant (names :func:`variant_name`).
+        max_new: most tokens generated per chain; 0 reads the decision after the fed token (the
+            direct readout).
+        marker: the marker test (:func:`kvnotes.kv.generate.answer_marker`); None only with
+            ``max_new == 0``.
+        stop_ids: end tokens that stop a chain unreached.
+
+    Returns:
+        per prompt ``{"full": (Chain, logprobs), "variants": {name: (Chain, logprobs)}}``: the chains
+        (:class:`kvnotes.kv.generate.Chain`) and fp32 ``[vocab]`` log-probs after their markers (NaN
+        where a chain did not reach it); ``variants`` is empty when the full chain missed its marker.
+
+    Raises:
+        ValueError: ``max_new > 0`` without a marker test (:func:`kvnotes.kv.generate.generate`), or
+            from :func:`kvnotes.ops.compose.compose`.
+        KvnotesError: an unknown sink (:func:`kvnotes.harness.chunks.sink_ids`); from
+            :func:`kvnotes.ops.compose.compose` (a rope type without a delta rotation).
+    """
+    P, L = ids.shape
+    d = L - 1
+    full = generate(model, _stack(model, [kvcache.prefill(model, ids[j, :d]) for j in range(P)]), ids[:, d], d,
+                    max_new, marker, stop_ids)
+    out: list[dict] = [{"full": (full.chains[j], full.logprobs[j]), "variants": {}} for j in range(P)]
+    keep = [j for j in range(P) if full.chains[j].reached]
+    if not keep:
+        return out
+    sub, n = ids[keep], len(keep)
+    first = chunks[0][0]
+    compiled = {sink: [kvcompose.precompile(model, sub[0, a:b], sink_ids(sub[0], sink, first)) for a, b in chunks]
+                for sink in dict.fromkeys(v[1] for v in variants)}
+    per_row = [v for v in variants for _ in range(n)]               # rows i * n + j: variant i of prompt j
+    chunk_parts = [[compiled[sink][k] for _, sink, _ in per_row] for k in range(len(chunks))]
+    cache, _ = kvcompose.compose(model, prompt_parts(sub[:, :d].repeat(len(variants), 1), chunks, chunk_parts),
+                                 [r for r, _, _ in per_row], [s for _, _, s in per_row], static=False)
+    gen = generate(model, cache, sub[:, d].repeat(len(variants)), d, max_new, marker, stop_ids)
+    for i, v in enumerate(variants):
+        for jj, j in enumerate(keep):
+            out[j]["variants"][variant_name(*v)] = (gen.chains[i * n + jj], gen.logprobs[i * n + jj])
+    return out
+
+
+def cot_prompt_row(ctx, cols: dict, res: dict, expected: int) -> dict:
+    """One prompt's row from its :func:`cot_generate` result.
+
+    Args:
+        cols: identifying columns (``prompt``, ``scenario``, ``family``, ``instance``, ``value``).
+        res: the prompt's ``{"full": ..., "variants": ...}``.
+        expected: the expected candidate's first token id.
+
+    Returns:
+        ``cols`` with ``expected_first_token``, ``full_chain`` (:meth:`kvnotes.kv.generate.Chain.record`),
+        ``full_text`` (the decoded chain, None without a tokenizer) and ``reason``: None, or
+        ``full_no_marker`` / ``full_truncated_in_think`` (:func:`kvnotes.harness.kit.cot_unreached`)
+        when the full chain missed its marker (no further columns: never scored). Else also
+        ``full_top1`` and ``owned`` (after the full chain's marker) and ``variants``: name ->
+        ``{chain, reached, top1, top1_agree, kl, same_chain, unreached_reason}`` (``top1`` /
+        ``top1_agree`` / ``kl`` = KL(full || composed) in nats are None when the composed chain
+        missed its marker).
+    """
+    chain, lp = res["full"]
+    tok = ctx.bundle.tokenizer
+    row = cols | {"expected_first_token": expected, "full_chain": chain.record(),
+                  "full_text": None if tok is None else tok.decode(chain.ids, skip_special_tokens=True)}
+    if not chain.reached:
+        return row | {"reason": K.cot_unreached(ctx, "full", chain)}
+    top1 = int(lp.argmax())
+    row |= {"full_top1": top1, "owned": top1 == expected, "reason": None, "variants": {}}
+    for name, (c, clp) in res["variants"].items():
+        m = kvcompose.decision_metrics(lp[None], clp[None]) if c.reached else None
+        row["variants"][name] = {
+            "chain": c.record(), "reached": c.reached, "top1": int(clp.argmax()) if c.reached else None,
+            "top1_agree": None if m is None else bool(m["top1_agree"][0]),
+            "kl": None if m is None else float(m["kl"][0]), "same_chain": c.ids == chain.ids,
+            "unreached_reason": None if c.reached else K.cot_unreached(ctx, "composed", c)}
+    return row
+
+
+def cot_pair_row(pair, ro: dict, rn: dict, names: list[str]) -> dict:
+    """A pair's row from its prompts' :func:`cot_generate` results (both full chains reached their
+    markers).
+
+    Returns:
+        :func:`kvnotes.harness.pairs.pair_row` columns, the chunk spans, ``s_old`` / ``s_new`` /
+        ``s_full`` (first-token scores ``lp[new] - lp[old]`` after the full chains' markers),
+        ``full_side`` (:func:`kvnotes.kv.generate.owned_side` of each), ``flips`` (the generated flip:
+        old chain names the old candidate, new chain the new one), ``reason`` (None or
+        ``no_cot_flip``), and per variant ``{reached, side_new, takes_new, s_new, r}`` of the composed
+        new chain (None where it missed its marker; ``r`` = recovery against the full chains).
+    """
+    co, cn = pair.cand_old[0], pair.cand_new[0]
+    lo, ln = ro["full"][1], rn["full"][1]
+    s_old, s_new = float(lo[cn] - lo[co]), float(ln[cn] - ln[co])
+    sides = [owned_side(lo, pair), owned_side(ln, pair)]
+    flips = sides == ["old", "new"]
+    row = pair_row(pair) | {"chunks": [list(c) for c in pair.chunks], "chunk_names": list(pair.chunk_names),
+                            "standalone": list(pair.standalone), "s_old": s_old, "s_new": s_new,
+                            "effect": s_new - s_old, "s_full": [s_old, s_new], "full_side": sides, "flips": flips,
+                            "reason": None if flips else "no_cot_flip", "variants": {}}
+    for name in names:
+        c, lp = rn["variants"][name]
+        s = float(lp[cn] - lp[co]) if c.reached else None
+        side = owned_side(lp, pair) if c.reached else None
+        row["variants"][name] = {"reached": c.reached, "side_new": side,
+                                 "takes_new": (side == "new") if c.reached else None, "s_new": s,
+                                 "r": (s - s_old) / (s_new - s_old) if s is not None and s_new != s_old else None}
+    return row
+
+
+def aggregate_cot(prompt_rows: list[dict], pair_rows: list[dict], names: list[str], families: list[str],
+                  n_boot: int, seed: int) -> dict:
+    """Per variant and group (``all`` and each family), over prompts whose full chain reached its
+    marker: ``decision_agreement`` (owned prompts whose composed chain reached its marker and names
+    the full chain's top-1; Wilson CI), ``top1_agreement`` (the same over every prompt),
+    ``same_chain`` (share of prompts whose composed chain is the full chain token for token),
+    ``kl`` (KL(full || composed), cluster bootstrap), ``n_unreached`` (composed chains without the
+    marker: left out of the rest); over generated flips: ``new_decision`` (the composed new chain
+    takes the new decision; Wilson CI) and ``recovery`` (:func:`kvnotes.harness.kit.summaries_by_family`)."""
+    out = {}
+    groups = {g: prompt_rows if g == "all" else [r for r in prompt_rows if r["family"] == g] for g in ["all", *families]}
+    flipping = [r for r in pair_rows if r["flips"]]
+    fgroups = {g: flipping if g == "all" else [r for r in flipping if r["family"] == g] for g in groups}
+    for v in names:
+        def share(rs: list[dict], key: str, v: str = v) -> dict:
+            done = [r["variants"][v][key] for r in rs if r["variants"][v]["reached"]]
+            return proportion(sum(bool(x) for x in done), len(done))
+
+        out[v] = {
+            "decision_agreement": {g: share([r for r in rs if r["owned"]], "top1_agree") for g, rs in groups.items()},
+            "top1_agreement": {g: share(rs, "top1_agree") for g, rs in groups.items()},
+            "same_chain": {g: proportion(sum(r["variants"][v]["same_chain"] for r in rs), len(rs))
+                           for g, rs in groups.items()},
+            "kl": summaries_by_family(prompt_rows, lambda r, v=v: r["variants"][v]["kl"], None, families, n_boot, seed),
+            "n_unreached": {g: sum(not r["variants"][v]["reached"] for r in rs) for g, rs in groups.items()},
+            "new_decision": {g: share(rs, "takes_new") for g, rs in fgroups.items()},
+            "recovery": summaries_by_family(flipping, lambda r, v=v: r["variants"][v]["r"],
+                                            lambda r, v=v: r["variants"][v]["takes_new"], families, n_boot, seed),
+        }
+    return out
+
+
+#: ``aggregates.edit_arms_note`` of a cot record.
+EDIT_ARMS_COT_NOTE = ("edit arms not run under scenario.variant=cot: they read the decision position directly "
+                      "(no generated reasoning)")
+
+
+def run_cot(ctx) -> dict:
+    """:func:`run` under ``scenario.variant=cot`` (see "Chain of thought" in the module docstring).
+
+    Returns:
+        ``rows`` (pairs whose full chains both reached their markers), ``prompts`` (prompts whose
+        full chain did), ``excluded`` (tokenisation exclusions, excluded prompts with their full
+        chains, pairs without both full chains, non-flipping pairs), ``exclusions`` (reason ->
+        count, plus ``beyond_max_pairs``), ``variant_names`` and ``aggregates``
+        (:func:`aggregate_cot` under ``variants``, ``readout = "generated"``).
+
+    Raises:
+        KvnotesError: ``image_chunk: true``, no scenario config, an unknown sink, or no chunked
+            token-aligned pairs.
+    """
+    cfg = ctx.cfg
+    if cfg.get("image_chunk", False):
+        raise KvnotesError("probe.image_chunk=true is not run under scenario.variant=cot (the image arm reads the "
+                           "decision position directly); set probe.image_chunk=false")
+    if ctx.scenario_cfg is None:
+        raise KvnotesError("probe compose needs the scenario config (it renders its own chunked prompts)")
+    model, tok = ctx.bundle.model, ctx.bundle.tokenizer
+    n_boot = int(cfg.get("n_boot", 2000))
+    sinks = list(cfg.get("sinks", ["none", "bos"]))
+    for s in sinks:
+        if s not in SINKS:
+            raise KvnotesError(f"unknown compose sink '{s}' (known: {', '.join(SINKS)})")
+    seams = [int(s) for s in cfg.get("cot_seams", [0, 4])]
+    variants = [(rot, sink, seam) for rot in (True, False) for sink in sinks for seam in seams]
+    names = [variant_name(*v) for v in variants]
+    max_new = int(cfg.get("cot_max_new_tokens", 40))
+    limit = cfg.get("cot_max_pairs")
+    tk = cfg.get("template_kwargs")
+    tk = OmegaConf.to_container(tk) if tk is not None and not isinstance(tk, dict) else dict(tk or {})
+    if "enable_thinking" in getattr(ctx, "template_kwargs", {}):     # the marker test follows ctx.thinking
+        tk["enable_thinking"] = ctx.template_kwargs["enable_thinking"]
+    with ctx.timer("chunked_pairs"):
+        cpairs = chunked_pairs(tok, ctx.scenario_cfg, tk)
+    if not cpairs.pairs:
+        raise KvnotesError(f"no chunked token-aligned pairs (excluded: {cpairs.exclusion_counts()})")
+    cctx = replace(ctx, pairs=cpairs)
+    chosen, beyond = K.cot_selection(cctx, None if limit is None else int(limit))
+    index = {id(p): i for i, p in enumerate(cpairs.pairs)}
+    pairs = sorted(chosen, key=lambda p: index[id(p)])     # suite order: an instance's pairs share prompts
+    stop = stop_tokens(tok)
+    prompt_rows, rows, bad_prompts, bad_pairs, memo = [], [], [], [], {}
+    for pair in tqdm(pairs, desc="compose cot", disable=not K.progress(ctx)):
+        inst = pair.spec.instance.id
+        if any(k[0] != inst for k in memo):
+            memo = {}
+        todo = [(v, p) for v, p in ((pair.spec.old, pair.old), (pair.spec.new, pair.new)) if (inst, v) not in memo]
+        if todo:
+            with ctx.timer("generate"):
+                res = cot_generate(model, torch.stack([p.ids for _, p in todo]), pair.chunks, variants, max_new,
+                                   K.cot_marker(ctx, pair), stop)
+            for (value, _), r in zip(todo, res):
+                memo[(inst, value)] = r
+                cand = pair.cand_old if value == pair.spec.old else pair.cand_new
+                sc = pair.spec.instance.scenario
+                row = cot_prompt_row(ctx, {"prompt": f"{inst}:{value}", "scenario": sc.id, "family": sc.family,
+                                           "instance": inst, "value": value}, r, cand[0])
+                (prompt_rows if row["reason"] is None else bad_prompts).append(row)
+        ro, rn = memo[(inst, pair.spec.old)], memo[(inst, pair.spec.new)]
+        missed = [(side, r["full"][0]) for side, r in (("old", ro), ("new", rn)) if not r["full"][0].reached]
+        if missed:
+            bad_pairs.append({k: x for k, x in pair_row(pair).items() if k in K.EXCLUSION_COLUMNS}
+                             | {"reason": K.cot_unreached(ctx, *missed[0])})
+        else:
+            rows.append(cot_pair_row(pair, ro, rn, names))
+    excluded = [*cpairs.excluded, *bad_prompts, *bad_pairs,
+                *({k: r[k] for k in K.EXCLUSION_COLUMNS} for r in rows if not r["flips"])]
+    exclusions = K.exclusion_counts(excluded)
+    if beyond:
+        exclusions["beyond_max_pairs"] = beyond
+    families = families_of(cctx, rows + prompt_rows + bad_prompts)
+    with ctx.timer("statistics"):
+        agg = aggregate_cot(prompt_rows, rows, names, families, n_boot, ctx.seed)
+    aggregates = {"readout": "generated", "max_new_tokens": max_new,
+                  "n_pairs": len(cpairs.pairs) + len(cpairs.excluded), "n_aligned": len(cpairs.pairs),
+                  "n_screened": len(pairs), "n_pair_rows": len(rows), "n_flip": sum(r["flips"] for r in rows),
+                  "n_prompts_screened": len(prompt_rows) + len(bad_prompts), "n_prompts": len(prompt_rows),
+                  "n_owned_prompts": sum(r["owned"] for r in prompt_rows),
+                  "prompt_exclusions": K.exclusion_counts(bad_prompts), "families": families, "sinks": sinks,
+                  "seams": seams, "variants": agg, "n_unreached": {v: agg[v]["n_unreached"]["all"] for v in names},
+                  "exclusions_by_family": exclusions_by_family(excluded, families), "edit_arms": None,
+                  "edit_arm_seams": [], "edit_arms_note": EDIT_ARMS_COT_NOTE, "image_chunk": None}
+    return {"rows": rows, "prompts": prompt_rows, "exclusions": exclusions, "excluded": excluded,
+            "variant_names": names, "aggregates": aggregates}
+
+
 def run(ctx) -> dict:
-    """Composed vs full prefill for every chunked pair and variant; see the module docstring."""
+    """Composed vs full prefill for every chunked pair and variant; see the module docstring.
+
+    Returns:
+        ``rows`` (pairs), ``prompts`` (distinct prompts), ``exclusions``, ``excluded``,
+        ``variant_names`` and ``aggregates``; under ``scenario.variant=cot`` those of :func:`run_cot`.
+
+    Raises:
+        KvnotesError: an unknown sink, no scenario config, a bad ``image_grid``, no chunked
+            token-aligned pairs; under cot, those of :func:`run_cot`.
+    """
+    if K.is_cot(ctx):
+        return run_cot(ctx)
     cfg = ctx.cfg
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     n_boot = int(cfg.get("n_boot", 2000))

@@ -171,8 +171,10 @@ def edit_table(record: dict) -> str:
 @table("compose")
 def compose_table(rec: dict) -> str:
     """The variant, seam and edit-arm tables of a ``compose`` record."""
-    w = _Lines()
     agg = rec["result"]["aggregates"]
+    if agg.get("readout") == "generated":
+        return _compose_cot_table(rec)
+    w = _Lines()
     w(f"model {rec['model']['name']}, scenario {rec['scenario']['name']} "
           f"(n_instances {rec['config']['scenario']['n_instances']}): {agg['n_aligned']} aligned pairs, "
           f"{agg['n_prompts']} distinct prompts, {agg['n_owned_prompts']} owned by the full prefill, "
@@ -208,6 +210,29 @@ def compose_table(rec: dict) -> str:
                     kl = m["kl"]["mean"]
                     w(f"| {arm} (n={d['n']}, excluded {d['excluded']}) | {k} | {fmt_kn(m['agreement_owned'])} | "
                           f"{fmt_kn(m['accuracy'])} | {'–' if kl is None else f'{kl:.3f}'} |")
+    return w.text()
+
+
+def _compose_cot_table(rec: dict) -> str:
+    """The variant table of a ``compose`` record under ``scenario.variant=cot`` (decisions read after
+    generated chains)."""
+    w = _Lines()
+    agg = rec["result"]["aggregates"]
+    w(f"model {rec['model']['name']}, scenario {rec['scenario']['name']}, generated readout (at most "
+      f"{agg['max_new_tokens']} new tokens): {agg['n_screened']} of {agg['n_aligned']} aligned pairs screened, "
+      f"{agg['n_prompts']} of {agg['n_prompts_screened']} prompts with a full chain that reached its marker, "
+      f"{agg['n_owned_prompts']} owned, {agg['n_flip']} generated flips of {agg['n_pair_rows']} pairs · exclusions "
+      f"{fmt_counts(rec['result']['exclusions'])}\n")
+    w("| variant | decision agreement (owned) | top-1 agreement (all) | same chain | KL(full‖composed) mean | "
+      "new decision (flips) | unreached |")
+    w("|---|---|---|---|---|---|---|")
+    for v, d in agg["variants"].items():
+        kl = d["kl"]["all"].get("mean")
+        w(f"| {v} | {fmt_kn(d['decision_agreement']['all'])} | {fmt_kn(d['top1_agreement']['all'])} | "
+          f"{fmt_kn(d['same_chain']['all'])} | {fmt(kl, '.4f')} | {fmt_kn(d['new_decision']['all'])} | "
+          f"{d['n_unreached']['all']} |")
+    if agg.get("edit_arms_note"):
+        w(f"\n{agg['edit_arms_note']}")
     return w.text()
 
 
