@@ -54,8 +54,9 @@ def test_field_missing_from_template(tmp_path):
 
 
 def test_cot_variant_refused_by_probes_that_do_not_generate(tmp_path):
-    proc = run("probe=suffix_recovery", "scenario.variant=cot", f"out_root={tmp_path}")
-    one_line_error(proc, "suffix_recovery", "scenario.variant=cot", "probes that do: edit, field_refresh")
+    proc = run("probe=blast_radius", "scenario.variant=cot", f"out_root={tmp_path}")
+    one_line_error(proc, "blast_radius", "scenario.variant=cot",
+                   "probes that do: agent, compose, edit, field_refresh, injection, read_location, suffix_recovery")
     assert not any(tmp_path.iterdir())
 
 
