@@ -203,26 +203,87 @@ def full_prefill_logprobs(model, ids) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@torch.no_grad()
+def _continued_logprobs(model, cache, start: int, ids: tuple[int, ...]) -> torch.Tensor:
+    """Forward ``ids[start:]`` at positions ``start ..`` on ``cache`` (over ``ids[:start]``, extended
+    in place); the fp32 log-softmax at the last position, ``[vocab]``."""
+    x = torch.as_tensor(list(ids[start:]), dtype=torch.long, device=model.device).view(1, -1)
+    pos = torch.arange(start, len(ids), device=model.device).view(1, -1)
+    logits = model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+#: The reference methods of :func:`reference_decisions`.
+REFERENCES = ("full", "reuse")
+#: ``reuse``: shortest common prefix (tokens) worth continuing from instead of a full prefill.
+MIN_REUSE_TOKENS = 64
+
+
 def reference_decisions(model, requests: list[Request], keep_full: set | None = None,
-                        progress: bool = False) -> tuple[dict, dict]:
-    """Full-prefill reference of every distinct prompt: top-1 token and candidate log-probs.
+                        progress: bool = False, method: str = "full") -> tuple[dict, dict]:
+    """The harness's reference of every distinct prompt: top-1 token and candidate log-probs.
 
     Args:
-        keep_full: request keys whose whole ``[vocab]`` log-probs are also returned (cross-check).
+        keep_full: request keys whose whole ``[vocab]`` log-probs are also returned (the engine
+            cross-check); these are always full prefills (:func:`full_prefill_logprobs`).
         progress: show a ``tqdm`` bar over the requests.
+        method: ``full``: a full prefill of every prompt; ``reuse``: prompts are taken per (field
+            position, session), and one that shares at least :data:`MIN_REUSE_TOKENS` leading tokens
+            with the session's turn 0 or its arm's previous prompt continues that prompt's
+            transformers ``DynamicCache`` from the longest common prefix (a view of its first
+            positions; causal attention gives the same numbers to float rounding). Erratum turns
+            extend turn 0 by a few lines, so a long document costs one full prefill per session
+            instead of one per turn; in-place turns still prefill from the field. Models with
+            sliding-window layers always take ``full``.
 
     Returns:
         (prompt ids -> ``{top1, cand_logprobs: {outcome: nats}}``, key -> ``[vocab]`` tensor).
+
+    Raises:
+        KvnotesError: an unknown ``method``.
     """
+    from transformers import DynamicCache
+
+    if method not in REFERENCES:
+        raise KvnotesError(f"unknown reference method '{method}' (known: {', '.join(REFERENCES)})")
+    text = model.config.get_text_config()
+    if any(t != "full_attention" for t in (getattr(text, "layer_types", None) or [])):
+        method = "full"
     ref, full = {}, {}
     keep_full = keep_full or set()
-    for r in tqdm(requests, desc="full-prefill references", disable=not progress):
-        if r.ids not in ref or r.key in keep_full:
+    group, pool = None, {}                 # one (position, session) at a time: its turn 0 and each arm's latest
+    for r in tqdm(sorted(requests, key=lambda r: (r.position, r.session, r.arm, r.turn)), desc="harness references",
+                  disable=not progress):
+        if (r.position, r.session) != group:
+            group, pool = (r.position, r.session), {}
+        if r.ids in ref and r.key not in keep_full:
+            continue
+        if r.key in keep_full or method == "full":
             lp = full_prefill_logprobs(model, r.ids)
-            ref[r.ids] = {"top1": int(lp.argmax()),
-                          "cand_logprobs": {o: float(lp[t]) for o, t in r.candidates.items()}}
-            if r.key in keep_full:
-                full[r.key] = lp
+        else:
+            src = max(pool.values(), key=lambda e: _common_prefix(e[0], r.ids), default=None)
+            n = min(_common_prefix(src[0], r.ids), len(r.ids) - 1) if src else 0
+            cache = DynamicCache()
+            if n >= MIN_REUSE_TOKENS:                        # views of the source prompt's first n positions
+                for i, layer in enumerate(src[1].layers):   # (DynamicCache.crop's argument differs across
+                    cache.update(layer.keys[:, :, :n], layer.values[:, :, :n], i)   # transformers 5.x releases)
+            else:
+                n = 0
+            lp = _continued_logprobs(model, cache, n, r.ids)
+            pool[r.arm] = (r.ids, cache)
+            if r.turn == 0:
+                pool.setdefault("turn0", (r.ids, cache))
+        ref[r.ids] = {"top1": int(lp.argmax()), "cand_logprobs": {o: float(lp[t]) for o, t in r.candidates.items()}}
+        if r.key in keep_full:
+            full[r.key] = lp
     return ref, full
 
 

@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rates", default="0.5,2", help="Poisson arrival rates, requests/s")
     ap.add_argument("--time-limit", type=float, default=45.0,
                     help="seconds per run: requests due later are not sent (counted)")
+    ap.add_argument("--reference", default="reuse", choices=["reuse", "full"],
+                    help="harness references: continue a session's earlier prompt from the common prefix (reuse) "
+                         "or prefill every prompt (full); the cross-check prompts are always full prefills")
     ap.add_argument("--cross-check", type=int, default=4, help="prompts in the engine-vs-harness cross-check")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=4)
@@ -114,7 +117,8 @@ def harness_stage(args, model_cfg):
     from kvnotes.serving import reference_decisions
 
     t0 = time.perf_counter()
-    ref, full = reference_decisions(bundle.model, requests, {r.key for r in checks}, progress=True)
+    ref, full = reference_decisions(bundle.model, requests, {r.key for r in checks}, progress=True,
+                                    method=args.reference)
     ref_s = time.perf_counter() - t0
     info = dict(bundle.info)
     if model_cfg.get("embedded"):

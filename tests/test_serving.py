@@ -59,6 +59,32 @@ def test_trace_layouts(tokenizer):
     assert get["in_place", "late", 0].field_token > 200
 
 
+@pytest.mark.embedded
+def test_reused_reference_equals_the_full_prefill(tokenizer, smol, monkeypatch):
+    """``reference_decisions(method="reuse")`` continues each session's previous prompt from the common
+    prefix (the erratum turns from turn 0) and gives the full prefill's decisions to float rounding."""
+    import kvnotes.serving as serving
+    from scenarios import load_suite
+
+    scs = load_suite([str(ROOT / "scenarios/suites")], ids=["home_city"])
+    reqs, _ = serving.build_trace(tokenizer, scs, 1, 3, 200, ["early"], ["in_place", "erratum"])
+    full, _ = serving.reference_decisions(smol.model, reqs, method="full")
+    starts = []
+    cont = serving._continued_logprobs
+    monkeypatch.setattr(serving, "_continued_logprobs", lambda m, c, n, ids: starts.append(n) or cont(m, c, n, ids))
+    reuse, _ = serving.reference_decisions(smol.model, reqs, method="reuse")
+    assert reuse.keys() == full.keys()
+    for ids, ref in full.items():
+        assert reuse[ids]["top1"] == ref["top1"]
+        for o, lp in ref["cand_logprobs"].items():
+            assert reuse[ids]["cand_logprobs"][o] == pytest.approx(lp, abs=REFERENCE_TOL)
+    assert sum(n > 0 for n in starts) >= 2                     # the erratum turns continued turn 0
+
+
+#: nats: the same prompt's candidate log-probs, full prefill vs a continued cache (fp32 rounding).
+REFERENCE_TOL = 1e-4
+
+
 def _tensor(ids):
     import torch
 
