@@ -148,3 +148,19 @@ def fruit_scenario(path):
                                     "variants": {"direct": {"decision": "Reply with the fruit only.",
                                                             "answer_prefix": "The favourite fruit is"}}}))
     return path
+
+
+def cot_tiny_ctx(model, monkeypatch, *modules):
+    """A probe context for a probe's chain-of-thought functions on a tiny model: no tokenizer, so the
+    end tokens are patched to none in :mod:`kvnotes.harness.kit` and in each of ``modules`` (the
+    probe modules that import ``stop_tokens``); the marker test is the test's to patch
+    (``kit.cot_marker``)."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from kvnotes.harness import kit
+
+    for m in (kit, *modules):
+        monkeypatch.setattr(m, "stop_tokens", lambda tok: [])
+    return SimpleNamespace(bundle=SimpleNamespace(model=model, tokenizer=None), thinking=False,
+                           timer=lambda name: nullcontext())

@@ -6,8 +6,6 @@ exclusions on the embedded model."""
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
-from types import SimpleNamespace
 
 import pytest
 
@@ -15,7 +13,7 @@ from kvnotes.harness import kit
 from kvnotes.kv.generate import token_marker
 from probes import injection
 from probes.injection import DIRECTIONS, inject_pair
-from tests.helpers import VOCAB
+from tests.helpers import VOCAB, cot_tiny_ctx
 from tests.test_cache import prompts
 from tests.test_injection import synthetic_pair
 
@@ -24,11 +22,7 @@ TOL = 1e-5
 
 @pytest.fixture
 def tiny_ctx(tiny, monkeypatch):
-    """A probe context on a tiny model: no tokenizer, so the marker test and end tokens are set here."""
-    monkeypatch.setattr(kit, "stop_tokens", lambda tok: [])
-    monkeypatch.setattr(injection, "stop_tokens", lambda tok: [])
-    return SimpleNamespace(bundle=SimpleNamespace(model=tiny, tokenizer=None), thinking=False,
-                           timer=lambda name: nullcontext())
+    return cot_tiny_ctx(tiny, monkeypatch, injection)
 
 
 def test_zero_new_tokens_is_the_direct_injection(tiny, tiny_ctx, monkeypatch):

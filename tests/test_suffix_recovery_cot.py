@@ -6,8 +6,6 @@ the marker exclude the pair, never score it; the direct-only parts are refused i
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,7 +20,7 @@ from kvnotes.harness.tokens import Prompt, TokenizedPair
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.generate import token_marker
 from scenarios import build_pairs
-from tests.helpers import VOCAB
+from tests.helpers import VOCAB, cot_tiny_ctx
 from tests.test_cache import FIELD, full_logprobs, prompts
 from tests.test_tokens import scenario
 
@@ -49,11 +47,7 @@ def owned_pair(model) -> TokenizedPair:
 
 @pytest.fixture
 def tiny_ctx(tiny, monkeypatch):
-    """A probe context on a tiny model: no tokenizer, so the marker test and end tokens are set here."""
-    monkeypatch.setattr(kit, "stop_tokens", lambda tok: [])
-    monkeypatch.setattr(sr, "stop_tokens", lambda tok: [])
-    return SimpleNamespace(bundle=SimpleNamespace(model=tiny, tokenizer=None), thinking=False,
-                           timer=lambda name: nullcontext())
+    return cot_tiny_ctx(tiny, monkeypatch, sr)
 
 
 def test_zero_new_tokens_is_the_direct_readout(tiny, tiny_ctx, monkeypatch):
