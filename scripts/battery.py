@@ -42,7 +42,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m", help="zoo config name under conf/model")
     ap.add_argument("--scenario", default="default", help="scenario config name under conf/scenario")
     add_machine_flags(ap)
-    ap.add_argument("--probes", nargs="*", default=None, help="probe names (default: every registered probe)")
+    ap.add_argument("--probes", nargs="*", default=None,
+                    help="probe names (default: every registered probe that runs on the scenario suite; the memory "
+                         "probes, which bring their own suite, only when named)")
     ap.add_argument("--clean-runs-mb", type=float, default=8192,
                     help="prefix caches kept across probes (MB); 0: no sharing, every probe prefills its pairs")
     ap.add_argument("--floor", action="store_true",
@@ -68,6 +70,8 @@ def main() -> None:
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfgs = {n: compose("config", overrides=[f"model={args.model}", f"probe={n}", f"scenario={args.scenario}",
                                                 f"device={args.device}", "probe.progress=false"]) for n in names}
+    if args.probes is None:     # the scenario suite's probes; the memory probes (pairs: none) bring their own data
+        names = [n for n in names if probes.typed_config(cfgs[n].probe).pairs != "none"]
     t0 = time.perf_counter()
     first = cfgs[names[0]]
     bundle = load_model(first.model, args.device)
