@@ -80,8 +80,8 @@ from kvnotes.ops import compose as kvcompose
 from kvnotes.harness.chunks import CHUNK_NAMES, CHUNKED_ORDER, SINKS, layout_prompt, prompt_parts, sink_ids
 from kvnotes.harness.edit_prompts import common_prefix_length, erratum_text, render_layout, user_pieces
 from kvnotes.errors import KvnotesError
-from kvnotes.harness.kit import ProbeConfig, by_family, exclusion_counts, per_prompt, progress, summary
-from kvnotes.kv.generate import Chain, Generated, MarkerTest, answer_marker, generate, stop_tokens, unreached_reason
+from kvnotes.harness.kit import ProbeConfig, by_family, cot_template_kwargs, exclusion_counts, per_prompt, progress, summary
+from kvnotes.kv.generate import Generated, MarkerTest, answer_marker, generate, stop_tokens, unreached_label
 from kvnotes.records.schema import BaseResult, ExclusionRow, NotRequired, TypedDict
 from kvnotes.harness.selection import pair_rng
 from kvnotes.harness.timing import elapsed_ms
@@ -253,11 +253,6 @@ def decode_after(model, cache, ids: torch.Tensor, cot: CotReadout) -> Generated:
     return generate(model, cache, int(ids[-1]), len(ids) - 1, cot.max_new_tokens, cot.marker, cot.stop_ids)
 
 
-def _unreached(tok, side: str, chain: Chain, thinking: bool) -> str:
-    why = unreached_reason(tok, chain, thinking)
-    return f"{side}_{'no_marker' if why == 'no_answer_marker' else why}"
-
-
 @torch.no_grad()
 def run_trajectory(model, tok, instance: Instance, values: list[str], variant: str, seam: int, sink: str,
                    chat: bool, template_kwargs: dict,
@@ -380,7 +375,7 @@ def _cot_turn(model, tok, cot: CotReadout, cache, conv: Prompt, oracle_prompt: P
     gens: dict[str, Generated] = {"agent": agen}
     chain = agen.chains[0]
     if not chain.reached:
-        return {"reason": _unreached(tok, "agent", chain, cot.thinking), "agent_chain": chain.record()}
+        return {"reason": unreached_label(tok, "agent", chain, cot.thinking), "agent_chain": chain.record()}
     oracle_ms, oracle_gen_ms, gens["oracle"] = decoded(oracle_prompt.ids)
     transcript_ms, transcript_gen_ms, gens["transcript"] = decoded(conv.ids)
     prompts = {"agent": conv, "oracle": oracle_prompt, "transcript": conv}
@@ -478,9 +473,8 @@ def run(ctx) -> dict:
     if not instances:
         raise KvnotesError(f"probe agent: no scenario of the selection has the '{variant}' variant")
     cot_on, thinking = variant == "cot", bool(getattr(ctx, "thinking", False))
-    switch = getattr(ctx, "template_kwargs", None) or {}
-    if cot_on and "enable_thinking" in switch:             # render as the marker test expects (think block)
-        tk = {**tk, "enable_thinking": switch["enable_thinking"]}
+    if cot_on:                                              # render as the marker test expects (think block)
+        tk = cot_template_kwargs(ctx, tk)
     max_new = int(cfg.get("cot_max_new_tokens", 40))
     if cot_on and max_new < 0:
         raise KvnotesError(f"probe agent: cot_max_new_tokens must be >= 0 (got {max_new})")

@@ -342,17 +342,6 @@ def aggregate_arms(rows: list[dict], seams: list[int], families: list[str], n_bo
 # chain of thought (scenario.variant=cot): the decision read after a generated chain
 
 
-def _stack(model, caches: list):
-    """Batch-1 prefix caches of equal length (same layer layout) stacked into one batch, referenced
-    layer by layer (:func:`kvnotes.kv.cache.cache_from_tensors`)."""
-    if len(caches) == 1:
-        return caches[0]
-    return kvcache.cache_from_tensors(model.config, [torch.cat([c.layers[l].keys for c in caches])
-                                                     for l in range(len(caches[0].layers))],
-                                      [torch.cat([c.layers[l].values for c in caches])
-                                       for l in range(len(caches[0].layers))], kvcache.seq_length(caches[0]))
-
-
 @torch.no_grad()
 def cot_generate(model, ids: torch.Tensor, chunks: tuple, variants: list[tuple[bool, str, int]], max_new: int,
                  marker, stop_ids) -> list[dict]:
@@ -392,7 +381,7 @@ def cot_generate(model, ids: torch.Tensor, chunks: tuple, variants: list[tuple[b
     """
     P, L = ids.shape
     d = L - 1
-    full = generate(model, _stack(model, [kvcache.prefill(model, ids[j, :d]) for j in range(P)]), ids[:, d], d,
+    full = generate(model, kvcache.prefill(model, ids[:, :d]), ids[:, d], d,
                     max_new, marker, stop_ids)
     out: list[dict] = [{"full": (full.chains[j], full.logprobs[j]), "variants": {}} for j in range(P)]
     keep = [j for j in range(P) if full.chains[j].reached]
@@ -549,9 +538,8 @@ def run_cot(ctx) -> dict:
     max_new = int(cfg.get("cot_max_new_tokens", 40))
     limit = cfg.get("cot_max_pairs")
     tk = cfg.get("template_kwargs")
-    tk = OmegaConf.to_container(tk) if tk is not None and not isinstance(tk, dict) else dict(tk or {})
-    if "enable_thinking" in getattr(ctx, "template_kwargs", {}):     # the marker test follows ctx.thinking
-        tk["enable_thinking"] = ctx.template_kwargs["enable_thinking"]
+    tk = K.cot_template_kwargs(ctx, OmegaConf.to_container(tk) if tk is not None and not isinstance(tk, dict)
+                               else dict(tk or {}))                   # the marker test follows ctx.thinking
     with ctx.timer("chunked_pairs"):
         cpairs = chunked_pairs(tok, ctx.scenario_cfg, tk)
     if not cpairs.pairs:

@@ -49,7 +49,7 @@ from kvnotes.harness.kit import ProbeConfig
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness import kit as K
 from kvnotes.harness.kit import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
-from kvnotes.kv.generate import answer_marker, generate, owned_side, stop_tokens, unreached_reason
+from kvnotes.kv.generate import answer_marker, generate, owned_side, stop_tokens, unreached_label
 from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.selection import round_robin
 from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
@@ -270,8 +270,7 @@ def cot_pair(ctx, pair, max_new: int) -> tuple[dict, str | None]:
     row["new_text"] = tok.decode(gen.chains[-1].ids, skip_special_tokens=True)
     if not row["reached_none"] or not row["reached_all"]:
         side_, chain = ("old", gen.chains[0]) if not row["reached_none"] else ("new", gen.chains[-1])
-        why = unreached_reason(tok, chain, ctx.thinking)
-        return row, f"{side_}_{'no_marker' if why == 'no_answer_marker' else why}"
+        return row, unreached_label(tok, side_, chain, ctx.thinking)
     if side["none"] != "old" or side["all"] != "new":
         return row, "no_cot_flip"
     s_old, s_new = row["s_none"], row["s_all"]

@@ -32,7 +32,7 @@ from kvnotes.kv import cache as kvcache
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import PairRun, first_token_scores, run_pair, variant_scores
-from kvnotes.kv.generate import answer_marker, generate, owned_side, stop_tokens, unreached_reason
+from kvnotes.kv.generate import answer_marker, generate, owned_side, stop_tokens, unreached_label
 from kvnotes.harness.selection import round_robin
 from kvnotes.harness.selection import pair_rng, sample_instances, split_instances, with_split  # noqa: F401  (re-exported)
 from kvnotes.harness.stats import proportion, summarize
@@ -392,8 +392,15 @@ def cot_marker(ctx, pair):
 def cot_unreached(ctx, side: str, chain) -> str:
     """Exclusion reason of a chain that did not reach its marker: ``<side>_no_marker`` or
     ``<side>_truncated_in_think`` (:func:`kvnotes.kv.generate.unreached_reason`)."""
-    why = unreached_reason(ctx.bundle.tokenizer, chain, ctx.thinking)
-    return f"{side}_{'no_marker' if why == 'no_answer_marker' else why}"
+    return unreached_label(ctx.bundle.tokenizer, side, chain, ctx.thinking)
+
+
+def cot_template_kwargs(ctx, template_kwargs: dict) -> dict:
+    """A probe's own chat-template arguments with the run's thinking switch applied
+    (``ctx.template_kwargs["enable_thinking"]``, from ``model.thinking``), so prompts a probe renders
+    itself under cot have the think block the marker test expects."""
+    switch = getattr(ctx, "template_kwargs", None) or {}
+    return {**template_kwargs, **({"enable_thinking": switch["enable_thinking"]} if "enable_thinking" in switch else {})}
 
 
 @torch.no_grad()

@@ -203,13 +203,14 @@ def prefix_cache(model, cache: DynamicCache | None, ids: torch.Tensor, p: int) -
 
 @torch.no_grad()
 def prefill(model, ids: torch.Tensor) -> DynamicCache:
-    """Run the prompt prefix ``ids`` (``[T]`` or ``[1, T]``) and return its cache.
+    """Run the prompt prefix ``ids`` (``[T]``, or ``[B, T]`` for ``B`` prompts of one length) and
+    return its cache (batch 1 or ``B``).
 
     Positions are ``0..T-1`` passed explicitly; only the last position's logits are computed.
     """
-    ids = ids.view(1, -1).to(model.device)
+    ids = (ids.view(1, -1) if ids.dim() == 1 else ids).to(model.device)
     cache = DynamicCache(config=model.config)
-    pos = torch.arange(ids.shape[1], device=model.device).unsqueeze(0)
+    pos = torch.arange(ids.shape[1], device=model.device).expand(ids.shape[0], -1)
     model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache
 

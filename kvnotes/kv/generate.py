@@ -186,6 +186,13 @@ def unreached_reason(tokenizer, chain: Chain, thinking: bool = False, close: str
     return "no_answer_marker"
 
 
+def unreached_label(tokenizer, side: str, chain: Chain, thinking: bool = False) -> str:
+    """The exclusion reason of a chain that missed its marker, named for whose chain it was:
+    ``<side>_no_marker`` or ``<side>_truncated_in_think`` (:func:`unreached_reason`)."""
+    why = unreached_reason(tokenizer, chain, thinking)
+    return f"{side}_{'no_marker' if why == 'no_answer_marker' else why}"
+
+
 def owned_side(logprobs: torch.Tensor, pair) -> str | None:
     """Which candidate the decision after the marker names, read as the direct readout reads the
     decision position: ``"old"`` / ``"new"`` when the vocabulary top-1 of ``logprobs`` (``[vocab]``)
