@@ -22,6 +22,9 @@ from tests.test_tokens import scenario
 
 POLARITY = {"rule": "Colour rules {gate} apply.", "polarity": {"slot": "gate", "values": {"normal": "always", "inverted": "never"}}}
 
+#: fp32 noise on a first-token score (nats) between forwards of different batch shapes.
+SCORE_TOL = 1e-4
+
 
 def test_slot_spans_locate_every_slot_and_keep_render_user_text():
     sc = scenario(**POLARITY)
@@ -108,7 +111,8 @@ def test_probe_runs_on_embedded_model(smol, tmp_path):
     assert res["exclusions"] == dict(Counter(e["reason"] for e in res["excluded"]))
     assert sum(res["exclusions"].values()) == 2 + sum(not r["flips"] for r in rows)
     checks = agg["checks"]
-    assert checks["max_both_score_err"] < 1e-4 and checks["max_prefix_shift"] < 1e-5
+    # patching the identical prefix changes nothing but fp32 summation order (batch shapes differ)
+    assert checks["max_both_score_err"] < SCORE_TOL and checks["max_prefix_shift"] < SCORE_TOL
     for r in rows:
         assert r["shift_both"] == pytest.approx(r["effect"], abs=1e-4)
         sgn = -1.0 if r["value_outcome"] == "A" else 1.0

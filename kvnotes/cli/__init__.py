@@ -4,7 +4,7 @@
     kvnotes table RECORD...              a record's table (by its probe), or --results DIR --suite S
     kvnotes plot RECORD... [-o DIR]      a record's figures
     kvnotes report RUNS -o SITE          the offline HTML report of a records tree
-    kvnotes bench NAME [flags]           a micro-benchmark: probes, circuits, edit, compose, compose-plot, compose-gpu, generate, auto
+    kvnotes bench NAME [flags]           a micro-benchmark: probes, circuits, edit, compose, compose-plot, compose-gpu, generate, linear, auto
     kvnotes battery [flags]              every probe in one process, with the roofline floor (--floor)
     kvnotes serve-bench [flags]          the vLLM prefix-caching experiment (serving environment)
     kvnotes ownership-scan PATH...       which scenario values the model owns
@@ -41,6 +41,7 @@ BENCHES: dict[str, str] = {
     "compose-plot": "scripts.plot_bench_compose",
     "compose-gpu": "scripts.profile_compose_gpu",
     "generate": "scripts.bench_generate",
+    "linear": "scripts.bench_linear",
     "auto": "scripts.eval_context",
 }
 

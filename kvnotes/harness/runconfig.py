@@ -62,6 +62,7 @@ class ModelSettings(BaseModel):
     max_memory: dict[str | int, str | int] | None = None
     offload_folder: str | None = None
     quantization: Literal["nf4", "int8"] | None = None
+    cpu_linear: Literal["onednn", "torch"] = "onednn"
     random_init: RandomInit = Field(default_factory=RandomInit)
 
 

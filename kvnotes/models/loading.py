@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kvnotes.models.adapters import Adapter
+from kvnotes.models.cpu_linear import CPU_LINEAR, pack_linears
 from kvnotes.errors import KvnotesError
 
 
@@ -441,7 +442,9 @@ def load_model(cfg: Any, device: str = "auto") -> ModelBundle:
     Args:
         cfg: mapping with ``name``, ``hf_id``, optional ``embedded`` ({package, file} or
             {file, sha256, parts}; see :func:`embedded_source`), ``path``, ``revision``, ``dtype``
-            (auto|float32|bfloat16|float16), ``attn_implementation``, the placement keys
+            (auto|float32|bfloat16|float16), ``attn_implementation``, ``cpu_linear`` (``onednn``:
+            fp32 CPU linear layers on prepacked oneDNN kernels, :mod:`kvnotes.models.cpu_linear`;
+            ``torch``: PyTorch's default; ignored on a device map), the placement keys
             ``device_map`` / ``max_memory`` / ``offload_folder`` and ``quantization``
             (:func:`placement_kwargs`), and ``random_init`` (random weights from the config's
             ``architecture`` block, :mod:`kvnotes.models.zoo`).
@@ -454,13 +457,17 @@ def load_model(cfg: Any, device: str = "auto") -> ModelBundle:
         ``bundle.device`` is the device of the input embeddings.
 
     Raises:
-        KvnotesError: the model cannot be found (see :func:`_locate_hub_model`), has no adapter, or
-            its placement or quantization cannot run here (:func:`placement_kwargs`).
+        KvnotesError: the model cannot be found (see :func:`_locate_hub_model`), has no adapter,
+            its placement or quantization cannot run here (:func:`placement_kwargs`), or an
+            unknown ``cpu_linear``.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
     dtype = resolve_dtype(cfg.get("dtype", "auto"), dev)
+    cpu_linear = cfg.get("cpu_linear", "onednn")
+    if cpu_linear not in CPU_LINEAR:
+        raise KvnotesError(f"unknown model.cpu_linear '{cpu_linear}' (use {' or '.join(CPU_LINEAR)})")
     attn = cfg.get("attn_implementation") or "sdpa"
     info: dict[str, Any] = {"name": cfg.name, "hf_id": cfg.get("hf_id"), "revision": cfg.get("revision")}
     placement = placement_kwargs(cfg, dev, dtype)
@@ -487,6 +494,7 @@ def load_model(cfg: Any, device: str = "auto") -> ModelBundle:
             model.to(dev)
     model.eval()
     model.requires_grad_(False)
+    packed = pack_linears(model) if cpu_linear == "onednn" and not getattr(model, "hf_device_map", None) else 0
     adapter = Adapter.for_model(model)
     if getattr(model, "hf_device_map", None):
         dev = model.get_input_embeddings().weight.device if model.get_input_embeddings().weight.device.type != "meta" \
@@ -495,6 +503,7 @@ def load_model(cfg: Any, device: str = "auto") -> ModelBundle:
     info.update(dtype=str(dtype).removeprefix("torch."), attn_implementation=model.config._attn_implementation,
                 device=str(dev), commit_hash=commit, model_type=model.config.model_type,
                 has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+                cpu_linear=f"onednn ({packed} layers prepacked)" if packed else "torch",
                 **placement_info(model, placement))
     return ModelBundle(name=cfg.name, model=model, tokenizer=tokenizer, adapter=adapter,
                        device=dev, dtype=dtype, info=info)
