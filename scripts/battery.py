@@ -19,7 +19,8 @@ machine's best GEMM rate or its weight's bytes at its best weight-read rate, whi
 elementwise work are not counted). The rates (:func:`machine_rates`) are measured before and after
 the probes and the higher of each is used: a shared machine's speed drifts. ``--records DIR`` also
 writes each probe's record where ``python run.py out_root=DIR`` would (``DIR/<model>/<probe>/<scenario>/record.json``), checked
-against the probe's schema. Timings depend on the machine's load: report them with it
+against the probe's schema; ``--compare EARLIER`` then prints, per probe, how its result differs from the record under
+``EARLIER`` (:mod:`kvnotes.records.diff`: numbers beyond float tolerance, any other changed value; wall times skipped). Timings depend on the machine's load: report them with it
 (``os.getloadavg`` is printed). ``--json PATH`` also writes the numbers.
 """
 
@@ -50,7 +51,12 @@ def main() -> None:
     ap.add_argument("--floor", action="store_true",
                     help="print each probe's roofline floor (linear-layer FLOPs and weight reads at this machine's rates)")
     ap.add_argument("--records", help="also write each probe's record under this out_root")
+    ap.add_argument("--compare", metavar="DIR",
+                    help="with --records: compare each record's result with the one under this earlier out_root "
+                         "(kvnotes.records.diff; wall times skipped) and print what changed beyond tolerance")
     args = ap.parse_args()
+    if args.compare and not args.records:
+        ap.error("--compare needs --records (the new records it compares)")
 
     import torch
     from hydra import compose, initialize_config_dir
@@ -63,6 +69,7 @@ def main() -> None:
     from kvnotes.harness.jobs import complete_record
     from kvnotes.records.store import RECORD_NAME, Timer, to_jsonable, write_atomic
     from kvnotes.errors import KvnotesError
+    from kvnotes.records.diff import result_diff
     from kvnotes.records.schema import check_result, result_schema
 
     torch.set_num_threads(args.threads)
@@ -81,7 +88,7 @@ def main() -> None:
           f"({len(pairs['field'].pairs)} aligned pairs); load average {os.getloadavg()[0]:.1f}; setup {setup:.1f} s",
           flush=True)
     store = CleanRuns(int(args.clean_runs_mb * (1 << 20))) if args.clean_runs_mb > 0 else None
-    times, seen = {}, {}
+    times, seen, diffs = {}, {}, {}
     roof = Roofline(bundle.model) if args.floor else None
     rates = [machine_rates(bundle.model)] if roof else []
     for name in names:
@@ -115,6 +122,11 @@ def main() -> None:
             write_atomic(path, complete_record(OmegaConf.to_container(OmegaConf.create(cfg_dict), resolve=True),
                                                {"launcher": "scripts.battery"}, bundle, pairs[probe_cfg.pairs],
                                                cfg.scenario, result, timer.stages))
+            ref = Path(args.compare or "") / cfg.model.name / cfg.probe.name / cfg.scenario.name / RECORD_NAME
+            if args.compare:
+                diffs[name] = (result_diff(result, json.loads(ref.read_text())["result"]).summary()
+                               if ref.is_file() else f"no earlier record at {ref}")
+                print(f"  {'':16s} vs {args.compare}: {diffs[name]}", flush=True)
     total = sum(times.values())
     print(f"  {'total':16s} {total:8.1f} s = {total / 60:.1f} min (+ setup {setup:.1f} s)")
     floors = {}
@@ -139,6 +151,7 @@ def main() -> None:
                                                "setup_s": setup, "probe_s": times, "total_s": total,
                                                "roofline": {"rates_before_after": rates, "probes": floors} if roof else None,
                                                "clean_runs_mb": args.clean_runs_mb,
+                                               "compare": {"against": args.compare, "probes": diffs} if args.compare else None,
                                                "clean_runs": ({"prompts_prefilled": store.prefilled, "prompts_shared": store.shared,
                                                                "runs_reused": store.reused}
                                                               if store is not None else None),
@@ -180,10 +193,13 @@ class Roofline:
 
 
 def machine_rates(model, rows: int = 2048, repeats: int = 10) -> tuple[float, float]:
-    """This machine's best rates for the model, in its dtype on its device (best of ``repeats``):
-    FLOP/s of a dense ``[rows, hidden] x [hidden, intermediate]`` product (the MLP shape), and
-    bytes/s of a one-row product with the unembedding matrix (bound by reading the weight)."""
+    """This machine's best rates for the model, in its dtype on its device (best of ``repeats``, and
+    of PyTorch's ``F.linear`` and the prepacked oneDNN kernel of :mod:`kvnotes.models.cpu_linear` on
+    an fp32 CPU model): FLOP/s of a dense ``[rows, hidden] x [hidden, intermediate]`` product (the MLP
+    shape), and bytes/s of a one-row product with the unembedding matrix (bound by reading the weight)."""
     import torch
+
+    from kvnotes.models import cpu_linear
 
     cfg = model.config.get_text_config()
     p = next(model.parameters())
@@ -203,9 +219,12 @@ def machine_rates(model, rows: int = 2048, repeats: int = 10) -> tuple[float, fl
             out = min(out, time.perf_counter() - t)
         return out
 
+    kernels = [(torch.nn.functional.linear, w, head)]
+    if p.device.type == "cpu" and p.dtype == torch.float32 and cpu_linear.available():   # the model's other kernel
+        kernels.append((cpu_linear.packed_linear, cpu_linear.pack_weight(w), cpu_linear.pack_weight(head)))
     with torch.no_grad():
-        flop_rate = 2 * rows * cfg.hidden_size * cfg.intermediate_size / best(lambda: torch.nn.functional.linear(x, w))
-        byte_rate = head.numel() * head.element_size() / best(lambda: torch.nn.functional.linear(x[:1], head))
+        flop_rate = max(2 * rows * cfg.hidden_size * cfg.intermediate_size / best(lambda: k(x, kw)) for k, kw, _ in kernels)
+        byte_rate = max(head.numel() * head.element_size() / best(lambda: k(x[:1], kh)) for k, _, kh in kernels)
     return flop_rate, byte_rate
 
 
