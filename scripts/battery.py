@@ -122,8 +122,8 @@ def main() -> None:
             write_atomic(path, complete_record(OmegaConf.to_container(OmegaConf.create(cfg_dict), resolve=True),
                                                {"launcher": "scripts.battery"}, bundle, pairs[probe_cfg.pairs],
                                                cfg.scenario, result, timer.stages))
-            ref = Path(args.compare or "") / cfg.model.name / cfg.probe.name / cfg.scenario.name / RECORD_NAME
             if args.compare:
+                ref = Path(args.compare) / cfg.model.name / cfg.probe.name / cfg.scenario.name / RECORD_NAME
                 diffs[name] = (result_diff(result, json.loads(ref.read_text())["result"]).summary()
                                if ref.is_file() else f"no earlier record at {ref}")
                 print(f"  {'':16s} vs {args.compare}: {diffs[name]}", flush=True)

@@ -1,14 +1,16 @@
 """What changed between two records of one probe, beyond float tolerance (a speed-up must leave its
 records as they were: ``kvnotes battery --compare DIR``).
 
-Only the ``result`` block is compared; wall times inside it (keys ending in ``_ms`` or ``_s``, and
-``timing`` / ``seconds`` entries) are skipped. Numbers match when ``|a - b| <= atol + rtol * |b|``;
+Only the ``result`` block is compared; wall times inside it (keys with a word ``ms``, ``seconds``,
+``time`` or ``timing``, or ending in ``_s``: ``agent_ms``, ``oracle_ms_total``, ``time_ratio``,
+``full_seconds``, ``setup_s``, a ``time`` block; not ``s_old``) are skipped. Numbers match when ``|a - b| <= atol + rtol * |b|``;
 every other leaf (strings, booleans, integers such as token ids, list lengths, keys) must be equal.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +20,13 @@ RECORD_ATOL = 1e-3
 RECORD_RTOL = 1e-3
 
 
+#: A key naming a wall time or a ratio of wall times (``agent_ms``, ``oracle_ms_total``, ``time_ratio``,
+#: ``full_seconds``, ``timing``).
+_TIMING = re.compile(r"(^|_)(ms|seconds|time|timing)(_|$)|_s$")
+
+
 def _timing_key(key: str) -> bool:
-    return key.endswith(("_ms", "_s")) or key in ("timing", "seconds", "ms")
+    return bool(_TIMING.search(key))
 
 
 @dataclass
