@@ -4,8 +4,8 @@
     kvnotes bench linear [--rows 1 21 42 64 112 224] [--threads 2]     # embedded SmolLM2-135M
 
 Two copies of the model are loaded, one with ``cpu_linear=torch`` and one with ``cpu_linear=onednn``
-(:mod:`kvnotes.models.cpu_linear`). For each row count ``R`` the script times, in this one run and
-interleaved (``torch.utils.benchmark``, blocked autorange, median):
+(:mod:`kvnotes.models.cpu_linear`). For each row count ``R`` the script times both kernels in this one
+run, one right after the other (``torch.utils.benchmark``, blocked autorange, median):
 
 - ``gemm``: one ``[R, hidden] x [hidden, intermediate]`` product (the MLP's up projection);
 - ``decode``: one forward of ``R`` rows fed on a batch-1 prefix of a default-suite prompt (the
@@ -48,7 +48,6 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from kvnotes.errors import KvnotesError
     from kvnotes.harness.pairs import prepare_for_probe
     from kvnotes.kv import cache as kvcache
     from kvnotes.models import cpu_linear
@@ -61,7 +60,7 @@ def main() -> None:
         cfg = compose("config", overrides=[f"model={args.model}", "probe=screen", "scenario=default", "device=cpu"])
     arms = {k: load_model(OmegaConf.merge(cfg.model, {"cpu_linear": k}), "cpu") for k in ("torch", "onednn")}
     if not cpu_linear.packed_layers(arms["onednn"].model):
-        raise KvnotesError(f"model '{args.model}' has no packable fp32 linear layers")
+        raise SystemExit(f"kvnotes bench linear: model '{args.model}' has no packable fp32 linear layers")
     pair = prepare_for_probe(arms["torch"].tokenizer, "field", cfg.scenario, cfg.model).pairs[0]
     d = pair.decision
     prompt = pair.old.ids[:d]
