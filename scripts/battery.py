@@ -16,7 +16,7 @@ finishes, with the total at the end (a probe whose pairs the suite cannot give, 
 call of a linear layer (a forward hook on each ``nn.Linear``) costs at least its FLOPs at this
 machine's best GEMM rate or its weight's bytes at its best weight-read rate, whichever is larger
 (:class:`Roofline`): a time no implementation making the same calls can beat (attention and
-elementwise work are not counted). The rates (:func:`machine_rates`) are measured before and after
+elementwise work are not counted). The rates (:func:`kvnotes.harness.roofline.machine_rates`) are measured before and after
 the probes and the higher of each is used: a shared machine's speed drifts. ``--records DIR`` also
 writes each probe's record where ``python run.py out_root=DIR`` would (``DIR/<model>/<probe>/<scenario>/record.json``), checked
 against the probe's schema; ``--compare EARLIER`` then prints, per probe, how its result differs from the record under
@@ -71,6 +71,7 @@ def main() -> None:
     from kvnotes.errors import KvnotesError
     from kvnotes.records.diff import result_diff
     from kvnotes.records.schema import check_result, result_schema
+    from kvnotes.harness.roofline import machine_rates
 
     torch.set_num_threads(args.threads)
     names = args.probes or probes.names()
@@ -190,42 +191,6 @@ class Roofline:
             out["weight_bytes"] += n * size
             out["floor_s"] += n * max(flops / flop_rate, size / byte_rate)
         return out
-
-
-def machine_rates(model, rows: int = 2048, repeats: int = 10) -> tuple[float, float]:
-    """This machine's best rates for the model, in its dtype on its device (best of ``repeats``, and
-    of PyTorch's ``F.linear`` and the prepacked oneDNN kernel of :mod:`kvnotes.models.cpu_linear` on
-    an fp32 CPU model): FLOP/s of a dense ``[rows, hidden] x [hidden, intermediate]`` product (the MLP
-    shape), and bytes/s of a one-row product with the unembedding matrix (bound by reading the weight)."""
-    import torch
-
-    from kvnotes.models import cpu_linear
-
-    cfg = model.config.get_text_config()
-    p = next(model.parameters())
-    x = torch.randn(rows, cfg.hidden_size, dtype=p.dtype, device=p.device)
-    w = torch.randn(cfg.intermediate_size, cfg.hidden_size, dtype=p.dtype, device=p.device)
-    head = model.get_output_embeddings().weight
-
-    def best(fn) -> float:
-        out = float("inf")
-        for _ in range(repeats + 2):
-            if p.device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            if p.device.type == "cuda":
-                torch.cuda.synchronize()
-            out = min(out, time.perf_counter() - t)
-        return out
-
-    kernels = [(torch.nn.functional.linear, w, head)]
-    if p.device.type == "cpu" and p.dtype == torch.float32 and cpu_linear.available():   # the model's other kernel
-        kernels.append((cpu_linear.packed_linear, cpu_linear.pack_weight(w), cpu_linear.pack_weight(head)))
-    with torch.no_grad():
-        flop_rate = max(2 * rows * cfg.hidden_size * cfg.intermediate_size / best(lambda: k(x, kw)) for k, kw, _ in kernels)
-        byte_rate = max(head.numel() * head.element_size() / best(lambda: k(x[:1], kh)) for k, _, kh in kernels)
-    return flop_rate, byte_rate
 
 
 if __name__ == "__main__":

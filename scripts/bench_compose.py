@@ -70,6 +70,8 @@ import torch
 import transformers
 
 from kvnotes.ops import compose as kvcompose
+from kvnotes.ops.edit import span_pairs
+from kvnotes.harness.roofline import forward_floor_s, kv_bytes, machine_rates
 from kvnotes.harness.timing import elapsed_ms, time_calls
 
 def gpu_model():
@@ -86,6 +88,21 @@ def embedded_model(name: str):
     from kvnotes.models.loading import load_model
 
     return load_model(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"), "cpu").model
+
+
+def floors_ms(model, rates: tuple[float, float], L: int, n_prefix: int, n_suffix: int, seam: int) -> dict:
+    """Roofline floors (ms, :func:`kvnotes.harness.roofline.forward_floor_s`) of the two paths at
+    ``rates``: **full**, the causal prefill of ``L`` tokens with one logit row; **composed**, one forward
+    of the prefix, seam and suffix tokens at their positions reading the chunk's other cached K/V once,
+    plus rotating the chunk's keys (read and write once)."""
+    cfg, nbytes = model.config, next(model.parameters()).element_size()
+    live_from = L - n_suffix - seam
+    chunk = live_from - n_prefix
+    full = forward_floor_s(cfg, rates, nbytes, L, span_pairs(0, L), 0, logit_rows=1)
+    composed = forward_floor_s(cfg, rates, nbytes, n_prefix + seam + n_suffix,
+                               span_pairs(0, n_prefix) + span_pairs(live_from, L), chunk, logit_rows=1,
+                               extra_bytes=kv_bytes(cfg, chunk, nbytes))   # keys: half of K/V, read + write
+    return {"full_floor_ms": 1e3 * full, "composed_floor_ms": 1e3 * composed}
 
 
 def timed(fn, warmup: int, trials: int) -> tuple[dict, object]:
@@ -181,9 +198,24 @@ def image_main(args) -> None:
               f"{r['composed']['median_ms']:>11.1f} {r['ratio_full_over_composed']:>6.1f} "
               f"{r['precompile']['median_ms']:>13.1f} {r['kl_full_composed']:>14.4f} "
               f"{'agree' if r['top1_agree'] else 'differ'}", flush=True)
+    rates.append(machine_rates(model, rows=rates_rows))
+    best = (max(r[0] for r in rates), max(r[1] for r in rates))
+    print(f"# floors at the best rates measured before and after the timings: {best[0] / 1e12:.3f} TFLOP/s (GEMM), "
+          f"{best[1] / 1e9:.1f} GB/s (weight read); before {rates[0][0] / 1e12:.3f} / {rates[0][1] / 1e9:.1f}, after "
+          f"{rates[1][0] / 1e12:.3f} / {rates[1][1] / 1e9:.1f}\n"
+          f"# full floor: the prefill's FLOPs; composed floor: weights + the chunk's K/V read once + its keys rotated")
+    print(f"{'tokens':>7} {'full_ms':>9} {'floor':>8} {'x_floor':>7} {'composed_ms':>11} {'floor':>7} {'x_floor':>7} "
+          f"{'floor_ratio':>11}")
+    for r in out:
+        r.update(floors_ms(model, best, r["length"], args.prefix, args.suffix, args.seam))
+        full_ms, comp_ms = r["full"]["median_ms"], r["composed"]["median_ms"]
+        print(f"{r['length']:>7} {full_ms:>9.1f} {r['full_floor_ms']:>8.1f} {full_ms / r['full_floor_ms']:>6.1f}x "
+              f"{comp_ms:>11.1f} {r['composed_floor_ms']:>7.2f} {comp_ms / r['composed_floor_ms']:>6.1f}x "
+              f"{r['full_floor_ms'] / r['composed_floor_ms']:>10.0f}x")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"header": header, "args": vars(args), "rows": out}, indent=1))
+        Path(args.json).write_text(json.dumps({"header": header, "args": vars(args), "rows": out,
+                                               "rates_before_after": rates}, indent=1))
 
 
 def main() -> None:
@@ -231,6 +263,8 @@ def main() -> None:
     print(header, flush=True)
     print(f"{'tokens':>7} {'full_ms':>9} {'composed_ms':>11} {'ratio':>6} {'one_pass_ms':>11} {'compose()_ms':>12} "
           f"{'precompile_ms':>13} {'first_call_ms':>13} {'KL(full||comp)':>14} top1", flush=True)
+    rates_rows = 8192 if args.gpu else 1024
+    rates = [machine_rates(model, rows=rates_rows)]
     out = []
     for L in lengths:
         r = bench_length(model, L, args.prefix, args.suffix, args.seam, args.warmup, args.trials, args.gpu, args.seed,
@@ -241,9 +275,24 @@ def main() -> None:
               f"{r['compose_api']['median_ms']:>12.1f} {r['precompile']['median_ms']:>13.1f} "
               f"{r['first_call_ms']:>13.0f} {r['kl_full_composed']:>14.4f} "
               f"{'agree' if r['top1_agree'] else 'differ'}", flush=True)
+    rates.append(machine_rates(model, rows=rates_rows))
+    best = (max(r[0] for r in rates), max(r[1] for r in rates))
+    print(f"# floors at the best rates measured before and after the timings: {best[0] / 1e12:.3f} TFLOP/s (GEMM), "
+          f"{best[1] / 1e9:.1f} GB/s (weight read); before {rates[0][0] / 1e12:.3f} / {rates[0][1] / 1e9:.1f}, after "
+          f"{rates[1][0] / 1e12:.3f} / {rates[1][1] / 1e9:.1f}\n"
+          f"# full floor: the prefill's FLOPs; composed floor: weights + the chunk's K/V read once + its keys rotated")
+    print(f"{'tokens':>7} {'full_ms':>9} {'floor':>8} {'x_floor':>7} {'composed_ms':>11} {'floor':>7} {'x_floor':>7} "
+          f"{'floor_ratio':>11}")
+    for r in out:
+        r.update(floors_ms(model, best, r["length"], args.prefix, args.suffix, args.seam))
+        full_ms, comp_ms = r["full"]["median_ms"], r["composed"]["median_ms"]
+        print(f"{r['length']:>7} {full_ms:>9.1f} {r['full_floor_ms']:>8.1f} {full_ms / r['full_floor_ms']:>6.1f}x "
+              f"{comp_ms:>11.1f} {r['composed_floor_ms']:>7.2f} {comp_ms / r['composed_floor_ms']:>6.1f}x "
+              f"{r['full_floor_ms'] / r['composed_floor_ms']:>10.0f}x")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"header": header, "args": vars(args), "rows": out}, indent=1))
+        Path(args.json).write_text(json.dumps({"header": header, "args": vars(args), "rows": out,
+                                               "rates_before_after": rates}, indent=1))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,14 @@ Timed per length (median of ``--trials`` after ``--warmup`` runs; CUDA events on
 ``full`` (prefill of the new prompt, last-position logits only), ``refresh_field``, ``erratum``,
 ``field_plus_erratum``, ``hoist``, ``selective_last@K`` and ``selective_attention@K`` /
 ``selective_kv_deviation@K`` (ranking included) for ``--ks``. Printed: milliseconds, the speed-up
-``full / method`` and the tokens each forwards. ``--json PATH`` writes the numbers as JSON.
+``full / method`` and the tokens each forwards, and each method's **floor** and measured / floor.
+The floor (:func:`kvnotes.harness.roofline.forward_floor_s`) is the least time of the forwards the
+method must make (the recomputed tokens against the cache they attend to; for ``selective@K`` the K
+tokens at their earliest possible positions; rankings not counted): the larger of their FLOPs at the
+machine's best GEMM rate and their bytes (every weight once, the attended KV once, the LM head for
+the one decision row) at its best weight-read rate, both rates measured in the same process before and
+after the timings (:func:`kvnotes.harness.roofline.machine_rates`, best of the two). Copies that an
+out-of-place edit makes of the stale cache are not in the floor. ``--json PATH`` writes the numbers as JSON.
 """
 
 from __future__ import annotations
@@ -38,8 +45,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 import torch
 
+from kvnotes.harness.roofline import forward_floor_s, machine_rates
 from kvnotes.kv.cache import AllSlotCache
 from kvnotes.ops import edit
+from kvnotes.ops.edit_runner import EditRunner
 from kvnotes.harness.timing import time_calls
 
 
@@ -112,25 +121,47 @@ class Clock:
         return time_calls(fn, self.warmup, self.trials)[0].median_ms
 
 
-def bench_length(model, lay: Layout, clock: Clock, ks: list[int], rankings: list[str]) -> list[dict]:
-    """Time every method on one layout; rows ``{method, ms, tokens}``."""
+def floor_ms(model, rates: tuple[float, float], forwards: list[tuple[int, int, int]]) -> float:
+    """Floor (ms) of ``forwards``, each ``(start, end, cached)``: positions ``[start, end)`` forwarded
+    against ``cached`` cached positions, one decision row through the LM head
+    (:func:`kvnotes.harness.roofline.forward_floor_s`)."""
+    nbytes = next(model.parameters()).element_size()
+    return 1e3 * sum(forward_floor_s(model.config, rates, nbytes, end - start, edit.span_pairs(start, end), cached,
+                                     logit_rows=1) for start, end, cached in forwards)
+
+
+def pool_logprobs(model, pool, token: int, pos: int) -> torch.Tensor:
+    """Decision log-probs on the first ``pos`` slots of an :class:`EditRunner` pool (a view)."""
+    view = AllSlotCache.from_tensors([l.keys[:, :, :pos] for l in pool.layers], [l.values[:, :, :pos] for l in pool.layers])
+    return edit.decision_logprobs(model, view, token, pos)
+
+
+def bench_length(model, lay: Layout, clock: Clock, ks: list[int], rankings: list[str],
+                 runner: EditRunner | None = None) -> list[dict]:
+    """Time every method on one layout; rows ``{method, ms, tokens, forwards}`` (``forwards``: the
+    ``(start, end, cached)`` spans its floor counts, :func:`floor_ms`). With ``runner``, also each
+    edit on its pool (``[pool]`` rows, :mod:`kvnotes.ops.edit_runner`), with the largest difference
+    of its decision log-probs from the eager operation's (``max_logprob_diff``, one untimed call each)."""
     d, de, dh = len(lay.old) - 1, len(lay.erratum) - 1, len(lay.hoist_old) - 1
-    b = lay.field[1]
+    a, b = lay.field
     stale = AllSlotCache.prefill(model, lay.old[:d])
     hoist_cached = AllSlotCache.prefill(model, lay.hoist_old[:dh])
     token = int(lay.old[d])
     rows = []
 
-    def add(name, fn, tokens):
-        rows.append({"method": name, "ms": clock(fn), "tokens": tokens})
+    def add(name, fn, tokens, forwards):
+        rows.append({"method": name, "ms": clock(fn), "tokens": tokens, "forwards": forwards})
 
-    add("full", lambda: edit.full(model, lay.new, d), d)
-    add("refresh_field", lambda: edit.refresh_field(model, stale, lay.new, lay.field), b - lay.field[0])
-    add("erratum", lambda: edit.extend_from(model, stale, lay.erratum, lay.erratum_reuse, de), de - lay.erratum_reuse)
+    field, err, hoist = (a, b, a), (lay.erratum_reuse, de, lay.erratum_reuse), (lay.hoist_reuse, dh, lay.hoist_reuse)
+    add("full", lambda: edit.full(model, lay.new, d), d, [(0, d, 0)])
+    add("refresh_field", lambda: edit.refresh_field(model, stale, lay.new, lay.field), b - a, [field])
+    add("erratum", lambda: edit.extend_from(model, stale, lay.erratum, lay.erratum_reuse, de), de - lay.erratum_reuse,
+        [err])
     add("field_plus_erratum",
         lambda: edit.extend_from(model, edit.refresh_field(model, stale, lay.new, lay.field).cache, lay.erratum,
-                                 lay.erratum_reuse, de), de - lay.erratum_reuse + b - lay.field[0])
-    add("hoist", lambda: edit.extend_from(model, hoist_cached, lay.hoist_new, lay.hoist_reuse, dh), dh - lay.hoist_reuse)
+                                 lay.erratum_reuse, de), de - lay.erratum_reuse + b - a, [field, err])
+    add("hoist", lambda: edit.extend_from(model, hoist_cached, lay.hoist_new, lay.hoist_reuse, dh), dh - lay.hoist_reuse,
+        [hoist])
     for k in ks:
         for ranking in rankings:
             def sel(ranking=ranking, k=k):
@@ -142,7 +173,34 @@ def bench_length(model, lay: Layout, clock: Clock, ks: list[int], rankings: list
                 else:
                     order, _ = edit.rank_kv_deviation(model, ref, lay.new, (b, d))
                 return edit.selective(model, ref, lay.new, order[:k])
-            add(f"selective_{ranking}@{k}", sel, k + b - lay.field[0])
+            # the k recomputed rows at their earliest possible positions, against the whole cache
+            add(f"selective_{ranking}@{k}", sel, k + b - a, [field, (b, b + k, d)])
+    if runner is not None:
+        new_err = torch.cat([lay.new[:a], lay.new[a:b], lay.erratum[b:]])      # the erratum prompt, field new
+        pools = [
+            ("refresh_field", lambda: runner.refresh_field(stale, lay.new, lay.field),
+             lambda: edit.refresh_field(model, stale, lay.new, lay.field).cache, lay.new, d),
+            ("erratum", lambda: runner.extend_from(stale, lay.erratum, lay.erratum_reuse, de),
+             lambda: edit.extend_from(model, stale, lay.erratum, lay.erratum_reuse, de).cache, lay.erratum, de),
+            ("field_plus_erratum", lambda: runner.extend_from(stale, new_err, lay.erratum_reuse, de, field=lay.field),
+             lambda: edit.extend_from(model, edit.refresh_field(model, stale, lay.new, lay.field).cache, new_err,
+                                      lay.erratum_reuse, de).cache, new_err, de),
+            ("hoist", lambda: runner.extend_from(hoist_cached, lay.hoist_new, lay.hoist_reuse, dh),
+             lambda: edit.extend_from(model, hoist_cached, lay.hoist_new, lay.hoist_reuse, dh).cache, lay.hoist_new, dh),
+        ]
+        for k in ks:
+            picks = edit.rank_last((b, d))[:k]
+            pools.append((f"selective_last@{k}", lambda picks=picks: runner.selective(stale, lay.new, lay.field, picks),
+                          lambda picks=picks: edit.selective(model, edit.refresh_field(model, stale, lay.new, lay.field),
+                                                             lay.new, picks).cache, lay.new, d))
+        for name, fn, eager, ids, pos in pools:
+            base = next(r for r in rows if r["method"] == name)
+            tok = int(ids[pos])
+            ref = edit.decision_logprobs(model, eager(), tok, pos)
+            got = pool_logprobs(model, fn()[0], tok, pos)
+            add(f"{name} [pool]", fn, base["tokens"], base["forwards"])
+            rows[-1]["max_logprob_diff"] = float((got - ref).abs().max())
+            rows[-1]["top1_agree"] = bool(got.argmax() == ref.argmax())
     full_ms = rows[0]["ms"]
     for r in rows:
         r["speedup"] = full_ms / r["ms"]
@@ -165,6 +223,7 @@ def main() -> None:
     ap.add_argument("--rankings", nargs="+", default=["last", "attention", "kv_deviation"])
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--no-pool", action="store_true", help="skip the [pool] rows (kvnotes.ops.edit_runner)")
     args = ap.parse_args()
     args.gpu = args.device == "cuda"
     args.out = Path(args.json) if args.json else None
@@ -187,6 +246,8 @@ def main() -> None:
         device = f"CPU ({platform.processor() or platform.machine()}, {args.threads} thread(s))"
         model_name = "SmolLM2-135M-Instruct (fp32)"
     clock = Clock(args.trials, args.warmup)
+    rates_rows = 8192 if args.gpu else 1024
+    rates = [machine_rates(model, rows=rates_rows)]
     import transformers
 
     header = (f"# bench_edit: {model_name} on {device}; torch {torch.__version__}, transformers "
@@ -196,14 +257,33 @@ def main() -> None:
     out = {"model": model_name, "device": device, "torch": torch.__version__,
            "transformers": transformers.__version__, "command": " ".join(sys.argv), "lengths": {}}
     print(f"{'tokens':>7} {'method':<28} {'ms':>10} {'speedup':>8} {'forwarded':>9}")
+    results = []
     for n in lengths:
         lay = layouts(n)
-        rows = bench_length(model, lay, clock, args.ks, args.rankings)
+        runner = None if args.no_pool else EditRunner(model, len(lay.erratum) + 1, graphs=args.gpu)
+        rows = bench_length(model, lay, clock, args.ks, args.rankings, runner)
+        del runner
         out["lengths"][str(len(lay.old) - 1)] = rows
+        results.append((len(lay.old) - 1, rows))
         for r in rows:
-            print(f"{len(lay.old) - 1:>7} {r['method']:<28} {r['ms']:>10.1f} {r['speedup']:>7.1f}x {r['tokens']:>9}", flush=True)
+            check = (f"  logprobs within {r['max_logprob_diff']:.2g} of the eager op's, top-1 "
+                     f"{'agrees' if r['top1_agree'] else 'DIFFERS'}" if "max_logprob_diff" in r else "")
+            print(f"{len(lay.old) - 1:>7} {r['method']:<28} {r['ms']:>10.1f} {r['speedup']:>7.1f}x {r['tokens']:>9}"
+                  f"{check}", flush=True)
         if args.gpu:
             torch.cuda.empty_cache()
+    rates.append(machine_rates(model, rows=rates_rows))
+    best = (max(r[0] for r in rates), max(r[1] for r in rates))
+    out["rates_before_after"] = rates
+    print(f"# floors at the best rates measured before and after the timings: {best[0] / 1e12:.3f} TFLOP/s "
+          f"(GEMM), {best[1] / 1e9:.1f} GB/s (weight read); before {rates[0][0] / 1e12:.3f} / {rates[0][1] / 1e9:.1f}, "
+          f"after {rates[1][0] / 1e12:.3f} / {rates[1][1] / 1e9:.1f}")
+    print(f"{'tokens':>7} {'method':<28} {'ms':>10} {'floor_ms':>9} {'x_floor':>8}")
+    for n, rows in results:
+        for r in rows:
+            r["floor_ms"] = floor_ms(model, best, r["forwards"])
+            r["over_floor"] = r["ms"] / r["floor_ms"]
+            print(f"{n:>7} {r['method']:<28} {r['ms']:>10.1f} {r['floor_ms']:>9.2f} {r['over_floor']:>7.1f}x")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))

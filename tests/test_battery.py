@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scripts.battery import Roofline, machine_rates
+from kvnotes.harness.roofline import machine_rates
+from scripts.battery import Roofline
 from tests.helpers import build_tiny
 
 T = 11
@@ -41,3 +42,27 @@ def test_roofline_counts_every_linear_call():
 def test_machine_rates_are_positive():
     flop_rate, byte_rate = machine_rates(build_tiny("llama"), rows=64, repeats=2)
     assert flop_rate > 1e6 and byte_rate > 1e6
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_forward_floor_counts_what_a_forward_reads(arch):
+    """The analytic floor's weight bytes are the bytes the model's linear layers really hold (GQA
+    included), its KV bytes the cache's, and it takes the larger of the two times."""
+    from kvnotes.harness.roofline import forward_floor_s, kv_bytes
+    from kvnotes.ops.edit import forward_flops, params_per_token
+
+    model = build_tiny(arch)
+    cfg = model.config
+    roof = Roofline(model)
+    with torch.no_grad():
+        out = model(torch.arange(T)[None], logits_to_keep=1, use_cache=True)
+    counted = Roofline.floor(roof.calls, 1.0, 1.0)["weight_bytes"]
+    head = cfg.vocab_size * cfg.hidden_size
+    assert counted == 4 * (params_per_token(cfg) + head)                   # fp32 linear weights, one call each
+    cache = out.past_key_values
+    held = sum(l.keys.numel() * 4 + l.values.numel() * 4 for l in cache.layers)
+    assert kv_bytes(cfg, T, 4) == held
+    slow_flops, slow_bytes = (1e3, 1e15), (1e15, 1e3)
+    assert forward_floor_s(cfg, slow_flops, 4, 5, 40, T) == pytest.approx(forward_flops(cfg, 5, 40) / 1e3)
+    moved = 4 * (params_per_token(cfg) + head) + kv_bytes(cfg, T, 4) + 7
+    assert forward_floor_s(cfg, slow_bytes, 4, 5, 40, T, logit_rows=1, extra_bytes=7) == pytest.approx(moved / 1e3)

@@ -1,8 +1,9 @@
 """Editing and composing KV caches (paper sections 5-6): :mod:`kvnotes.ops.edit` (field refresh,
-selective recompute, errata), :mod:`kvnotes.ops.compose` (RoPE re-positioning and splicing of
+selective recompute, errata), :mod:`kvnotes.ops.edit_runner` (those edits as one forward on a reused KV
+pool, CUDA graphs on GPU), :mod:`kvnotes.ops.compose` (RoPE re-positioning and splicing of
 precompiled chunks) and :mod:`kvnotes.ops.mrope` (the 3-D positions of M-RoPE models). Usable alone: it imports nothing from ``scenarios``, ``probes`` or
 :mod:`kvnotes.harness` (``tests/test_layout.py``)."""
 
-from kvnotes.ops import compose, edit, mrope
+from kvnotes.ops import compose, edit, edit_runner, mrope
 
-__all__ = ["compose", "edit", "mrope"]
+__all__ = ["compose", "edit", "edit_runner", "mrope"]

@@ -828,6 +828,17 @@ class _Plan:
     B: int
 
 
+def position_runs(positions: Sequence[int]) -> tuple:
+    """``(r0, r1, end)`` per run of consecutive ``positions`` (rows ``r0 .. r1 - 1`` at positions
+    ``end - (r1 - r0) .. end - 1``), the layout :func:`_one_pass_attention` takes."""
+    runs, start = [], 0
+    for i in range(1, len(positions) + 1):
+        if i == len(positions) or positions[i] != positions[i - 1] + 1:
+            runs.append((start, i, positions[i - 1] + 1))
+            start = i
+    return tuple(runs)
+
+
 def _plan(model, parts: Sequence, seam: int, rotate: bool) -> _Plan:
     if not parts:
         raise ValueError("compose needs at least one part")
@@ -858,15 +869,11 @@ def _plan(model, parts: Sequence, seam: int, rotate: bool) -> _Plan:
     B = max((x.shape[0] for x in pieces), default=1)
     if any(x.shape[0] not in (1, B) for x in pieces):
         raise ValueError("live parts must have 1 or B rows")
-    runs, start = [], 0
-    for i in range(1, len(positions) + 1):
-        if i == len(positions) or positions[i] != positions[i - 1] + 1:
-            runs.append((start, i, positions[i - 1] + 1))
-            start = i
+    runs = position_runs(positions)
     dev = model.device
     ids = torch.cat([x.to(dev).expand(B, -1) for x in pieces], dim=1) if pieces else None
     slots = torch.tensor(positions, dtype=torch.long, device=dev) if positions else None
-    return _Plan(ids, slots, tuple(runs), chunks, pos, not isinstance(parts[-1], Chunk), B)
+    return _Plan(ids, slots, runs, chunks, pos, not isinstance(parts[-1], Chunk), B)
 
 
 def _rotations(model, delta: int, dtype: torch.dtype, head_dim: int, rot_cache: dict,
@@ -1033,29 +1040,35 @@ class ComposeRunner:
         self.cache.set_length(plan.total)
         if plan.ids is None:
             return self.cache, None
-        if not self.graphs:
-            logits = _forward_one_pass(self.model, self.cache, plan.ids, plan.slots, plan.runs)
-        else:
-            key = (tuple(plan.ids.shape), plan.runs)
-            g = self._graphs.get(key) or self._capture(key, plan)
-            g.ids.copy_(plan.ids)
-            g.graph.replay()
-            logits = g.logits
+        logits = self.forward_slots(plan.ids, plan.slots, plan.runs)
         return self.cache, logits[:, -1].float() if plan.logits else None
 
-    def _capture(self, key, plan: _Plan) -> _Graph:
-        """Capture the forward of ``plan``'s layout; its inputs become static buffers (the slots are
-        fixed by the layout, the token ids are copied in before each replay)."""
-        ids, slots = plan.ids.clone(), plan.slots.clone()
+    def forward_slots(self, ids: torch.Tensor, slots: torch.Tensor, runs: tuple) -> torch.Tensor:
+        """The one forward on the pool: ``ids`` ``[B, q]`` at positions = slots ``slots`` ``[q]``, in
+        ``runs`` ``(r0, r1, end)`` of consecutive positions (each row attends to every slot before its
+        own); eager, or the layout's CUDA graph (captured in its first call). Returns the last row's
+        logits ``[B, 1, vocab]`` (model dtype; with graphs, a buffer the next replay overwrites)."""
+        if not self.graphs:
+            return _forward_one_pass(self.model, self.cache, ids, slots, runs)
+        key = (tuple(ids.shape), runs)
+        g = self._graphs.get(key) or self._capture(key, ids, slots, runs)
+        g.ids.copy_(ids)
+        g.graph.replay()
+        return g.logits
+
+    def _capture(self, key, ids: torch.Tensor, slots: torch.Tensor, runs: tuple) -> _Graph:
+        """Capture the forward of one layout; its inputs become static buffers (the slots are fixed
+        by the layout, the token ids are copied in before each replay)."""
+        ids, slots = ids.clone(), slots.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                _forward_one_pass(self.model, self.cache, ids, slots, plan.runs)
+                _forward_one_pass(self.model, self.cache, ids, slots, runs)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = _forward_one_pass(self.model, self.cache, ids, slots, plan.runs)
+            logits = _forward_one_pass(self.model, self.cache, ids, slots, runs)
         g = self._graphs[key] = _Graph(graph, ids, slots, logits)
         return g
 

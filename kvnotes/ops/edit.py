@@ -70,7 +70,9 @@ class Edited:
 
 # --------------------------------------------------------------------------------------------- cost
 
-def _shape(config) -> dict:
+def model_shape(config) -> dict:
+    """The sizes the FLOP and byte counts use: ``L`` layers, hidden ``h``, ``H`` query heads, ``KVH``
+    key/value heads, head dim ``hd``, MLP width ``I`` (of the text config of a wrapper)."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     H = c.num_attention_heads
     hd = getattr(c, "head_dim", None) or c.hidden_size // H
@@ -81,7 +83,7 @@ def _shape(config) -> dict:
 def params_per_token(config, n_layers: int | None = None) -> int:
     """Weights a token passes through per layer stack: ``L * (h*hd*(2H + 2KVH) + 3*h*I)`` (Q, K, V,
     O projections and a gated MLP; embeddings, norms and the LM head excluded)."""
-    s = _shape(config)
+    s = model_shape(config)
     L = s["L"] if n_layers is None else n_layers
     return L * (s["h"] * s["hd"] * (2 * s["H"] + 2 * s["KVH"]) + 3 * s["h"] * s["I"])
 
@@ -90,7 +92,7 @@ def forward_flops(config, n_tokens: float, attended: float, n_layers: int | None
     """Forward FLOPs of ``n_tokens`` tokens: ``2 * params_per_token * n_tokens`` (matmuls) plus
     ``4 * L * H * hd * attended`` (``QK^T`` and ``AV``; ``attended`` = number of (query, key) pairs,
     an upper bound for sliding-window layers). The usual estimate of Kaplan et al. (2020), §2.1."""
-    s = _shape(config)
+    s = model_shape(config)
     L = s["L"] if n_layers is None else n_layers
     return 2.0 * params_per_token(config, L) * n_tokens + 4.0 * L * s["H"] * s["hd"] * attended
 
@@ -366,7 +368,7 @@ def rank_kv_deviation(model, refreshed: Edited, ids: torch.Tensor, downstream: t
         equivalents: n * 2 / L), flops, seconds}``).
     """
     b, d = downstream
-    n_layers = _shape(model.config)["L"]
+    n_layers = model_shape(model.config)["L"]
     t0 = time.perf_counter()
     prefix = refreshed.cache.truncate(b)
     with first_layers(model, 2):
