@@ -198,24 +198,9 @@ def image_main(args) -> None:
               f"{r['composed']['median_ms']:>11.1f} {r['ratio_full_over_composed']:>6.1f} "
               f"{r['precompile']['median_ms']:>13.1f} {r['kl_full_composed']:>14.4f} "
               f"{'agree' if r['top1_agree'] else 'differ'}", flush=True)
-    rates.append(machine_rates(model, rows=rates_rows))
-    best = (max(r[0] for r in rates), max(r[1] for r in rates))
-    print(f"# floors at the best rates measured before and after the timings: {best[0] / 1e12:.3f} TFLOP/s (GEMM), "
-          f"{best[1] / 1e9:.1f} GB/s (weight read); before {rates[0][0] / 1e12:.3f} / {rates[0][1] / 1e9:.1f}, after "
-          f"{rates[1][0] / 1e12:.3f} / {rates[1][1] / 1e9:.1f}\n"
-          f"# full floor: the prefill's FLOPs; composed floor: weights + the chunk's K/V read once + its keys rotated")
-    print(f"{'tokens':>7} {'full_ms':>9} {'floor':>8} {'x_floor':>7} {'composed_ms':>11} {'floor':>7} {'x_floor':>7} "
-          f"{'floor_ratio':>11}")
-    for r in out:
-        r.update(floors_ms(model, best, r["length"], args.prefix, args.suffix, args.seam))
-        full_ms, comp_ms = r["full"]["median_ms"], r["composed"]["median_ms"]
-        print(f"{r['length']:>7} {full_ms:>9.1f} {r['full_floor_ms']:>8.1f} {full_ms / r['full_floor_ms']:>6.1f}x "
-              f"{comp_ms:>11.1f} {r['composed_floor_ms']:>7.2f} {comp_ms / r['composed_floor_ms']:>6.1f}x "
-              f"{r['full_floor_ms'] / r['composed_floor_ms']:>10.0f}x")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"header": header, "args": vars(args), "rows": out,
-                                               "rates_before_after": rates}, indent=1))
+        Path(args.json).write_text(json.dumps({"header": header, "args": vars(args), "rows": out}, indent=1))
 
 
 def main() -> None:
