@@ -35,6 +35,9 @@ are printed with the ratio full / composed (precompile: one timed run on CPU; on
 ``--json PATH`` writes the table with the command line and environment. KL(full||composed) and
 top-1 agreement compare the composed path's logits with the full prefill's (same tokens); the JSON
 also has them for compose() and the largest logit difference between the two composed paths.
+A second table gives each path's roofline floor (:func:`floors_ms`, at the machine's best rates
+measured in the same process before and after the timings, :func:`kvnotes.harness.roofline.machine_rates`)
+and measured / floor.
 
 **Image rows** (``--image``; issue #24 item 3): time to first token of ``prefix | image | suffix`` on
 an M-RoPE vision-language model, with and without re-encoding the image. The model is the zoo

@@ -15,15 +15,21 @@ random token ids with the same layout as the scenario (a 16-token head, a 2-toke
 20-token request + decision block; the erratum is 30 tokens inserted before that block; the hoisted
 layout has the field just before it). This path imports neither hydra/omegaconf nor nnsight.
 
-Timed per length (median of ``--trials`` after ``--warmup`` runs; CUDA events on GPU,
-``time.perf_counter`` on CPU), each from the same stale cache prepared outside the timing:
-``full`` (prefill of the new prompt, last-position logits only), ``refresh_field``, ``erratum``,
-``field_plus_erratum``, ``hoist``, ``selective_last@K`` and ``selective_attention@K`` /
-``selective_kv_deviation@K`` (ranking included) for ``--ks``. Printed: milliseconds, the speed-up
+Timed per length (median of ``--trials`` after ``--warmup`` runs, :func:`kvnotes.harness.timing.time_calls`:
+the device synchronised before the clock is read), each from the same stale cache prepared outside
+the timing: ``full`` (prefill of the new prompt, last-position logits only), ``refresh_field``,
+``erratum``, ``field_plus_erratum``, ``hoist``, ``selective_last@K`` and ``selective_attention@K`` /
+``selective_kv_deviation@K`` (ranking included) for ``--ks``, each an eager operation of
+:mod:`kvnotes.ops.edit`; then (unless ``--no-pool``) the same edits on an
+:class:`kvnotes.ops.edit_runner.EditRunner` (``[pool]`` rows: kept positions copied into a reused KV
+pool, one forward, a CUDA graph on GPU captured in the warm-up), each checked once, untimed, against
+the eager operation's decision log-probs (and, where the decision position is the stale one's, how far
+the edit moves them). Printed: milliseconds, the speed-up
 ``full / method`` and the tokens each forwards, and each method's **floor** and measured / floor.
 The floor (:func:`kvnotes.harness.roofline.forward_floor_s`) is the least time of the forwards the
-method must make (the recomputed tokens against the cache they attend to; for ``selective@K`` the K
-tokens at their earliest possible positions; rankings not counted): the larger of their FLOPs at the
+method must make: ONE forward of the recomputed tokens against the cache they attend to (an edit of
+several spans can be one forward, as the ``[pool]`` rows do; for ``selective@K`` the K tokens at their
+earliest possible positions; rankings not counted): the larger of their FLOPs at the
 machine's best GEMM rate and their bytes (every weight once, the attended KV once, the LM head for
 the one decision row) at its best weight-read rate, both rates measured in the same process before and
 after the timings (:func:`kvnotes.harness.roofline.machine_rates`, best of the two). Copies that an
@@ -121,13 +127,15 @@ class Clock:
         return time_calls(fn, self.warmup, self.trials)[0].median_ms
 
 
-def floor_ms(model, rates: tuple[float, float], forwards: list[tuple[int, int, int]]) -> float:
-    """Floor (ms) of ``forwards``, each ``(start, end, cached)``: positions ``[start, end)`` forwarded
+def floor_ms(model, rates: tuple[float, float], spans: list[tuple[int, int]], cached: int) -> float:
+    """Floor (ms) of ONE forward of the positions ``spans`` (each ``(start, end)``, causal within it)
     against ``cached`` cached positions, one decision row through the LM head
-    (:func:`kvnotes.harness.roofline.forward_floor_s`)."""
+    (:func:`kvnotes.harness.roofline.forward_floor_s`): an edit that recomputes several spans can
+    do it in one forward (:mod:`kvnotes.ops.edit_runner`), so its weights are read once."""
     nbytes = next(model.parameters()).element_size()
-    return 1e3 * sum(forward_floor_s(model.config, rates, nbytes, end - start, edit.span_pairs(start, end), cached,
-                                     logit_rows=1) for start, end, cached in forwards)
+    n = sum(end - start for start, end in spans)
+    pairs = sum(edit.span_pairs(start, end) for start, end in spans)
+    return 1e3 * forward_floor_s(model.config, rates, nbytes, n, pairs, cached, logit_rows=1)
 
 
 def pool_logprobs(model, pool, token: int, pos: int) -> torch.Tensor:
@@ -138,8 +146,8 @@ def pool_logprobs(model, pool, token: int, pos: int) -> torch.Tensor:
 
 def bench_length(model, lay: Layout, clock: Clock, ks: list[int], rankings: list[str],
                  runner: EditRunner | None = None) -> list[dict]:
-    """Time every method on one layout; rows ``{method, ms, tokens, forwards}`` (``forwards``: the
-    ``(start, end, cached)`` spans its floor counts, :func:`floor_ms`). With ``runner``, also each
+    """Time every method on one layout; rows ``{method, ms, tokens, spans, cached}`` (what its floor
+    counts, :func:`floor_ms`). With ``runner``, also each
     edit on its pool (``[pool]`` rows, :mod:`kvnotes.ops.edit_runner`), with the largest difference
     of its decision log-probs from the eager operation's (``max_logprob_diff``, one untimed call each)."""
     d, de, dh = len(lay.old) - 1, len(lay.erratum) - 1, len(lay.hoist_old) - 1
@@ -149,19 +157,19 @@ def bench_length(model, lay: Layout, clock: Clock, ks: list[int], rankings: list
     token = int(lay.old[d])
     rows = []
 
-    def add(name, fn, tokens, forwards):
-        rows.append({"method": name, "ms": clock(fn), "tokens": tokens, "forwards": forwards})
+    def add(name, fn, tokens, spans, cached):
+        rows.append({"method": name, "ms": clock(fn), "tokens": tokens, "spans": spans, "cached": cached})
 
-    field, err, hoist = (a, b, a), (lay.erratum_reuse, de, lay.erratum_reuse), (lay.hoist_reuse, dh, lay.hoist_reuse)
-    add("full", lambda: edit.full(model, lay.new, d), d, [(0, d, 0)])
-    add("refresh_field", lambda: edit.refresh_field(model, stale, lay.new, lay.field), b - a, [field])
+    err = (lay.erratum_reuse, de)
+    add("full", lambda: edit.full(model, lay.new, d), d, [(0, d)], 0)
+    add("refresh_field", lambda: edit.refresh_field(model, stale, lay.new, lay.field), b - a, [(a, b)], a)
     add("erratum", lambda: edit.extend_from(model, stale, lay.erratum, lay.erratum_reuse, de), de - lay.erratum_reuse,
-        [err])
+        [err], lay.erratum_reuse)
     add("field_plus_erratum",
         lambda: edit.extend_from(model, edit.refresh_field(model, stale, lay.new, lay.field).cache, lay.erratum,
-                                 lay.erratum_reuse, de), de - lay.erratum_reuse + b - a, [field, err])
+                                 lay.erratum_reuse, de), de - lay.erratum_reuse + b - a, [(a, b), err], lay.erratum_reuse)
     add("hoist", lambda: edit.extend_from(model, hoist_cached, lay.hoist_new, lay.hoist_reuse, dh), dh - lay.hoist_reuse,
-        [hoist])
+        [(lay.hoist_reuse, dh)], lay.hoist_reuse)
     for k in ks:
         for ranking in rankings:
             def sel(ranking=ranking, k=k):
@@ -174,7 +182,7 @@ def bench_length(model, lay: Layout, clock: Clock, ks: list[int], rankings: list
                     order, _ = edit.rank_kv_deviation(model, ref, lay.new, (b, d))
                 return edit.selective(model, ref, lay.new, order[:k])
             # the k recomputed rows at their earliest possible positions, against the whole cache
-            add(f"selective_{ranking}@{k}", sel, k + b - a, [field, (b, b + k, d)])
+            add(f"selective_{ranking}@{k}", sel, k + b - a, [(a, b), (b, b + k)], d)
     if runner is not None:
         new_err = torch.cat([lay.new[:a], lay.new[a:b], lay.erratum[b:]])      # the erratum prompt, field new
         pools = [
@@ -198,9 +206,12 @@ def bench_length(model, lay: Layout, clock: Clock, ks: list[int], rankings: list
             tok = int(ids[pos])
             ref = edit.decision_logprobs(model, eager(), tok, pos)
             got = pool_logprobs(model, fn()[0], tok, pos)
-            add(f"{name} [pool]", fn, base["tokens"], base["forwards"])
+            add(f"{name} [pool]", fn, base["tokens"], base["spans"], base["cached"])
             rows[-1]["max_logprob_diff"] = float((got - ref).abs().max())
             rows[-1]["top1_agree"] = bool(got.argmax() == ref.argmax())
+            if name == "refresh_field" or name.startswith("selective"):
+                # the stale prompt's decision, same position: how far the edit moves it (the scale of the check)
+                rows[-1]["edit_effect"] = float((ref - edit.decision_logprobs(model, stale, tok, d)).abs().max())
     full_ms = rows[0]["ms"]
     for r in rows:
         r["speedup"] = full_ms / r["ms"]
@@ -268,6 +279,8 @@ def main() -> None:
         for r in rows:
             check = (f"  logprobs within {r['max_logprob_diff']:.2g} of the eager op's, top-1 "
                      f"{'agrees' if r['top1_agree'] else 'DIFFERS'}" if "max_logprob_diff" in r else "")
+            if "edit_effect" in r:
+                check += f" (the edit moves them by up to {r['edit_effect']:.2g})"
             print(f"{len(lay.old) - 1:>7} {r['method']:<28} {r['ms']:>10.1f} {r['speedup']:>7.1f}x {r['tokens']:>9}"
                   f"{check}", flush=True)
         if args.gpu:
@@ -281,7 +294,7 @@ def main() -> None:
     print(f"{'tokens':>7} {'method':<28} {'ms':>10} {'floor_ms':>9} {'x_floor':>8}")
     for n, rows in results:
         for r in rows:
-            r["floor_ms"] = floor_ms(model, best, r["forwards"])
+            r["floor_ms"] = floor_ms(model, best, r["spans"], r["cached"])
             r["over_floor"] = r["ms"] / r["floor_ms"]
             print(f"{n:>7} {r['method']:<28} {r['ms']:>10.1f} {r['floor_ms']:>9.2f} {r['over_floor']:>7.1f}x")
     if args.out:

@@ -95,3 +95,34 @@ def test_bad_requests_are_refused():
         runner.extend_from(stale, torch.arange(30) % VOCAB, D, 30)
     with pytest.raises(ValueError, match="sliding"):
         EditRunner(build_tiny("gemma3"), 24)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
+@pytest.mark.parametrize("name", ["qwen3", "one_kv_head"])
+@torch.no_grad()
+def test_graph_replays_equal_the_eager_operations_on_cuda(name):
+    """On CUDA (fp32): the captured graphs (EditRunner's edits, ComposeRunner's composition), replayed
+    on a second call with other token ids, give what the eager operations give."""
+    from kvnotes.ops import compose
+
+    model = (one_kv_head() if name == "one_kv_head" else build_tiny(name)).cuda()
+    runner = EditRunner(model, 48, graphs=True)
+    assert runner.runner.graphs
+    for seed in (0, 1):                    # the first call captures, the second replays
+        old, new = (x.cuda() for x in tiny_pair(seed))
+        stale = AllSlotCache.prefill(model, old[:D])
+        refreshed = edit.refresh_field(model, stale, new, FIELD)
+        pool, _ = runner.refresh_field(stale, new, FIELD)
+        assert kv_diff(pool_view(pool, D), refreshed.cache, D) < TOL
+        assert kv_diff(pool_view(pool, D), stale, D) > 10 * TOL
+        sel = edit.selective(model, refreshed, new, [9, 12, 13, 18])
+        pool, _ = runner.selective(stale, new, FIELD, [9, 12, 13, 18])
+        assert kv_diff(pool_view(pool, D), sel.cache, D) < TOL
+    comp = compose.ComposeRunner(model, 48, graphs=True)
+    chunk = compose.precompile(model, torch.arange(5, 17, device="cuda") % VOCAB)
+    for seed in (0, 1):
+        prefix, suffix = (torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(seed + n)).cuda()
+                          for n in (4, 3))
+        _, got = comp([prefix, chunk, suffix], True, 2)
+        _, ref = compose.compose_one_pass(model, [prefix, chunk, suffix], True, 2)
+        assert float((got - ref).abs().max()) < TOL

@@ -9,8 +9,8 @@ the same forward, its new state; the field refresh (:func:`kvnotes.ops.edit.refr
 appended erratum or hoisted suffix (:func:`kvnotes.ops.edit.extend_from`), both at once, and a
 selective recompute (:func:`kvnotes.ops.edit.selective`) are each one such forward. The eager path
 pays Python and kernel launches per layer for a few-token forward (a 2-token field refresh of a
-random-weight Qwen3-8B shape at 32k tokens took 39 ms on an H200 against a 3.9-ms floor,
-``docs/bench/bench_edit_gpu_h200.txt``); the graph replays them in one launch.
+random-weight Qwen3-8B shape at 32k tokens took 39 ms on an H200 against a 3.9-ms floor); the
+graph replays them in one launch (15 ms there, ``docs/bench/bench_edit_gpu_h200.txt``).
 """
 
 from __future__ import annotations
