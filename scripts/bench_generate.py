@@ -46,10 +46,13 @@ TIE_NATS = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.03}
 def parting(model, prefix, first: int, d: int, a: list[int], b: list[int]) -> tuple[int, float]:
     """First step at which chains ``a`` (per-variant) and ``b`` (batched) of the variant fed ``first`` at
     position ``d`` differ, and the margin ``log p(a_t) - log p(b_t)`` there (teacher-forced batch-1
-    forward of ``first`` and the common prefix on a view of ``prefix``)."""
+    forward of ``first`` and the common prefix on a view of ``prefix``). Chains that agree until one
+    of them ends get an infinite margin."""
     from kvnotes.kv import cache as kvcache
 
-    t = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    t = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if t == min(len(a), len(b)):          # one chain stopped earlier: not a rounding tie
+        return t, float("inf")
     fed = torch.tensor([first, *a[:t]])
     lp = kvcache.continuation_logprobs(model, kvcache.view(prefix, model.config), fed, d, last_only=True)[0, -1]
     return t, float(lp[a[t]] - lp[b[t]])

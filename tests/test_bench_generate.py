@@ -30,3 +30,9 @@ def test_parting_finds_the_step_and_its_margin():
         assert abs(margin - float(lp[greedy[step]] - lp[other])) < 1e-5
         assert margin > 0                                  # greedy picked the larger log-prob
     assert TIE_NATS[torch.float32] < TIE_NATS[torch.bfloat16]
+
+
+def test_a_chain_that_ends_earlier_is_no_tie():
+    model = build_tiny("llama")
+    prefix = kvcache.prefill(model, torch.arange(3, 10))
+    assert parting(model, prefix, 11, 7, [5, 6, 7], [5, 6]) == (2, float("inf"))
