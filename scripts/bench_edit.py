@@ -138,12 +138,6 @@ def floor_ms(model, rates: tuple[float, float], spans: list[tuple[int, int]], ca
     return 1e3 * forward_floor_s(model.config, rates, nbytes, n, pairs, cached, logit_rows=1)
 
 
-def pool_logprobs(model, pool, token: int, pos: int) -> torch.Tensor:
-    """Decision log-probs on the first ``pos`` slots of an :class:`EditRunner` pool (a view)."""
-    view = AllSlotCache.from_tensors([l.keys[:, :, :pos] for l in pool.layers], [l.values[:, :, :pos] for l in pool.layers])
-    return edit.decision_logprobs(model, view, token, pos)
-
-
 def bench_length(model, lay: Layout, clock: Clock, ks: list[int], rankings: list[str],
                  runner: EditRunner | None = None) -> list[dict]:
     """Time every method on one layout; rows ``{method, ms, tokens, spans, cached}`` (what its floor
@@ -205,7 +199,7 @@ def bench_length(model, lay: Layout, clock: Clock, ks: list[int], rankings: list
             base = next(r for r in rows if r["method"] == name)
             tok = int(ids[pos])
             ref = edit.decision_logprobs(model, eager(), tok, pos)
-            got = pool_logprobs(model, fn()[0], tok, pos)
+            got = edit.decision_logprobs(model, fn()[0].all_slot_view(pos), tok, pos)
             add(f"{name} [pool]", fn, base["tokens"], base["spans"], base["cached"])
             rows[-1]["max_logprob_diff"] = float((got - ref).abs().max())
             rows[-1]["top1_agree"] = bool(got.argmax() == ref.argmax())

@@ -35,8 +35,8 @@ def decision(model, cache, token, pos):
 
 def pool_view(pool, n):
     """The pool's first ``n`` positions as an all-slot cache (copies, so the next call cannot change it)."""
-    return AllSlotCache.from_tensors([l.keys[:, :, :n].clone() for l in pool.layers],
-                                     [l.values[:, :, :n].clone() for l in pool.layers])
+    view = pool.all_slot_view(n)
+    return AllSlotCache.from_tensors([l.keys.clone() for l in view.layers], [l.values.clone() for l in view.layers])
 
 
 @torch.no_grad()

@@ -744,6 +744,13 @@ class SlotCache(StaticCache):
         for layer in self.layers:
             layer.cumulative_length.fill_(n)
 
+    def all_slot_view(self, n: int, row: int = 0) -> kvcache.AllSlotCache:
+        """Slots ``[0, n)`` of row ``row`` as an :class:`kvnotes.kv.cache.AllSlotCache` of views (no
+        copy: a later write into the pool shows through), e.g. to read a decision with
+        :func:`kvnotes.ops.edit.decision_logprobs`."""
+        return kvcache.AllSlotCache.from_tensors([l.keys[row:row + 1, :, :n] for l in self.layers],
+                                                 [l.values[row:row + 1, :, :n] for l in self.layers])
+
 
 def _lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
     """Attention of ``r`` queries at the last ``r`` of ``k``'s ``S`` slots, each to the slots up to
