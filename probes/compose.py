@@ -72,6 +72,7 @@ from tqdm import tqdm
 
 from kvnotes.kv import cache as kvcache
 from kvnotes.ops import compose as kvcompose
+from kvnotes.ops import edit as kvedit
 from kvnotes.errors import KvnotesError
 from kvnotes.harness import kit as K
 from kvnotes.harness.pairs import pair_row
@@ -114,14 +115,28 @@ def variant_name(rotate: bool, sink: str, seam: int) -> str:
     return f"{'rotate' if rotate else 'no_rotate'}/sink={sink}/seam={seam}"
 
 
+def precompiled(model, ids: torch.Tensor, sink: torch.Tensor | None, memo: dict | None) -> kvcompose.Chunk:
+    """:func:`kvnotes.ops.compose.precompile` of chunk ``ids`` ``[n]`` behind ``sink`` ``[k]`` (or
+    none), memoised in ``memo`` by their tokens (the chunks an instance's prompts and edit arms
+    share are prefilled once; a :class:`~kvnotes.ops.compose.Chunk` is never changed by its users)."""
+    if memo is None:
+        return kvcompose.precompile(model, ids, sink)
+    key = (tuple(ids.tolist()), None if sink is None else tuple(sink.tolist()))
+    if key not in memo:
+        memo[key] = kvcompose.precompile(model, ids, sink)
+    return memo[key]
+
+
 @torch.no_grad()
-def compose_prompts(model, prompts: list, chunks: tuple, variants: list[tuple[bool, str, int]]) -> list[dict]:
+def compose_prompts(model, prompts: list, chunks: tuple, variants: list[tuple[bool, str, int]],
+                    chunk_memo: dict | None = None) -> list[dict]:
     """Full prefill and every composed variant of prompts that share their chunks (the prompts of
     one instance), all variants of all prompts in one batched :func:`kvnotes.ops.compose.compose`.
 
     Args:
         prompts: :class:`kvnotes.harness.tokens.Prompt` objects of equal length, identical at the chunk spans.
         chunks: token spans of the chunks.
+        chunk_memo: precompiled chunks by their tokens (:func:`precompiled`), shared with :func:`edit_arms`.
 
     Returns:
         per prompt: ``full`` (fp32 log-softmax ``[vocab]`` of the full prefill at the decision
@@ -134,7 +149,7 @@ def compose_prompts(model, prompts: list, chunks: tuple, variants: list[tuple[bo
     full = kvcompose.full_logits(model, ids)
     first = chunks[0][0]
     chunk_ids = [prompts[0].ids[a:b] for a, b in chunks]
-    compiled = {sink: [kvcompose.precompile(model, c, sink_ids(prompts[0].ids, sink, first)) for c in chunk_ids]
+    compiled = {sink: [precompiled(model, c, sink_ids(prompts[0].ids, sink, first), chunk_memo) for c in chunk_ids]
                 for sink in dict.fromkeys(v[1] for v in variants)}
     # rows v * P + j: variant v of prompt j
     per_row = [v for v in variants for _ in range(P)]
@@ -248,7 +263,24 @@ def _vs_oracle(oracle: torch.Tensor, lp: torch.Tensor, cand_new: int) -> dict:
 
 
 @torch.no_grad()
-def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_template: bool = True) -> dict:
+def _stale_in_chunk(model, po, spans, seams: list[int], token: int, chunk_memo: dict | None) -> tuple[list, torch.Tensor]:
+    """The stale composed caches of ``po`` over ``[0, d)`` (chunks at ``spans`` precompiled behind its
+    first token, keys rotated), one per seam, built in one batched composition, and the decision
+    log-probs ``[len(seams), vocab]`` of feeding ``token`` at ``d`` on each."""
+    d = po.decision
+    chunks = [precompiled(model, po.ids[a:b], po.ids[:1], chunk_memo) for a, b in spans]
+    ids = po.ids[:d].view(1, -1).expand(len(seams), -1)
+    cache, _ = kvcompose.compose(model, prompt_parts(ids, spans, chunks), True, seams,
+                                 all_slots=True)        # the in-place edit needs every position
+    stale = [kvcache.AllSlotCache.from_tensors([l.keys[r:r + 1, :, :d] for l in cache.layers],
+                                               [l.values[r:r + 1, :, :d] for l in cache.layers])
+             for r in range(len(seams))]
+    return stale, kvedit.decision_logprobs_batch(model, stale, token, d)
+
+
+@torch.no_grad()
+def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_template: bool = True,
+              memo: dict | None = None, new_full: torch.Tensor | None = None) -> dict:
     """Editing inside a composition, judged against a full prefill of the **edited text** (the field
     rewritten to the new value), never of the same tokens.
 
@@ -261,13 +293,20 @@ def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_te
       prompt has its field refreshed with :func:`kvnotes.ops.edit.refresh_field` (``stale`` is the
       same cache unrefreshed). Oracle: the new prompt in that layout, fully prefilled.
 
+    Args:
+        memo: work shared by the pairs of one instance (precompiled chunks, the field-chunk oracle
+            of a new value, the stale caches of an old value); a new dict per instance.
+        new_full: fp32 log-softmax ``[vocab]`` of the full prefill of ``pair.new`` (the erratum's
+            oracle), when the caller has it (:func:`compose_prompts`' ``full``); else computed.
+
     Returns:
         ``{arm: {oracle_top1, oracle_owned, <method>: {kl, top1_agree, correct}}}`` or
         ``{arm: {"excluded": reason}}``; lists run over ``seams``.
     """
-    from kvnotes.ops import edit as kvedit
     from kvnotes.harness.edit_prompts import erratum_text
 
+    memo = {} if memo is None else memo
+    chunk_memo = memo.setdefault("chunks", {})
     inst, variant = pair.spec.instance, pair.spec.variant
     cn = pair.cand_new[0]
     out = {}
@@ -278,8 +317,8 @@ def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_te
         out["erratum"] = {"excluded": made if isinstance(made, str) else "chunk_spans_differ"}
     else:
         prompt = made[0]
-        oracle = torch.log_softmax(kvcompose.full_logits(model, pair.new.ids)[0], -1)
-        chunks = [kvcompose.precompile(model, prompt.ids[a:b], prompt.ids[:1]) for a, b in pair.chunks]
+        oracle = torch.log_softmax(kvcompose.full_logits(model, pair.new.ids)[0], -1) if new_full is None else new_full
+        chunks = [precompiled(model, prompt.ids[a:b], prompt.ids[:1], chunk_memo) for a, b in pair.chunks]
         ids = prompt.ids.view(1, -1).expand(len(seams), -1)
         _, comp = kvcompose.compose(model, prompt_parts(ids, pair.chunks, chunks), True, seams)
         full = kvcompose.full_logits(model, prompt.ids)
@@ -300,20 +339,20 @@ def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_te
         out["field_in_chunk"] = {"excluded": "unequal_field_length"}
         return out
     d = po.decision
-    oracle = torch.log_softmax(kvcompose.full_logits(model, pn.ids)[0], -1)
-    chunks = [kvcompose.precompile(model, po.ids[a:b], po.ids[:1]) for a, b in so]
-    res = {"refreshed": [], "stale": []}
-    for seam in seams:
-        cache, _ = kvcompose.compose(model, prompt_parts(po.ids[:d].view(1, -1), so, chunks), True, seam,
-                                     all_slots=True)        # the in-place edit needs every position
-        stale = kvcache.AllSlotCache.from_tensors([l.keys[:, :, :d] for l in cache.layers], [l.values[:, :, :d] for l in cache.layers])
-        edited = kvedit.refresh_field(model, stale, pn.ids, pn.field)
-        token = int(pn.ids[d])
-        res["refreshed"].append(kvedit.decision_logprobs(model, edited.cache, token, d))
-        res["stale"].append(kvedit.decision_logprobs(model, stale, token, d))
+    token = int(pn.ids[d])
+    key = ("oracle", pair.spec.new, variant)
+    if key not in memo:
+        memo[key] = torch.log_softmax(kvcompose.full_logits(model, pn.ids)[0], -1)
+    oracle = memo[key]
+    key = ("stale", pair.spec.old, variant, token)
+    if key not in memo:
+        memo[key] = _stale_in_chunk(model, po, so, seams, token, chunk_memo)
+    stale, stale_lp = memo[key]
+    edited = [kvedit.refresh_field(model, c, pn.ids, pn.field).cache for c in stale]
+    res = {"refreshed": kvedit.decision_logprobs_batch(model, edited, token, d), "stale": stale_lp}
     top1 = int(oracle.argmax())
     out["field_in_chunk"] = {"oracle_top1": top1, "oracle_owned": top1 == cn,
-                             **{k: _vs_oracle(oracle, torch.stack(v), cn) for k, v in res.items()}}
+                             **{k: _vs_oracle(oracle, v, cn) for k, v in res.items()}}
     return out
 
 
@@ -637,18 +676,24 @@ def run(ctx) -> dict:
         raise KvnotesError(f"no chunked token-aligned pairs (excluded: {cpairs.exclusion_counts()})")
     fs = flipping_pairs(replace(ctx, pairs=cpairs), keep_caches=False)
     flips = {r["pair"] for r in fs.rows}
-    prompt_rows, rows, memo = [], [], {}
-    for pair in tqdm(cpairs.pairs, desc="compose", disable=not cfg.get("progress", True)):
+    prompt_rows, rows, memo = [], [], {"chunks": {}}
+    for at, pair in enumerate(tqdm(cpairs.pairs, desc="compose", disable=not cfg.get("progress", True))):
         inst = pair.spec.instance.id
-        if any(k[0] != inst for k in memo):
-            memo = {}                                   # pairs of one instance are consecutive
-        todo = [(v, p) for v, p in ((pair.spec.old, pair.old), (pair.spec.new, pair.new)) if (inst, v) not in memo]
+        if any(k[0] != inst for k in memo if isinstance(k, tuple)):
+            memo = {"chunks": {}}                       # pairs of one instance are consecutive
+        todo = {}           # value -> (prompt, candidate): this pair's and its instance's later pairs' new prompts
+        for q in cpairs.pairs[at:]:
+            if q.spec.instance.id != inst:
+                break
+            if q is pair or (q.chunks == pair.chunks and len(q.old.ids) == len(pair.old.ids)):   # one batch
+                for v, prompt, cand in ((q.spec.old, q.old, q.cand_old), (q.spec.new, q.new, q.cand_new)):
+                    if (inst, v) not in memo:
+                        todo.setdefault(v, (prompt, cand))
         if todo:
             with ctx.timer("variants"):
-                res = compose_prompts(model, [p for _, p in todo], pair.chunks, variants)
-            for (value, prompt), r in zip(todo, res):
+                res = compose_prompts(model, [p for p, _ in todo.values()], pair.chunks, variants, memo["chunks"])
+            for (value, (prompt, cand)), r in zip(todo.items(), res):
                 memo[(inst, value)] = r
-                cand = pair.cand_old if value == pair.spec.old else pair.cand_new
                 top1 = int(r["full"].argmax())
                 prompt_rows.append({"prompt": f"{inst}:{value}", "scenario": pair.spec.instance.scenario.id,
                                     "family": pair.spec.instance.scenario.family, "instance": inst, "value": value,
@@ -672,7 +717,8 @@ def run(ctx) -> dict:
                                      "r": (sc_new - s_old) / (s_new - s_old) if s_new != s_old else None}
         if arm_seams:
             with ctx.timer("edit_arms"):
-                row["arms"] = edit_arms(model, tok, pair, arm_seams, tk, chat)
+                row["arms"] = edit_arms(model, tok, pair, arm_seams, tk, chat, memo.setdefault("arms", {}),
+                                        rn["full"])
         rows.append(row)
     families = families_of(replace(ctx, pairs=cpairs), rows)
     with ctx.timer("statistics"):

@@ -72,3 +72,22 @@ def test_edit_arms_are_judged_against_the_edited_text(result):
     fic = arms["field_in_chunk"]
     if fic["n"]:
         assert fic["refreshed/seam=0"]["kl"]["mean"] <= fic["stale/seam=0"]["kl"]["mean"] + 1e-6
+
+
+def test_edit_arms_shared_work_equals_each_pair_alone(smol, result):
+    """The probe shares work between an instance's pairs (precompiled chunks, the erratum oracle from
+    the composed prompts' full prefill, one stale cache per old value); each pair's arms must equal
+    the arms computed for that pair alone, from scratch."""
+    from kvnotes.harness.chunks import chunked_pairs
+    from probes.compose import edit_arms
+
+    ps = chunked_pairs(smol.tokenizer, scenario_cfg())
+    for pair, row in zip(ps.pairs, result["rows"]):
+        assert row["pair"] == pair.spec.id
+        alone = edit_arms(smol.model, smol.tokenizer, pair, [0], {})
+        for arm, methods in (("erratum", ("composed", "full")), ("field_in_chunk", ("refreshed", "stale"))):
+            got, want = row["arms"][arm], alone[arm]
+            assert got.keys() == want.keys() and got["oracle_top1"] == want["oracle_top1"]
+            for m in methods:
+                assert got[m]["top1_agree"] == want[m]["top1_agree"]
+                assert got[m]["kl"] == pytest.approx(want[m]["kl"], abs=FULL_SEAM_ATOL)
