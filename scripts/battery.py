@@ -17,7 +17,9 @@ call of a linear layer (a forward hook on each ``nn.Linear``) costs at least its
 machine's best GEMM rate or its weight's bytes at its best weight-read rate, whichever is larger
 (:class:`Roofline`): a time no implementation making the same calls can beat (attention and
 elementwise work are not counted). The rates (:func:`kvnotes.harness.roofline.machine_rates`) are measured before and after
-the probes and the higher of each is used: a shared machine's speed drifts. ``--records DIR`` also
+the probes and the higher of each is used: a shared machine's speed drifts. It also times the model's plain forward
+(:func:`plain_forward`: a prefill and a decode at the suite's median prompt length) against the same floor: how
+close a probe can come to its floor without a faster forward. ``--records DIR`` also
 writes each probe's record where ``python run.py out_root=DIR`` would (``DIR/<model>/<probe>/<scenario>/record.json``), checked
 against the probe's schema; ``--compare EARLIER`` then prints, per probe, how its result differs from the record under
 ``EARLIER`` (:mod:`kvnotes.records.diff`: numbers beyond float tolerance, any other changed value; wall times skipped). Timings depend on the machine's load: report them with it
@@ -130,7 +132,7 @@ def main() -> None:
                 print(f"  {'':16s} vs {args.compare}: {diffs[name]}", flush=True)
     total = sum(times.values())
     print(f"  {'total':16s} {total:8.1f} s = {total / 60:.1f} min (+ setup {setup:.1f} s)")
-    floors = {}
+    floors, plain = {}, None
     if roof:
         rates.append(machine_rates(bundle.model))
         flop_rate, byte_rate = max(r[0] for r in rates), max(r[1] for r in rates)
@@ -143,6 +145,10 @@ def main() -> None:
                   f"{floors[name]['weight_bytes'] / 1e12:5.2f} TB of weights read; measured {times[name]:.1f} s)")
         f = sum(v["floor_s"] for v in floors.values())
         print(f"  {'floor total':16s} {f:8.1f} s = {f / 60:.1f} min")
+        tokens = sorted(len(p.old.ids) for p in pairs["field"].pairs)[len(pairs["field"].pairs) // 2]
+        plain = plain_forward(bundle.model, roof, (flop_rate, byte_rate), tokens)
+        print(f"  the model's plain forward (transformers, no hooks; median prompt {tokens} tokens) against the same floor: "
+              + ", ".join(f"{r['what']} {r['ratio']:.2f}x" for r in plain))
     if store is not None:
         print(f"  clean runs: {store.prefilled} prompts prefilled ({store.shared} more shared by other pairs), "
               f"{store.reused} runs reused from the store "
@@ -150,13 +156,61 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "scenario": args.scenario, "threads": args.threads,
                                                "setup_s": setup, "probe_s": times, "total_s": total,
-                                               "roofline": {"rates_before_after": rates, "probes": floors} if roof else None,
+                                               "roofline": {"rates_before_after": rates, "probes": floors, "plain_forward": plain}
+                                               if roof else None,
                                                "clean_runs_mb": args.clean_runs_mb,
                                                "compare": {"against": args.compare, "probes": diffs} if args.compare else None,
                                                "clean_runs": ({"prompts_prefilled": store.prefilled, "prompts_shared": store.shared,
                                                                "runs_reused": store.reused}
                                                               if store is not None else None),
                                                "loadavg_end": os.getloadavg()}, indent=2))
+
+
+def plain_forward(model, roof: "Roofline", rates: tuple[float, float], tokens: int,
+                  shapes: tuple = ((1, "prefill"), (3, "prefill"), (1, "decode"), (21, "decode")),
+                  repeats: int = 5) -> list[dict]:
+    """What the model's own forward reaches against the battery's floor: the best of ``repeats``
+    timed forwards (transformers, no hooks, last-position logits) of ``B`` prompts of ``tokens``
+    random tokens (``prefill``), or of one token for ``B`` rows on a ``tokens``-position cache
+    (``decode``), over the :class:`Roofline` floor of the linear calls they make. A probe cannot
+    come closer to its floor than these forwards come to theirs without a faster forward.
+
+    Returns:
+        per shape ``{what, rows, tokens, measured_s, floor_s, ratio}``.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    out = []
+    dev = next(model.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    for B, kind in shapes:
+        ids = torch.randint(0, model.config.get_text_config().vocab_size, (B, tokens), generator=g).to(dev)
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            if kind == "decode":
+                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                ids = ids[:, :1]
+
+            def forward():
+                if kind == "decode":
+                    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                          position_ids=torch.full((B, 1), tokens, device=dev))
+                    cache.crop(-1)                  # back to the prefix
+                else:
+                    model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+
+            forward()                                   # warm-up
+            best, floor = float("inf"), 0.0
+            for _ in range(repeats):
+                c0 = roof.calls.copy()
+                t = time.perf_counter()
+                forward()
+                best = min(best, time.perf_counter() - t)
+                floor = Roofline.floor(roof.calls - c0, *rates)["floor_s"]
+        out.append({"what": f"{kind} {B}x{tokens if kind == 'prefill' else 1}", "rows": B, "tokens": tokens,
+                    "measured_s": best, "floor_s": floor, "ratio": best / floor})
+    return out
 
 
 class Roofline:

@@ -39,6 +39,28 @@ def test_roofline_counts_every_linear_call():
     assert second["flops"] == 2 * 3 * T * (L * per_layer + h * V)
 
 
+
+def test_plain_forward_floors_one_forward_of_each_shape():
+    """Each shape's floor is one forward's linear calls: a prefill of B x tokens rows, a decode of B
+    rows (its cache prefill and the warm-up not counted), one unembedded row per prompt."""
+    from scripts.battery import plain_forward
+
+    model = build_tiny("llama")
+    cfg = model.config
+    h, i, n, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size
+    kv = cfg.num_key_value_heads * (h // n)
+    per_layer = sum(o * k for o, k in [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)])
+    roof = Roofline(model)
+    rates = (1e9, 1e15)                                   # FLOP-bound: the floor is the FLOPs over 1e9
+    rows = plain_forward(model, roof, rates, T, shapes=((2, "prefill"), (3, "decode")), repeats=2)
+    assert [r["what"] for r in rows] == [f"prefill 2x{T}", "decode 3x1"]
+    L = cfg.num_hidden_layers
+    for r, tokens in zip(rows, (2 * T, 3)):
+        prompts = r["rows"]
+        assert r["floor_s"] == pytest.approx((2 * tokens * L * per_layer + 2 * prompts * h * V) / 1e9, rel=1e-9)
+        assert r["ratio"] == pytest.approx(r["measured_s"] / r["floor_s"]) and r["measured_s"] > 0
+
+
 def test_machine_rates_are_positive():
     flop_rate, byte_rate = machine_rates(build_tiny("llama"), rows=64, repeats=2)
     assert flop_rate > 1e6 and byte_rate > 1e6
