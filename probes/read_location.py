@@ -154,11 +154,12 @@ def group_masses(probs: torch.Tensor, groups: dict[str, tuple[int, int]]) -> tor
 
 
 def _scores(model, pair, cache, knock, mode: str, capture: bool,
-            budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> tuple[torch.Tensor, DecisionRead]:
+            budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES, source=None) -> tuple[torch.Tensor, DecisionRead]:
     """Scores ``[V]`` of knockout variants (:func:`kvnotes.harness.readout.candidate_scores`) and the first
-    forward's :class:`kvnotes.kv.knockout.DecisionRead`."""
+    forward's :class:`kvnotes.kv.knockout.DecisionRead`; with ``source`` (the pair's other run), ``2V``
+    rows: the variants on ``cache``, then on ``source``, in the same forwards."""
     def forward(tokens, first):
-        read = decision_forward(model, cache, tokens, knock, capture and first, budget_bytes)
+        read = decision_forward(model, cache, tokens, knock, capture and first, budget_bytes, source)
         return read.logprobs, read
 
     return candidate_scores(forward, pair, mode)
@@ -311,10 +312,14 @@ def _knockout_pair(ctx, pr, row: dict, variants: list[dict], n_sinks: int, drop_
     base = {k: row[k] for k in ("pair", "scenario", "family", "instance", "flips")}
     null_err = 0.0
     ko_rows = []
-    for run_name, cache, s_clean, s_other in (("old", pr.old_cache, pr.s_old, pr.s_new),
-                                              ("new", pr.new_cache, pr.s_new, pr.s_old)):
-        with ctx.timer("knockout"):
-            scores, read = _scores(model, pair, cache, masks, ctx.readout, True, ctx.budget_bytes)
+    with ctx.timer("knockout"):                 # both runs in the same forwards: old rows, then new rows
+        both, read_both = _scores(model, pair, pr.old_cache, masks, ctx.readout, True, ctx.budget_bytes, pr.new_cache)
+    V = masks.shape[0]
+    for half, (run_name, s_clean, s_other) in enumerate((("old", pr.s_old, pr.s_new), ("new", pr.s_new, pr.s_old))):
+        rows = slice(half * V, (half + 1) * V)
+        scores = both[rows]
+        read = DecisionRead(read_both.logprobs[rows], read_both.probs[rows],
+                            read_both.recon_err_source if half else read_both.recon_err)
         mass = group_masses(read.probs[0], groups)                       # [L, G] clean variant
         row[f"mass_{run_name}"] = mass.tolist()
         row[f"recon_err_{run_name}"] = read.recon_err

@@ -177,9 +177,10 @@ def test_shared_prefix_decode_matches_materialised_variant_caches(caches):
     assert torch.allclose(torch.log_softmax(got[-1], -1), plain, atol=TOL)
 
 
-def test_auto_routes_sparse_variants_cache_free_on_a_long_prefix(monkeypatch):
-    """On a prefix long enough for chunks of MIN_SHARED_CHUNK, auto runs single positions on the
-    shared prefix and a dense variant on the batch view, with the batch-view path's numbers."""
+def test_auto_runs_variants_cache_free_on_a_long_prefix(monkeypatch):
+    """On a prefix long enough for chunks of MIN_SHARED_CHUNK, auto runs every variant (single
+    positions and a dense one: each substituted slot enters the keys once) on the shared prefix,
+    with the batch-view path's numbers; with many fed tokens per variant it takes the batch view."""
     from tests.helpers import build_tiny
 
     model = build_tiny("llama")
@@ -195,5 +196,10 @@ def test_auto_routes_sparse_variants_cache_free_on_a_long_prefix(monkeypatch):
     monkeypatch.setattr(kvcache.SharedPrefix, "__init__", lambda self, *a: used.append(a[2].shape[0]) or real(self, *a))
     auto = kvcache.patched_logits(model, c_old, c_new, masks, old[80:], vocab_ids=[1, 2])
     ref = kvcache.patched_logits(model, c_old, c_new, masks, old[80:], vocab_ids=[1, 2], method="substitute")
-    assert sum(used) == 40                                   # the 40 single positions, not the dense one
+    assert used == [41]                                      # one cache-free forward, the dense variant too
     assert torch.allclose(auto, ref, atol=TOL)
+    assert kvcache.shared_prefix_chunk(masks, c_old, 1) == 2 * 80 + 3 - 80     # every slot substituted somewhere
+    used.clear()
+    many = torch.cat([old[80:], new[:30]])                   # 31 fed tokens: chunks of (160 + 93 - 80) // 31 = 5
+    kvcache.patched_logits(model, c_old, c_new, masks, many, vocab_ids=[1, 2])
+    assert used == []

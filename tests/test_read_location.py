@@ -190,6 +190,30 @@ def test_batched_knockouts_equal_single_and_chunked(setup):
         assert torch.allclose(big.logprobs[v], single.logprobs[0], atol=TOL)
 
 
+def test_two_prefixes_in_one_forward_equal_each_alone(setup):
+    """A pair's two runs in the same forwards (``source``: the second prefix's slots enter the keys
+    once) give each run's knocked log-probs, decision-row attention and reconstruction check, on
+    every tiny shape (sliding windows, soft-capping, one KV head), chunked or not."""
+    model, x, cache = setup
+    L = model.config.num_hidden_layers
+    y = ids(5)
+    other = kvcache.prefill(model, y[:T])
+    knock = knockout_masks(L, T, key_groups(FIELD, T, 2),
+                           [([], [0, L]), (["field"], [0, L]), (["downstream"], [1, L]), (["sinks"], [0, 1])])
+    alone = [decision_forward(model, c, x[T:], knock=knock, capture=True) for c in (cache, other)]
+    both = decision_forward(model, cache, x[T:], knock=knock, capture=True, source=other)
+    V = knock.shape[0]
+    assert both.logprobs.shape[0] == 2 * V
+    assert (alone[0].logprobs - alone[1].logprobs).abs().max() > 1e-3            # the two prefixes differ
+    for half, ref in enumerate(alone):
+        rows = slice(half * V, (half + 1) * V)
+        assert torch.allclose(both.logprobs[rows], ref.logprobs, atol=TOL)
+        assert torch.allclose(both.probs[rows], ref.probs, atol=TOL)
+    assert both.recon_err < TOL and both.recon_err_source < TOL
+    clean = decision_forward(model, cache, x[T:], capture=True, source=other)   # no knockout: 2 rows
+    assert torch.allclose(clean.logprobs, torch.cat([a.logprobs[:1] for a in alone]), atol=TOL)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_knockout_all_layers_equals_removing_the_keys(arch):
     """Independent reference on full-attention models: hiding the field from the decision row in

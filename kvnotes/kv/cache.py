@@ -339,7 +339,8 @@ class SharedPrefix:
     variant cache exists at all.
 
     The variants' queries become one query block ``[1, heads, V * n, head_dim]`` over the keys
-    ``[prefix slots | substituted source entries | every variant's fed tokens]``; an additive mask
+    ``[prefix slots | substituted source entries | every variant's fed tokens]``, each substituted
+    slot once (its source K/V are the same for every variant that takes it); an additive mask
     gives each query its own variant's view (the prefix slots it does not substitute, its own
     substituted entries, its own fed tokens up to itself; on sliding-window layers only positions
     within the window). The model's own attention implementation (scaling, soft-capping, sinks) runs
@@ -367,13 +368,16 @@ class SharedPrefix:
         own_new = (q_var[:, None] == q_var[None, :]) & (q_tok[None, :] <= q_tok[:, None])
         neg = torch.finfo(dtype).min
         self.layers = []
+        #: per layer, the positions of the substituted source entries, in key order after the prefix slots
+        self.substituted: list[torch.Tensor] = []
         for l, (lb, ls) in enumerate(zip(base.layers, source.layers, strict=True)):
             pos = slot_positions(lb)
             m = masks[:, l, pos]                                           # [V, slots]
-            v_idx, s_idx = m.nonzero(as_tuple=True)
-            see_base, see_sub, see_new = ~m[q_var], v_idx[None, :] == q_var[:, None], own_new
-            if hide is not None:
-                see_base = see_base & ~(hide[:, l, pos][q_var] & (q_tok == 0)[:, None])
+            s_idx = m.any(0).nonzero().flatten()                           # slots any variant substitutes
+            see_base, see_sub, see_new = ~m[q_var], m[q_var][:, s_idx], own_new
+            if hide is not None:                                           # whichever entry stands there
+                hidden = hide[:, l, pos][q_var] & (q_tok == 0)[:, None]
+                see_base, see_sub = see_base & ~hidden, see_sub & ~hidden[:, s_idx]
             window = getattr(lb, "sliding_window", None) if getattr(lb, "is_sliding", False) else None
             if window is not None:
                 see_base = see_base & (q_pos[:, None] - pos[None, :] < window)
@@ -383,6 +387,7 @@ class SharedPrefix:
             mask = torch.zeros(see.shape, dtype=dtype, device=dev).masked_fill_(~see, neg)[None, None]
             self.layers.append((torch.cat([lb.keys, ls.keys[:, :, s_idx]], 2),
                                 torch.cat([lb.values, ls.values[:, :, s_idx]], 2), mask))
+            self.substituted.append(pos[s_idx])
 
     def block(self, module, query, key, value):
         """The query block, its keys, values and additive mask for ``module``'s layer:
@@ -414,14 +419,14 @@ MIN_SHARED_CHUNK = 32
 def shared_prefix_chunk(masks: torch.Tensor, base: DynamicCache, n: int) -> int:
     """How many variants of ``masks`` one :class:`SharedPrefix` forward takes.
 
-    Its attention covers ``slots + E + V * n`` keys per query (``E``: substituted entries of the
-    chunk) where a materialised variant cache covers ``slots + n``; chunks are sized so that the
-    former stays within 3x the latter: ``V <= 2 (slots + n) / (e + n)``, ``e`` the largest number of
-    substituted positions of one variant in one layer (at least 1).
+    Its attention covers ``slots + e + V * n`` keys per query (``e``: the slots any variant
+    substitutes in a layer, each once) where a materialised variant cache covers ``slots + n``;
+    chunks are sized so that the former stays within 3x the latter: ``V <= (2 slots + 3 n - e) / n``,
+    ``e`` the most substituted slots of one layer over all of ``masks``.
     """
     slots = base.layers[0].keys.shape[-2]
-    e = int(masks.sum(dim=2).max()) if masks.shape[0] else 0
-    return max(1, (2 * (slots + n)) // (e + n))
+    e = int(masks.any(dim=0).sum(dim=1).max()) if masks.shape[0] else 0
+    return max(1, (2 * slots + 3 * n - e) // n)
 
 
 def _candidate_logits(model, hidden: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
@@ -450,15 +455,14 @@ def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch
     are fed at positions ``T..``; the first is the decision token ``d = T``, further tokens
     teacher-force a multi-token continuation. No variant cache is copied:
 
-    - sparse variants (few substituted positions in any layer: single positions, small sets; those
-      :func:`shared_prefix_chunk` gives chunks of at least :data:`MIN_SHARED_CHUNK`), when all
-      variants are sparse or at least that many are, run cache-free: every variant attends to the
-      one batch-1 prefix plus its own substituted K/V (:class:`SharedPrefix`);
-    - the others decode on a batch-``V`` view of ``base`` with the masked K/V written into the
-      attention call (:class:`_Substitute`), in chunks whose variant caches fit ``budget_bytes``.
+    - when :func:`shared_prefix_chunk` gives chunks of at least :data:`MIN_SHARED_CHUNK` variants (or
+      all of them), the variants run cache-free: every variant attends to the one batch-1 prefix
+      plus the source K/V of the slots substituted in its chunk (:class:`SharedPrefix`);
+    - else (many fed tokens per variant) they decode on a batch-``V`` view of ``base`` with the
+      masked K/V written into the attention call (:class:`_Substitute`), in chunks whose variant
+      caches fit ``budget_bytes``.
 
-    One call may mix both (e.g. single positions and whole layer bands); rows come back in the
-    order of ``masks``.
+    Rows come back in the order of ``masks``.
 
     Args:
         base: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
@@ -467,7 +471,7 @@ def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch
         tokens: ``[n]`` token ids fed after the prefix.
         vocab_ids: compute only these tokens' logits (the unembedding rows of ``vocab_ids``; a
             logit difference needs no normalisation), else the whole vocabulary.
-        method: ``auto`` (sparse variants on the shared prefix, see above),
+        method: ``auto`` (the shared prefix when its chunks are large enough, see above),
             ``shared`` (always, in chunks of at least one variant; sdpa / eager attention only) or
             ``substitute`` (always the batch view).
 
@@ -497,14 +501,12 @@ def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch
         plan.append((all_idx, per_cache, True))
     elif method == "substitute" or impl not in SHARED_PREFIX_ATTENTION:
         plan.append((all_idx, per_cache, False))
-    else:                                       # auto: sparse variants cache-free, dense ones on the batch view
-        slots = base.layers[0].keys.shape[-2]
-        sparse = (2 * (slots + n)) // (masks.sum(dim=2).amax(dim=1) + n) >= MIN_SHARED_CHUNK
-        if not (bool(sparse.all()) or int(sparse.sum()) >= MIN_SHARED_CHUNK):
-            sparse[:] = False
-        if bool(sparse.any()):
-            plan.append((all_idx[sparse], min(shared_prefix_chunk(masks[sparse], base, n), per_cache), True))
-        plan.append((all_idx[~sparse], per_cache, False))
+    else:                                       # auto: cache-free when a forward takes enough variants
+        size = shared_prefix_chunk(masks, base, n)
+        if size >= min(MIN_SHARED_CHUNK, masks.shape[0]):
+            plan.append((all_idx, min(size, per_cache), True))
+        else:
+            plan.append((all_idx, per_cache, False))
     out = None
     for idx, size, shared in plan:
         for s in range(0, len(idx), size):

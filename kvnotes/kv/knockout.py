@@ -181,12 +181,15 @@ class DecisionRead:
     Attributes:
         logprobs: fp32 ``[V, n, vocab]`` log-probs after each fed token.
         probs: fp32 ``[V, n_layers, d + 1]`` head-mean decision-row attention by position, or None.
-        recon_err: max over layers of |eager - executed attention output| at the decision row, or None.
+        recon_err: max over layers of |eager - executed attention output| at the decision row, or None
+            (with a ``source`` prefix: of the rows on ``cache``).
+        recon_err_source: the same for the rows on the ``source`` prefix, or None.
     """
 
     logprobs: torch.Tensor
     probs: torch.Tensor | None
     recon_err: float | None
+    recon_err_source: float | None = None
 
 
 class SharedDecisionRows:
@@ -196,19 +199,28 @@ class SharedDecisionRows:
     ``capture``, the decision rows' attention probabilities through the model's eager function,
     as :class:`DecisionRowHook` records them.
 
+    Args:
+        source: optional second batch-1 prefix over the same positions, whose every slot the rows
+            ``from_source`` (bool ``[V]``) read instead of ``cache``'s (the other run of a pair).
+
     Attributes:
         probs: layer -> fp32 ``[V, d + 1]`` head-mean probabilities by absolute position.
         recon_err: layer -> max |eager output - executed output| at the decision rows.
     """
 
-    def __init__(self, cache, knock: torch.Tensor | None, V: int, n: int, capture: bool):
+    def __init__(self, cache, knock: torch.Tensor | None, V: int, n: int, capture: bool,
+                 source=None, from_source: torch.Tensor | None = None):
         d = kvcache.seq_length(cache)
-        none = torch.zeros(V, len(cache.layers), d, dtype=torch.bool)
-        self.shared = kvcache.SharedPrefix(cache, cache, none, n, d, cache.layers[0].keys.dtype, hide=knock)
+        subst = torch.zeros(V, len(cache.layers), d, dtype=torch.bool)
+        if from_source is not None:                 # these rows read the second prefix, every slot
+            subst[from_source] = True
+        self.shared = kvcache.SharedPrefix(cache, cache if source is None else source, subst, n, d,
+                                           cache.layers[0].keys.dtype, hide=knock)
         self.positions = [kvcache.slot_positions(l) for l in cache.layers]
         self.d, self.capture = d, capture
         self.probs: dict[int, torch.Tensor] = {}
         self.recon_err: dict[int, float] = {}
+        self.recon_rows: dict[int, torch.Tensor] = {}       # layer -> [V] per decision row
 
     def __call__(self, base, module, query, key, value, attention_mask, **kwargs):
         V, H, n, _ = query.shape
@@ -219,19 +231,23 @@ class SharedDecisionRows:
             rows = torch.arange(V, device=q.device) * n                      # each variant's decision row
             m = additive_mask(mask[..., rows, :], V, mask.shape[-1], q.device)
             probs, eout = eager_probabilities(module, q[:, :, rows], k, v, m, **kwargs)   # [1, H, V, keys]
-            pos = self.positions[layer]
-            S = len(pos)
+            pos, sub = self.positions[layer], self.shared.substituted[layer]
+            S, E = len(pos), len(sub)
             full = torch.zeros(V, H, self.d + 1, dtype=torch.float32, device=q.device)
             full[:, :, pos] = probs[0, :, :, :S].transpose(0, 1)
-            full[:, :, self.d] = probs[0, :, rows, S + rows].transpose(0, 1)   # its own decision token
+            full[:, :, sub] += probs[0, :, :, S:S + E].transpose(0, 1)            # a row sees one of the two
+            full[:, :, self.d] = probs[0, :, rows, S + E + rows].transpose(0, 1)   # its own decision token
             self.probs[layer] = full.mean(1).cpu()
-            self.recon_err[layer] = float((eout[0] - out[0, rows].float()).abs().max())
+            err = (eout[0] - out[0, rows].float()).abs().flatten(1).amax(1)       # [V]
+            self.recon_err[layer] = float(err.max())
+            self.recon_rows[layer] = err.cpu()
         return out.reshape(V, n, H, -1), None
 
 
 @torch.no_grad()
 def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | None = None,
-                     capture: bool = False, budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> DecisionRead:
+                     capture: bool = False, budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES,
+                     source=None) -> DecisionRead:
     """Feed ``tokens`` (the first at the decision position ``d = seq_length(cache)``) on a prefix
     cache, optionally knocking out keys for the decision row and capturing its attention.
 
@@ -245,9 +261,13 @@ def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | N
         tokens: ``[n]`` token ids (decision token, then any teacher-forced continuation).
         knock: bool ``[V, n_layers, d]`` (see :func:`knockout_masks`); None = one clean variant.
         capture: compute the decision row's attention probabilities per layer.
+        source: optional second batch-1 prefix cache over the same positions (the other run of a
+            pair): the variants then run on ``cache`` (rows ``0 .. V-1``) and on ``source`` (rows
+            ``V .. 2V-1``), on sdpa / eager models in the same forwards (the source's slots enter
+            the keys once, :class:`kvnotes.kv.cache.SharedPrefix`).
 
     Returns:
-        :class:`DecisionRead`.
+        :class:`DecisionRead` (``2V`` rows with ``source``).
 
     Raises:
         KvnotesError: a knockout under an attention implementation other than sdpa/eager.
@@ -255,22 +275,38 @@ def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | N
     d = kvcache.seq_length(cache)
     V = 1 if knock is None else knock.shape[0]
     lps, probs, errs = [], [], []
-    if model.config._attn_implementation in kvcache.SHARED_PREFIX_ATTENTION:
+    shared = model.config._attn_implementation in kvcache.SHARED_PREFIX_ATTENTION
+    if source is not None and not shared:
+        reads = [decision_forward(model, c, tokens, knock, capture, budget_bytes) for c in (cache, source)]
+        return DecisionRead(torch.cat([r.logprobs for r in reads]),
+                            torch.cat([r.probs for r in reads]) if capture else None,
+                            reads[0].recon_err, reads[1].recon_err)
+    if shared:
         tokens = tokens.to(model.device)
         n = tokens.shape[0]
-        size = kvcache.shared_prefix_chunk(torch.zeros(1, 1, d, dtype=torch.bool), cache, n)
+        if source is not None:          # rows V.. on the second prefix: the same knockouts again
+            knock = torch.zeros(1, len(cache.layers), d, dtype=torch.bool) if knock is None else knock
+            knock, V = torch.cat([knock, knock]), 2 * V
+        every = torch.ones(1, 1, d, dtype=torch.bool) if source is not None else torch.zeros(1, 1, d, dtype=torch.bool)
+        size = kvcache.shared_prefix_chunk(every, cache, n)
         for s in range(0, V, size):
             part = knock[s: s + size] if knock is not None else None
             W = 1 if part is None else part.shape[0]
-            hook = SharedDecisionRows(cache, part, W, n, capture)
+            rows = None if source is None else torch.arange(s, s + W) >= V // 2
+            hook = SharedDecisionRows(cache, part, W, n, capture, source, rows)
             with attention_hook(model, hook):
                 out = model(input_ids=tokens[None].expand(W, -1),
                             position_ids=torch.arange(d, d + n, device=model.device)[None].expand(W, -1), use_cache=False)
             lps.append(torch.log_softmax(out.logits.float(), dim=-1))
             if capture:
                 probs.append(torch.stack([hook.probs[l] for l in sorted(hook.probs)], dim=1))
-                errs.append(max(hook.recon_err.values()))
-        return DecisionRead(torch.cat(lps), torch.cat(probs) if capture else None, max(errs) if capture else None)
+                errs.append(torch.stack(list(hook.recon_rows.values())).amax(0))     # [W]
+        if not capture:
+            return DecisionRead(torch.cat(lps), None, None)
+        errs = torch.cat(errs)
+        if source is None:
+            return DecisionRead(torch.cat(lps), torch.cat(probs), float(errs.max()))
+        return DecisionRead(torch.cat(lps), torch.cat(probs), float(errs[:V // 2].max()), float(errs[V // 2:].max()))
     for sl in kvcache.chunks(V, kvcache.variant_bytes(cache), budget_bytes):
         hook = DecisionRowHook(model, d, d, None if knock is None else knock[sl].to(model.device), capture)
         with attention_hook(model, hook):
