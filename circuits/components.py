@@ -156,11 +156,13 @@ def run(ctx) -> dict:
         off = top_offset([np.asarray(r["position_map"]) for r in src])
         if off is not None:
             offsets[f] = {"offset": off, "pairs": [r["pair"] for r in src]}
-    # 2. decomposition of every pair at the decision position and the family's note offset
+    # 2. decomposition of every pair at the decision position and the family's note offset; a prompt
+    # two pairs share (an instance's value is the new side of one and the old side of the next) once
+    parts = K.per_prompt(lambda ids: residual_parts(engine, ids))
     for i, (run_, row) in enumerate(tqdm(list(zip(fs.runs, rows)), desc="components: decompose", disable=not progress)):
         with ctx.timer("decompose"):
-            old = residual_parts(engine, run_.pair.old.ids)
-            new = residual_parts(engine, run_.pair.new.ids)
+            old = parts(run_.pair.old.ids)
+            new = parts(run_.pair.new.ids)
         v = logit_diff_direction(model, engine.adapter, run_.pair)
         row["decomposition_error"] = max(decomposition_error(old), decomposition_error(new))
         row["at_decision"] = contributions(old, new, v, run_.pair.decision, eps)
