@@ -682,7 +682,8 @@ def run(ctx) -> dict:
         if any(k[0] != inst for k in memo if isinstance(k, tuple)):
             memo = {"chunks": {}}                       # pairs of one instance are consecutive
         todo = {}           # value -> (prompt, candidate): this pair's and its instance's later pairs' new prompts
-        for q in cpairs.pairs[at:]:
+        later: list[Any] = cpairs.pairs[at:]           # chunked pairs (they carry .chunks)
+        for q in later:
             if q.spec.instance.id != inst:
                 break
             if q is pair or (q.chunks == pair.chunks and len(q.old.ids) == len(pair.old.ids)):   # one batch

@@ -303,10 +303,11 @@ def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | N
                 errs.append(torch.stack(list(hook.recon_rows.values())).amax(0))     # [W]
         if not capture:
             return DecisionRead(torch.cat(lps), None, None)
-        errs = torch.cat(errs)
+        row_errs = torch.cat(errs)
         if source is None:
-            return DecisionRead(torch.cat(lps), torch.cat(probs), float(errs.max()))
-        return DecisionRead(torch.cat(lps), torch.cat(probs), float(errs[:V // 2].max()), float(errs[V // 2:].max()))
+            return DecisionRead(torch.cat(lps), torch.cat(probs), float(row_errs.max()))
+        return DecisionRead(torch.cat(lps), torch.cat(probs), float(row_errs[:V // 2].max()),
+                            float(row_errs[V // 2:].max()))
     for sl in kvcache.chunks(V, kvcache.variant_bytes(cache), budget_bytes):
         hook = DecisionRowHook(model, d, d, None if knock is None else knock[sl].to(model.device), capture)
         with attention_hook(model, hook):
