@@ -39,7 +39,6 @@ def test_roofline_counts_every_linear_call():
     assert second["flops"] == 2 * 3 * T * (L * per_layer + h * V)
 
 
-
 def test_plain_forward_floors_one_forward_of_each_shape():
     """Each shape's floor is one forward's linear calls: a prefill of B x tokens rows, a decode of B
     rows (its cache prefill and the warm-up not counted), one unembedded row per prompt."""

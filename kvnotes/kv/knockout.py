@@ -205,7 +205,7 @@ class SharedDecisionRows:
 
     Attributes:
         probs: layer -> fp32 ``[V, d + 1]`` head-mean probabilities by absolute position.
-        recon_err: layer -> max |eager output - executed output| at the decision rows.
+        recon_err: layer -> fp32 ``[V]``: max |eager output - executed output| at each decision row.
     """
 
     def __init__(self, cache, knock: torch.Tensor | None, V: int, n: int, capture: bool,
@@ -219,8 +219,7 @@ class SharedDecisionRows:
         self.positions = [kvcache.slot_positions(l) for l in cache.layers]
         self.d, self.capture = d, capture
         self.probs: dict[int, torch.Tensor] = {}
-        self.recon_err: dict[int, float] = {}
-        self.recon_rows: dict[int, torch.Tensor] = {}       # layer -> [V] per decision row
+        self.recon_err: dict[int, torch.Tensor] = {}
 
     def __call__(self, base, module, query, key, value, attention_mask, **kwargs):
         V, H, n, _ = query.shape
@@ -238,9 +237,7 @@ class SharedDecisionRows:
             full[:, :, sub] += probs[0, :, :, S:S + E].transpose(0, 1)            # a row sees one of the two
             full[:, :, self.d] = probs[0, :, rows, S + E + rows].transpose(0, 1)   # its own decision token
             self.probs[layer] = full.mean(1).cpu()
-            err = (eout[0] - out[0, rows].float()).abs().flatten(1).amax(1)       # [V]
-            self.recon_err[layer] = float(err.max())
-            self.recon_rows[layer] = err.cpu()
+            self.recon_err[layer] = (eout[0] - out[0, rows].float()).abs().flatten(1).amax(1).cpu()
         return out.reshape(V, n, H, -1), None
 
 
@@ -300,7 +297,7 @@ def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | N
             lps.append(torch.log_softmax(out.logits.float(), dim=-1))
             if capture:
                 probs.append(torch.stack([hook.probs[l] for l in sorted(hook.probs)], dim=1))
-                errs.append(torch.stack(list(hook.recon_rows.values())).amax(0))     # [W]
+                errs.append(torch.stack(list(hook.recon_err.values())).amax(0))      # [W]
         if not capture:
             return DecisionRead(torch.cat(lps), None, None)
         row_errs = torch.cat(errs)
