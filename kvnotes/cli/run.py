@@ -8,8 +8,10 @@ A record lives at ``<out_root>/<model>/<probe>/<scenario>/<overrides>/record.jso
 ``<overrides>`` names the job's command-line overrides other than the group choices and the keys
 that cannot change a result (``hydra.job.config.override_dirname`` in ``conf/config.yaml``; empty for
 a plain run): a sweep over any key keeps its records side by
-side. A complete record is reused only when the config that produced it equals the requested one;
-otherwise the job stops with one line naming the keys that differ (``force=true`` replaces it).
+side. A complete record is reused only when the config that produced it equals the requested one
+(otherwise the job stops with one line naming the keys that differ; ``force=true`` replaces it) and
+its inputs (scenario files' content, weights, kvnotes version: :mod:`kvnotes.harness.inputs`) are
+the current ones (otherwise the job says what changed and runs again).
 Two processes asking for the same record take turns on a lock file beside it.
 
 Bad input (unknown model/probe/scenario or key, a value of the wrong type, a device or quantization
@@ -148,6 +150,7 @@ def job(cfg) -> None:
     from omegaconf import OmegaConf
 
     from kvnotes.harness.runconfig import USER_ERRORS
+    from kvnotes.harness.inputs import inputs_diff, record_inputs
     from kvnotes.harness.jobs import run_job
     from kvnotes.records.store import RECORD_NAME, is_complete, load_record
     from kvnotes.harness.runconfig import check_run_config, identity, identity_diff
@@ -162,14 +165,18 @@ def job(cfg) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         with FileLock(str(record_path) + ".lock"):        # a second process waits, then finds the record
             if is_complete(record_path) and not cfg.force:
-                differ = identity_diff(identity(load_record(record_path)["config"]),
-                                       identity(OmegaConf.to_container(cfg, resolve=True)))
-                if not differ:
+                old = load_record(record_path)
+                differ = identity_diff(identity(old["config"]), identity(OmegaConf.to_container(cfg, resolve=True)))
+                if differ:
+                    shown = ", ".join(differ[:6]) + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
+                    fail(f"{record_path} holds a record of a different config (differs in {shown}): force=true "
+                         f"replaces it, or choose another out_root")
+                changed = inputs_diff(old.get("inputs"), record_inputs(cfg))
+                if not changed:
                     print(f"kvnotes: {record_path} is complete; skipping (force=true to re-run)")
                     return
-                shown = ", ".join(differ[:6]) + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
-                fail(f"{record_path} holds a record of a different config (differs in {shown}): force=true "
-                     f"replaces it, or choose another out_root")
+                print(f"kvnotes: {record_path} was computed from other inputs ({', '.join(changed)} changed); "
+                      f"running again")
             run_job(cfg, out_dir, hydra_info)
     except USER_ERRORS as exc:
         _clean(out_dir, record_path, Path(cfg.out_root))

@@ -47,6 +47,7 @@ def run_job(cfg: Any, out_dir: Path, hydra_info: dict, log: Callable[[str], None
 
     from kvnotes.harness import registry
     from kvnotes.errors import KvnotesError
+    from kvnotes.harness.inputs import record_inputs
     from kvnotes.harness.pairs import prepare_for_probe
     from kvnotes.records.store import RECORD_NAME, Timer, to_jsonable, write_atomic
     from kvnotes.records.envelope import check_record
@@ -60,6 +61,7 @@ def run_job(cfg: Any, out_dir: Path, hydra_info: dict, log: Callable[[str], None
     registry.check_variant(probe_cfg, cfg.scenario.get("variant", "direct"), bool(cfg.model.get("thinking")))
     with timer("load_model"):
         bundle = bundle if bundle is not None else load_bundle(cfg)
+    inputs = record_inputs(cfg)                                         # after the load: a hub snapshot is local now
     with timer("pairs"):
         pairs = prepare_for_probe(bundle.tokenizer, probe_cfg.pairs, cfg.scenario, cfg.model)
     if not pairs.pairs and probe_cfg.pairs != "none":
@@ -72,6 +74,7 @@ def run_job(cfg: Any, out_dir: Path, hydra_info: dict, log: Callable[[str], None
     check_result(result, result_schema(registry.module(probe_cfg)))       # the declared Result
     record = complete_record(OmegaConf.to_container(cfg, resolve=True), hydra_info, bundle, pairs, cfg.scenario,
                              result, timer.stages | {"total": time.perf_counter() - t0})
+    record["inputs"] = inputs
     check_record(to_jsonable(record))                                   # the published envelope
     write_atomic(record_path, record)
     log(f"kvnotes: wrote {record_path}")

@@ -130,10 +130,30 @@ def check_out_root(out_root: str) -> None:
         raise KvnotesError(f"out_root={out_root} is not writable ({exc.strerror or type(exc).__name__})") from None
 
 
+def check_model_path(model: ModelSettings) -> None:
+    """``model.path``, when set, is a checkpoint directory the model is loaded from (an embedded
+    entry's own weights are then not used) and cannot be combined with random weights.
+
+    Raises:
+        KvnotesError: random weights asked for too, or the path has no ``config.json``.
+    """
+    if not model.path:
+        return
+    if model.random_init.enabled:
+        raise KvnotesError(f"model.path={model.path} and model.random_init.enabled=true exclude each other "
+                           f"(a checkpoint or random weights)")
+    path = Path(os.path.expanduser(model.path))
+    if not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no config.json"
+        raise KvnotesError(f"model.path={model.path} {what}: give a checkpoint directory (config.json, "
+                           f"weights, tokenizer)")
+
+
 def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
     """Everything about a composed run config that can be checked before a model loads.
 
-    Checks: :func:`typed` (and ``flip_rule=synthetic`` only with ``model.random_init``); the probe's
+    Checks: :func:`typed` (and ``flip_rule=synthetic`` only with ``model.random_init``); ``model.path``
+    (:func:`check_model_path`); the probe's
     keys and types (``registry.typed_config``); the device exists
     (:func:`kvnotes.models.loading.resolve_device`); the model's device map and quantization can run on it
     (:func:`kvnotes.models.loading.placement_kwargs`); ``out_root`` is writable; every scenario path exists.
@@ -150,6 +170,7 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
 
     settings = typed(cfg)
     check_flip_rule(settings.flip_rule, settings.model.random_init.enabled, settings.model.name)
+    check_model_path(settings.model)
     registry.typed_config(cfg.probe)
     if machine:
         dev = resolve_device(settings.device)

@@ -418,8 +418,10 @@ def _random_bundle_parts(cfg: Any, dev: torch.device, dtype: torch.dtype, attn: 
 
 
 def _checkpoint_source(cfg: Any) -> tuple[str, dict]:
-    """Where a checkpoint config's weights are (a directory) and their provenance."""
-    if cfg.get("embedded"):
+    """Where a checkpoint config's weights are (a directory) and their provenance: ``model.path``
+    when set (for an embedded entry too: its own weights are then not loaded), else the embedded
+    package's GGUF, else the hub id."""
+    if cfg.get("embedded") and not cfg.get("path"):
         source, digest = materialise_embedded(cfg.embedded)
         packages = [p["package"] for p in cfg.embedded.parts] if cfg.embedded.get("parts") else cfg.embedded.package
         return str(source), {"source": "embedded", "package": packages, "file": cfg.embedded.file,

@@ -79,6 +79,9 @@ class Record(_Open):
     vocab: dict[str, str] = Field(default_factory=dict, description="token id -> text of every top-1 the rows name")
     result: dict[str, Any] = Field(default_factory=dict, description="the probe's result (its own Result schema)")
     timing: dict[str, float] = Field(default_factory=dict, description="wall seconds per stage")
+    inputs: dict[str, Any] | None = Field(None, description="what decides the numbers besides the config: scenario "
+                                          "files' sha256, the weights' identity, the kvnotes version "
+                                          "(kvnotes.harness.inputs)")
 
 
 def check_record(record: dict) -> Record:

@@ -1,0 +1,198 @@
+"""A record's inputs: what decides its numbers besides its config.
+
+A record's identity (:func:`kvnotes.harness.runconfig.identity`) is its resolved config; two runs
+with the same config can still differ when a scenario file was edited, other weights sit behind the
+same model name (a checkpoint directory rewritten, a new embedded package), or the library changed.
+:func:`record_inputs` names those inputs, cheaply and before any model loads:
+
+- ``scenario``: the sha256 over every scenario file the config reads (``scenario.paths`` as
+  :func:`scenarios.schema.load_suite` finds them, and the memory suite ``scenario.memory``), each
+  file's content with its name relative to the path entry, and the number of files;
+- ``weights``: for a checkpoint directory (``model.path``), its absolute path and the sha256 over
+  every file's name and content (each file's digest is cached by path, size and modification time
+  under :func:`kvnotes.models.loading.cache_dir`, so a multi-GB checkpoint is read once); for an
+  embedded model, its packages' installed versions and the GGUF file (and declared sha256); for a
+  hub id, the id, the requested revision and the commit of the local snapshot (None when not in the
+  local cache); for random weights, the seed and shape switches (already in the config) and the
+  tokenizer's own inputs;
+- ``kvnotes``: the installed kvnotes version.
+
+:func:`inputs_diff` names the parts in which two records' inputs differ. The job path stores the
+inputs in the record (``record["inputs"]``) and runs a job again when a complete record's inputs
+differ from the current ones (docs/design.md, "Records").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from kvnotes.errors import KvnotesError
+
+#: Files of a checkpoint directory left out of its digest (caches written beside the weights).
+_SKIP_NAMES = (".DS_Store",)
+
+
+def _file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _digest_cache_path() -> Path:
+    from kvnotes.models.loading import cache_dir
+
+    return cache_dir() / "file_digests.json"
+
+
+def cached_file_sha256(path: Path) -> str:
+    """The sha256 of a file's content, cached by (absolute path, size, mtime in ns) in
+    ``<cache>/file_digests.json`` so that a large checkpoint is read once per change.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    path = path.resolve()
+    st = path.stat()
+    key = f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
+    store = _digest_cache_path()
+    try:
+        cache = json.loads(store.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        return cache[key]
+    digest = _file_sha256(path)
+    if st.st_size >= 1 << 24:                 # only large files are worth remembering
+        cache = {k: v for k, v in cache.items() if not k.startswith(f"{path}\0")} | {key: digest}
+        try:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            tmp = store.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache))
+            os.replace(tmp, store)
+        except OSError:
+            pass                              # a read-only cache costs a re-read, nothing else
+    return digest
+
+
+def tree_sha256(files: list[tuple[str, Path]]) -> str:
+    """sha256 over ``(name, content digest)`` of each file, in the given order."""
+    h = hashlib.sha256()
+    for name, path in files:
+        h.update(name.encode())
+        h.update(b"\0")
+        h.update(cached_file_sha256(path).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def scenario_files(scenario_cfg: Any) -> list[tuple[str, Path]]:
+    """``(name, path)`` of every file a scenario config reads: the YAML files under ``paths`` (as
+    :func:`scenarios.schema.load_suite` lists them; a missing path is left to the loader's error)
+    and the memory suite file ``memory`` (as :func:`scenarios.memory.load_memory` resolves it)."""
+    from scenarios.schema import resolve_path
+
+    out: list[tuple[str, Path]] = []
+    for entry in scenario_cfg.get("paths") or ():
+        p = resolve_path(str(entry))
+        if p.is_dir():
+            out += [(f"{entry}/{f.relative_to(p)}", f) for f in sorted(p.rglob("*.yaml"))]
+        elif p.is_file():
+            out.append((str(entry), p))
+    memory = scenario_cfg.get("memory")
+    if memory:
+        p = resolve_path(str(memory))
+        files = sorted(p.glob("*.yaml")) if p.is_dir() else [p] if p.is_file() else []
+        out += [(f"{memory}:{f.name}", f) for f in files]
+    return out
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _local_snapshot_commit(hf_id: str, revision: str | None) -> str | None:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(hf_id, revision=revision, local_files_only=True)).name
+    except Exception:  # not in the local cache (or no hub library state): unknown until it loads
+        return None
+
+
+def checkpoint_files(path: Path) -> list[tuple[str, Path]]:
+    """``(relative name, path)`` of every file of a checkpoint directory, sorted, hidden ones and
+    :data:`_SKIP_NAMES` left out."""
+    return [(str(f.relative_to(path)), f) for f in sorted(path.rglob("*"))
+            if f.is_file() and f.name not in _SKIP_NAMES
+            and not any(part.startswith(".") for part in f.relative_to(path).parts)]
+
+
+def weights_inputs(model_cfg: Any) -> dict:
+    """The weights part of :func:`record_inputs` for a model config (module docstring).
+
+    Raises:
+        KvnotesError: ``model.path`` is not a readable checkpoint directory.
+    """
+    random_init = model_cfg.get("random_init") or {}
+    if random_init.get("enabled"):
+        from kvnotes.models import zoo
+
+        tok = str(random_init.get("tokenizer", "smollm2-135m"))
+        try:
+            tok_inputs = weights_inputs(zoo.zoo_config(tok))
+        except KvnotesError:
+            tok_inputs = {"entry": tok}
+        return {"source": "random", "tokenizer": tok_inputs}
+    if model_cfg.get("path"):
+        path = Path(os.path.expanduser(str(model_cfg.path))).resolve()
+        try:
+            return {"source": "local", "path": str(path), "sha256": tree_sha256(checkpoint_files(path))}
+        except OSError as exc:
+            raise KvnotesError(f"model.path={model_cfg.path}: cannot read the checkpoint "
+                               f"({exc.strerror or type(exc).__name__})") from None
+    embedded = model_cfg.get("embedded")
+    if embedded:
+        packages = [p["package"] for p in embedded.get("parts")] if embedded.get("parts") else [embedded["package"]]
+        return {"source": "embedded", "file": str(embedded["file"]), "sha256": embedded.get("sha256"),
+                "packages": {p: _package_version(p.replace("_", "-")) for p in packages}}
+    hf_id = model_cfg.get("hf_id")
+    return {"source": "hub", "hf_id": hf_id, "revision": model_cfg.get("revision"),
+            "commit": _local_snapshot_commit(str(hf_id), model_cfg.get("revision")) if hf_id else None}
+
+
+def record_inputs(cfg: Any) -> dict:
+    """What decides a run's numbers besides its config (module docstring): ``{scenario: {sha256,
+    files}, weights: {...}, kvnotes: version}``.
+
+    Args:
+        cfg: a composed run config (``model`` and ``scenario`` keys).
+
+    Raises:
+        KvnotesError: an unreadable checkpoint directory; ScenarioError is left to the loaders.
+    """
+    files = scenario_files(cfg.scenario)
+    try:
+        scenario = {"sha256": tree_sha256(files), "files": len(files)}
+    except OSError as exc:
+        raise KvnotesError(f"scenario file unreadable: {exc.filename} ({exc.strerror})") from None
+    return {"scenario": scenario, "weights": weights_inputs(cfg.model), "kvnotes": _package_version("kvnotes")}
+
+
+def inputs_diff(old: dict | None, new: dict) -> list[str]:
+    """The parts of :func:`record_inputs` in which a record's ``old`` inputs differ from ``new``,
+    in words (``"scenario files"``, ``"weights"``, ``"kvnotes version"``); a record written before
+    inputs were recorded gives ``["inputs not recorded"]``."""
+    if not old:
+        return ["inputs not recorded"]
+    names = {"scenario": "scenario files", "weights": "weights", "kvnotes": "kvnotes version"}
+    return [names.get(k, k) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
