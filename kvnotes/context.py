@@ -65,7 +65,8 @@ from kvnotes.kv.generate import generate as decode
 from kvnotes.kv.generate import stop_tokens
 from kvnotes.models.text import char_span_to_tokens, render_text, tokenize
 from kvnotes.ops import edit as ops
-from kvnotes.ops.compose import Chunk, compose, precompile
+from kvnotes.ops.chunk import Chunk, precompile
+from kvnotes.ops.compose import compose
 
 #: The correction the erratum modes insert (the harness's template: ``docs/editing.md``);
 #: ``{field}`` is the field's label, ``{value}`` its new value.

@@ -15,7 +15,7 @@ truncation:
   every layer. The edit operations (:mod:`kvnotes.ops.edit`) work on these.
 
 The third kind, the pooled static cache of one-forward composition, is
-:class:`kvnotes.ops.compose.SlotCache`.
+:class:`kvnotes.ops.slots.SlotCache`.
 
 A *patch mask* is a bool tensor ``[V, n_layers, T]`` over the prefix positions ``[0, T)``: variant
 ``v`` takes layer ``l``'s key/value at position ``p`` from the source ("new") cache where the mask

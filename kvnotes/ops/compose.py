@@ -1,27 +1,10 @@
-"""Composing caches: precompile a chunk, re-position its keys, splice it after a prefix (paper §5).
+"""Composing caches: splice precompiled chunks after a prefix (paper §5), and judge the result.
 
-A *chunk* (a policy, a table, a retrieved document) is prefilled once in isolation, optionally
-behind a *sink* prefix (the BOS token, or a system prefix) whose K/V are dropped afterwards. To use
-it at another position its keys are rotated by the position delta and its K/V are spliced after the
-real prefix; the live tokens that follow are computed normally against the composed cache.
-
-**Re-positioning.** RoPE rotates each key at position ``i`` by the angle ``i * inv_freq`` (per
-frequency pair), and rotations compose, so a post-RoPE key at ``i`` becomes the key at ``i + delta``
-by one further rotation by ``delta * inv_freq``. That delta rotation is taken from the model's own
-rotary module (the adapter's ``rotary`` path, called with ``position_ids = [[delta]]``), never from
-a hand-copied frequency formula, so it follows
-
-- the layer type: a rotary module whose ``forward`` takes ``layer_type`` (Gemma-3) is called once
-  per type, so sliding layers get the local theta and full layers the global one;
-- the rope scaling of the config (``linear``, ``llama3``, ``yarn``): these change ``inv_freq`` only.
-  The module multiplies cos/sin by its ``attention_scaling`` (YaRN's mscale), which the cached key
-  already carries once; the delta rotation divides it out so it is a pure rotation;
-- partial rotary (StableLM, Phi, GPT-NeoX): the module's cos/sin cover only the first
-  ``rot_dim = cos.shape[-1]`` dims of each head; only those are rotated, the rest are copied.
-
-The ``rotate_half`` layout (pairs ``(j, j + rot_dim/2)``) of Llama, Qwen, Mistral, Gemma and
-StableLM is assumed; rope types whose frequencies depend on the sequence length (``dynamic``,
-``longrope``) are refused (a delta rotation is not defined for them).
+A chunk (:class:`kvnotes.ops.chunk.Chunk`, prefilled once in isolation by
+:func:`kvnotes.ops.chunk.precompile`) is used at another position by rotating its keys by the
+position delta (:mod:`kvnotes.kv.rope`: the rotation taken from the model's own rotary module) and
+splicing its K/V after the real prefix; the live tokens that follow are computed normally against
+the composed cache.
 
 **Splice and seam repair.** :func:`compose` walks the parts of a prompt in order: live token
 tensors are forwarded at their positions; a chunk has its first ``seam`` tokens recomputed against
@@ -37,326 +20,37 @@ with ``config=``; a splice then concatenates per layer and a sliding layer keeps
 ``window - 1`` slots, as ``DynamicSlidingWindowLayer`` does.
 
 **One forward (the serving path).** :func:`compose_one_pass` computes the same prompt with one
-model forward instead of one per live part: the chunks' K/V are written first (keys of every layer
-rotated by one batched GEMM with :func:`rotation_matrix`), then all live and seam tokens are
-forwarded together at their positions, each attending lower-right causally to every slot before
-its own. :class:`ComposeRunner` runs it on a reused KV pool and, on CUDA, replays that forward as a
-CUDA graph captured once per token layout. Both need a model without sliding-window layers and one
-chunk, seam and rotation for every row.
+model forward instead of one per live part: the chunks' K/V are written first into a
+:class:`kvnotes.ops.slots.SlotCache` (keys of every layer rotated by one batched GEMM with
+:func:`kvnotes.kv.rope.rotation_matrix`), then all live and seam tokens are forwarded together at
+their positions, each attending lower-right causally to every slot before its own
+(:mod:`kvnotes.ops.slots`). :class:`ComposeRunner` runs it on a reused KV pool and, on CUDA, replays
+that forward as a CUDA graph captured once per token layout. Both need a model without
+sliding-window layers and one chunk, seam and rotation for every row.
+
+**Metrics.** :func:`full_logits` is the reference (the full prefill) and :func:`decision_metrics`
+the agreement of a composed run with it at the decision position.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
-from transformers import AttentionInterface, DynamicCache, StaticCache
-from transformers.cache_utils import Cache, StaticLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import DynamicCache, StaticCache
 
 from kvnotes.kv import cache as kvcache
-from kvnotes.models.adapters import Adapter
+from kvnotes.kv.rope import _rotated, delta_rotations, rope_layout, rotate_into, rotation_matrix
+from kvnotes.ops.chunk import Chunk, move
+from kvnotes.ops.slots import SlotCache, SlotRunner, _forward_one_pass, has_sliding_layers, position_runs
 from kvnotes.errors import KvnotesError
 
-#: Rope types whose frequencies do not depend on the sequence length: a delta rotation exists.
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """A chunk's K/V, prefilled in isolation.
-
-    Attributes:
-        ids: chunk token ids ``[n]``.
-        keys, values: per layer ``[1, kv_heads, n, head_dim]``; keys post-RoPE at positions
-            ``start .. start + n - 1``. Every layer holds every chunk position (also sliding layers).
-        start: position of the chunk's first token when it was prefilled (the sink length, plus any
-            ``offset`` given to :func:`precompile`).
-        sink: number of sink tokens it was prefilled behind (their K/V are dropped).
-    """
-
-    ids: torch.Tensor
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    start: int
-    sink: int = 0
-    #: ``(keys, values)`` stacked over layers, ``[layers, 1, kv_heads, n, head_dim]``, of which
-    #: ``keys``/``values`` are views (None when the layers differ in shape): lets
-    #: :func:`compose_one_pass` rotate and copy every layer in one kernel each.
-    stacked: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
-    #: M-RoPE chunks prefilled with 3-D positions: ``[3, n]`` (temporal, height, width) of its
-    #: tokens; None when the chunk's positions are ``start .. start + n - 1`` in every channel.
-    positions: torch.Tensor | None = field(default=None, compare=False)
-    #: ``image_grid_thw`` ``[k, 3]`` of the images whose tokens the chunk holds (precompiled with the
-    #: vision tower); None for a text chunk. :func:`compose` needs it for the prompt's 3-D positions.
-    image_grid_thw: torch.Tensor | None = field(default=None, compare=False)
-
-    def __len__(self) -> int:
-        return int(self.ids.shape[0])
-
-
-@torch.no_grad()
-def precompile(model, ids: torch.Tensor, sink_ids: torch.Tensor | None = None, offset: int = 0,
-               positions: torch.Tensor | None = None, **inputs) -> Chunk:
-    """Prefill a chunk in isolation and keep its K/V.
-
-    The chunk is prefilled behind ``sink_ids`` (if any) at positions ``offset ..`` in one forward on
-    a cache whose layers all keep every position, so sliding-window layers also return the whole
-    chunk (within the forward, attention still follows each layer's window). The sink's K/V are
-    dropped.
-
-    Args:
-        ids: ``[n]`` chunk token ids.
-        sink_ids: ``[k]`` tokens prefilled before the chunk and dropped (e.g. BOS or a system
-            prefix; the paper's precompiled chunks lacked it, which collapsed Gemma on short prompts).
-        offset: position of the first prefilled token (0 except in tests).
-        positions: M-RoPE only: ``[3, k + n]`` position ids of sink and chunk (e.g. their columns of
-            :func:`kvnotes.ops.mrope.positions` of a longer prompt). Default: when ``inputs`` carry
-            an ``image_grid_thw`` / ``video_grid_thw``, the model's own bookkeeping of sink + chunk
-            (:func:`kvnotes.ops.mrope.positions`) plus ``offset``; else 1-D ``offset ..``.
-        inputs: further model inputs of sink + chunk (``pixel_values``, ``image_grid_thw``, ...).
-
-    Returns:
-        a :class:`Chunk` with ``start = offset + k`` (3-D: the temporal position of its first
-        token), ``positions`` its ``[3, n]`` positions when 3-D and ``image_grid_thw`` the grids of
-        the images among its own tokens (not the sink's); its per-layer K/V are views of one
-        tensor stacked over layers (``Chunk.stacked``) when every layer has the same shape.
-
-    Raises:
-        KvnotesError: ``positions`` that are not ``[3, k + n]``, 3-D positions on a model
-            without M-RoPE, or image tokens that do not match ``image_grid_thw``.
-    """
-    from kvnotes.ops import mrope
-
-    ids = ids.view(-1)
-    sink = ids.new_zeros(0) if sink_ids is None else sink_ids.view(-1).to(ids.device)
-    full = torch.cat([sink, ids]).view(1, -1).to(model.device)
-    k = len(sink)
-    grid = inputs.get("image_grid_thw")
-    grid = None if grid is None else mrope.own_grids(model, ids.cpu(), sink.cpu(), grid)
-    if positions is None and (inputs.get("image_grid_thw") is not None or inputs.get("video_grid_thw") is not None):
-        positions = mrope.positions(model, full, **inputs) + offset
-    if positions is not None:
-        if tuple(positions.shape) != (3, full.shape[1]) or not mrope.is_mrope(model):
-            raise KvnotesError(f"precompile: positions of shape {tuple(positions.shape)} for {full.shape[1]} tokens "
-                               f"(need [3, {full.shape[1]}] on an M-RoPE model)")
-        pos = positions.to(model.device, torch.long).unsqueeze(1)
-    else:
-        pos = torch.arange(offset, offset + full.shape[1], device=model.device).unsqueeze(0)
-    cache = kvcache.AllSlotCache()          # every layer keeps every position
-    model(input_ids=full, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1, **inputs)
-    keys, values = [l.keys[:, :, k:] for l in cache.layers], [l.values[:, :, k:] for l in cache.layers]
-    del cache
-    stacked = None
-    if len({(t.shape, t.dtype) for t in keys}) == 1 and len({(t.shape, t.dtype) for t in values}) == 1:
-        stacked = (torch.stack(keys), torch.stack(values))
-        keys, values = list(stacked[0].unbind(0)), list(stacked[1].unbind(0))
-    if positions is None:
-        return Chunk(ids.cpu(), keys, values, offset + k, k, stacked)
-    own = pos[:, 0, k:].cpu()
-    return Chunk(ids.cpu(), keys, values, int(own[0, 0]), k, stacked, own, grid)
-
-
-def move(model, chunk: Chunk, target) -> Chunk:
-    """The chunk re-positioned: its K/V as if its tokens sat at ``target`` (:func:`reposition`).
-
-    Args:
-        target: the new position of its first token (an int: every token and every M-RoPE channel
-            moves by ``target - chunk.start``), or ``[3, n]`` M-RoPE positions of its tokens in the
-            prompt it moves into (e.g. their columns of :func:`kvnotes.ops.mrope.positions`): each
-            token turns by its own per-channel delta.
-
-    Returns:
-        a new :class:`Chunk` (no ``stacked``), ``start`` and ``positions`` updated.
-
-    Raises:
-        KvnotesError: 3-D targets on a model without M-RoPE, or of the wrong shape
-            (:func:`kvnotes.ops.mrope.deltas`).
-    """
-    from kvnotes.ops import mrope
-
-    n = len(chunk)
-    if isinstance(target, torch.Tensor):
-        source = chunk.positions
-        if source is None:
-            source = torch.arange(chunk.start, chunk.start + n).expand(3, -1)
-        delta = mrope.deltas(source, target.cpu())
-        keys, values = reposition(model, chunk.keys, chunk.values, delta)
-        return Chunk(chunk.ids, keys, values, int(target[0, 0]), chunk.sink, None, target.cpu(), chunk.image_grid_thw)
-    delta = int(target) - chunk.start
-    keys, values = reposition(model, chunk.keys, chunk.values, delta)
-    moved = None if chunk.positions is None else chunk.positions + delta
-    return Chunk(chunk.ids, keys, values, int(target), chunk.sink, None, moved, chunk.image_grid_thw)
-
-
-def _rope_type(rotary, layer_type: str | None) -> str:
-    rt = getattr(rotary, "rope_type", "default")
-    if isinstance(rt, dict):
-        rt = rt.get(layer_type, "default")
-    return rt
-
-
-def _cos_sin(out) -> tuple[torch.Tensor, torch.Tensor]:
-    """A rotary module's output as ``(cos, sin)`` ``[..., rot_dim]`` with ``cos[..., :rot_dim/2]``
-    the per-pair values: a ``(cos, sin)`` pair as returned (rotate_half modules, ``cat(f, f)``), or
-    one complex tensor ``[..., rot_dim/2]`` (DeepSeek-V2's ``freqs_cis``) spread the same way."""
-    if isinstance(out, torch.Tensor) and out.is_complex():
-        return torch.cat([out.real, out.real], -1), torch.cat([out.imag, out.imag], -1)
-    return out
-
-
-@torch.no_grad()
-def delta_rotations(model, delta) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, the pure rotation by ``delta`` positions as ``(cos, sin)``, each ``[rot_dim]`` fp32
-    (per-token deltas: ``[n, rot_dim]``).
-
-    Taken from the model's rotary module (adapter path ``rotary``) at ``position_ids = [[delta]]``,
-    once per layer type when the module is per-type (Gemma-3), with the module's
-    ``attention_scaling`` divided out (it is already inside every cached key; paper §5, YaRN). A
-    module returning complex ``freqs_cis`` (DeepSeek-V2) is read as ``cos = Re``, ``sin = Im``.
-
-    Args:
-        delta: an int (every token moves by it; on an M-RoPE model all three channels move), or
-            per-token deltas: ``[n]`` (1-D positions) or ``[3, n]`` (M-RoPE temporal, height, width
-            deltas, mapped to per-pair angles by the module's own sections / interleaving).
-
-    Raises:
-        KvnotesError: a rope type whose frequencies depend on the sequence length
-            (see :data:`STATIC_ROPE_TYPES`), or ``[3, n]`` deltas on a model without M-RoPE.
-    """
-    adapter = Adapter.for_model(model)
-    rotary = adapter.module(model, "rotary")
-    per_type = "layer_type" in inspect.signature(rotary.forward).parameters
-    x = torch.zeros(1, dtype=torch.float32, device=model.device)
-    per_token = isinstance(delta, torch.Tensor)
-    if not per_token:
-        pos = torch.tensor([[delta]], dtype=torch.long, device=model.device)
-    elif delta.dim() == 2:
-        if getattr(rotary, "mrope_section", None) is None:
-            raise KvnotesError(f"3-D position deltas on model_type '{adapter.model_type}', whose rotary "
-                               f"embedding has no M-RoPE sections")
-        pos = delta.to(model.device, torch.long).unsqueeze(1)          # [3, 1, n]
-    else:
-        pos = delta.to(model.device, torch.long).view(1, -1)
-    by_type = {}
-    for lt in dict.fromkeys(adapter.layer_types):
-        key = lt if per_type else None
-        if key in by_type:
-            continue
-        rt = _rope_type(rotary, key)
-        if rt not in STATIC_ROPE_TYPES:
-            raise KvnotesError(f"cannot re-position keys under rope type '{rt}' (supported: {', '.join(STATIC_ROPE_TYPES)})")
-        if per_type:
-            cos, sin = _cos_sin(rotary(x, pos, layer_type=lt))
-            scale = getattr(rotary, f"{lt}_attention_scaling", 1.0)
-        else:
-            cos, sin = _cos_sin(rotary(x, pos))
-            scale = getattr(rotary, "attention_scaling", 1.0)
-        shape = (-1, cos.shape[-1]) if per_token else (-1,)
-        by_type[key] = (cos.reshape(shape).float() / scale, sin.reshape(shape).float() / scale)
-    return [by_type[lt if per_type else None] for lt in adapter.layer_types]
-
-
-def rotate_into(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
-                interleaved: bool = False) -> torch.Tensor:
-    """Write ``keys`` rotated by ``(cos, sin)`` into ``out`` (``rotate_half`` layout, partial rotary).
-
-    ``out[..., :r] = keys[..., :r] * cos + rotate_half(keys[..., :r]) * sin`` with ``r = len(cos)``
-    and ``out[..., r:] = keys[..., r:]``; computed in fp32 and cast to ``out``'s dtype. ``out`` may
-    be ``keys`` itself (the halves are computed before writing) or a slice of a preallocated cache.
-    With ``interleaved`` the pairs are ``(2j, 2j + 1)`` (DeepSeek's layout; pair ``j`` still turns
-    by ``cos[..., j]``, ``sin[..., j]``) instead of ``(j, j + r/2)``.
-
-    Args:
-        keys: ``[..., n, head_dim]``, post-RoPE keys (MLA: the cached rotary keys ``k_rot``).
-        cos: ``[rot_dim]`` from :func:`delta_rotations`, or ``[n, rot_dim]`` (one rotation per token).
-        sin: as ``cos``.
-        out: a tensor of ``keys``' shape (broadcast over batch allowed).
-        interleaved: pairs ``(2j, 2j + 1)``.
-
-    Returns:
-        ``out``.
-    """
-    r = cos.shape[-1]
-    h = r // 2
-    c, s = cos[..., :h].to(keys.device), sin[..., :h].to(keys.device)
-    one, two = (slice(0, r, 2), slice(1, r, 2)) if interleaved else (slice(0, h), slice(h, r))
-    k1, k2 = keys[..., one].float(), keys[..., two].float()
-    first = k1 * c - k2 * s
-    second = k2 * c + k1 * s
-    out[..., one] = first
-    out[..., two] = second
-    if r < keys.shape[-1] and out.data_ptr() != keys.data_ptr():
-        out[..., r:] = keys[..., r:]
-    return out
-
-
-def rope_layout(model) -> tuple[str, bool]:
-    """``(slot, interleaved)``: which cache tensor of a layer carries the rotary sub-vector
-    (``"keys"``, or ``"values"`` for MLA whose cache holds the latent and ``k_rot``) and whether its
-    pairs are interleaved; from the adapter (``adapters.yaml``, ``rope``)."""
-    a = Adapter.for_model(model)
-    return a.rope_slot, a.rope_interleaved
-
-
-def _rotated(model, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-             rots: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    slot, interleaved = rope_layout(model)
-    moving = keys if slot == "keys" else values
-    moved = [rotate_into(t, c, sn, torch.empty_like(t), interleaved) for t, (c, sn) in zip(moving, rots, strict=True)]
-    return (moved, list(values)) if slot == "keys" else (list(keys), moved)
-
-
-def reposition(model, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-               delta) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer cached K/V of tokens moved by ``delta`` positions.
-
-    Only the part that carries the rotary sub-vector is rotated (:func:`rope_layout`): the keys'
-    first ``rot_dim`` dims (Llama-style, partial rotary), or for MLA the cached ``k_rot`` (the
-    cache's ``values`` slot in transformers' layout); everything else is returned as given (the same
-    tensors, not copies).
-
-    Args:
-        keys: per layer, as a cache layer holds them (``[batch, heads, n, dim]``).
-        values: per layer, likewise.
-        delta: as :func:`delta_rotations` (an int, or per-token ``[n]`` / M-RoPE ``[3, n]`` deltas).
-
-    Returns:
-        (keys, values), new tensors for the rotated side.
-
-    Raises:
-        KvnotesError: from :func:`delta_rotations`.
-    """
-    return _rotated(model, keys, values, delta_rotations(model, delta))
-
-
-def rotate_keys(model, keys: Sequence[torch.Tensor], delta: int) -> list[torch.Tensor]:
-    """Per layer keys re-positioned by ``delta`` (new tensors; see :func:`rotate_into`).
-
-    Args:
-        keys: per layer ``[batch, kv_heads, n, head_dim]`` post-RoPE keys.
-
-    Raises:
-        KvnotesError: the model caches its rotary sub-vector outside the keys (MLA: use
-            :func:`reposition`), or from :func:`delta_rotations`.
-    """
-    slot, interleaved = rope_layout(model)
-    if slot != "keys":
-        raise KvnotesError(f"model_type '{model.config.model_type}' caches its rotary key in the '{slot}' slot; "
-                           f"re-position with kvnotes.ops.compose.reposition")
-    rots = delta_rotations(model, delta)
-    return [rotate_into(k, c, s, torch.empty_like(k), interleaved) for k, (c, s) in zip(keys, rots, strict=True)]
-
-
-def has_sliding_layers(model) -> bool:
-    """True when some layer uses sliding-window attention (then :func:`compose` uses a DynamicCache)."""
-    return any(t == "sliding_attention" for t in Adapter.for_model(model).layer_types)
+# Re-exported, defined in kvnotes.ops.chunk and kvnotes.kv.rope: precompile is documented with composition
+# (docs/composition.md) and called as kvnotes.ops.compose.precompile by the probes; reposition and rotate_keys
+# are called as compose.<name> by the tests.
+from kvnotes.ops.chunk import precompile  # noqa: F401
+from kvnotes.kv.rope import reposition, rotate_keys  # noqa: F401
 
 
 def _forward(model, cache, ids: torch.Tensor, start: int, logits: bool, positions: torch.Tensor | None = None):
@@ -555,9 +249,10 @@ def compose(model, parts: Sequence, rotate: bool | Sequence[bool] = True, seam: 
     the prompt's 3-D positions come from the model's own ``get_rope_index`` over the whole composed
     token sequence with the chunks' grids (:func:`_image_positions`); live tokens are forwarded at
     their columns (text after an image resumes at the image's start plus its extent, not at its
-    slot) and every chunk is moved by its per-token, per-channel delta (:func:`move`) before it is
-    spliced (``rotate=False``: spliced as precompiled). The image is not re-encoded: no pixel
-    values reach the forwards. Such a chunk takes ``seam=0``.
+    slot) and every chunk is moved by its per-token, per-channel delta
+    (:func:`kvnotes.ops.chunk.move`) before it is spliced (``rotate=False``: spliced as
+    precompiled). The image is not re-encoded: no pixel values reach the forwards. Such a chunk
+    takes ``seam=0``.
 
     Args:
         parts: the prompt in order; at least one part.
@@ -577,8 +272,8 @@ def compose(model, parts: Sequence, rotate: bool | Sequence[bool] = True, seam: 
     Raises:
         ValueError: ``static=True`` on a model with sliding-window layers, no parts, per-row
             values whose count is not the batch size, or chunks of one part with different tokens.
-        KvnotesError: from :func:`delta_rotations`; a live part holding image tokens, seam repair
-            of an image chunk (:func:`_image_positions`).
+        KvnotesError: from :func:`kvnotes.kv.rope.delta_rotations`; a live part holding image
+            tokens, seam repair of an image chunk (:func:`_image_positions`).
     """
     if not parts:
         raise ValueError("compose needs at least one part")
@@ -653,164 +348,6 @@ def compose(model, parts: Sequence, rotate: bool | Sequence[bool] = True, seam: 
 # One forward per composed prompt (the serving path)
 # ---------------------------------------------------------------------------------------------------
 
-#: Name under which :func:`_one_pass_attention` is registered in transformers' ``AttentionInterface``.
-ONE_PASS_ATTENTION = "kvnotes_one_pass"
-#: Query runs of the forward in flight: ``((first row, end row, end slot), ...)``; None outside it.
-_RUNS: ContextVar = ContextVar("kvnotes_one_pass_runs", default=None)
-
-
-def rotation_matrix(cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
-                    dtype: torch.dtype | None = None, interleaved: bool = False) -> torch.Tensor:
-    """The delta rotation as a matrix ``R`` ``[head_dim, head_dim]`` with ``keys @ R`` equal to
-    :func:`rotate_into` (``rotate_half`` pairs ``(j, j + r/2)`` for ``r = len(cos)``, or pairs
-    ``(2j, 2j + 1)`` with ``interleaved``; identity on the dims ``>= r``, the partial-rotary ones).
-
-    Built in fp32 from :func:`delta_rotations`' ``(cos, sin)`` and cast to ``dtype`` (the keys'
-    dtype; the GEMM accumulates in fp32, and in bf16 the coefficients are rounded as the model's own
-    bf16 ``cos``/``sin`` are).
-    """
-    r = cos.shape[-1]
-    h = r // 2
-    c, s = cos[:h].float(), sin[:h].float()
-    R = torch.eye(head_dim, dtype=torch.float32, device=cos.device)
-    j = torch.arange(h, device=cos.device)
-    a, b = (2 * j, 2 * j + 1) if interleaved else (j, j + h)
-    R[a, a] = c
-    R[b, b] = c
-    R[b, a] = -s
-    R[a, b] = s
-    return R if dtype is None else R.to(dtype)
-
-
-class _SlotLayer(StaticLayer):
-    """A ``StaticLayer`` over given tensors ``[B, kv_heads, max_len, head_dim]`` whose ``update``
-    writes the forwarded tokens' K/V at ``slots`` (``[q]`` slot indices, any order, gaps allowed)
-    while ``slots`` is set, and appends after ``cumulative_length`` as ``StaticLayer`` otherwise."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().__init__(max_cache_len=keys.shape[2])
-        self.keys, self.values = keys, values
-        self.dtype, self.device = keys.dtype, keys.device
-        self.batch_size, self.num_heads = keys.shape[:2]
-        self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
-        self.cumulative_length = self.cumulative_length.to(self.device)
-        self.is_initialized = True
-        self.slots: torch.Tensor | None = None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.slots is None:
-            return super().update(key_states, value_states, *args, **kwargs)
-        self.keys.index_copy_(2, self.slots, key_states)
-        self.values.index_copy_(2, self.slots, value_states)
-        return self.keys, self.values
-
-
-class SlotCache(StaticCache):
-    """A ``StaticCache`` whose layers are views of two pools (keys, values) ``[B, layers, kv_heads,
-    max_len, head_dim]``, so a chunk's K/V are rotated and copied into all layers by one kernel each.
-
-    Outside a one-pass forward it behaves as a ``StaticCache`` holding ``cumulative_length``
-    positions: further tokens are appended after them while slots remain (slots past the held ones
-    are masked by its attention; :meth:`empty` with ``zero=True`` keeps them finite).
-    """
-
-    def __init__(self, pool_keys: torch.Tensor, pool_values: torch.Tensor) -> None:
-        layers = [_SlotLayer(pool_keys[:, l], pool_values[:, l]) for l in range(pool_keys.shape[1])]
-        Cache.__init__(self, layers=layers)
-        self.pool_keys, self.pool_values = pool_keys, pool_values
-
-    @classmethod
-    def empty(cls, model, batch: int, max_len: int, zero: bool = False) -> "SlotCache":
-        """Pools for ``batch`` rows of ``max_len`` slots in the model's dtype (the adapter's cache
-        geometry: ``cache_heads``, ``cache_key_dim`` / ``cache_value_dim``): uninitialised
-        (``torch.empty``, no fill: every slot a prompt uses is written by it) or zeros."""
-        a = Adapter.for_model(model)
-        shape = (batch, a.n_layers, a.cache_heads, max_len)
-        dtype = next(model.parameters()).dtype
-        new = torch.zeros if zero else torch.empty
-        return cls(new((*shape, a.cache_key_dim), dtype=dtype, device=model.device),
-                   new((*shape, a.cache_value_dim), dtype=dtype, device=model.device))
-
-    @property
-    def max_len(self) -> int:
-        return int(self.pool_keys.shape[3])
-
-    def set_slots(self, slots: torch.Tensor | None) -> None:
-        for layer in self.layers:
-            layer.slots = slots
-
-    def set_length(self, n: int) -> None:
-        """Mark slots ``[0, n)`` as held (what ``get_seq_length`` and later appends see)."""
-        for layer in self.layers:
-            layer.cumulative_length.fill_(n)
-
-    def all_slot_view(self, n: int, row: int = 0) -> kvcache.AllSlotCache:
-        """Slots ``[0, n)`` of row ``row`` as an :class:`kvnotes.kv.cache.AllSlotCache` of views (no
-        copy: a later write into the pool shows through), e.g. to read a decision with
-        :func:`kvnotes.ops.edit.decision_logprobs`."""
-        return kvcache.AllSlotCache.from_tensors([l.keys[row:row + 1, :, :n] for l in self.layers],
-                                                 [l.values[row:row + 1, :, :n] for l in self.layers])
-
-
-def _lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """Attention of ``r`` queries at the last ``r`` of ``k``'s ``S`` slots, each to the slots up to
-    its own (lower-right causal); ``q`` ``[B, heads, r, d]``, ``k``/``v`` ``[B, kv_heads, S, d]`` (GQA
-    without repeating K/V). On CUDA the lower-right causal bias dispatches to the flash kernel (no
-    mask tensor); on CPU the boolean mask ``[r, S]`` is built."""
-    r, S = q.shape[2], k.shape[2]
-    gqa = q.shape[1] != k.shape[1]
-    if r == S:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    if q.is_cuda:
-        try:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(r, S), scale=scale,
-                                                  enable_gqa=gqa)
-        except TypeError:       # a torch whose causal bias takes no enable_gqa: the boolean mask below
-            pass
-    allowed = torch.arange(S, device=q.device)[None] <= torch.arange(S - r, S, device=q.device)[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
-
-
-def _one_pass_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """Attention for :func:`compose_one_pass` (an ``AttentionInterface`` function).
-
-    ``query`` ``[B, heads, q, d]`` holds runs of consecutive positions; ``key``/``value`` are the
-    whole slot pools ``[B, kv_heads, max_len, d]``. Run ``(r0, r1, end)`` (rows ``r0 .. r1 - 1`` at
-    slots ``end - (r1 - r0) .. end - 1``) attends lower-right causally to slots ``[0, end)``: every
-    forwarded token sees every slot before its own, which by then holds the prefix, the rotated
-    chunk K/V or a token of this forward. The model's mask is not used (it is not built). Outside a
-    one-pass forward this is plain ``sdpa``. Returns ``[B, q, heads, d]``.
-    """
-    runs = _RUNS.get()
-    if runs is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise ValueError("compose_one_pass: sliding windows, logit soft-capping and attention sinks are not supported")
-    outs = [_lower_right(query[:, :, r0:r1], key[:, :, :end], value[:, :, :end], scaling) for r0, r1, end in runs]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(ONE_PASS_ATTENTION, _one_pass_attention)
-
-
-@contextmanager
-def _one_pass(model, runs: tuple):
-    """Within: the model's attention is :func:`_one_pass_attention` over ``runs``, selected with
-    transformers' public ``set_attn_implementation`` (restored on exit). No mask is built for an
-    implementation without a registered mask function, so the model passes ``attention_mask=None``
-    down."""
-    old = model.config._attn_implementation
-    token = _RUNS.set(runs)
-    model.set_attn_implementation(ONE_PASS_ATTENTION)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(old)
-        _RUNS.reset(token)
-
-
 @dataclass
 class _Plan:
     """The one forward of a composed prompt.
@@ -833,17 +370,6 @@ class _Plan:
     total: int
     logits: bool
     B: int
-
-
-def position_runs(positions: Sequence[int]) -> tuple:
-    """``(r0, r1, end)`` per run of consecutive ``positions`` (rows ``r0 .. r1 - 1`` at positions
-    ``end - (r1 - r0) .. end - 1``), the layout :func:`_one_pass_attention` takes."""
-    runs, start = [], 0
-    for i in range(1, len(positions) + 1):
-        if i == len(positions) or positions[i] != positions[i - 1] + 1:
-            runs.append((start, i, positions[i - 1] + 1))
-            start = i
-    return tuple(runs)
 
 
 def _plan(model, parts: Sequence, seam: int, rotate: bool) -> _Plan:
@@ -939,42 +465,32 @@ def _splice_one_pass(model, cache: SlotCache, chunks: list, rotate: bool, rot_ca
                 vp[b, l, :, pos:pos + n].copy_(copy_src[l][0])
 
 
-def _forward_one_pass(model, cache: SlotCache, ids: torch.Tensor, slots: torch.Tensor, runs: tuple) -> torch.Tensor:
-    """The one forward: ``ids`` ``[B, q]`` at positions = slots ``slots`` ``[q]``; logits of the last row
-    ``[B, 1, vocab]`` (model dtype)."""
-    cache.set_slots(slots)
-    try:
-        with _one_pass(model, runs):
-            out = model(input_ids=ids, position_ids=slots.view(1, -1).expand(ids.shape[0], -1), past_key_values=cache,
-                        use_cache=True, logits_to_keep=1)
-    finally:
-        cache.set_slots(None)
-    return out.logits
-
-
 @torch.no_grad()
 def compose_one_pass(model, parts: Sequence, rotate: bool = True, seam: int = 0, cache: SlotCache | None = None,
                      rot_cache: dict | None = None) -> tuple[SlotCache, torch.Tensor | None]:
     """:func:`compose` in one model forward (same semantics, same rows for every chunk).
 
-    1. every chunk's K/V are written at their slots ``p .. p + n - 1`` of a :class:`SlotCache`, keys
-       rotated by ``p - chunk.start`` (``rotate``) by one GEMM with :func:`rotation_matrix`;
+    1. every chunk's K/V are written at their slots ``p .. p + n - 1`` of a
+       :class:`kvnotes.ops.slots.SlotCache`, keys rotated by ``p - chunk.start`` (``rotate``) by one
+       GEMM with :func:`kvnotes.kv.rope.rotation_matrix`;
     2. one forward of all live tokens and every chunk's first ``min(seam, n)`` tokens at their
        positions ``[0 .. p + s - 1, p + n .. L - 1]`` (for prefix | chunk | suffix); their K/V go to
        their slots (overwriting the chunk's seam slots) and each attends lower-right causally to all
-       slots before its own (:func:`_one_pass_attention`): the prefix and seam rows to the prefix
-       and seam, a suffix row to prefix, seam, rotated chunk tail and the suffix before it, which is
-       what :func:`compose`'s two forwards compute.
+       slots before its own (:func:`kvnotes.ops.slots._one_pass_attention`): the prefix and seam
+       rows to the prefix and seam, a suffix row to prefix, seam, rotated chunk tail and the suffix
+       before it, which is what :func:`compose`'s two forwards compute.
 
     This halves the weight reads and launches of the two-forward path, and attention reads only
     the held slots with the flash kernel (GQA without repeating K/V, no ``[q, L]`` mask).
 
     Args:
-        parts: as :func:`compose`; a chunk part is one :class:`Chunk` (no per-row lists).
+        parts: as :func:`compose`; a chunk part is one :class:`kvnotes.ops.chunk.Chunk` (no per-row
+            lists).
         rotate: one value for every row.
         seam: one value for every row.
-        cache: a :class:`SlotCache` to write into (``B`` rows, ``max_len >= L``), e.g. a pool reused
-            across calls; default: a new one of exactly ``L`` slots (``torch.empty``).
+        cache: a :class:`kvnotes.ops.slots.SlotCache` to write into (``B`` rows, ``max_len >= L``),
+            e.g. a pool reused across calls; default: a new one of exactly ``L`` slots
+            (``torch.empty``).
         rot_cache: dict in which rotation matrices are kept per delta across calls.
 
     Returns:
@@ -983,7 +499,8 @@ def compose_one_pass(model, parts: Sequence, rotate: bool = True, seam: int = 0,
 
     Raises:
         ValueError: sliding-window models, per-row values, or a cache that is too small.
-        KvnotesError: from :func:`delta_rotations`; an image chunk (use :func:`compose`).
+        KvnotesError: from :func:`kvnotes.kv.rope.delta_rotations`; an image chunk (use
+            :func:`compose`).
     """
     if has_sliding_layers(model):
         raise ValueError("compose_one_pass does not handle sliding-window layers (use compose())")
@@ -1001,18 +518,11 @@ def compose_one_pass(model, parts: Sequence, rotate: bool = True, seam: int = 0,
     return cache, logits[:, -1].float() if plan.logits else None
 
 
-@dataclass
-class _Graph:
-    graph: "torch.cuda.CUDAGraph"
-    ids: torch.Tensor
-    slots: torch.Tensor
-    logits: torch.Tensor
-
-
-class ComposeRunner:
+class ComposeRunner(SlotRunner):
     """:func:`compose_one_pass` as a serving engine runs it: one KV pool reused by every call,
     rotation matrices kept per delta, and on CUDA the forward captured as a CUDA graph once per
-    token layout (rows, forwarded tokens, runs of positions) and replayed.
+    token layout (rows, forwarded tokens, runs of positions) and replayed (the pool and graphs of
+    :class:`kvnotes.ops.slots.SlotRunner`).
 
     A call ``runner(parts, rotate, seam)`` returns what :func:`compose_one_pass` returns. The
     returned cache *is* the pool (rows ``B``, ``max_len`` slots, ``L`` held): it is valid until the
@@ -1027,16 +537,8 @@ class ComposeRunner:
     """
 
     def __init__(self, model, max_len: int, batch: int = 1, graphs: bool | None = None) -> None:
-        if has_sliding_layers(model):
-            raise ValueError("ComposeRunner does not handle sliding-window layers (use compose())")
-        cuda = model.device.type == "cuda"
-        self.graphs = cuda if graphs is None else bool(graphs)
-        if self.graphs and not cuda:
-            raise ValueError("CUDA graphs need a CUDA model")
-        self.model, self.batch = model, batch
-        self.cache = SlotCache.empty(model, batch, max_len, zero=True)     # once: slots past a prompt stay finite
+        super().__init__(model, max_len, batch, graphs)
         self.rot_cache: dict = {}
-        self._graphs: dict = {}
 
     @torch.no_grad()
     def __call__(self, parts: Sequence, rotate: bool = True, seam: int = 0) -> tuple[SlotCache, torch.Tensor | None]:
@@ -1049,35 +551,6 @@ class ComposeRunner:
             return self.cache, None
         logits = self.forward_slots(plan.ids, plan.slots, plan.runs)
         return self.cache, logits[:, -1].float() if plan.logits else None
-
-    def forward_slots(self, ids: torch.Tensor, slots: torch.Tensor, runs: tuple) -> torch.Tensor:
-        """The one forward on the pool: ``ids`` ``[B, q]`` at positions = slots ``slots`` ``[q]``, in
-        ``runs`` ``(r0, r1, end)`` of consecutive positions (each row attends to every slot before its
-        own); eager, or the layout's CUDA graph (captured in its first call). Returns the last row's
-        logits ``[B, 1, vocab]`` (model dtype; with graphs, a buffer the next replay overwrites)."""
-        if not self.graphs:
-            return _forward_one_pass(self.model, self.cache, ids, slots, runs)
-        key = (tuple(ids.shape), runs)
-        g = self._graphs.get(key) or self._capture(key, ids, slots, runs)
-        g.ids.copy_(ids)
-        g.graph.replay()
-        return g.logits
-
-    def _capture(self, key, ids: torch.Tensor, slots: torch.Tensor, runs: tuple) -> _Graph:
-        """Capture the forward of one layout; its inputs become static buffers (the slots are fixed
-        by the layout, the token ids are copied in before each replay)."""
-        ids, slots = ids.clone(), slots.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                _forward_one_pass(self.model, self.cache, ids, slots, runs)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = _forward_one_pass(self.model, self.cache, ids, slots, runs)
-        g = self._graphs[key] = _Graph(graph, ids, slots, logits)
-        return g
 
 
 @torch.no_grad()

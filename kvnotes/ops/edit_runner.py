@@ -1,7 +1,7 @@
 """The cache edits of :mod:`kvnotes.ops.edit` as a serving engine runs them: the cached positions are
 copied into one reused KV pool and the recomputed tokens go through ONE forward at their positions,
-replayed as a CUDA graph per token layout on GPU (:class:`kvnotes.ops.compose.ComposeRunner`'s pool
-and graphs).
+replayed as a CUDA graph per token layout on GPU (the pool and graphs of
+:class:`kvnotes.ops.slots.SlotRunner`, which :class:`kvnotes.ops.compose.ComposeRunner` runs on too).
 
 The edited states equal :mod:`kvnotes.ops.edit`'s: each recomputed token attends to every slot
 before its own, which holds either the cached (stale) state or, for a position recomputed earlier in
@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from kvnotes.kv.cache import check_all_slots
-from kvnotes.ops.compose import ComposeRunner, SlotCache, position_runs
+from kvnotes.ops.slots import SlotCache, SlotRunner, position_runs
 
 
 class EditRunner:
@@ -29,7 +29,7 @@ class EditRunner:
 
     Each call copies the cached positions it keeps into the pool (the source cache is left
     unchanged), forwards the recomputed tokens at their positions in one forward, and returns
-    ``(pool, logits)``: the pool (a :class:`kvnotes.ops.compose.SlotCache` holding the edited
+    ``(pool, logits)``: the pool (a :class:`kvnotes.ops.slots.SlotCache` holding the edited
     prompt's positions, valid until the next call) and the fp32 logits ``[1, vocab]`` of the last
     recomputed position.
 
@@ -45,7 +45,7 @@ class EditRunner:
 
     def __init__(self, model, max_len: int, graphs: bool | None = None) -> None:
         self.model = model
-        self.runner = ComposeRunner(model, max_len, graphs=graphs)
+        self.runner = SlotRunner(model, max_len, graphs=graphs)
 
     @property
     def pool(self) -> SlotCache:
