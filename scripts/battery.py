@@ -41,28 +41,44 @@ ROOT = Path(__file__).resolve().parent.parent   # the checkout (conf/)
 
 
 def main() -> None:
+    """Run the battery (see the module docstring).
+
+    Raises:
+        KvnotesError: an unknown model, scenario or probe, a negative ``--clean-runs-mb``, a
+            ``--records`` or ``--json`` path that cannot be written, a ``--compare`` directory that
+            does not exist, a config that does not compose; all before the model loads.
+    """
+    from kvnotes.cli.errors import check_writable, conf_name, existing_path, float_at_least
+    from kvnotes.errors import KvnotesError
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", help="zoo config name under conf/model")
-    ap.add_argument("--scenario", default="default", help="scenario config name under conf/scenario")
+    ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"),
+                    help="zoo config name under conf/model")
+    ap.add_argument("--scenario", default="default", type=conf_name("scenario", "--scenario"),
+                    help="scenario config name under conf/scenario")
     add_machine_flags(ap)
-    ap.add_argument("--probes", nargs="*", default=None,
+    ap.add_argument("--probes", nargs="*", default=None, type=conf_name("probe", "--probes"),
                     help="probe names (default: every registered probe that runs on the scenario suite; the memory "
                          "probes, which bring their own suite, only when named)")
-    ap.add_argument("--clean-runs-mb", type=float, default=8192,
+    ap.add_argument("--clean-runs-mb", type=float_at_least("--clean-runs-mb", 0.0), default=8192,
                     help="prefix caches kept across probes (MB); 0: no sharing, every probe prefills its pairs")
     ap.add_argument("--floor", action="store_true",
                     help="print each probe's roofline floor (linear-layer FLOPs and weight reads at this machine's rates)")
     ap.add_argument("--records", help="also write each probe's record under this out_root")
-    ap.add_argument("--compare", metavar="DIR",
+    ap.add_argument("--compare", metavar="DIR", type=existing_path("--compare", "dir"),
                     help="with --records: compare each record's result with the one under this earlier out_root "
                          "(kvnotes.records.diff; wall times skipped) and print what changed beyond tolerance")
     args = ap.parse_args()
     if args.compare and not args.records:
-        ap.error("--compare needs --records (the new records it compares)")
+        raise KvnotesError("--compare needs --records (the new records it compares)")
+    if args.records:
+        check_writable(args.records, "--records", directory=True)
 
     import torch
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     import probes
     from kvnotes.harness.kit import CleanRuns
@@ -70,7 +86,6 @@ def main() -> None:
     from kvnotes.harness.pairs import prepare_for_probe
     from kvnotes.harness.jobs import complete_record
     from kvnotes.records.store import RECORD_NAME, Timer, to_jsonable, write_atomic
-    from kvnotes.errors import KvnotesError
     from kvnotes.records.diff import result_diff
     from kvnotes.records.schema import check_result, result_schema
     from kvnotes.harness.roofline import machine_rates
@@ -78,8 +93,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     names = args.probes or probes.names()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfgs = {n: compose("config", overrides=[f"model={args.model}", f"probe={n}", f"scenario={args.scenario}",
-                                                f"device={args.device}", "probe.progress=false"]) for n in names}
+        cfgs = {}
+        for n in names:
+            try:
+                cfgs[n] = compose("config", overrides=[f"model={args.model}", f"probe={n}", f"scenario={args.scenario}",
+                                                       f"device={args.device}", "probe.progress=false"])
+            except (HydraException, OmegaConfBaseException) as exc:
+                raise KvnotesError(f"probe '{n}': the config does not compose: {str(exc).strip().splitlines()[0]}") from None
     if args.probes is None:     # the scenario suite's probes; the memory probes (pairs: none) bring their own data
         names = [n for n in names if probes.typed_config(cfgs[n].probe).pairs != "none"]
     t0 = time.perf_counter()
@@ -154,6 +174,7 @@ def main() -> None:
               f"{store.reused} runs reused from the store "
               f"({store.used_bytes / 2**20:.0f} MB of prefix caches kept)")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"model": args.model, "scenario": args.scenario, "threads": args.threads,
                                                "setup_s": setup, "probe_s": times, "total_s": total,
                                                "roofline": {"rates_before_after": rates, "probes": floors, "plain_forward": plain}
@@ -248,4 +269,6 @@ class Roofline:
 
 
 if __name__ == "__main__":
-    main()
+    from kvnotes.cli.errors import guarded
+
+    guarded(main)

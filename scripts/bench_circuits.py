@@ -18,11 +18,22 @@ ROOT = Path(__file__).resolve().parents[1]   # the checkout (conf/, scenarios/su
 
 
 def main() -> None:
+    """Run the benchmark (see the module docstring).
+
+    Raises:
+        KvnotesError: ``--repeats`` or ``--chunk`` below 1; ScenarioError: no scenario of that id;
+            both before the model loads.
+    """
+    from kvnotes.cli.errors import int_at_least
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--chunk", type=int, default=16, help="head variants per batched forward")
+    ap.add_argument("--repeats", type=int_at_least("--repeats", 1), default=3)
+    ap.add_argument("--chunk", type=int_at_least("--chunk", 1), default=16, help="head variants per batched forward")
     ap.add_argument("--scenario-id", default="favourite_colour")
     args = ap.parse_args()
+    from scenarios import build_pairs, load_suite
+
+    scenarios = load_suite([str(ROOT / "scenarios/suites")], ids=[args.scenario_id])   # before the model loads
     import torch
     from omegaconf import OmegaConf
 
@@ -32,11 +43,10 @@ def main() -> None:
     from kvnotes.models.loading import load_model
     from kvnotes.harness.readout import run_pair
     from kvnotes.harness.tokens import tokenize_pair
-    from scenarios import build_pairs, load_suite
 
     bundle = load_model(OmegaConf.load(ROOT / "conf/model/smollm2-135m.yaml"), "cpu")
     model = bundle.model
-    spec = build_pairs(load_suite([str(ROOT / "scenarios/suites")], ids=[args.scenario_id]), 1, 0)[0]
+    spec = build_pairs(scenarios, 1, 0)[0]
     pair = tokenize_pair(bundle.tokenizer, spec)
     run = run_pair(model, pair)
     engine = make_engine(model)
@@ -65,4 +75,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from kvnotes.cli.errors import guarded
+
+    guarded(main)

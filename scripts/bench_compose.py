@@ -206,37 +206,64 @@ def image_main(args) -> None:
         Path(args.json).write_text(json.dumps({"header": header, "args": vars(args), "rows": out}, indent=1))
 
 
+def grid_arg(text: str) -> str:
+    """An argparse ``type`` for ``--grids``: ``TxHxW``, three positive integers (patches).
+
+    Raises:
+        KvnotesError: another form.
+    """
+    from kvnotes.errors import KvnotesError
+
+    parts = text.split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise KvnotesError(f"--grids: expected TxHxW (three positive integers, e.g. 1x16x16), got '{text}'")
+    return text
+
+
 def main() -> None:
+    """Run the benchmark (see the module docstring).
+
+    Raises:
+        KvnotesError: a bad flag (an unknown model, a length not longer than prefix + suffix, a count
+            below its least value, a malformed grid, ``--image`` on CUDA) before any model loads.
+    """
+    from kvnotes.cli.errors import conf_name, int_at_least
+    from kvnotes.errors import KvnotesError
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_machine_flags(ap)      # --device cuda: a random Qwen3-8B-shaped bf16 model on CUDA
-    ap.add_argument("--model", default="smollm2-135m", help="zoo config for the CPU path")
-    ap.add_argument("--lengths", type=int, nargs="+", default=None)
-    ap.add_argument("--prefix", type=int, default=32)
-    ap.add_argument("--suffix", type=int, default=64)
-    ap.add_argument("--seam", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"),
+                    help="zoo config for the CPU path")
+    ap.add_argument("--lengths", type=int_at_least("--lengths", 1), nargs="+", default=None)
+    ap.add_argument("--prefix", type=int_at_least("--prefix", 1), default=32)
+    ap.add_argument("--suffix", type=int_at_least("--suffix", 1), default=64)
+    ap.add_argument("--seam", type=int_at_least("--seam", 0), default=4)
+    ap.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1)
+    ap.add_argument("--trials", type=int_at_least("--trials", 1), default=5)
+    ap.add_argument("--seed", type=int_at_least("--seed", 0), default=0)
     ap.add_argument("--no-graphs", action="store_true", help="GPU: run the composed forward eagerly")
     ap.add_argument("--image", action="store_true", help="image rows: re-encoding the image vs its precompiled chunk "
                     "(random-weight shrunk VLM, CPU)")
-    ap.add_argument("--vlm", default="qwen3-vl-2b", help="--image: zoo entry of the M-RoPE VLM")
-    ap.add_argument("--grids", nargs="+", default=None, help="--image: image grids TxHxW in patches")
+    ap.add_argument("--vlm", default="qwen3-vl-2b", type=conf_name("model", "--vlm"),
+                    help="--image: zoo entry of the M-RoPE VLM")
+    ap.add_argument("--grids", nargs="+", default=None, type=grid_arg, help="--image: image grids TxHxW in patches")
     args = ap.parse_args()
     args.gpu = args.device == "cuda"
+    if args.image and args.gpu:
+        raise KvnotesError("--image runs on CPU (a shrunk random VLM): leave out --device cuda")
+    lengths = args.lengths or ([2048, 4096, 8192, 16384, 32768] if args.gpu else [1024, 2048, 4096, 8192])
+    if not args.image and min(lengths) <= args.prefix + args.suffix:
+        raise KvnotesError(f"--lengths: each length must exceed --prefix + --suffix ({args.prefix + args.suffix}) "
+                           f"to leave a chunk, got {min(lengths)}")
     torch.set_num_threads(args.threads)
     if args.image:
-        if args.gpu:
-            raise SystemExit("--image runs on CPU (a shrunk random VLM)")
         image_main(args)
         return
     if args.gpu:
         model, name = gpu_model(), "random Qwen3-8B-shaped (bf16)"
-        lengths = args.lengths or [2048, 4096, 8192, 16384, 32768]
         device = torch.cuda.get_device_name()
     else:
         model, name = embedded_model(args.model), args.model
-        lengths = args.lengths or [1024, 2048, 4096, 8192]
         device = f"cpu ({platform.processor() or platform.machine()}, {args.threads} thread(s))"
     # the serving path's KV pool: allocated once for the longest prompt, reused by every call
     runner = kvcompose.ComposeRunner(model, max(lengths), graphs=args.gpu and not args.no_graphs)
@@ -284,4 +311,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from kvnotes.cli.errors import guarded
+
+    guarded(main)

@@ -77,7 +77,7 @@ def synthetic_layout(n_tokens: int, vocab: int, seed: int = 0) -> Layout:
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(10, vocab, (n,), generator=g)            # noqa: E731
     head, field, block, notice = ids(16), ids(2), ids(20), ids(30)
-    filler = ids(n_tokens - 16 - 2 - 20)
+    filler = ids(n_tokens - SYNTHETIC_FIXED)
     new_field = (field + 1) % vocab
     old = torch.cat([head, field, filler, block])
     new = torch.cat([head, new_field, filler, block])
@@ -220,17 +220,36 @@ def qwen3_8b_model():
     return random_model(zoo_config("qwen3-8b"), shrink=False, dtype=torch.bfloat16, device="cuda")
 
 
+#: Selective rankings :func:`bench_length` times.
+RANKINGS = ("last", "attention", "kv_deviation")
+#: Fixed tokens of the GPU path's synthetic layout (head, field, request block): a length needs more.
+SYNTHETIC_FIXED = 16 + 2 + 20
+
+
 def main() -> None:
+    """Run the benchmark (see the module docstring).
+
+    Raises:
+        KvnotesError: a bad flag (a length, K or trial count below 1, a negative warm-up, an unknown
+            ranking, device or ``--json`` path), before the model loads or anything is printed.
+    """
+    from kvnotes.cli.errors import int_at_least, one_of
+    from kvnotes.errors import KvnotesError
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_machine_flags(ap)      # --device cuda: a random Qwen3-8B-shaped bf16 model on CUDA
-    ap.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt tokens (CPU 512 2048 8192; GPU 2048..32768)")
-    ap.add_argument("--ks", type=int, nargs="+", default=[32], help="selective K values")
-    ap.add_argument("--rankings", nargs="+", default=["last", "attention", "kv_deviation"])
-    ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--lengths", type=int_at_least("--lengths", 1), nargs="+", default=None,
+                    help="prompt tokens (CPU 512 2048 8192; GPU 2048..32768)")
+    ap.add_argument("--ks", type=int_at_least("--ks", 1), nargs="+", default=[32], help="selective K values")
+    ap.add_argument("--rankings", type=one_of("--rankings", RANKINGS), nargs="+", default=list(RANKINGS),
+                    help=f"selective rankings ({', '.join(RANKINGS)})")
+    ap.add_argument("--trials", type=int_at_least("--trials", 1), default=3)
+    ap.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1)
     ap.add_argument("--no-pool", action="store_true", help="skip the [pool] rows (kvnotes.ops.edit_runner)")
     args = ap.parse_args()
     args.gpu = args.device == "cuda"
+    if args.gpu and args.lengths and min(args.lengths) <= SYNTHETIC_FIXED:
+        raise KvnotesError(f"--lengths: the GPU layout needs more than {SYNTHETIC_FIXED} tokens, got {min(args.lengths)}")
     args.out = Path(args.json) if args.json else None
     torch.set_num_threads(args.threads)
     if args.gpu:
@@ -297,4 +316,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from kvnotes.cli.errors import guarded
+
+    guarded(main)

@@ -59,17 +59,29 @@ def parting(model, prefix, first: int, d: int, a: list[int], b: list[int]) -> tu
 
 
 def main() -> None:
+    """Run the benchmark (see the module docstring).
+
+    Raises:
+        KvnotesError: a bad flag (an unknown model or dtype, a count below its least value) before
+            the model loads.
+        SystemExit: 1 when the batched and per-variant chains differ beyond a near-tie.
+    """
+    from kvnotes.cli.errors import DTYPES, conf_name, int_at_least, one_of
+
     ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_machine_flags(ap)
-    ap.add_argument("--model", default="smollm2-135m", help="conf/model entry (its weights; see --random-init)")
-    ap.add_argument("--random-init", metavar="MODEL", help="the full-size shape of this zoo entry, random weights")
-    ap.add_argument("--prompt-len", type=int, default=2048, help="--random-init: prompt tokens")
-    ap.add_argument("--dtype", default=None, help="--random-init: torch dtype (default float32; bfloat16 on CUDA)")
-    ap.add_argument("--variants", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=40)
-    ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"),
+                    help="conf/model entry (its weights; see --random-init)")
+    ap.add_argument("--random-init", metavar="MODEL", type=conf_name("model", "--random-init"),
+                    help="the full-size shape of this zoo entry, random weights")
+    ap.add_argument("--prompt-len", type=int_at_least("--prompt-len", 2), default=2048, help="--random-init: prompt tokens")
+    ap.add_argument("--dtype", default=None, type=one_of("--dtype", DTYPES),
+                    help=f"--random-init: torch dtype ({', '.join(DTYPES)}; default float32, bfloat16 on CUDA)")
+    ap.add_argument("--variants", type=int_at_least("--variants", 1), default=16)
+    ap.add_argument("--new-tokens", type=int_at_least("--new-tokens", 1), default=40)
+    ap.add_argument("--trials", type=int_at_least("--trials", 1), default=3)
+    ap.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -128,6 +140,7 @@ def main() -> None:
               f"{sorted(t for t, _ in parted.values())} with margins up to {worst:.3g} nats (near-tie bound "
               f"{tie:g} for {next(model.parameters()).dtype})")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"model": name, "device": args.device, "threads": torch.get_num_threads(),
                                                "prompt_tokens": d + 1, "variants": args.variants,
                                                "new_tokens": args.new_tokens, "batched": tb.as_dict(),
@@ -142,4 +155,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from kvnotes.cli.errors import guarded
+
+    guarded(main)

@@ -36,11 +36,22 @@ AGREE_TOL = 1e-4
 
 
 def main() -> None:
+    """Run the benchmark (see the module docstring).
+
+    Raises:
+        KvnotesError: a bad flag (an unknown model, rows below 1, a non-positive run time, a device
+            other than the CPU or a torch build without oneDNN), a model without packable layers.
+        SystemExit: 1 when the two kernels disagree beyond the tolerance.
+    """
+    from kvnotes.cli.errors import conf_name, float_at_least, int_at_least
+    from kvnotes.errors import KvnotesError
+
     ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_machine_flags(ap)
-    ap.add_argument("--model", default="smollm2-135m", help="conf/model entry")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 21, 42, 64, 112, 224])
-    ap.add_argument("--min-run-time", type=float, default=1.0, help="seconds per blocked-autorange measurement")
+    ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"), help="conf/model entry")
+    ap.add_argument("--rows", type=int_at_least("--rows", 1), nargs="+", default=[1, 2, 21, 42, 64, 112, 224])
+    ap.add_argument("--min-run-time", type=float_at_least("--min-run-time", 0.0, strict=True), default=1.0,
+                    help="seconds per blocked-autorange measurement")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -54,13 +65,13 @@ def main() -> None:
     from kvnotes.models.loading import load_model
 
     if args.device != "cpu" or not cpu_linear.available():
-        raise SystemExit("kvnotes bench linear: the oneDNN kernel runs on the CPU only (--device cpu, a torch "
-                         "build with oneDNN)")
+        raise KvnotesError("bench linear: the oneDNN kernel runs on the CPU only (--device cpu, a torch "
+                           "build with oneDNN)")
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"model={args.model}", "probe=screen", "scenario=default", "device=cpu"])
     arms = {k: load_model(OmegaConf.merge(cfg.model, {"cpu_linear": k}), "cpu") for k in ("torch", "onednn")}
     if not cpu_linear.packed_layers(arms["onednn"].model):
-        raise SystemExit(f"kvnotes bench linear: model '{args.model}' has no packable fp32 linear layers")
+        raise KvnotesError(f"bench linear: model '{args.model}' has no packable fp32 linear layers")
     pair = prepare_for_probe(arms["torch"].tokenizer, "field", cfg.scenario, cfg.model).pairs[0]
     d = pair.decision
     prompt = pair.old.ids[:d]
@@ -104,9 +115,12 @@ def main() -> None:
     if worst > AGREE_TOL:
         raise SystemExit("kvnotes bench linear: the two kernels disagree beyond the tolerance")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"model": args.model, "threads": args.threads, "prompt_tokens": d,
                                                "rows": rows_out, "max_abs_logit_diff": worst}, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    from kvnotes.cli.errors import guarded
+
+    guarded(main)

@@ -43,7 +43,6 @@ import json
 import os
 import resource
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -203,22 +202,40 @@ def timed(fn, device, repeats: int, min_time: float):
 
 
 def main() -> None:
+    """Run the benchmark (see the module docstring).
+
+    Raises:
+        KvnotesError: a bad flag (an unknown model or dtype, a count below 1, a negative time, a
+            non-positive budget) before the model loads; no flipping recall pair to time.
+    """
+    from kvnotes.cli.errors import DTYPES, conf_name, float_at_least, int_at_least, one_of
+    from kvnotes.errors import KvnotesError
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", help="zoo config name under conf/model")
+    ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"),
+                    help="zoo config name under conf/model")
     add_machine_flags(ap)
-    ap.add_argument("--n-pairs", type=int, default=3)
+    ap.add_argument("--n-pairs", type=int_at_least("--n-pairs", 1), default=3)
     ap.add_argument("--scenarios", nargs="*", default=None, help="recall scenario ids (default: all)")
-    ap.add_argument("--repeats", type=int, default=3, help="least timed calls per method (best is kept)")
-    ap.add_argument("--min-time", type=float, default=10.0,
+    ap.add_argument("--repeats", type=int_at_least("--repeats", 1), default=3,
+                    help="least timed calls per method (best is kept)")
+    ap.add_argument("--min-time", type=float_at_least("--min-time", 0.0), default=10.0,
                     help="least seconds of timed calls per method (more calls of a fast method)")
-    ap.add_argument("--budget-mb", type=float, default=1024, help="memory budget per chunk of variant caches")
-    ap.add_argument("--random-init", metavar="MODEL",
+    ap.add_argument("--budget-mb", type=float_at_least("--budget-mb", 0.0, strict=True), default=1024,
+                    help="memory budget per chunk of variant caches")
+    ap.add_argument("--random-init", metavar="MODEL", type=conf_name("model", "--random-init"),
                     help="timing only, without the checkpoint: the full-size architecture of this zoo entry "
                          "(conf/model/MODEL.yaml) with random weights (e.g. a GPU machine without weights), on "
                          "synthetic pairs")
-    ap.add_argument("--prompt-len", type=int, default=110, help="--random-init: prompt length in tokens")
-    ap.add_argument("--dtype", default=None, help="--random-init: torch dtype (default: float32)")
+    ap.add_argument("--prompt-len", type=int_at_least("--prompt-len", 4), default=110,
+                    help="--random-init: prompt length in tokens")
+    ap.add_argument("--dtype", default=None, type=one_of("--dtype", DTYPES),
+                    help=f"--random-init: torch dtype ({', '.join(DTYPES)}; default: float32)")
     args = ap.parse_args()
+    if args.scenarios:                  # the recall scenario ids, checked before the model loads
+        from scenarios import load_suite
+
+        load_suite([str(ROOT / "scenarios/suites")], ["recall"], args.scenarios)
     torch.set_num_threads(args.threads)
 
     from kvnotes.harness.kit import single_position_scores
@@ -237,7 +254,7 @@ def main() -> None:
         runs = flipping_recall_pairs(bundle, args.n_pairs, args.scenarios)
     device = model.device
     if not runs:
-        sys.exit("kvnotes: error: no flipping recall pair to benchmark")
+        raise KvnotesError("no flipping recall pair to benchmark")
     budget = int(args.budget_mb * (1 << 20))
     n_variants = sum(r.pair.decision - r.pair.field[1] for r in runs)
 
@@ -280,8 +297,11 @@ def main() -> None:
     print(f"  max abs difference: score {diff_s:.2e} nats, recovery {diff_r:.2e}")
     print(f"  process ru_maxrss: {out['ru_maxrss_mb']:.0f} MB")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    from kvnotes.cli.errors import guarded
+
+    guarded(main)

@@ -221,30 +221,77 @@ def summarize(out: dict, margins: list[float]) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_machine_flags(ap)
-    ap.add_argument("--model", default="smollm2-135m", help="conf/model entry")
-    ap.add_argument("--scenario", default="small", help="conf/scenario entry")
-    ap.add_argument("--n-instances", type=int, default=None, help="override the scenario's instances per scenario")
-    ap.add_argument("--checks", nargs="+", default=["field_plus_erratum", "selective@25%", "selective@50%", "selective@75%"])
-    ap.add_argument("--margins", nargs="+", type=float, default=[-1.0, -0.5, 0.0, 0.25, 0.5, 1.0, 2.0])
-    ap.add_argument("--max-pairs", type=int, default=None)
-    ap.add_argument("--from-json", metavar="FILE", help="re-score the rows of an earlier --json (no model run)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+def check_arg(text: str) -> str:
+    """An argparse ``type`` for ``--checks``: ``field_plus_erratum``, ``selective@K`` or ``selective@P%``.
 
+    Raises:
+        KvnotesError: another value.
+    """
+    from kvnotes.context import parse_mode
+    from kvnotes.errors import KvnotesError
+
+    if text != "field_plus_erratum":
+        try:
+            kind, _ = parse_mode(text)
+        except KvnotesError:
+            kind = None
+        if kind != "selective":
+            raise KvnotesError(f"--checks: unknown check '{text}' (field_plus_erratum, selective@K or selective@P%)")
+    return text
+
+
+def from_json(path: str) -> dict:
+    """The measurement an earlier ``--json`` wrote (its ``rows``, ``checks_run`` and provenance).
+
+    Raises:
+        KvnotesError: the file cannot be read, is not JSON, or lacks ``rows`` / ``checks_run``.
+    """
     from kvnotes.errors import KvnotesError
 
     try:
-        out = json.loads(Path(args.from_json).read_text()) if args.from_json else measure(args)
-    except (KvnotesError, FileNotFoundError, json.JSONDecodeError) as exc:
-        sys.exit(f"kvnotes: error: {exc}")
+        out = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise KvnotesError(f"--from-json: cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise KvnotesError(f"--from-json: {path}: not JSON ({exc})") from None
+    missing = [k for k in ("rows", "checks_run", "model", "scenario", "threads", "wall_seconds", "load_average")
+               if not isinstance(out, dict) or k not in out]
+    if missing:
+        raise KvnotesError(f"--from-json: {path}: not a kvnotes bench auto --json output (no {', '.join(missing)})")
+    return out
+
+
+def main() -> None:
+    """Measure (or re-score ``--from-json``) and print the table (see the module docstring).
+
+    Raises:
+        KvnotesError: a bad flag (an unknown model, scenario or check, a count below 1, an unreadable
+            ``--from-json``) before the model loads.
+    """
+    from kvnotes.cli.errors import conf_name, int_at_least
+
+    ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_machine_flags(ap)
+    ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"), help="conf/model entry")
+    ap.add_argument("--scenario", default="small", type=conf_name("scenario", "--scenario"), help="conf/scenario entry")
+    ap.add_argument("--n-instances", type=int_at_least("--n-instances", 1), default=None,
+                    help="override the scenario's instances per scenario")
+    ap.add_argument("--checks", nargs="+", type=check_arg,
+                    default=["field_plus_erratum", "selective@25%", "selective@50%", "selective@75%"])
+    ap.add_argument("--margins", nargs="+", type=float, default=[-1.0, -0.5, 0.0, 0.25, 0.5, 1.0, 2.0])
+    ap.add_argument("--max-pairs", type=int_at_least("--max-pairs", 1), default=None)
+    ap.add_argument("--from-json", metavar="FILE", help="re-score the rows of an earlier --json (no model run)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    out = from_json(args.from_json) if args.from_json else measure(args)
     out = summarize(out, args.margins)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    from kvnotes.cli.errors import guarded
+
+    guarded(main)

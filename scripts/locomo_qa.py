@@ -115,7 +115,8 @@ def run_locomo_qa(model, tokenizer, samples, max_questions: int | None = None, m
     """
     from kvnotes.kv import cache as kvcache
     from kvnotes.kv.generate import generate, stop_tokens, text_marker
-    from kvnotes.ops.compose import compose, decision_metrics, precompile
+    from kvnotes.ops.chunk import precompile
+    from kvnotes.ops.compose import compose, decision_metrics
     from scenarios.locomo import render_session
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -242,20 +243,34 @@ def format_summary(result: dict, name: str = "model") -> str:
 
 
 def main() -> None:
+    """Answer the questions and print the summary (see the module docstring).
+
+    Raises:
+        KvnotesError: a bad flag (an unknown model, a count below its least value, malformed
+            categories) before the model loads; a malformed LoCoMo file, a question that does not fit
+            are one line too (exit status 2).
+    """
+    from kvnotes.cli.errors import conf_name, float_at_least, int_at_least
+    from kvnotes.errors import KvnotesError
+
     ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_machine_flags(ap)
     ap.add_argument("--data", required=True, help="a LoCoMo JSON file (data/locomo10.json of snap-research/locomo)")
-    ap.add_argument("--model", default="smollm2-135m", help="conf/model entry (default smollm2-135m)")
-    ap.add_argument("--max-questions", type=int, default=None, help="most questions in all (default every one)")
-    ap.add_argument("--max-new-tokens", type=int, default=32, help="most answer tokens per arm")
+    ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"),
+                    help="conf/model entry (default smollm2-135m)")
+    ap.add_argument("--max-questions", type=int_at_least("--max-questions", 1), default=None,
+                    help="most questions in all (default every one)")
+    ap.add_argument("--max-new-tokens", type=int_at_least("--max-new-tokens", 1), default=32,
+                    help="most answer tokens per arm")
     ap.add_argument("--categories", default=",".join(map(str, DEFAULT_CATEGORIES)),
                     help="question categories, comma-separated (default 1,2,3,4; 5 is adversarial)")
-    ap.add_argument("--max-context", type=int, default=None,
+    ap.add_argument("--max-context", type=int_at_least("--max-context", 1), default=None,
                     help="most prompt + answer tokens (default: the model's max_position_embeddings)")
-    ap.add_argument("--seam", type=int, default=0, help="chunk tokens recomputed at each seam")
+    ap.add_argument("--seam", type=int_at_least("--seam", 0), default=0, help="chunk tokens recomputed at each seam")
     ap.add_argument("--no-rotate", action="store_true", help="the control: chunk keys keep their precompiled positions")
-    ap.add_argument("--margin", type=float, default=0.05, help="declared TOST margin on the F1 difference")
+    ap.add_argument("--margin", type=float_at_least("--margin", 0.0, strict=True), default=0.05,
+                    help="declared TOST margin on the F1 difference")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -267,6 +282,9 @@ def main() -> None:
 
     try:
         categories = tuple(int(c) for c in args.categories.split(","))
+    except ValueError:
+        raise KvnotesError(f"--categories: expected comma-separated integers, got '{args.categories}'") from None
+    try:
         samples = load_locomo(args.data)
         conf = ROOT / "conf/model" / f"{args.model}.yaml"
         if not conf.is_file():
@@ -279,9 +297,12 @@ def main() -> None:
         sys.exit(2)
     print(format_summary(result, args.model))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"model": args.model, "data": str(args.data), "command": " ".join(sys.argv),
                                                **result}, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    from kvnotes.cli.errors import guarded
+
+    guarded(main)

@@ -89,18 +89,35 @@ def scan(bundle, paths: list[str], n_instances: int, seed: int, variant: str, mi
 
 
 def main() -> None:
+    """Scan (see the module docstring).
+
+    Raises:
+        KvnotesError: an unknown model, fewer than one instance, a negative seed or margin, a variant
+            no selected scenario has; ScenarioError: a missing path or an invalid scenario file. All
+            before the model loads.
+    """
+    from kvnotes.cli.errors import conf_name, float_at_least, int_at_least
+    from kvnotes.errors import KvnotesError
+    from scenarios import load_suite
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", help="scenario files or directories")
-    ap.add_argument("--model", default="smollm2-135m", help="conf/model/<name>.yaml")
-    ap.add_argument("--n-instances", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"), help="conf/model/<name>.yaml")
+    ap.add_argument("--n-instances", type=int_at_least("--n-instances", 1), default=4)
+    ap.add_argument("--seed", type=int_at_least("--seed", 0), default=0)
     ap.add_argument("--variant", default="direct")
-    ap.add_argument("--min-effect", type=float, default=1.0, help="flip margin in nats")
+    ap.add_argument("--min-effect", type=float_at_least("--min-effect", 0.0), default=1.0, help="flip margin in nats")
     ap.add_argument("--quiet", action="store_true", help="counts only, no per-prompt misses")
     args = ap.parse_args()
+    scenarios = load_suite(args.paths)           # every file checked before the model loads
+    if not any(args.variant in sc.variants for sc in scenarios):
+        known = sorted({v for sc in scenarios for v in sc.variants})
+        raise KvnotesError(f"--variant: no selected scenario has variant '{args.variant}' (theirs: {', '.join(known)})")
     bundle = load_model(OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml"), "cpu")
     scan(bundle, args.paths, args.n_instances, args.seed, args.variant, args.min_effect, args.quiet)
 
 
 if __name__ == "__main__":
-    main()
+    from kvnotes.cli.errors import guarded
+
+    guarded(main)

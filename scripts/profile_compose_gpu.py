@@ -171,16 +171,30 @@ def profile_length(model, L: int, args) -> None:
 
 
 def main() -> None:
+    """Profile (see the module docstring).
+
+    Raises:
+        KvnotesError: a bad flag (a count below its least value, a length not longer than prefix +
+            suffix) or no CUDA device, before the model is built.
+    """
+    from kvnotes.cli.errors import int_at_least
+    from kvnotes.errors import KvnotesError
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 32768])
-    ap.add_argument("--prefix", type=int, default=32)
-    ap.add_argument("--suffix", type=int, default=64)
-    ap.add_argument("--seam", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lengths", type=int_at_least("--lengths", 1), nargs="+", default=[2048, 32768])
+    ap.add_argument("--prefix", type=int_at_least("--prefix", 1), default=32)
+    ap.add_argument("--suffix", type=int_at_least("--suffix", 1), default=64)
+    ap.add_argument("--seam", type=int_at_least("--seam", 0), default=4)
+    ap.add_argument("--warmup", type=int_at_least("--warmup", 0), default=2)
+    ap.add_argument("--trials", type=int_at_least("--trials", 1), default=5)
+    ap.add_argument("--seed", type=int_at_least("--seed", 0), default=0)
     ap.add_argument("--profiler", action="store_true")
     args = ap.parse_args()
+    if min(args.lengths) <= args.prefix + args.suffix:
+        raise KvnotesError(f"--lengths: each length must exceed --prefix + --suffix ({args.prefix + args.suffix}) "
+                           f"to leave a chunk, got {min(args.lengths)}")
+    if not torch.cuda.is_available():
+        raise KvnotesError("bench compose-gpu needs a CUDA device (torch.cuda.is_available() is False)")
     model = gpu_model()
     print(f"# {' '.join(['python', *sys.argv])}\n# {torch.cuda.get_device_name()}; torch {torch.__version__}; "
           f"transformers {__import__('transformers').__version__}", flush=True)
@@ -189,4 +203,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from kvnotes.cli.errors import guarded
+
+    guarded(main)

@@ -44,28 +44,37 @@ CANDIDATE_LOGPROB_TOL = 1e-2
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command's flags, each checked as it is parsed (:mod:`kvnotes.cli.errors`).
+
+    Raises:
+        KvnotesError: a count below its least value (sessions, turns, tokens, threads, ...), a
+            non-positive time limit.
+        SystemExit: 2 on an unknown flag (argparse).
+    """
+    from kvnotes.cli.errors import float_at_least, int_at_least
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="conf/model/<name>.yaml (default: the embedded model)")
     ap.add_argument("--scenarios", default="scenarios/suites", help="scenario files or directories")
     ap.add_argument("--families", default="recall,lookup", help="comma list; the families a 135M model owns")
-    ap.add_argument("--sessions", type=int, default=2, help="sessions (scenario instances) per trace")
-    ap.add_argument("--turns", type=int, default=3, help="turns per session; the field changes every turn")
-    ap.add_argument("--doc-tokens", type=int, default=512, help="tokens of shared document around the field")
+    ap.add_argument("--sessions", type=int_at_least("--sessions", 1), default=2, help="sessions (scenario instances) per trace")
+    ap.add_argument("--turns", type=int_at_least("--turns", 1), default=3, help="turns per session; the field changes every turn")
+    ap.add_argument("--doc-tokens", type=int_at_least("--doc-tokens", 1), default=512, help="tokens of shared document around the field")
     ap.add_argument("--positions", default="early,middle,late")
     ap.add_argument("--arms", default="in_place,erratum,hoist,cold")
     ap.add_argument("--rates", default="0.5,2", help="Poisson arrival rates, requests/s")
-    ap.add_argument("--time-limit", type=float, default=45.0,
+    ap.add_argument("--time-limit", type=float_at_least("--time-limit", 0.0, strict=True), default=45.0,
                     help="seconds per run: requests due later are not sent (counted)")
     ap.add_argument("--reference", default="reuse", choices=["reuse", "full"],
                     help="harness references: continue a session's earlier prompt from the common prefix (reuse) "
                          "or prefill every prompt (full); the cross-check prompts are always full prefills")
-    ap.add_argument("--cross-check", type=int, default=4, help="prompts in the engine-vs-harness cross-check")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--max-num-seqs", type=int, default=4)
-    ap.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's; 128 on CPU)")
-    ap.add_argument("--threads", type=int, default=1, help="OpenMP threads of the engine and of torch")
-    ap.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (CPU backend)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cross-check", type=int_at_least("--cross-check", 1), default=4, help="prompts in the engine-vs-harness cross-check")
+    ap.add_argument("--max-model-len", type=int_at_least("--max-model-len", 1), default=4096)
+    ap.add_argument("--max-num-seqs", type=int_at_least("--max-num-seqs", 1), default=4)
+    ap.add_argument("--block-size", type=int_at_least("--block-size", 1), default=None, help="KV block size (default: the engine's; 128 on CPU)")
+    ap.add_argument("--threads", type=int_at_least("--threads", 1), default=1, help="OpenMP threads of the engine and of torch")
+    ap.add_argument("--kv-cache-gib", type=int_at_least("--kv-cache-gib", 1), default=1, help="VLLM_CPU_KVCACHE_SPACE (CPU backend)")
+    ap.add_argument("--seed", type=int_at_least("--seed", 0), default=0)
     ap.add_argument("--name", default="default", help="record directory name under runs/serving/<model>/")
     ap.add_argument("--out-root", default="runs/serving")
     ap.add_argument("--force", action="store_true", help="re-run when the record is complete")
@@ -387,4 +396,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from kvnotes.cli.errors import guarded
+
+    guarded(main)

@@ -13,6 +13,10 @@
 Each subcommand's ``--help`` gives its flags. Shared flags mean the same everywhere: ``--device``
 (``cpu``, ``cuda``, ``auto``), ``--threads`` (torch CPU threads; default every CPU this process may
 use), ``--json PATH`` (also write the numbers), ``--model`` (a ``conf/model`` name).
+
+Every subcommand runs inside one error boundary (:func:`kvnotes.cli.errors.guarded`): bad input is
+one ``kvnotes: error: <message>`` line on stderr and exit status 2 (argparse's own errors also exit
+2), Ctrl-C one line and exit status 130.
 """
 
 from __future__ import annotations
@@ -54,15 +58,29 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def _fail(msg: str) -> None:
-    print(f"kvnotes: error: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Dispatch ``kvnotes <command> [args]`` to the command's ``main()`` with ``sys.argv`` set to its
-    own arguments (so each command parses its flags as when run as a module)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    own arguments (so each command parses its flags as when run as a module), inside the error
+    boundary (:func:`kvnotes.cli.errors.guarded`).
+
+    Raises:
+        SystemExit: 0 after ``--help``; 2 for an unknown command or benchmark, any user error of the
+            command (:data:`kvnotes.cli.errors.USER_ERRORS`) or a bad flag; 130 on Ctrl-C; else as the
+            command exits.
+    """
+    from kvnotes.cli.errors import guarded
+
+    guarded(lambda: _dispatch(sys.argv[1:] if argv is None else list(argv)))
+
+
+def _dispatch(argv: list[str]) -> None:
+    """Find the command's module and run its ``main()`` (see :func:`main`).
+
+    Raises:
+        KvnotesError: an unknown command or benchmark.
+    """
+    from kvnotes.errors import KvnotesError
+
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         sys.exit(0 if argv else 2)
@@ -72,20 +90,24 @@ def main(argv: list[str] | None = None) -> None:
             print(f"usage: kvnotes bench NAME [flags]\n\nbenchmarks: {', '.join(BENCHES)}")
             sys.exit(0 if rest else 2)
         if rest[0] not in BENCHES:
-            _fail(f"unknown benchmark '{rest[0]}' (known: {', '.join(BENCHES)})")
+            raise KvnotesError(f"unknown benchmark '{rest[0]}' (known: {', '.join(BENCHES)})")
         target, prog, rest = BENCHES[rest[0]], f"kvnotes bench {rest[0]}", rest[1:]
     elif cmd in COMMANDS:
         target, prog = COMMANDS[cmd][0], f"kvnotes {cmd}"
     else:
-        _fail(f"unknown command '{cmd}' (known: {', '.join([*COMMANDS, 'bench'])})")
+        raise KvnotesError(f"unknown command '{cmd}' (known: {', '.join([*COMMANDS, 'bench'])})")
     sys.argv = [prog, *rest]
     importlib.import_module(target).main()
 
 
 def add_machine_flags(ap, device: str = "cpu") -> None:
     """The flags every benchmark shares: ``--device``, ``--threads`` (default: every CPU this process
-    may use) and ``--json PATH``."""
-    ap.add_argument("--device", default=device, help=f"cpu, cuda or auto (default {device})")
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+    may use) and ``--json PATH``, each checked as it is parsed (:mod:`kvnotes.cli.errors`: an unknown
+    device, ``cuda`` without CUDA, fewer than one thread, a ``--json`` path that cannot be written
+    are one ``kvnotes: error:`` line before any work)."""
+    from kvnotes.cli.errors import device_name, int_at_least, output_file
+
+    ap.add_argument("--device", default=device, type=device_name, help=f"cpu, cuda or auto (default {device})")
+    ap.add_argument("--threads", type=int_at_least("--threads", 1), default=len(os.sched_getaffinity(0)),
                     help="torch CPU threads (default: every CPU this process may use)")
-    ap.add_argument("--json", default=None, help="also write the numbers to this file")
+    ap.add_argument("--json", default=None, type=output_file("--json"), help="also write the numbers to this file")

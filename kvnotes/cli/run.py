@@ -27,16 +27,12 @@ import sys
 from pathlib import Path
 
 from kvnotes import CHECKOUT
+from kvnotes.cli.errors import fail
 
 CONF = CHECKOUT / "conf"
 GROUPS = ("model", "probe", "scenario")
 #: Sweep points composed and checked up front (a larger sweep checks its first ones).
 MAX_CHECKED = 64
-
-
-def fail(msg: str, status: int = 2) -> None:
-    print(f"kvnotes: error: {msg}", file=sys.stderr)
-    sys.exit(status)
 
 
 def remove_empty_dirs(path: Path, stop: Path) -> None:

@@ -6,18 +6,29 @@
 
 Each record gets its probe's table (probes without one: their aggregates); ``--results`` joins the
 screen, field_refresh, suffix_recovery and injection records of one model and suite per family.
-Every number is read from a record.
+Every number is read from a record. Every record is read and checked (its envelope, a ``result``)
+and every table made before anything is printed: a bad record is one ``kvnotes: error:`` line
+naming the file and the key, exit status 2, and no table.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def main() -> None:
-    from kvnotes.records.store import load_record
-    from kvnotes.records.tables import record_table, results_table, screen_table, suite_records
+    """Print the tables (see the module docstring).
+
+    Raises:
+        KvnotesError: an unreadable or invalid record (naming the file and the key), no record under
+            ``--results``.
+        SystemExit: 2 on a flag error (argparse).
+    """
+    from kvnotes.errors import KvnotesError
+    from kvnotes.records.envelope import read_record, reading
+    from kvnotes.records.tables import RESULTS_PROBES, record_table, results_table, screen_table
 
     ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -26,20 +37,26 @@ def main() -> None:
     ap.add_argument("--results", metavar="DIR", help="runs/<model>: the per-family results table of a suite")
     ap.add_argument("--suite", default="default", help="the suite of --results")
     args = ap.parse_args()
-    if args.results:
-        recs = suite_records(args.results, args.suite)
-        if not recs:
-            sys.exit(f"kvnotes: error: no records under {args.results}/*/{args.suite}")
-        print(results_table(recs), end="")
     if not args.records and not args.results:
         ap.error("give record paths or --results DIR")
-    for path in args.records:
-        try:
-            rec = load_record(path)
-        except (OSError, ValueError) as exc:
-            sys.exit(f"kvnotes: error: cannot read record {path}: {exc}")
-        print(screen_table(rec, args.by) if rec.get("probe") == "screen" else record_table(rec), end="")
+    out = []
+    if args.results:
+        if not Path(args.results).is_dir():
+            raise KvnotesError(f"--results: {args.results}: no such directory")
+        paths = {p: Path(args.results) / p / args.suite / "record.json" for p in RESULTS_PROBES}
+        recs = {p: read_record(path) for p, path in paths.items() if path.is_file()}
+        if not recs:
+            raise KvnotesError(f"no records under {args.results}/*/{args.suite}")
+        with reading(f"{args.results}/*/{args.suite}", "results table"):
+            out.append(results_table(recs))
+    records = [(path, read_record(path)) for path in args.records]        # every record checked first
+    for path, rec in records:
+        with reading(path, "table"):
+            out.append(screen_table(rec, args.by) if rec.get("probe") == "screen" else record_table(rec))
+    print("".join(out), end="")
 
 
 if __name__ == "__main__":
-    main()
+    from kvnotes.cli.errors import guarded
+
+    guarded(main)

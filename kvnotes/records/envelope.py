@@ -4,12 +4,18 @@
 by ``python -m kvnotes.records.envelope``); the result itself is checked against its probe's own
 ``Result`` (:mod:`kvnotes.records.schema`). Extra keys are allowed everywhere (a serving record adds
 its engine, a newer writer may add provenance); missing or mistyped required keys are errors.
+
+The readers (``kvnotes table``, ``kvnotes plot``, ``kvnotes report``) read records with
+:func:`read_record` and make their output under :func:`reading`: a bad record is one
+:class:`kvnotes.errors.KvnotesError` naming the file and the key.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -96,6 +102,62 @@ def check_record(record: dict) -> Record:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
         raise KvnotesError(f"record.{where}: {err['msg']}") from None
+
+
+def read_record(path: str | Path) -> dict:
+    """Read a record file (or the ``record.json`` of a directory) for a reader (table, figures,
+    report) and check it: JSON, an object, the envelope (:func:`check_record`) and a ``result``.
+
+    Raises:
+        KvnotesError: one line naming ``path`` and what is wrong (unreadable, not JSON, the first
+            missing or mistyped envelope key, no ``result``).
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / "record.json"
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise KvnotesError(f"cannot read record {p}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise KvnotesError(f"cannot read record {p}: not a text file") from None
+    try:
+        rec = json.loads(text)
+    except ValueError as exc:
+        raise KvnotesError(f"cannot read record {p}: not JSON ({exc})") from None
+    if not isinstance(rec, dict):
+        raise KvnotesError(f"cannot read record {p}: a JSON {type(rec).__name__}, not an object")
+    try:
+        check_record(rec)
+    except KvnotesError as exc:
+        raise KvnotesError(f"{p}: {exc}") from None
+    if "result" not in rec:
+        why = " (status 'running': the job did not finish)" if rec.get("status") == "running" else ""
+        raise KvnotesError(f"{p}: record.result: Field required{why}")
+    return rec
+
+
+#: What a record that passed :func:`read_record` can still lack for a table, figure or page: a key
+#: (or a value of another type) its probe's reader expects.
+SHAPE_ERRORS = (KeyError, TypeError, IndexError, AttributeError)
+
+
+@contextmanager
+def reading(path: str | Path, what: str):
+    """Turn a :data:`SHAPE_ERRORS` exception raised while making ``what`` (``"table"``,
+    ``"figures"``, ``"report page"``) from the record at ``path`` into one line naming the file and
+    the key (the original exception is kept as ``__cause__``).
+
+    Raises:
+        KvnotesError: the record lacks a key (or holds a value of another type) that ``what`` reads.
+    """
+    try:
+        yield
+    except KeyError as exc:
+        raise KvnotesError(f"{path}: cannot make its {what}: the record lacks key {exc.args[0]!r} "
+                           f"(written by another kvnotes version, or edited?)") from exc
+    except SHAPE_ERRORS as exc:
+        raise KvnotesError(f"{path}: cannot make its {what}: {type(exc).__name__}: {exc}") from exc
 
 
 def json_schema() -> dict:

@@ -13,6 +13,11 @@ the field marked, candidates, each clean run's top-1 and probability, the flip r
 exclusion reasons) and a link to the raw JSON. ``report.json`` lists the pages and the figures on
 each (what the browser test checks). A record that lacks what a figure needs (older versions) gets a
 note on its page instead.
+
+Every record is checked before anything is written (:func:`kvnotes.records.envelope.read_record`);
+an unreadable record, or one that lacks a key its page reads, is one ``kvnotes: error:`` line naming
+the file and the key, with exit status 2. The site is written into a temporary directory beside
+the target and moved into place only when complete, so a failure writes nothing.
 """
 
 from __future__ import annotations
@@ -20,10 +25,13 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
-from kvnotes.records.store import find_records, load_record, record_overrides
+from kvnotes.records.envelope import read_record, reading
+from kvnotes.records.store import find_records, record_overrides
 from kvnotes.records.tables import ci, record_table, summaries
 
 #: Pairs drawn as token strips per record page.
@@ -307,41 +315,90 @@ def record_page(rec: dict, name: str) -> _Page:
 def build_report(roots: list[str | Path], out: str | Path) -> dict:
     """Write the site for every complete record under ``roots`` into ``out``.
 
+    Every record is read and checked first (:func:`kvnotes.records.envelope.read_record`: its
+    envelope and a ``result``), then the whole site is written into a temporary directory beside
+    ``out`` and moved into place only when complete: a failure leaves ``out`` as it was. A new or
+    empty ``out`` is replaced by the site in one rename; an ``out`` that already holds files gets the
+    site's files moved into it (same names replaced, other files kept).
+
     Returns:
         the manifest written to ``out/report.json``: ``{"pages": [{page, record, probe, figures}]}``.
 
     Raises:
-        KvnotesError: no complete record under the roots.
+        KvnotesError: a root that does not exist, no complete record under the roots, a record that
+            is unreadable or lacks what its page needs (naming the file and the key), an ``out``
+            that is not a writable directory.
     """
     from kvnotes.errors import KvnotesError
 
+    for root in roots:
+        if not Path(root).exists():
+            raise KvnotesError(f"{root}: no such file or directory")
     paths = [p for root in roots for p in find_records(root)]
     if not paths:
         raise KvnotesError(f"no complete record under {', '.join(map(str, roots))}")
     out = Path(out)
-    (out / "records").mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise KvnotesError(f"cannot write the report to {out}: it exists and is not a directory")
+    base = _existing_ancestor(out.parent)
+    if not base.is_dir():
+        raise KvnotesError(f"cannot write the report to {out}: {base} is not a directory")
+    if not os.access(base, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK | os.X_OK)):
+        raise KvnotesError(f"cannot write the report to {out}: permission denied")
+    records = [(path, read_record(path)) for path in paths]         # every record checked before any page
+    tmp = None
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name or 'report'}.tmp-", dir=base))
+        manifest = _write_site(records, tmp)
+        _move_into_place(tmp, out)
+    except OSError as exc:
+        raise KvnotesError(f"cannot write the report to {out}: {exc}") from exc
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def _existing_ancestor(path: Path) -> Path:
+    """The nearest of ``path`` and its parents that exists."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _write_site(records: list[tuple[Path, dict]], out: Path) -> dict:
+    """Write the index, one page and one raw JSON per record into the (new, empty) directory ``out``;
+    returns the manifest (see :func:`build_report`).
+
+    Raises:
+        KvnotesError: a record lacks a key its page reads (:func:`kvnotes.records.envelope.reading`).
+    """
+    (out / "records").mkdir()
     index = _Page("kvnotes report")
-    rows = ["<h1>kvnotes report</h1>", f"<p>{len(paths)} records.</p>",
+    rows = ["<h1>kvnotes report</h1>", f"<p>{len(records)} records.</p>",
             "<table><tr><th>model</th><th>probe</th><th>suite</th><th>overrides</th><th>flip rule</th>"
             "<th>created</th><th>commit</th><th>torch / transformers</th><th>headline</th><th></th></tr>"]
-    manifest = {"pages": []}
-    for i, path in enumerate(paths):
-        rec = load_record(path)
-        name = _page_name(rec, i)
+    manifest: dict = {"pages": []}
+    for i, (path, rec) in enumerate(records):
+        with reading(path, "report page"):
+            name = _page_name(rec, i)
+            page = record_page(rec, name)
+            hpath, hval = headline(rec)
+            pk, git = rec.get("packages") or {}, rec.get("git") or {}
+            rows.append(f"<tr><td>{html.escape(rec['model']['name'])}</td><td>{html.escape(rec['probe'])}</td>"
+                        f"<td>{html.escape(rec['scenario']['name'])}</td>"
+                        f"<td>{html.escape(record_overrides(rec) or '-')}</td>"
+                        f"<td>{html.escape(str(rec['config'].get('flip_rule')))}</td>"
+                        f"<td>{html.escape(str(rec.get('created')))}</td>"
+                        f"<td>{html.escape(str(git.get('commit'))[:10])}</td>"
+                        f"<td>{pk.get('torch')} / {pk.get('transformers')}</td>"
+                        f"<td>{html.escape(hpath)}: {html.escape(hval)}</td><td><a href='{name}.html'>page</a> · "
+                        f"<a href='records/{name}.json'>JSON</a></td></tr>")
         shutil.copyfile(path, out / "records" / f"{name}.json")
-        page = record_page(rec, name)
         page.write(out / f"{name}.html")
         manifest["pages"].append({"page": f"{name}.html", "record": str(path), "probe": rec["probe"],
                                   "figures": page.figures})
-        hpath, hval = headline(rec)
-        pk, git = rec.get("packages") or {}, rec.get("git") or {}
-        rows.append(f"<tr><td>{html.escape(rec['model']['name'])}</td><td>{html.escape(rec['probe'])}</td>"
-                    f"<td>{html.escape(rec['scenario']['name'])}</td><td>{html.escape(record_overrides(rec) or '-')}</td>"
-                    f"<td>{html.escape(str(rec['config'].get('flip_rule')))}</td><td>{html.escape(str(rec.get('created')))}</td>"
-                    f"<td>{html.escape(str(git.get('commit'))[:10])}</td>"
-                    f"<td>{pk.get('torch')} / {pk.get('transformers')}</td>"
-                    f"<td>{html.escape(hpath)}: {html.escape(hval)}</td><td><a href='{name}.html'>page</a> · "
-                    f"<a href='records/{name}.json'>JSON</a></td></tr>")
     rows.append("</table>")
     index.add("\n".join(rows))
     index.write(out / "index.html")
@@ -349,7 +406,49 @@ def build_report(roots: list[str | Path], out: str | Path) -> dict:
     return manifest
 
 
+def _move_into_place(site: Path, out: Path) -> None:
+    """Move the finished ``site`` directory to ``out``: one rename when ``out`` is new or an empty
+    directory, else each entry moved into ``out`` (directories merged), ``index.html`` last.
+
+    Raises:
+        OSError: a move failed (e.g. ``out`` holds a directory where the site has a file).
+    """
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(site, out)
+        return
+    clash = _clash(site, out)
+    if clash is not None:                      # checked before anything moves: no half-merged site
+        raise IsADirectoryError(f"{clash} is in the way of the report's own {clash.name}")
+    entries = sorted(site.iterdir(), key=lambda e: e.name == "index.html")
+    for entry in entries:
+        dst = out / entry.name
+        if entry.is_dir() and dst.is_dir():
+            _move_into_place(entry, dst)
+        else:
+            os.replace(entry, dst)
+
+
+def _clash(site: Path, out: Path) -> Path | None:
+    """The first path under ``out`` that is a directory where ``site`` has a file, or the reverse."""
+    for entry in site.iterdir():
+        dst = out / entry.name
+        if dst.exists() and entry.is_dir() != dst.is_dir():
+            return dst
+        if entry.is_dir() and dst.is_dir():
+            found = _clash(entry, dst)
+            if found is not None:
+                return found
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
+    """``kvnotes report ROOTS -o SITE`` (see the module docstring).
+
+    Raises:
+        SystemExit: 2 with one ``kvnotes: error:`` line on bad input (:func:`build_report`'s
+            errors, a flag error), 130 on Ctrl-C; nothing is written then.
+    """
     import sys
 
     from kvnotes.errors import KvnotesError
@@ -361,8 +460,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         manifest = build_report(args.roots, args.out)
     except KvnotesError as exc:
-        print(f"kvnotes: error: {exc}", file=sys.stderr)
+        print(f"kvnotes: error: {' '.join(str(exc).split())}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("kvnotes: error: interrupted; no report written", file=sys.stderr)
+        sys.exit(130)
     n_fig = sum(len(p["figures"]) for p in manifest["pages"])
     print(f"kvnotes: wrote {Path(args.out) / 'index.html'} ({len(manifest['pages'])} record pages, {n_fig} figures)")
 
