@@ -18,7 +18,7 @@ def start_circuit(ctx):
         KvnotesError: a readout other than ``first_token``.
     """
     kit.require_first_token(ctx)
-    engine = make_engine(ctx.bundle.model, ctx.cfg.get("backend", "nnsight"))
+    engine = make_engine(ctx.bundle.model, ctx.cfg.backend)
     fs = kit.flipping_pairs(ctx, keep_caches=True)
     rows, sel, held = with_split(fs.rows, float(ctx.cfg.selection_fraction), ctx.seed)
     return engine, fs, rows, sel, held

@@ -31,7 +31,7 @@ contributions are aggregated over **held-out** pairs at that offset, and at ``d`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from dataclasses import dataclass
 
@@ -40,8 +40,9 @@ import torch
 from tqdm import tqdm
 
 from circuits import start_circuit
-from kvnotes.kv.engine import Engine, Site
+from kvnotes.kv.engine import BACKENDS, Engine, Site
 from kvnotes.records.schema import CircuitResult, SplitRow
+from kvnotes.harness.constraints import OpenFraction, one_of
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness import kit as K
 
@@ -50,8 +51,8 @@ from kvnotes.harness import kit as K
 class Config(ProbeConfig):
     """Keys of ``conf/probe/components.yaml`` (defaults there; see the module docstring)."""
 
-    backend: str = "nnsight"
-    selection_fraction: float = 0.5
+    backend: Annotated[str, one_of(*BACKENDS)] = "nnsight"
+    selection_fraction: OpenFraction = 0.5
 
 
 def residual_parts(engine: Engine, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -142,7 +143,7 @@ def run(ctx) -> dict:
     L = engine.adapter.n_layers
     eps = engine.adapter.final_norm_eps(model)
     n_boot = int(cfg.n_boot)
-    progress = bool(cfg.get("progress", True))
+    progress = bool(cfg.progress)
     # 1. the top note offset per family, from selection pairs only
     for run_, row in tqdm(list(zip(fs.runs, rows)), desc="components: position maps", disable=not progress):
         if row["split"] == "selection":

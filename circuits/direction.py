@@ -59,7 +59,7 @@ still fitted on.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -69,8 +69,9 @@ import torch
 from tqdm import tqdm
 
 from circuits import start_circuit
-from kvnotes.kv.engine import Engine, Intervention, Site
+from kvnotes.kv.engine import BACKENDS, Engine, Intervention, Site
 from kvnotes.records.schema import CircuitResult
+from kvnotes.harness.constraints import Count, NonNegative, OpenFraction, one_of
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.kit import RandomControl
 from kvnotes.harness import kit as K
@@ -88,14 +89,14 @@ NEC = ("direction", "random")
 class Config(ProbeConfig):
     """Keys of ``conf/probe/direction.yaml`` (defaults there; see the module docstring)."""
 
-    backend: str = "nnsight"
-    layers: Optional[list[int]] = None
-    n_layers_scan: Optional[int] = 5
-    fit_scope: str = "all"
-    ablate_to: str = "all"
+    backend: Annotated[str, one_of(*BACKENDS)] = "nnsight"
+    layers: Optional[list[NonNegative]] = None
+    n_layers_scan: Optional[Count] = 5
+    fit_scope: Annotated[str, one_of(*SCOPES)] = "all"
+    ablate_to: Annotated[str, one_of(*ABLATE_TO)] = "all"
     random: RandomControl = field(default_factory=lambda: RandomControl(3))
-    selection_fraction: float = 0.5
-    max_pairs_per_family: Optional[int] = 3
+    selection_fraction: OpenFraction = 0.5
+    max_pairs_per_family: Optional[Count] = 3
 
 
 def scan_layers(n_layers: int, layers: Sequence[int] | None, n_scan: int | None) -> list[int]:
@@ -531,7 +532,7 @@ def run(ctx) -> dict:
     """
     cfg = ctx.cfg
     L = ctx.bundle.adapter.n_layers
-    layers = scan_layers(L, cfg.get("layers"), cfg.get("n_layers_scan"))
+    layers = scan_layers(L, cfg.layers, cfg.n_layers_scan)
     scope, ablate_to = str(cfg.fit_scope), str(cfg.ablate_to)
     if scope not in SCOPES or ablate_to not in ABLATE_TO:
         raise ValueError(f"fit_scope in {SCOPES}, ablate_to in {ABLATE_TO}; got {scope!r}, {ablate_to!r}")
@@ -540,8 +541,8 @@ def run(ctx) -> dict:
         raise ValueError("random.n_draws must be >= 1: the norm-matched random control is required")
     engine, fs, rows, sel, held = start_circuit(ctx)
     n_boot = int(cfg.n_boot)
-    w = _Work(ctx, engine, fs, rows, layers, eval_pairs(rows, cfg.get("max_pairs_per_family"), ctx.seed),
-              bool(cfg.get("progress", True)))
+    w = _Work(ctx, engine, fs, rows, layers, eval_pairs(rows, cfg.max_pairs_per_family, ctx.seed),
+              bool(cfg.progress))
     families = K.families_of(ctx, rows + fs.excluded)
     _capture_residuals(w, scope)
     _selection_scan(w)

@@ -28,7 +28,9 @@ jointly; a pair's control value is the mean over its draws.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Annotated, Optional
+
+from annotated_types import Len
 
 from collections.abc import Sequence
 
@@ -37,9 +39,10 @@ import torch
 from tqdm import tqdm
 
 from circuits import start_circuit
-from kvnotes.kv.engine import Engine, Intervention, Site
+from kvnotes.kv.engine import BACKENDS, Engine, Intervention, Site
 from kvnotes.errors import KvnotesError
 from kvnotes.records.schema import CircuitResult
+from kvnotes.harness.constraints import Count, Counts, OpenFraction, one_of
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.kit import RandomControl
 from kvnotes.harness import kit as K
@@ -55,14 +58,14 @@ HEAD_SITES = ("read", "write")
 class Config(ProbeConfig):
     """Keys of ``conf/probe/heads.yaml`` (defaults there; see the module docstring)."""
 
-    backend: str = "nnsight"
-    chunk_heads: int = 16
-    ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    backend: Annotated[str, one_of(*BACKENDS)] = "nnsight"
+    chunk_heads: Count = 16
+    ks: Counts = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     random: RandomControl = field(default_factory=lambda: RandomControl(5))
-    selection_fraction: float = 0.5
-    max_map_pairs_per_family: Optional[int] = 2
+    selection_fraction: OpenFraction = 0.5
+    max_map_pairs_per_family: Optional[Count] = 2
     heldout_maps: bool = False
-    modes: list[str] = field(default_factory=lambda: list(HEAD_SITES))
+    modes: Annotated[list[Annotated[str, one_of(*HEAD_SITES)]], Len(min_length=1)] = field(default_factory=lambda: list(HEAD_SITES))
 
 
 def head_outputs(engine: Engine, ids: torch.Tensor) -> torch.Tensor:
@@ -205,7 +208,7 @@ def _single_head_maps(ctx, engine, fs, rows, modes: list[str], chunk: int, progr
     ``pair -> mode -> [n_layers, n_heads]``."""
     model = ctx.bundle.model
     maps: dict[str, dict] = {}
-    mapped = map_pairs(rows, ctx.cfg.get("max_map_pairs_per_family"), ctx.seed)
+    mapped = map_pairs(rows, ctx.cfg.max_map_pairs_per_family, ctx.seed)
     for run_, row in tqdm(list(zip(fs.runs, rows)), desc="heads: single-head maps", disable=not progress):
         if row["pair"] not in mapped and not (row["split"] == "heldout" and ctx.cfg.heldout_maps):
             continue
@@ -291,9 +294,9 @@ def run(ctx) -> dict:
     ks = sorted({int(k) for k in cfg.ks if 0 < int(k) <= L * H})
     n_draws = int(cfg.random.n_draws)
     n_boot = int(cfg.n_boot)
-    progress = bool(cfg.get("progress", True))
-    modes = [m for m in HEAD_SITES if m in cfg.get("modes", HEAD_SITES)]
-    if not modes or set(cfg.get("modes", HEAD_SITES)) - set(HEAD_SITES):
+    progress = bool(cfg.progress)
+    modes = [m for m in HEAD_SITES if m in cfg.modes]
+    if not modes or set(cfg.modes) - set(HEAD_SITES):
         raise KvnotesError(f"heads: modes must be a non-empty subset of {list(HEAD_SITES)} (got {list(cfg.modes)})")
     maps = _single_head_maps(ctx, engine, fs, rows, modes, chunk, progress)
     families = K.families_of(ctx, rows + fs.excluded)

@@ -68,11 +68,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from kvnotes.kv import cache as kvcache
@@ -80,7 +79,8 @@ from kvnotes.ops import compose as kvcompose
 from kvnotes.harness.chunks import CHUNK_NAMES, CHUNKED_ORDER, SINKS, layout_prompt, prompt_parts, sink_ids
 from kvnotes.harness.edit_prompts import common_prefix_length, erratum_text, render_layout, user_pieces
 from kvnotes.errors import KvnotesError
-from kvnotes.harness.kit import ProbeConfig, by_family, cot_template_kwargs, exclusion_counts, per_prompt, progress, summary
+from kvnotes.harness.constraints import Count, NonNegative, one_of
+from kvnotes.harness.kit import ProbeConfig, by_family, exclusion_counts, per_prompt, progress, summary
 from kvnotes.kv.generate import Generated, MarkerTest, answer_marker, generate, stop_tokens, unreached_label
 from kvnotes.records.schema import BaseResult, ExclusionRow, NotRequired, TypedDict
 from kvnotes.harness.selection import pair_rng
@@ -105,12 +105,11 @@ AGENT_UNREACHED = ("agent_no_marker", "agent_truncated_in_think")
 class Config(ProbeConfig):
     """Keys of ``conf/probe/agent.yaml`` (defaults there; see the module docstring)."""
 
-    turns: int = 4
-    seam: int = 4
-    sink: str = "bos"
-    template_kwargs: Any = None
+    turns: Count = 4
+    seam: NonNegative = 4
+    sink: Annotated[str, one_of(*SINKS)] = "bos"
     #: ``scenario.variant=cot``: most tokens generated per chain
-    cot_max_new_tokens: int = 40
+    cot_max_new_tokens: NonNegative = 40
 
 
 @dataclass(frozen=True)
@@ -458,26 +457,16 @@ def run(ctx) -> dict:
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     if ctx.scenario_cfg is None:
         raise KvnotesError("probe agent needs the scenario config (it renders its own conversations)")
-    turns, seam, sink = int(cfg.get("turns", 4)), int(cfg.get("seam", 4)), str(cfg.get("sink", "bos"))
-    if turns < 1:
-        raise KvnotesError(f"probe agent: turns must be >= 1 (got {turns})")
-    if sink not in SINKS:
-        raise KvnotesError(f"unknown compose sink '{sink}' (known: {', '.join(SINKS)})")
-    tk = cfg.get("template_kwargs")
-    tk = OmegaConf.to_container(tk) if tk is not None and not isinstance(tk, dict) else (tk or {})
-    chat = bool(ctx.scenario_cfg.get("chat_template", True))
-    variant = ctx.scenario_cfg.get("variant", "direct")
-    seed = int(ctx.scenario_cfg.seed)
+    turns, seam, sink = int(cfg.turns), int(cfg.seam), str(cfg.sink)
+    tk = dict(ctx.template_kwargs)              # the model's chat-template arguments, thinking switch applied
+    scenario = ctx.scenario
+    chat, variant = scenario.chat_template, scenario.variant
     instances = [inst for sc in ctx.pairs.scenarios if variant in sc.variants
-                 for inst in draw_instances(sc, int(ctx.scenario_cfg.n_instances), seed)]
+                 for inst in draw_instances(sc, scenario.n_instances, scenario.seed)]
     if not instances:
         raise KvnotesError(f"probe agent: no scenario of the selection has the '{variant}' variant")
     cot_on, thinking = variant == "cot", bool(getattr(ctx, "thinking", False))
-    if cot_on:                                              # render as the marker test expects (think block)
-        tk = cot_template_kwargs(ctx, tk)
-    max_new = int(cfg.get("cot_max_new_tokens", 40))
-    if cot_on and max_new < 0:
-        raise KvnotesError(f"probe agent: cot_max_new_tokens must be >= 0 (got {max_new})")
+    max_new = int(cfg.cot_max_new_tokens)
     stop = tuple(stop_tokens(tok)) if cot_on else ()
     first = layout_prompt(tok, instances[0], next(iter(instances[0].scenario.values)), CHUNKED_ORDER, CHUNK_NAMES,
                           variant, None, chat, tk)
@@ -496,7 +485,7 @@ def run(ctx) -> dict:
                              "instance": inst.id} | why)
     families = sorted({s.family for s in ctx.pairs.scenarios})
     with ctx.timer("statistics"):
-        agg = aggregate(rows, families, int(cfg.get("n_boot", 2000)), ctx.seed)
+        agg = aggregate(rows, families, int(cfg.n_boot), ctx.seed)
     aggregates = {"turns": turns, "seam": seam, "sink": sink, "n_trajectories": len({r["trajectory"] for r in rows}),
                   "n_excluded": len(excluded), "families": families, "by_family": agg,
                   "device": model.device.type, "readout": "generated" if cot_on else "direct"}

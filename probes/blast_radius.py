@@ -18,7 +18,9 @@ must not move at all; the largest prefix deviation is recorded as a check.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
+
+from annotated_types import Len
 
 from dataclasses import dataclass, field
 
@@ -27,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from kvnotes.records.schema import BaseResult, PairRow
+from kvnotes.harness.constraints import PositiveFloat
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.kv.capture import capture_attention
 from kvnotes.harness import kit as K
@@ -42,7 +45,8 @@ EPS = 1e-12
 class Config(ProbeConfig):
     """Keys of ``conf/probe/blast_radius.yaml`` (defaults there; see the module docstring)."""
 
-    thresholds: list[float] = field(default_factory=lambda: [0.01, 0.1])
+    thresholds: Annotated[list[PositiveFloat], Len(min_length=1)] = field(
+        default_factory=lambda: [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0])
 
 
 def _kv_deviation(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

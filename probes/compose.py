@@ -62,18 +62,20 @@ the decision position directly: the edit arms are skipped under cot (``aggregate
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
+
+from annotated_types import Len
 
 from dataclasses import dataclass, field, replace
 
 import torch
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from kvnotes.kv import cache as kvcache
 from kvnotes.ops import compose as kvcompose
 from kvnotes.ops import edit as kvedit
 from kvnotes.errors import KvnotesError
+from kvnotes.harness.constraints import Count, NonNegative, NonNegatives, one_of
 from kvnotes.harness import kit as K
 from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
@@ -87,16 +89,17 @@ from kvnotes.harness.chunks import SINKS, CHUNKED_ORDER, FIELD_CHUNK_ORDER, chun
 class Config(ProbeConfig):
     """Keys of ``conf/probe/compose.yaml`` (defaults there; see the module docstring)."""
 
-    seams: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8])
-    sinks: list[str] = field(default_factory=lambda: ["none", "bos"])
-    template_kwargs: Any = None
-    edit_arm_seams: list[int] = field(default_factory=lambda: [0, 4])
+    seams: NonNegatives = field(default_factory=lambda: [0, 1, 2, 4, 8])
+    sinks: Annotated[list[Annotated[str, one_of(*SINKS)]], Len(min_length=1)] = field(
+        default_factory=lambda: ["none", "bos"])
+    edit_arm_seams: list[NonNegative] = field(default_factory=lambda: [0, 4])
     image_chunk: bool = False
-    image_grid: list[int] = field(default_factory=lambda: [1, 4, 4])
+    #: ``[t, h, w]`` patches of the synthetic image chunk
+    image_grid: Annotated[list[Count], Len(min_length=3, max_length=3)] = field(default_factory=lambda: [1, 4, 4])
     #: ``scenario.variant=cot``: most tokens generated per chain, chunked pairs screened, seams composed
-    cot_max_new_tokens: int = 40
-    cot_max_pairs: Optional[int] = 12
-    cot_seams: list[int] = field(default_factory=lambda: [0, 4])
+    cot_max_new_tokens: NonNegative = 40
+    cot_max_pairs: Optional[Count] = 12
+    cot_seams: NonNegatives = field(default_factory=lambda: [0, 4])
 
 
 #: With ``scenario.variant=cot`` the full prefill and every composed variant generate their reasoning and
@@ -556,29 +559,24 @@ def run_cot(ctx) -> dict:
         (:func:`aggregate_cot` under ``variants``, ``readout = "generated"``).
 
     Raises:
-        KvnotesError: ``image_chunk: true``, no scenario config, an unknown sink, or no chunked
+        KvnotesError: ``image_chunk: true``, no scenario config, or no chunked
             token-aligned pairs.
     """
     cfg = ctx.cfg
-    if cfg.get("image_chunk", False):
+    if cfg.image_chunk:
         raise KvnotesError("probe.image_chunk=true is not run under scenario.variant=cot (the image arm reads the "
                            "decision position directly); set probe.image_chunk=false")
     if ctx.scenario_cfg is None:
         raise KvnotesError("probe compose needs the scenario config (it renders its own chunked prompts)")
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
-    n_boot = int(cfg.get("n_boot", 2000))
-    sinks = list(cfg.get("sinks", ["none", "bos"]))
-    for s in sinks:
-        if s not in SINKS:
-            raise KvnotesError(f"unknown compose sink '{s}' (known: {', '.join(SINKS)})")
-    seams = [int(s) for s in cfg.get("cot_seams", [0, 4])]
+    n_boot = int(cfg.n_boot)
+    sinks = [str(s) for s in cfg.sinks]
+    seams = [int(s) for s in cfg.cot_seams]
     variants = [(rot, sink, seam) for rot in (True, False) for sink in sinks for seam in seams]
     names = [variant_name(*v) for v in variants]
-    max_new = int(cfg.get("cot_max_new_tokens", 40))
-    limit = cfg.get("cot_max_pairs")
-    tk = cfg.get("template_kwargs")
-    tk = K.cot_template_kwargs(ctx, OmegaConf.to_container(tk) if tk is not None and not isinstance(tk, dict)
-                               else dict(tk or {}))                   # the marker test follows ctx.thinking
+    max_new = int(cfg.cot_max_new_tokens)
+    limit = cfg.cot_max_pairs
+    tk = dict(ctx.template_kwargs)          # the model's, thinking switch applied: the marker test follows it
     with ctx.timer("chunked_pairs"):
         cpairs = chunked_pairs(tok, ctx.scenario_cfg, tk)
     if not cpairs.pairs:
@@ -641,34 +639,28 @@ def run(ctx) -> dict:
         ``variant_names`` and ``aggregates``; under ``scenario.variant=cot`` those of :func:`run_cot`.
 
     Raises:
-        KvnotesError: an unknown sink, no scenario config, a bad ``image_grid``, no chunked
+        KvnotesError: no scenario config, no chunked
             token-aligned pairs; under cot, those of :func:`run_cot`.
     """
     if K.is_cot(ctx):
         return run_cot(ctx)
     cfg = ctx.cfg
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
-    n_boot = int(cfg.get("n_boot", 2000))
-    sinks = list(cfg.get("sinks", ["none", "bos"]))
-    seams = [int(s) for s in cfg.get("seams", [0, 1, 2, 4, 8])]
-    for s in sinks:
-        if s not in SINKS:
-            raise KvnotesError(f"unknown compose sink '{s}' (known: {', '.join(SINKS)})")
-    arm_seams = [int(s) for s in cfg.get("edit_arm_seams", [0, 4])]
-    chat = bool(ctx.scenario_cfg.get("chat_template", True)) if ctx.scenario_cfg is not None else True
+    n_boot = int(cfg.n_boot)
+    sinks = [str(s) for s in cfg.sinks]
+    seams = [int(s) for s in cfg.seams]
+    arm_seams = [int(s) for s in cfg.edit_arm_seams]
+    chat = ctx.scenario.chat_template
     variants = [(rot, sink, seam) for rot in (True, False) for sink in sinks for seam in seams]
     names = [variant_name(*v) for v in variants]
-    tk = cfg.get("template_kwargs")
-    tk = OmegaConf.to_container(tk) if tk is not None and not isinstance(tk, dict) else (tk or {})
+    tk = dict(ctx.template_kwargs)          # the model's chat-template arguments, thinking switch applied
     if ctx.scenario_cfg is None:
         raise KvnotesError("probe compose needs the scenario config (it renders its own chunked prompts)")
     image = None
-    if cfg.get("image_chunk", False):
+    if cfg.image_chunk:
         from kvnotes.ops import mrope
 
-        grid = tuple(int(x) for x in cfg.get("image_grid", [1, 4, 4]))
-        if len(grid) != 3:
-            raise KvnotesError(f"probe.image_grid must be [t, h, w] patches, got {list(grid)}")
+        grid = tuple(int(x) for x in cfg.image_grid)
         image = mrope.synthetic_image(model, grid, ctx.seed)
     with ctx.timer("chunked_pairs"):
         cpairs = chunked_pairs(tok, ctx.scenario_cfg, tk)
@@ -677,7 +669,7 @@ def run(ctx) -> dict:
     fs = flipping_pairs(replace(ctx, pairs=cpairs), keep_caches=False)
     flips = {r["pair"] for r in fs.rows}
     prompt_rows, rows, memo = [], [], {"chunks": {}}
-    for at, pair in enumerate(tqdm(cpairs.pairs, desc="compose", disable=not cfg.get("progress", True))):
+    for at, pair in enumerate(tqdm(cpairs.pairs, desc="compose", disable=not cfg.progress)):
         inst = pair.spec.instance.id
         if any(k[0] != inst for k in memo if isinstance(k, tuple)):
             memo = {"chunks": {}}                       # pairs of one instance are consecutive

@@ -42,7 +42,9 @@ reason (``full_no_marker``, ``stale_no_marker``, ``no_cot_flip``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
+
+from pydantic import AfterValidator
 
 from collections import Counter
 from collections.abc import Callable
@@ -54,6 +56,7 @@ from tqdm import tqdm
 from kvnotes.kv.cache import AllSlotCache
 from kvnotes.ops import edit
 from kvnotes.errors import KvnotesError
+from kvnotes.harness.constraints import Count, NonNegative, OpenFraction, one_of
 from kvnotes.harness.pairs import pair_row
 from kvnotes.kv.generate import answer_marker, generate, owned_side, stop_tokens, unreached_reason
 from kvnotes.harness.readout import first_token_score, first_token_scores
@@ -71,24 +74,34 @@ SUPPORTS_COT = True
 class CotConfig:
     """``cot`` keys: greedy decoding of the reasoning (``scenario.variant=cot``)."""
 
-    max_new_tokens: int = 40
-    ks: list[int] = field(default_factory=lambda: [8, 32])
-    max_pairs: Optional[int] = 12
+    max_new_tokens: NonNegative = 40
+    ks: list[NonNegative] = field(default_factory=lambda: [8, 32])
+    max_pairs: Optional[Count] = 12
+
+
+def _ranking(name: str) -> str:
+    """A registered position ranking (:data:`RANKINGS`, filled below by ``@ranking``)."""
+    if name not in RANKINGS:
+        raise ValueError(f"must be one of {', '.join(map(repr, RANKINGS))}")
+    return name
+
+
+Ranking = Annotated[str, AfterValidator(_ranking)]
 
 
 @dataclass
 class Config(ProbeConfig):
     """Keys of ``conf/probe/edit.yaml`` (defaults there; see the module docstring)."""
 
-    rankings: list[str] = field(default_factory=lambda: ["attention", "kv_deviation", "last", "random"])
-    ks: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8, 16, 32, 64])
-    oracle_ranking: Optional[str] = "attention"
-    placement: str = "before_request"
+    rankings: list[Ranking] = field(default_factory=lambda: ["attention", "kv_deviation", "last", "random"])
+    ks: list[NonNegative] = field(default_factory=lambda: [0, 1, 2, 4, 8, 16, 32, 64])
+    oracle_ranking: Optional[Ranking] = "attention"
+    placement: Annotated[str, one_of(*sedits.PLACEMENTS)] = "before_request"
     erratum_template: Optional[str] = None
-    selection_fraction: float = 0.5
-    max_pairs: Optional[int] = 24
-    sweep_max_pairs: Optional[int] = 8
-    max_control_pairs: int = 8
+    selection_fraction: OpenFraction = 0.5
+    max_pairs: Optional[Count] = 24
+    sweep_max_pairs: Optional[NonNegative] = 8
+    max_control_pairs: NonNegative = 8
     chat_template_kwargs: Any = None
     cot: CotConfig = field(default_factory=CotConfig)
 
@@ -117,9 +130,9 @@ class PairEditor:
         self.ctx, self.pair, self.model = ctx, pair, ctx.bundle.model
         self.tok = ctx.bundle.tokenizer
         cfg = ctx.cfg
-        self.placement = str(cfg.get("placement", "before_request"))
-        self.template = str(cfg.get("erratum_template") or sedits.ERRATUM_TEMPLATE)
-        self.chat = bool(ctx.scenario_cfg.get("chat_template", True)) if ctx.scenario_cfg is not None else True
+        self.placement = str(cfg.placement)
+        self.template = str(cfg.erratum_template or sedits.ERRATUM_TEMPLATE)
+        self.chat = ctx.scenario.chat_template
         self.kwargs = kwargs
         spec = pair.spec
         self.inst, self.variant = spec.instance, spec.variant
@@ -407,9 +420,8 @@ def cot_pairs(ctx, kwargs, rankings, ks) -> tuple[list[dict], list[dict]]:
     chains from :func:`kvnotes.kv.generate.generate`, the decision read after the marker."""
     cfg = ctx.cfg
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
-    cot = cfg.get("cot") or {}
-    max_new = int(cot.get("max_new_tokens", 40))
-    limit = cot.get("max_pairs")
+    max_new = int(cfg.cot.max_new_tokens)
+    limit = cfg.cot.max_pairs
     stop_ids = stop_tokens(tok)
     rows, excluded = [], list(ctx.pairs.excluded)
 
@@ -435,7 +447,7 @@ def cot_pairs(ctx, kwargs, rankings, ks) -> tuple[list[dict], list[dict]]:
     order = round_robin([pair_row(p) for p in ctx.pairs.pairs])
     pairs = [ctx.pairs.pairs[i] for i in (order if limit is None else order[: int(limit)])]
     excluded_limit = len(ctx.pairs.pairs) - len(pairs)
-    for pair in tqdm(pairs, desc="edit cot", disable=not cfg.get("progress", True)):
+    for pair in tqdm(pairs, desc="edit cot", disable=not cfg.progress):
         sc = pair.spec.instance.scenario
         marker = sc.variants[pair.spec.variant].answer_marker
         outcome = {c: o for o, c in sc.candidates.items()}
@@ -482,29 +494,28 @@ def cot_pairs(ctx, kwargs, rankings, ks) -> tuple[list[dict], list[dict]]:
 def run(ctx) -> dict:
     """Every edit method on every flipping pair; see the module docstring."""
     cfg = ctx.cfg
-    kwargs = dict(cfg.get("chat_template_kwargs") or ctx.template_kwargs or {})
-    rankings = list(cfg.get("rankings", RANKINGS))
-    ks = [int(k) for k in cfg.get("ks", [0, 1, 2, 4, 8, 16, 32, 64])]
-    n_boot, seed = int(cfg.get("n_boot", 2000)), ctx.seed
-    oracle_ranking = cfg.get("oracle_ranking", "attention")
-    variant = ctx.scenario_cfg.get("variant", "direct") if ctx.scenario_cfg is not None else "direct"
-    if variant == "cot":
-        return run_cot(ctx, kwargs, rankings, [int(k) for k in cfg.get("cot", {}).get("ks", [8, 32])], n_boot, seed)
+    kwargs = dict(cfg.chat_template_kwargs or ctx.template_kwargs or {})
+    rankings = [str(r) for r in cfg.rankings]
+    ks = [int(k) for k in cfg.ks]
+    n_boot, seed = int(cfg.n_boot), ctx.seed
+    oracle_ranking = cfg.oracle_ranking
+    if ctx.scenario.variant == "cot":
+        return run_cot(ctx, kwargs, rankings, [int(k) for k in cfg.cot.ks], n_boot, seed)
     fs = flipping_pairs(ctx, keep_caches=False)
     order = round_robin(fs.rows)
-    limit, sweep_limit = cfg.get("max_pairs"), cfg.get("sweep_max_pairs")
+    limit, sweep_limit = cfg.max_pairs, cfg.sweep_max_pairs
     if limit is not None and len(order) > int(limit):
         fs.exclusions["beyond_max_pairs"] = len(order) - int(limit)
         order = order[: int(limit)]
     swept = set(order if sweep_limit is None else order[: int(sweep_limit)])
     rows = []
-    for i in tqdm(order, desc="edit", disable=not cfg.get("progress", True)):
+    for i in tqdm(order, desc="edit", disable=not cfg.progress):
         with ctx.timer("edits"):
             rows.append(fs.rows[i] | {"swept": i in swept}
                         | direct_pair(ctx, fs.runs[i], kwargs, rankings, ks, oracle_ranking, i in swept))
     families = families_of(ctx, rows + fs.excluded)
     with ctx.timer("controls"):
-        ctrl_rows, ctrl_skipped = control_pairs(ctx, fs, kwargs, int(cfg.get("max_control_pairs", 8)))
+        ctrl_rows, ctrl_skipped = control_pairs(ctx, fs, kwargs, int(cfg.max_control_pairs))
     with ctx.timer("statistics"):
         named = {m: method_summary(rows, m, families, n_boot, seed) for m in EDIT_METHODS}
         index = {n: (v["ranking"], v["k"]) for r in rows for n, v in r["sweep"].items()}
@@ -514,7 +525,7 @@ def run(ctx) -> dict:
                                       sum(1 for r in rows if g in ("all", r["family"]))) for g in ["all", *families]}
                     for m in CONTROLS}
         controls["overcorrection"] = proportion(sum(r["overcorrected"] for r in ctrl_rows), len(ctrl_rows))
-        choice = choose_ranking(rows, rankings, ks, seed, float(cfg.get("selection_fraction", 0.5)))
+        choice = choose_ranking(rows, rankings, ks, seed, float(cfg.selection_fraction))
     aggregates = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
                   "families": families, "variant": "direct", "methods": named, "sweep": sweep,
                   "sweep_index": {n: {"ranking": index[n][0], "k": index[n][1]} for n in sweep_names},

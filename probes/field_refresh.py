@@ -45,6 +45,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from kvnotes.records.schema import BaseResult, PairRow, Summary
+from kvnotes.harness.constraints import Count, NonNegative
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness import kit as K
@@ -69,8 +70,8 @@ class Config(ProbeConfig):
     exact: bool = True
     keep_caches: bool = False
     #: ``scenario.variant=cot``: most tokens generated per chain, and how many aligned pairs to screen
-    cot_max_new_tokens: int = 40
-    cot_max_pairs: Optional[int] = 12
+    cot_max_new_tokens: NonNegative = 40
+    cot_max_pairs: Optional[Count] = 12
 
 
 def variant_positions(field: tuple[int, int], decision: int) -> dict[str, list[int]]:
@@ -286,13 +287,13 @@ def run_cot(ctx) -> dict:
     variants' recovery from their chains. Variants whose chain does not reach the marker are left
     out of that variant's summary and counted (``n_unreached``)."""
     cfg = ctx.cfg
-    n_boot = int(cfg.get("n_boot", 2000))
-    limit = cfg.get("cot_max_pairs")
+    n_boot = int(cfg.n_boot)
+    limit = cfg.cot_max_pairs
     order = round_robin([pair_row(p) for p in ctx.pairs.pairs])      # a cap keeps every scenario
     pairs = [ctx.pairs.pairs[i] for i in (order if limit is None else order[: int(limit)])]
     rows, excluded = [], list(ctx.pairs.excluded)
-    for pair in tqdm(pairs, desc="field_refresh cot", disable=not cfg.get("progress", True)):
-        row, reason = cot_pair(ctx, pair, int(cfg.get("cot_max_new_tokens", 40)))
+    for pair in tqdm(pairs, desc="field_refresh cot", disable=not cfg.progress):
+        row, reason = cot_pair(ctx, pair, int(cfg.cot_max_new_tokens))
         if reason:
             excluded.append(row | {"reason": reason})
         else:
@@ -319,18 +320,18 @@ def run(ctx) -> dict:
 
     Each flipping pair is refreshed right after its clean run (its prefix caches are used once and
     dropped), so every pair is prefilled once per job."""
-    if ctx.scenario_cfg is not None and ctx.scenario_cfg.get("variant") == "cot":
+    if K.is_cot(ctx):
         return run_cot(ctx)
     cfg = ctx.cfg
     model = ctx.bundle.model
-    n_boot = int(cfg.get("n_boot", 2000))
-    exact = bool(cfg.get("exact", True))
+    n_boot = int(cfg.n_boot)
+    exact = bool(cfg.exact)
 
     def refresh(run_, row):
         with ctx.timer("variants"):
             return refresh_pair(model, run_, ctx.readout, ctx.budget_bytes, exact)
 
-    fs = flipping_pairs(ctx, desc="field_refresh", keep_caches=bool(cfg.get("keep_caches", False)), process=refresh)
+    fs = flipping_pairs(ctx, desc="field_refresh", keep_caches=bool(cfg.keep_caches), process=refresh)
     rows = fs.rows
     families = families_of(ctx, rows + fs.excluded)
     with ctx.timer("statistics"):

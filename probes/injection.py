@@ -44,6 +44,7 @@ from collections import Counter
 import torch
 
 from kvnotes.records.schema import BaseResult, PairRow
+from kvnotes.harness.constraints import Count, NonNegative
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness import kit as K
@@ -69,8 +70,8 @@ class Config(ProbeConfig):
     """Keys of ``conf/probe/injection.yaml`` (defaults there; see the module docstring)."""
 
     #: ``scenario.variant=cot``: most tokens generated per chain, and how many aligned pairs to screen
-    cot_max_new_tokens: int = 40
-    cot_max_pairs: Optional[int] = 12
+    cot_max_new_tokens: NonNegative = 40
+    cot_max_pairs: Optional[Count] = 12
 
 
 def injection_masks(n_layers: int, field: tuple[int, int], decision: int) -> dict[str, torch.Tensor]:
@@ -236,10 +237,10 @@ def _aggregate_cot(rows: list[dict], n_boot: int, seed: int) -> dict:
 def run_cot(ctx) -> dict:
     """:func:`run` under ``scenario.variant=cot`` (see "Chain of thought" in the module docstring)."""
     cfg = ctx.cfg
-    n_boot = int(cfg.get("n_boot", 2000))
-    limit = cfg.get("cot_max_pairs")
+    n_boot = int(cfg.n_boot)
+    limit = cfg.cot_max_pairs
     pairs, beyond = K.cot_selection(ctx, None if limit is None else int(limit))
-    max_new = int(cfg.get("cot_max_new_tokens", 40))
+    max_new = int(cfg.cot_max_new_tokens)
     rows, screened_out = [], []
     for pair in tqdm(pairs, desc="injection cot", disable=not K.progress(ctx)):
         row, why = cot_pair(ctx, pair, max_new)
@@ -289,7 +290,7 @@ def run(ctx) -> dict:
         return run_cot(ctx)
     cfg = ctx.cfg
     model = ctx.bundle.model
-    n_boot = int(cfg.get("n_boot", 2000))
+    n_boot = int(cfg.n_boot)
     budget = ctx.budget_bytes
     rows = []
     for run_, row in K.each_pair(ctx, desc="injection"):

@@ -28,6 +28,10 @@ Benjamini-Hochberg over the cells.
 
 from __future__ import annotations
 
+from typing import Annotated, Optional
+
+from annotated_types import Len
+
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -37,6 +41,7 @@ from scipy.stats import linregress
 from tqdm import tqdm
 
 from kvnotes.context import EditableContext
+from kvnotes.harness.constraints import Count, one_of
 from kvnotes.harness import memory as mem
 from scenarios.memory import filler_lines, memory_lines
 
@@ -57,10 +62,10 @@ class Config(mem.MemoryConfig):
     """
 
     lengths: list[int] = field(default_factory=lambda: [1024, 4096])
-    turns: int = 12
-    long_turns: int = 28
-    long_length: int | None = 1024
-    arms: list[str] = field(default_factory=lambda: list(ARMS))
+    turns: Count = 12
+    long_turns: Count = 28
+    long_length: Optional[Count] = 1024
+    arms: Annotated[list[Annotated[str, one_of(*ARMS)]], Len(min_length=1)] = field(default_factory=lambda: list(ARMS))
 
 
 class Result(mem.MemoryResult):
@@ -86,10 +91,12 @@ def schedule(suite, persona) -> list[tuple[str, str, str, str]]:
     return out
 
 
-def session(model, tokenizer, suite, persona, prompt: mem.MemoryPrompt, cfg) -> EditableContext:
-    """The persona's memory as an editable context (facts with a value as fields), not prefilled."""
+def session(model, tokenizer, suite, persona, prompt: mem.MemoryPrompt, cfg,
+            template_kwargs: dict | None = None) -> EditableContext:
+    """The persona's memory as an editable context (facts with a value as fields), not prefilled,
+    rendered with the model's chat-template arguments ``template_kwargs``."""
     kw = {"answer_prefix": suite.answer_prefix, "chat_template": bool(cfg.chat_template),
-          "template_kwargs": dict(cfg.template_kwargs) if cfg.get("template_kwargs") else None}
+          "template_kwargs": template_kwargs}
     ctx = EditableContext(model, tokenizer, **kw)
     ctx.add_text(suite.header + "\n")
     for line, fid in memory_lines(persona, filler_lines(suite, persona.id, prompt.n_filler)):
@@ -110,12 +117,13 @@ def _query(suite, persona, qid: str, answer: str, ctx: EditableContext) -> tuple
 
 
 @torch.no_grad()
-def run_session(model, tokenizer, suite, persona, prompt: mem.MemoryPrompt, cfg, n_turns: int, run: str) -> list[dict]:
+def run_session(model, tokenizer, suite, persona, prompt: mem.MemoryPrompt, cfg, n_turns: int, run: str,
+                template_kwargs: dict | None = None) -> list[dict]:
     """One session of ``n_turns`` turns (module docstring): one row per turn."""
     plan = schedule(suite, persona)
     if not plan:
         return []
-    base = session(model, tokenizer, suite, persona, prompt, cfg)
+    base = session(model, tokenizer, suite, persona, prompt, cfg, template_kwargs)
     first_q = suite.question.format(question=persona.query(plan[0][1]).question)
     base.add_request(first_q)
     base.prefill()
@@ -194,9 +202,9 @@ def run(ctx) -> dict:
     cfg = ctx.cfg
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     suite = mem.load_suite(cfg)
-    tk = dict(cfg.template_kwargs) if cfg.get("template_kwargs") else None
+    tk = dict(ctx.template_kwargs) or None          # the model's chat-template arguments, thinking switch applied
     jobs = [("session", int(L), int(cfg.turns)) for L in cfg.lengths]
-    if cfg.get("long_length"):
+    if cfg.long_length:
         jobs.append(("long", int(cfg.long_length), int(cfg.long_turns)))
     rows: list[dict] = []
     excluded: list[dict] = []
@@ -209,10 +217,10 @@ def run(ctx) -> dict:
             excluded.append({"persona": persona.id, "length": L, "reason": "no_toggleable_fact"})
             continue
         with ctx.timer("turns"):
-            rows += run_session(model, tok, suite, persona, prompt, cfg, n, name)
+            rows += run_session(model, tok, suite, persona, prompt, cfg, n, name, tk)
     with ctx.timer("statistics"):
         agg, tests, adjusted = aggregate(rows, cfg, ctx.seed)
     return {"rows": rows, "aggregates": agg, "tests": tests, "bh": adjusted, "arm_names": list(cfg.arms),
             "exclusions": dict(Counter(e["reason"] for e in excluded)), "excluded": excluded,
             "settings": mem.settings(cfg, suite, turns=int(cfg.turns), long_turns=int(cfg.long_turns),
-                                     long_length=cfg.get("long_length"), arms=list(cfg.arms))}
+                                     long_length=cfg.long_length, arms=list(cfg.arms))}

@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from kvnotes.context import EditableContext
+from kvnotes.harness.constraints import Count, Counts, NonNegative
 from kvnotes.harness import memory as mem
 from scenarios.memory import filler_lines, memory_lines
 
@@ -51,9 +52,9 @@ class Config(mem.MemoryConfig):
         max_edits_per_persona: edits of each persona run (in file order).
     """
 
-    ks: list[int] = field(default_factory=lambda: [4, 16])
-    recompile_seam: int = 0
-    max_edits_per_persona: int = 1
+    ks: Counts = field(default_factory=lambda: [4, 16])
+    recompile_seam: NonNegative = 0
+    max_edits_per_persona: Count = 1
 
 
 class Result(mem.MemoryResult):
@@ -160,7 +161,7 @@ def run(ctx) -> dict:
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     suite = mem.load_suite(cfg)
     names = arm_names([int(k) for k in cfg.ks])
-    tk = dict(cfg.template_kwargs) if cfg.get("template_kwargs") else None
+    tk = dict(ctx.template_kwargs) or None          # the model's chat-template arguments, thinking switch applied
     jobs = [(L, p, e) for L in cfg.lengths for p in suite.personas for e in p.edits[:int(cfg.max_edits_per_persona)]]
     rows = []
     for L, persona, edit in tqdm(jobs, desc="memory_edits", disable=not cfg.progress):

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from kvnotes.harness.constraints import Counts, NonNegative
 from kvnotes.harness import memory as mem
 from kvnotes.harness.paired import mcnemar_exact
 from kvnotes.harness.stats import proportion
@@ -47,10 +48,12 @@ class Config(mem.MemoryConfig):
     Attributes:
         blocks: the block counts ``S``.
         seam: tokens of each block recomputed against what precedes it.
+        lengths: target memory lengths (one, 2048 tokens, by default: [4096] costs ~14 min of CPU).
     """
 
-    blocks: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
-    seam: int = 0
+    lengths: Counts = field(default_factory=lambda: [2048])
+    blocks: Counts = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    seam: NonNegative = 0
 
 
 class Result(mem.MemoryResult):
@@ -262,7 +265,7 @@ def run(ctx) -> dict:
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     suite = mem.load_suite(cfg)
     Ss = [int(s) for s in cfg.blocks]
-    tk = dict(cfg.template_kwargs) if cfg.get("template_kwargs") else None
+    tk = dict(ctx.template_kwargs) or None          # the model's chat-template arguments, thinking switch applied
     out: dict = {"rows": [], "edit_rows": [], "cross_rows": [], "costs": []}
     excluded = []
     jobs = [(L, p) for L in cfg.lengths for p in suite.personas]

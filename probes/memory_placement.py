@@ -31,12 +31,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Optional
 
 import torch
 from tqdm import tqdm
 
 from kvnotes.errors import KvnotesError
+from kvnotes.harness.constraints import Count
 from kvnotes.harness import memory as mem
 from kvnotes.harness.stats import proportion, summarize
 from kvnotes.ops.edit import stack
@@ -55,7 +56,7 @@ class Config(mem.MemoryConfig):
             model's context.
     """
 
-    document: Any = None
+    document: Optional[Count] = None
 
 
 class Result(mem.MemoryResult):
@@ -177,7 +178,7 @@ def run(ctx) -> dict:
     cfg = ctx.cfg
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     suite = mem.load_suite(cfg)
-    tk = dict(cfg.template_kwargs) if cfg.get("template_kwargs") else None
+    tk = dict(ctx.template_kwargs) or None          # the model's chat-template arguments, thinking switch applied
     limit = context_of(model)
     rows, costs, excluded = [], [], []
     jobs = [(L, p) for L in cfg.lengths for p in suite.personas]
@@ -185,7 +186,7 @@ def run(ctx) -> dict:
         with ctx.timer("render"):
             prompt = mem.build_prompt(tok, suite, persona, int(L), int(cfg.seed), chat_template=bool(cfg.chat_template),
                                       template_kwargs=tk)
-            target = int(cfg.document) if cfg.get("document") else int(L)
+            target = int(cfg.document) if cfg.document else int(L)
             entries = document_entries(tok, suite, persona, target, int(cfg.seed))
             if limit is not None:
                 longest = max((int(q.suffix.shape[0]) for q in prompt.queries.values()), default=0)
@@ -204,7 +205,7 @@ def run(ctx) -> dict:
         agg, tests, adjusted = aggregate(rows, costs, cfg, ctx.seed)
     return {"rows": rows, "aggregates": agg, "tests": tests, "bh": adjusted, "placements": list(PLACEMENTS),
             "costs": costs, "exclusions": dict(Counter(e["reason"] for e in excluded)), "excluded": excluded,
-            "settings": mem.settings(cfg, suite, document=cfg.get("document"), context=limit,
+            "settings": mem.settings(cfg, suite, document=cfg.document, context=limit,
                                      reference="early", arm="late",
                                      kl="KL(early||late) at the decision position, nats (descriptive; tost_kl tests "
                                         "it against 0)")}

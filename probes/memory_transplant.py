@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from kvnotes.harness.constraints import NonNegatives
 from kvnotes.harness import memory as mem
 from kvnotes.ops import compose as kvcompose
 from kvnotes.ops.edit import stack
@@ -39,7 +40,7 @@ class Config(mem.MemoryConfig):
         seams: seam lengths of the rotated arms (the no-rotate control runs at seam 0).
     """
 
-    seams: list[int] = field(default_factory=lambda: [0, 1, 4])
+    seams: NonNegatives = field(default_factory=lambda: [0, 1, 4])
 
 
 class Result(mem.MemoryResult):
@@ -106,7 +107,7 @@ def run(ctx) -> dict:
     suite = mem.load_suite(cfg)
     arms = arms_of(list(cfg.seams))
     names = [a[0] for a in arms]
-    tk = dict(cfg.template_kwargs) if cfg.get("template_kwargs") else None
+    tk = dict(ctx.template_kwargs) or None          # the model's chat-template arguments, thinking switch applied
     rows, costs, excluded = [], [], []
     jobs = [(L, p) for L in cfg.lengths for p in suite.personas]
     for L, persona in tqdm(jobs, desc="memory_transplant", disable=not cfg.progress):

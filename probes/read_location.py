@@ -62,7 +62,9 @@ query's field mass: does the reasoning re-read the field? Rows keep each chain (
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
+
+from pydantic import AfterValidator
 
 from kvnotes.records.schema import TypedDict
 
@@ -72,6 +74,7 @@ import numpy as np
 import torch
 
 from kvnotes.records.schema import BaseResult, PairRow
+from kvnotes.harness.constraints import Count, NonNegative, NonNegativeFloat, one_of
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness import kit as K
@@ -98,26 +101,41 @@ CHAIN_GROUPS = GROUPS + ("chain",)
 # key groups
 
 
+def _knockout_groups(groups: Any) -> Any:
+    """A non-empty list of knockout variants, each a group name of :data:`GROUPS` or a non-empty
+    list of them (knocked out together)."""
+    if not isinstance(groups, list) or not groups:
+        raise ValueError("must be a non-empty list of groups (each a name or a list of names)")
+    for g in groups:
+        names = [g] if isinstance(g, str) else g
+        if not isinstance(names, list) or not names or any(n not in GROUPS for n in names):
+            raise ValueError(f"each entry must be one of {', '.join(map(repr, GROUPS))} or a non-empty list of them, "
+                             f"got {g!r}")
+    return groups
+
+
 @dataclass
 class Collapse:
     """Readout-destroyed criterion (see the module docstring)."""
 
-    drop_nats: float = 2.3
-    top_k: int = 10
+    drop_nats: NonNegativeFloat = 2.3
+    top_k: Count = 10
 
 
 @dataclass
 class Config(ProbeConfig):
     """Keys of ``conf/probe/read_location.yaml`` (defaults there; see the module docstring)."""
 
-    n_sinks: int = 1
-    band_units: str = "fraction"
-    bands: Any = field(default_factory=lambda: [[0.0, 1.0]])
-    knockout_groups: Any = field(default_factory=lambda: [["field"]])
+    n_sinks: NonNegative = 1
+    band_units: Annotated[str, one_of("fraction", "layer")] = "fraction"
+    bands: Any = field(
+        default_factory=lambda: [[0.0, 0.25], [0.25, 0.5], [0.5, 0.75], [0.75, 1.0], [0.0, 1.0]])
+    knockout_groups: Annotated[Any, AfterValidator(_knockout_groups)] = field(
+        default_factory=lambda: [["field"], ["downstream"], ["sinks"], ["field", "downstream"]])
     collapse: Collapse = field(default_factory=Collapse)
     #: ``scenario.variant=cot``: most tokens generated per chain, and how many aligned pairs to screen
-    cot_max_new_tokens: int = 40
-    cot_max_pairs: Optional[int] = 12
+    cot_max_new_tokens: NonNegative = 40
+    cot_max_pairs: Optional[Count] = 12
 
 
 def key_groups(field: tuple[int, int], decision: int, n_sinks: int) -> dict[str, tuple[int, int]]:
@@ -254,7 +272,7 @@ def _knockout_aggregates(ko_rows, variants, n_boot, seed) -> dict:
 
 
 def _variants(cfg, n_layers: int) -> tuple[list[dict], list[dict]]:
-    bands = K.layer_bands(n_layers, [list(b) for b in cfg.bands], cfg.get("band_units", "fraction"))
+    bands = K.layer_bands(n_layers, [list(b) for b in cfg.bands], cfg.band_units)
     variants = []
     for names in cfg.knockout_groups:
         names = [str(g) for g in (names if not isinstance(names, str) else [names])]
@@ -501,11 +519,11 @@ def run_cot(ctx) -> dict:
     cfg = ctx.cfg
     n_sinks = int(cfg.n_sinks)
     drop_nats, top_k = float(cfg.collapse.drop_nats), int(cfg.collapse.top_k)
-    n_boot = int(cfg.get("n_boot", 2000))
+    n_boot = int(cfg.n_boot)
     bands, variants = _variants(cfg, ctx.bundle.adapter.n_layers)
-    limit = cfg.get("cot_max_pairs")
+    limit = cfg.cot_max_pairs
     pairs, beyond = K.cot_selection(ctx, None if limit is None else int(limit))
-    max_new = int(cfg.get("cot_max_new_tokens", 40))
+    max_new = int(cfg.cot_max_new_tokens)
     rows, ko_rows, unreached, excluded = [], [], [], list(ctx.pairs.excluded)
     for pair in tqdm(pairs, desc="read_location cot", disable=not K.progress(ctx)):
         row, ko, un, why = cot_pair(ctx, pair, variants, n_sinks, drop_nats, top_k, max_new)
@@ -585,7 +603,7 @@ def run(ctx) -> dict:
     n_layers = ctx.bundle.adapter.n_layers
     n_sinks = int(cfg.n_sinks)
     drop_nats, top_k = float(cfg.collapse.drop_nats), int(cfg.collapse.top_k)
-    n_boot = int(cfg.get("n_boot", 2000))
+    n_boot = int(cfg.n_boot)
     bands, variants = _variants(cfg, n_layers)
     rows, ko_rows, examples = [], [], {}
     for pr, row in K.each_pair(ctx, desc="read_location"):

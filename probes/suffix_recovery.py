@@ -59,7 +59,10 @@ many draws, stay direct-readout only: asking for them under cot is refused in on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Optional
+
+from annotated_types import Len
+from pydantic import AfterValidator
 
 from kvnotes.records.schema import NotRequired, TypedDict
 
@@ -71,12 +74,12 @@ import torch
 from tqdm import tqdm
 
 from kvnotes.records.schema import BaseResult, PairRow
+from kvnotes.harness.constraints import Count, Counts, NonNegative, OpenFraction, Share, one_of
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.kit import RandomControl
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness import kit as K
 from kvnotes.harness.kit import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
-from kvnotes.errors import KvnotesError
 from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
 from kvnotes.harness.selection import pair_rng, split_instances
@@ -96,12 +99,21 @@ NO_DOWNSTREAM = "no_downstream"
 # position sets
 
 
+def _cot_family(name: str) -> str:
+    """A set family the cot curves run (:data:`COT_FAMILIES`)."""
+    if name not in COT_FAMILIES:
+        raise ValueError(f"must be one of {', '.join(map(repr, COT_FAMILIES))} (scenario.variant=cot runs the coarse "
+                         f"curves; topk and random need the single-position map or many draws, which stay "
+                         f"direct-readout only)")
+    return name
+
+
 @dataclass
 class Grid:
     """Set sizes: fractions of the downstream length and absolute counts."""
 
-    fractions: list[float] = field(default_factory=lambda: [0.1, 0.5, 1.0])
-    counts: list[int] = field(default_factory=lambda: [1, 2, 4])
+    fractions: Annotated[list[Share], Len(min_length=1)] = field(default_factory=lambda: [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0])
+    counts: Counts = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
 
 
 @dataclass
@@ -110,18 +122,18 @@ class Config(ProbeConfig):
 
     grid: Grid = field(default_factory=Grid)
     random: RandomControl = field(default_factory=lambda: RandomControl(5))
-    topk_anchor: str = "decision"
-    selection_fraction: float = 0.5
+    topk_anchor: Annotated[str, one_of(*ANCHORS)] = "decision"
+    selection_fraction: OpenFraction = 0.5
     layer_bands: Any = 5
     with_field: bool = True
     store_sets: bool = False
     keep_caches: bool = True
     #: ``scenario.variant=cot``: set sizes (fractions of the downstream), set families, most tokens
     #: generated per chain, and how many aligned pairs to screen
-    cot_fractions: list[float] = field(default_factory=lambda: [0.1, 0.25, 0.5, 1.0])
-    cot_families: list[str] = field(default_factory=lambda: list(COT_FAMILIES))
-    cot_max_new_tokens: int = 40
-    cot_max_pairs: Any = 12
+    cot_fractions: Annotated[list[Share], Len(min_length=1)] = field(default_factory=lambda: [0.1, 0.25, 0.5, 1.0])
+    cot_families: Annotated[list[Annotated[str, AfterValidator(_cot_family)]], Len(min_length=1)] = field(default_factory=lambda: list(COT_FAMILIES))
+    cot_max_new_tokens: NonNegative = 40
+    cot_max_pairs: Optional[Count] = 12
 
 
 def grid_points(fractions: Sequence[float], counts: Sequence[int]) -> list[dict]:
@@ -599,20 +611,10 @@ def _cot_summaries(rows: list[dict], value, flipped, families: list[str], n_boot
 
 
 def cot_settings(cfg) -> tuple[list[float], list[str], int]:
-    """The cot curves' fractions, set families and token budget from the probe config.
-
-    Raises:
-        KvnotesError: a family other than ``suffix`` / ``prefix`` (``topk`` needs the single-position
-            map, which stays direct), or a fraction outside ``(0, 1]``.
-    """
-    fams = [str(f) for f in cfg.get("cot_families", list(COT_FAMILIES))]
-    bad = [f for f in fams if f not in COT_FAMILIES]
-    if bad:
-        raise KvnotesError(f"suffix_recovery under scenario.variant=cot runs the coarse curves ({', '.join(COT_FAMILIES)})"
-                           f"; {', '.join(bad)} need the single-position map or many draws, which stay direct-readout only")
-    fractions = [float(f) for f in cfg.get("cot_fractions", [0.1, 0.25, 0.5, 1.0])]
-    grid_points(fractions, [])                                                      # validate
-    return fractions, fams, int(cfg.get("cot_max_new_tokens", 40))
+    """The cot curves' fractions, set families and token budget from the (typed, so checked)
+    probe config: a family other than ``suffix`` / ``prefix`` (:func:`_cot_family`) or a fraction
+    outside ``(0, 1]`` never gets here."""
+    return [float(f) for f in cfg.cot_fractions], [str(f) for f in cfg.cot_families], int(cfg.cot_max_new_tokens)
 
 
 def run_cot(ctx) -> dict:
@@ -622,8 +624,8 @@ def run_cot(ctx) -> dict:
     n_layers = ctx.bundle.adapter.n_layers
     bands_spec = cfg.layer_bands
     bands = K.layer_bands(n_layers, bands_spec if isinstance(bands_spec, int) else [list(x) for x in bands_spec])
-    n_boot = int(cfg.get("n_boot", 2000))
-    limit = cfg.get("cot_max_pairs")
+    n_boot = int(cfg.n_boot)
+    limit = cfg.cot_max_pairs
     pairs, beyond = K.cot_selection(ctx, None if limit is None else int(limit))
     rows, screened_out = [], []
     for pair in tqdm(pairs, desc="suffix_recovery cot", disable=not K.progress(ctx)):
@@ -676,8 +678,8 @@ def run(ctx) -> dict:
     anchor = str(cfg.topk_anchor)
     offsets((0, 1), anchor)                                     # validate the anchor before any work
     n_draws = int(cfg.random.n_draws)
-    n_boot = int(cfg.get("n_boot", 2000))
-    keep = bool(cfg.get("keep_caches", True))
+    n_boot = int(cfg.n_boot)
+    keep = bool(cfg.keep_caches)
 
     fs = flipping_pairs(ctx, keep_caches=keep)
     runs, rows, excluded = [], [], list(fs.excluded)
@@ -692,7 +694,7 @@ def run(ctx) -> dict:
     order = sorted(range(len(rows)), key=lambda i: rows[i]["instance"] not in sel)   # selection first, stable
     out_rows: list[dict | None] = [None] * len(rows)
     profiles = None
-    for i in tqdm(order, desc="suffix_recovery", disable=not cfg.get("progress", True)):
+    for i in tqdm(order, desc="suffix_recovery", disable=not cfg.progress):
         row = rows[i] | {"split": "selection" if rows[i]["instance"] in sel else "heldout"}
         topk_order = None
         if row["split"] == "heldout":
@@ -707,7 +709,7 @@ def run(ctx) -> dict:
         with ctx.timer("variants"):
             row |= evaluate_pair(model, full, grid, bands, pair_rng(ctx.seed, row["pair"]), n_draws, topk_order,
                                  bool(cfg.with_field), ctx.readout, ctx.budget_bytes,
-                                 bool(cfg.get("store_sets", False)))
+                                 bool(cfg.store_sets))
         runs[i] = PairRun(full.pair, None, None, full.s_old, full.s_new)            # free the caches
         out_rows[i] = row
     rows = [r for r in out_rows if r is not None]

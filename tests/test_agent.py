@@ -27,7 +27,6 @@ def run_agent(smol, seam: int, turns: int = 3, **scenario):
 
     cfg = OmegaConf.load("conf/probe/agent.yaml")
     cfg.progress, cfg.n_boot, cfg.turns, cfg.seam = False, 200, turns, seam
-    cfg.template_kwargs = None
     sc = scenario_cfg(**scenario)
     ctx = ProbeContext(bundle=smol, pairs=prepare_pairs(smol.tokenizer, sc), cfg=cfg, seed=0, scenario_cfg=sc)
     return run(ctx)

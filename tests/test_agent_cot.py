@@ -175,7 +175,7 @@ def llama_ctx(tok, tmp_path):
     sc = scenario_cfg(ids=("favourite_colour",))
     sc.variant = "cot"
     probe = OmegaConf.load("conf/probe/agent.yaml")
-    probe.progress, probe.n_boot, probe.turns, probe.cot_max_new_tokens, probe.template_kwargs = False, 50, 2, 3, None
+    probe.progress, probe.n_boot, probe.turns, probe.cot_max_new_tokens = False, 50, 2, 3
     return ProbeContext(bundle=bundle, pairs=prepare_pairs(tok, sc), cfg=probe, seed=0, scenario_cfg=sc)
 
 

@@ -28,8 +28,9 @@ SAME_PATH_TOL = 1e-6
 #: fp32 log-probs of a composition whose seam recomputes every chunk token vs a plain prefill of the
 #: same tokens (different forward shapes: BLAS blocking differs).
 FULL_SEAM_TOL = 1e-4
-#: KL(full || arm) in nats of two computations of the same distribution.
-KL_TOL = 1e-8
+#: KL(full || arm) in nats of two computations of the same distribution over the whole vocabulary
+#: (fp32; 5.8e-8 seen on an Intel Xeon where an AMD EPYC gave under 1e-8).
+KL_TOL = 1e-6
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -153,7 +154,7 @@ def test_recompile_chunk_with_a_covering_seam_equals_the_full_prefill(llama, tok
 
 def fake_ctx(name: str, bundle, **over):
     cfg = probes.load_config(name, {"progress": False, "n_boot": 50, "personas": ["maria", "tom"], **over})
-    return SimpleNamespace(cfg=cfg, bundle=bundle, timer=Timer(), seed=0)
+    return SimpleNamespace(cfg=cfg, bundle=bundle, timer=Timer(), seed=0, template_kwargs={})
 
 
 def check_record_fields(name: str, res: dict, arms: list[str], tmp_path=None) -> None:

@@ -10,7 +10,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 import probes.suffix_recovery as sr
 from kvnotes.errors import KvnotesError
@@ -82,11 +81,13 @@ def test_clean_chains_without_the_marker_exclude_the_pair(tiny, tiny_ctx, monkey
 
 
 def test_direct_only_sets_are_refused_in_one_line():
-    with pytest.raises(KvnotesError, match="single-position map") as err:
-        sr.cot_settings(OmegaConf.create({"cot_families": ["suffix", "topk"]}))
+    from kvnotes.harness.registry import load_config
+
+    with pytest.raises(KvnotesError, match="probe.cot_families.1: .*single-position map") as err:
+        load_config("suffix_recovery", {"cot_families": ["suffix", "topk"]})
     assert "\n" not in str(err.value)
-    with pytest.raises(ValueError):
-        sr.cot_settings(OmegaConf.create({"cot_fractions": [0.0, 1.0]}))
+    with pytest.raises(KvnotesError, match="probe.cot_fractions.0: Input should be greater than 0"):
+        load_config("suffix_recovery", {"cot_fractions": [0.0, 1.0]})
 
 
 @pytest.mark.embedded

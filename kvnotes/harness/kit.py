@@ -22,7 +22,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from kvnotes.kv import cache as kvcache
 from kvnotes.errors import KvnotesError
+from kvnotes.harness.constraints import Count, one_of
 from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import PairRun, first_token_scores, run_pair, variant_scores
 from kvnotes.kv.generate import answer_marker, generate, owned_side, stop_tokens, unreached_label
@@ -56,9 +57,9 @@ class ProbeConfig:
 
     name: str = "?"
     _target_: str = "?"
-    pairs: str = "field"
+    pairs: Annotated[str, one_of("field", "polarity", "none")] = "field"
     progress: bool = True
-    n_boot: int = 2000
+    n_boot: Count = 2000
 
 
 @dataclass
@@ -66,7 +67,7 @@ class RandomControl:
     """Random control sets: ``n_draws`` draws per pair (a ``numpy.random.Generator`` seeded from
     the run seed and the pair id, :func:`kvnotes.harness.selection.pair_rng`)."""
 
-    n_draws: int = 5
+    n_draws: Count = 5
 
 
 #: Columns of an exclusion row.

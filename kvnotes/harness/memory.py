@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
 from kvnotes.errors import KvnotesError
+from kvnotes.harness.constraints import Counts, OpenFraction, PositiveFloat, Share, one_of
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.paired import bh, mcnemar_exact, tost
 from kvnotes.harness.stats import proportion, summarize
@@ -53,22 +54,20 @@ class MemoryConfig(ProbeConfig):
         lengths: target memory lengths in tokens (the memory chunk; the prompt adds prefix and query).
         seed: filler seed.
         chat_template: render through the model's chat template.
-        template_kwargs: chat-template arguments (the model's ``chat_template_kwargs``).
         alpha: level of each test (TOST one-sided tests, McNemar, BH's false discovery rate).
         margin_accuracy: TOST margin on the correctness difference arm - full (a share).
         margin_kl: TOST margin on mean KL(full || arm) (nats).
     """
 
-    pairs: str = "none"
+    pairs: Annotated[str, one_of("none")] = "none"
     suite: str = "scenarios/memory/personas.yaml"
     personas: Any = None
-    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    lengths: Counts = field(default_factory=lambda: [1024, 4096])
     seed: int = 0
     chat_template: bool = True
-    template_kwargs: Any = None
-    alpha: float = 0.05
-    margin_accuracy: float = 0.1
-    margin_kl: float = 0.05
+    alpha: OpenFraction = 0.05
+    margin_accuracy: Share = 0.1
+    margin_kl: PositiveFloat = 0.05
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,12 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from kvnotes import CHECKOUT
 from kvnotes.kv.cache import DEFAULT_BUDGET_BYTES
 from kvnotes.errors import KvnotesError
+from kvnotes.harness.constraints import check_values
 from kvnotes.harness.kit import CleanRuns, ProbeConfig
 from kvnotes.models.loading import ModelBundle
 from kvnotes.harness.pairs import PairSet
 from kvnotes.harness.readout import check_flip_rule
+from kvnotes.harness.runconfig import ScenarioSettings
 from kvnotes.records.store import Timer
 
 #: The probe config group.
@@ -74,12 +76,17 @@ def module(cfg_or_name):
 
 def typed_config(cfg) -> DictConfig:
     """``cfg`` merged into its probe module's ``Config`` dataclass (``ProbeConfig`` when the module
-    declares none): values are type-checked and every key must be declared.
+    declares none): values are type-checked, every key must be declared, and the values must meet
+    the constraints declared on the fields (:func:`kvnotes.harness.constraints.check_values`).
 
     Raises:
-        KvnotesError: an unknown (e.g. misspelt) key or a value of the wrong type, in one line.
+        KvnotesError: an unknown (e.g. misspelt) key, a value of the wrong type or outside its
+            allowed values, in one line naming the key.
     """
-    raw = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
+    # Interpolations (``${oc.select:scenario.memory,...}``) resolve against the run config the probe
+    # node belongs to, before the node is merged into a config of its own (where they would fall
+    # back to their defaults).
+    raw = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg)
     raw = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k != "defaults"])
     schema = getattr(module(raw), "Config", ProbeConfig)
     try:
@@ -88,6 +95,7 @@ def typed_config(cfg) -> DictConfig:
         known = sorted(k for k in OmegaConf.structured(schema).keys())
         msg = str(exc).splitlines()[0]
         raise KvnotesError(f"probe '{raw.get('name')}': {msg} (declared keys: {', '.join(known)})") from None
+    check_values(schema, cast(dict, OmegaConf.to_container(out, resolve=True)))
     OmegaConf.set_struct(out, True)
     return cast(DictConfig, out)
 
@@ -114,6 +122,16 @@ class ProbeContext:
     #: the model's chat-template arguments with its ``thinking`` switch applied
     #: (:func:`kvnotes.harness.pairs.template_kwargs`); what the pairs were rendered with.
     template_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def scenario(self) -> ScenarioSettings:
+        """The scenario keys, typed, with their declared defaults where the context has no scenario
+        config (:class:`kvnotes.harness.runconfig.ScenarioSettings`): ``variant``, ``chat_template``, ..."""
+        if self.scenario_cfg is None:
+            return ScenarioSettings()
+        data = OmegaConf.to_container(self.scenario_cfg, resolve=True) if isinstance(self.scenario_cfg, DictConfig) \
+            else dict(self.scenario_cfg)
+        return ScenarioSettings.model_validate(data)
 
     @property
     def thinking(self) -> bool:

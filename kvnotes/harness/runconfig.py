@@ -1,7 +1,7 @@
 """The typed run configuration and a record's identity.
 
-:class:`RunSettings` (pydantic) types every top-level key of ``conf/config.yaml`` and the model keys
-of ``conf/model/_base.yaml``; :func:`check_run_config` validates a composed config with it and with
+:class:`RunSettings` (pydantic) types every top-level key of ``conf/config.yaml``, the model keys
+of ``conf/model/_base.yaml`` and the scenario keys (:class:`ScenarioSettings`); :func:`check_run_config` validates a composed config with it and with
 the probe's own ``Config`` dataclass, and checks what can be checked before a model loads (the
 device exists, the device map and quantization can run here, ``out_root`` is writable, the scenario
 paths exist). Every failure is a :class:`kvnotes.errors.KvnotesError` with a one-line message.
@@ -66,9 +66,25 @@ class ModelSettings(BaseModel):
     random_init: RandomInit = Field(default_factory=RandomInit)
 
 
+class ScenarioSettings(BaseModel):
+    """The scenario keys (``conf/scenario/default.yaml``): the one place their defaults and allowed
+    values are declared (:attr:`kvnotes.harness.registry.ProbeContext.scenario` reads them)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "default"
+    paths: list[str] = Field(default_factory=list)
+    families: list[str] | None = None
+    ids: list[str] | None = None
+    n_instances: int = Field(default=4, ge=1)
+    seed: int = 0
+    variant: Literal["direct", "cot"] = "direct"
+    chat_template: bool = True
+    memory: str | None = None
+
+
 class RunSettings(BaseModel):
-    """The top-level keys of ``conf/config.yaml`` (the ``probe`` and ``scenario`` groups are typed
-    by the probe's ``Config`` and the scenario loader)."""
+    """The top-level keys of ``conf/config.yaml`` (the ``probe`` group is typed by the probe's
+    ``Config``, the scenario files by the scenario loader)."""
 
     model_config = ConfigDict(extra="allow")
     out_root: str
@@ -81,6 +97,7 @@ class RunSettings(BaseModel):
     min_effect: float = Field(1.0, ge=0.0)
     budget_mb: float = Field(1024, gt=0.0)
     model: ModelSettings
+    scenario: ScenarioSettings = Field(default_factory=ScenarioSettings)
 
     @field_validator("min_effect", "budget_mb")
     @classmethod
