@@ -36,6 +36,7 @@ from collections import Counter
 from pathlib import Path
 
 from kvnotes.cli import add_machine_flags
+from kvnotes.cli.helptext import PlainHelpFormatter
 
 ROOT = Path(__file__).resolve().parent.parent   # the checkout (conf/)
 
@@ -51,7 +52,7 @@ def main() -> None:
     from kvnotes.cli.errors import check_writable, conf_name, existing_path, float_at_least
     from kvnotes.errors import KvnotesError
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, description=__doc__)
     ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"),
                     help="zoo config name under conf/model")
     ap.add_argument("--scenario", default="default", type=conf_name("scenario", "--scenario"),

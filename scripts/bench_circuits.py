@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from kvnotes.cli.helptext import PlainHelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]   # the checkout (conf/, scenarios/suites)
 
@@ -24,12 +25,15 @@ def main() -> None:
         KvnotesError: ``--repeats`` or ``--chunk`` below 1; ScenarioError: no scenario of that id;
             both before the model loads.
     """
-    from kvnotes.cli.errors import int_at_least
+    from kvnotes.cli import add_machine_flags
+    from kvnotes.cli.errors import conf_name, int_at_least
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int_at_least("--repeats", 1), default=3)
+    ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int_at_least("--repeats", 1), default=3, help='timed repeats per path (the median is reported)')
     ap.add_argument("--chunk", type=int_at_least("--chunk", 1), default=16, help="head variants per batched forward")
-    ap.add_argument("--scenario-id", default="favourite_colour")
+    ap.add_argument("--scenario-id", default="favourite_colour", help='the scenario whose flipping pairs are timed')
+    ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"), help="conf/model/<name>.yaml")
+    add_machine_flags(ap)
     args = ap.parse_args()
     from scenarios import build_pairs, load_suite
 
@@ -44,7 +48,8 @@ def main() -> None:
     from kvnotes.harness.readout import run_pair
     from kvnotes.harness.tokens import tokenize_pair
 
-    bundle = load_model(OmegaConf.load(ROOT / "conf/model/smollm2-135m.yaml"), "cpu")
+    torch.set_num_threads(args.threads)
+    bundle = load_model(OmegaConf.load(ROOT / "conf/model" / f"{args.model}.yaml"), args.device)
     model = bundle.model
     spec = build_pairs(scenarios, 1, 0)[0]
     pair = tokenize_pair(bundle.tokenizer, spec)
@@ -67,11 +72,19 @@ def main() -> None:
     sets = [[(l % L, h % H)] for l, h in zip(range(args.chunk), range(args.chunk))]
     masks = set_masks(sets, L, H)
     prefix = kvcache.prefix_cache(model, run.old_cache, pair.old.ids, pair.field[1])
+    out: dict = {"model": args.model, "device": args.device, "threads": args.threads, "chunk": args.chunk,
+                 "plain_forward_ms": plain * 1e3}
     for mode, pre in (("read", run.old_cache), ("write", prefix)):
         t = best(lambda: patched_scores(engine, run, src, masks, mode, pre, args.chunk)) / args.chunk
+        out[f"{mode}_ms_per_head"] = t * 1e3
         print(f"bench_circuits: {mode} head patch {t * 1e3:.1f} ms/head (batch {args.chunk}, T={len(pair.old.ids)}, "
               f"downstream {pair.decision - pair.field[1]}) vs plain forward {plain * 1e3:.1f} ms "
               f"-> {t / plain:.2f} forwards per head patch [{model.dtype}, {engine.backend}]")
+    if args.json:
+        import json
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

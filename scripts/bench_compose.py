@@ -65,6 +65,7 @@ import sys
 from pathlib import Path
 
 from kvnotes.cli import add_machine_flags
+from kvnotes.cli.helptext import PlainHelpFormatter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -230,17 +231,17 @@ def main() -> None:
     from kvnotes.cli.errors import conf_name, int_at_least
     from kvnotes.errors import KvnotesError
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, description=__doc__.split("\n")[0])
     add_machine_flags(ap)      # --device cuda: a random Qwen3-8B-shaped bf16 model on CUDA
     ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"),
                     help="zoo config for the CPU path")
-    ap.add_argument("--lengths", type=int_at_least("--lengths", 1), nargs="+", default=None)
-    ap.add_argument("--prefix", type=int_at_least("--prefix", 1), default=32)
-    ap.add_argument("--suffix", type=int_at_least("--suffix", 1), default=64)
-    ap.add_argument("--seam", type=int_at_least("--seam", 0), default=4)
-    ap.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1)
-    ap.add_argument("--trials", type=int_at_least("--trials", 1), default=5)
-    ap.add_argument("--seed", type=int_at_least("--seed", 0), default=0)
+    ap.add_argument("--lengths", type=int_at_least("--lengths", 1), nargs="+", default=None, help="prompt lengths L in tokens (default: the device's list)")
+    ap.add_argument("--prefix", type=int_at_least("--prefix", 1), default=32, help='live prefix tokens before the chunk')
+    ap.add_argument("--suffix", type=int_at_least("--suffix", 1), default=64, help='live suffix tokens after the chunk (state update + question)')
+    ap.add_argument("--seam", type=int_at_least("--seam", 0), default=4, help='chunk tokens recomputed after the splice')
+    ap.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1, help='untimed runs first')
+    ap.add_argument("--trials", type=int_at_least("--trials", 1), default=5, help='timed trials (median reported)')
+    ap.add_argument("--seed", type=int_at_least("--seed", 0), default=0, help='seed of the random token ids')
     ap.add_argument("--no-graphs", action="store_true", help="GPU: run the composed forward eagerly")
     ap.add_argument("--image", action="store_true", help="image rows: re-encoding the image vs its precompiled chunk "
                     "(random-weight shrunk VLM, CPU)")

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from kvnotes.cli import add_machine_flags
+from kvnotes.cli.helptext import PlainHelpFormatter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,8 +69,7 @@ def main() -> None:
     """
     from kvnotes.cli.errors import DTYPES, conf_name, int_at_least, one_of
 
-    ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, prog=sys.argv[0], description=__doc__)
     add_machine_flags(ap)
     ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"),
                     help="conf/model entry (its weights; see --random-init)")
@@ -78,10 +78,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int_at_least("--prompt-len", 2), default=2048, help="--random-init: prompt tokens")
     ap.add_argument("--dtype", default=None, type=one_of("--dtype", DTYPES),
                     help=f"--random-init: torch dtype ({', '.join(DTYPES)}; default float32, bfloat16 on CUDA)")
-    ap.add_argument("--variants", type=int_at_least("--variants", 1), default=16)
-    ap.add_argument("--new-tokens", type=int_at_least("--new-tokens", 1), default=40)
-    ap.add_argument("--trials", type=int_at_least("--trials", 1), default=3)
-    ap.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1)
+    ap.add_argument("--variants", type=int_at_least("--variants", 1), default=16, help='V: variants decoded from the one prefix')
+    ap.add_argument("--new-tokens", type=int_at_least("--new-tokens", 1), default=40, help='tokens generated per chain')
+    ap.add_argument("--trials", type=int_at_least("--trials", 1), default=3, help='timed trials per arm (median reported)')
+    ap.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1, help='untimed runs first')
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from kvnotes.cli import add_machine_flags
+from kvnotes.cli.helptext import PlainHelpFormatter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,10 +47,10 @@ def main() -> None:
     from kvnotes.cli.errors import conf_name, float_at_least, int_at_least
     from kvnotes.errors import KvnotesError
 
-    ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, prog=sys.argv[0], description=__doc__)
     add_machine_flags(ap)
     ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"), help="conf/model entry")
-    ap.add_argument("--rows", type=int_at_least("--rows", 1), nargs="+", default=[1, 2, 21, 42, 64, 112, 224])
+    ap.add_argument("--rows", type=int_at_least("--rows", 1), nargs="+", default=[1, 2, 21, 42, 64, 112, 224], help='row counts R of the products and decode forwards')
     ap.add_argument("--min-run-time", type=float_at_least("--min-run-time", 0.0, strict=True), default=1.0,
                     help="seconds per blocked-autorange measurement")
     args = ap.parse_args()

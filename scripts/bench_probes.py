@@ -49,6 +49,7 @@ from pathlib import Path
 
 from kvnotes.cli import add_machine_flags
 from kvnotes.harness.timing import time_calls
+from kvnotes.cli.helptext import PlainHelpFormatter
 
 ROOT = Path(__file__).resolve().parent.parent   # the checkout (conf/, scenarios/suites)
 
@@ -211,11 +212,11 @@ def main() -> None:
     from kvnotes.cli.errors import DTYPES, conf_name, float_at_least, int_at_least, one_of
     from kvnotes.errors import KvnotesError
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, description=__doc__)
     ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"),
                     help="zoo config name under conf/model")
     add_machine_flags(ap)
-    ap.add_argument("--n-pairs", type=int_at_least("--n-pairs", 1), default=3)
+    ap.add_argument("--n-pairs", type=int_at_least("--n-pairs", 1), default=3, help='flipping pairs timed')
     ap.add_argument("--scenarios", nargs="*", default=None, help="recall scenario ids (default: all)")
     ap.add_argument("--repeats", type=int_at_least("--repeats", 1), default=3,
                     help="least timed calls per method (best is kept)")

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from kvnotes.cli import add_machine_flags
+from kvnotes.cli.helptext import PlainHelpFormatter
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The paper's margin for its ``needs_erratum`` rule (probability units; anchors: editkv).
@@ -270,17 +271,19 @@ def main() -> None:
     """
     from kvnotes.cli.errors import conf_name, int_at_least
 
-    ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, prog=sys.argv[0], description=__doc__)
     add_machine_flags(ap)
     ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"), help="conf/model entry")
     ap.add_argument("--scenario", default="small", type=conf_name("scenario", "--scenario"), help="conf/scenario entry")
     ap.add_argument("--n-instances", type=int_at_least("--n-instances", 1), default=None,
                     help="override the scenario's instances per scenario")
     ap.add_argument("--checks", nargs="+", type=check_arg,
-                    default=["field_plus_erratum", "selective@25%", "selective@50%", "selective@75%"])
-    ap.add_argument("--margins", nargs="+", type=float, default=[-1.0, -0.5, 0.0, 0.25, 0.5, 1.0, 2.0])
-    ap.add_argument("--max-pairs", type=int_at_least("--max-pairs", 1), default=None)
+                    default=["field_plus_erratum", "selective@25%", "selective@50%", "selective@75%"],
+                    help="diagnostic checks whose verdicts are scored (EditableContext.diagnose)")
+    ap.add_argument("--margins", nargs="+", type=float, default=[-1.0, -0.5, 0.0, 0.25, 0.5, 1.0, 2.0],
+                    help="candidate margins in nats; one is chosen on selection instances")
+    ap.add_argument("--max-pairs", type=int_at_least("--max-pairs", 1), default=None,
+                    help="pairs evaluated at most (default: every pair)")
     ap.add_argument("--from-json", metavar="FILE", help="re-score the rows of an earlier --json (no model run)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from kvnotes.cli import add_machine_flags
+from kvnotes.cli.helptext import PlainHelpFormatter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -253,8 +254,7 @@ def main() -> None:
     from kvnotes.cli.errors import conf_name, float_at_least, int_at_least
     from kvnotes.errors import KvnotesError
 
-    ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, prog=sys.argv[0], description=__doc__)
     add_machine_flags(ap)
     ap.add_argument("--data", required=True, help="a LoCoMo JSON file (data/locomo10.json of snap-research/locomo)")
     ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"),

@@ -15,8 +15,10 @@ distinct prompt (full prompt, no cache surgery), so it is a screening aid, not a
 from __future__ import annotations
 
 import argparse
+import json
 from collections import defaultdict
 from pathlib import Path
+from kvnotes.cli.helptext import PlainHelpFormatter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,25 +98,31 @@ def main() -> None:
             no selected scenario has; ScenarioError: a missing path or an invalid scenario file. All
             before the model loads.
     """
-    from kvnotes.cli.errors import conf_name, float_at_least, int_at_least
+    from kvnotes.cli import add_machine_flags
+    from kvnotes.cli.errors import conf_name, float_at_least, int_at_least, one_of
     from kvnotes.errors import KvnotesError
     from scenarios import load_suite
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, description=__doc__)
     ap.add_argument("paths", nargs="+", help="scenario files or directories")
     ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"), help="conf/model/<name>.yaml")
-    ap.add_argument("--n-instances", type=int_at_least("--n-instances", 1), default=4)
-    ap.add_argument("--seed", type=int_at_least("--seed", 0), default=0)
-    ap.add_argument("--variant", default="direct")
+    ap.add_argument("--n-instances", type=int_at_least("--n-instances", 1), default=4, help='instances drawn per scenario')
+    ap.add_argument("--seed", type=int_at_least("--seed", 0), default=0, help='instance generator seed')
+    ap.add_argument("--variant", default="direct", type=one_of("--variant", ("direct", "cot")),
+                    help="prompt variant of the scenarios: direct or cot")
     ap.add_argument("--min-effect", type=float_at_least("--min-effect", 0.0), default=1.0, help="flip margin in nats")
     ap.add_argument("--quiet", action="store_true", help="counts only, no per-prompt misses")
+    add_machine_flags(ap)
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     scenarios = load_suite(args.paths)           # every file checked before the model loads
     if not any(args.variant in sc.variants for sc in scenarios):
         known = sorted({v for sc in scenarios for v in sc.variants})
         raise KvnotesError(f"--variant: no selected scenario has variant '{args.variant}' (theirs: {', '.join(known)})")
-    bundle = load_model(OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml"), "cpu")
-    scan(bundle, args.paths, args.n_instances, args.seed, args.variant, args.min_effect, args.quiet)
+    bundle = load_model(OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml"), args.device)
+    counts = scan(bundle, args.paths, args.n_instances, args.seed, args.variant, args.min_effect, args.quiet)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "scenarios": counts}, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import matplotlib
+from kvnotes.cli.helptext import PlainHelpFormatter
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -50,9 +51,9 @@ def main() -> None:
     """
     from kvnotes.cli.errors import output_file
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, description=__doc__.split("\n")[0])
     ap.add_argument("inputs", nargs="+")
-    ap.add_argument("--out", required=True, type=output_file("--out"))
+    ap.add_argument("--out", required=True, type=output_file("--out"), help='the PNG to write')
     args = ap.parse_args()
     inputs = [read_input(path) for path in args.inputs]          # every input checked before drawing
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))

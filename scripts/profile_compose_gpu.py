@@ -37,6 +37,7 @@ from transformers import StaticCache
 from kvnotes.ops import compose as kc
 from kvnotes.harness.timing import elapsed_ms
 from scripts.bench_compose import gpu_model
+from kvnotes.cli.helptext import PlainHelpFormatter
 
 
 def med(fn, warmup: int, trials: int) -> tuple[float, float]:
@@ -180,15 +181,15 @@ def main() -> None:
     from kvnotes.cli.errors import int_at_least
     from kvnotes.errors import KvnotesError
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", type=int_at_least("--lengths", 1), nargs="+", default=[2048, 32768])
-    ap.add_argument("--prefix", type=int_at_least("--prefix", 1), default=32)
-    ap.add_argument("--suffix", type=int_at_least("--suffix", 1), default=64)
-    ap.add_argument("--seam", type=int_at_least("--seam", 0), default=4)
-    ap.add_argument("--warmup", type=int_at_least("--warmup", 0), default=2)
-    ap.add_argument("--trials", type=int_at_least("--trials", 1), default=5)
-    ap.add_argument("--seed", type=int_at_least("--seed", 0), default=0)
-    ap.add_argument("--profiler", action="store_true")
+    ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int_at_least("--lengths", 1), nargs="+", default=[2048, 32768], help='prompt lengths L in tokens')
+    ap.add_argument("--prefix", type=int_at_least("--prefix", 1), default=32, help='live prefix tokens before the chunk')
+    ap.add_argument("--suffix", type=int_at_least("--suffix", 1), default=64, help='live suffix tokens after the chunk')
+    ap.add_argument("--seam", type=int_at_least("--seam", 0), default=4, help='chunk tokens recomputed after the splice')
+    ap.add_argument("--warmup", type=int_at_least("--warmup", 0), default=2, help='untimed runs first')
+    ap.add_argument("--trials", type=int_at_least("--trials", 1), default=5, help='timed trials (median reported)')
+    ap.add_argument("--seed", type=int_at_least("--seed", 0), default=0, help='seed of the random token ids')
+    ap.add_argument("--profiler", action="store_true", help='also print a torch.profiler table at the largest length')
     args = ap.parse_args()
     if min(args.lengths) <= args.prefix + args.suffix:
         raise KvnotesError(f"--lengths: each length must exceed --prefix + --suffix ({args.prefix + args.suffix}) "

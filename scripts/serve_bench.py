@@ -31,6 +31,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from kvnotes.cli.helptext import PlainHelpFormatter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,15 +54,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     """
     from kvnotes.cli.errors import float_at_least, int_at_least
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, description=__doc__)
     ap.add_argument("--model", default="smollm2-135m", help="conf/model/<name>.yaml (default: the embedded model)")
     ap.add_argument("--scenarios", default="scenarios/suites", help="scenario files or directories")
     ap.add_argument("--families", default="recall,lookup", help="comma list; the families a 135M model owns")
     ap.add_argument("--sessions", type=int_at_least("--sessions", 1), default=2, help="sessions (scenario instances) per trace")
     ap.add_argument("--turns", type=int_at_least("--turns", 1), default=3, help="turns per session; the field changes every turn")
     ap.add_argument("--doc-tokens", type=int_at_least("--doc-tokens", 1), default=512, help="tokens of shared document around the field")
-    ap.add_argument("--positions", default="early,middle,late")
-    ap.add_argument("--arms", default="in_place,erratum,hoist,cold")
+    ap.add_argument("--positions", default="early,middle,late", help='comma list of where the field sits in the shared document: early, middle, late')
+    ap.add_argument("--arms", default="in_place,erratum,hoist,cold", help='comma list of update strategies: in_place (rewrite the field), erratum (append a correction), hoist, cold')
     ap.add_argument("--rates", default="0.5,2", help="Poisson arrival rates, requests/s")
     ap.add_argument("--time-limit", type=float_at_least("--time-limit", 0.0, strict=True), default=45.0,
                     help="seconds per run: requests due later are not sent (counted)")
@@ -69,16 +70,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="harness references: continue a session's earlier prompt from the common prefix (reuse) "
                          "or prefill every prompt (full); the cross-check prompts are always full prefills")
     ap.add_argument("--cross-check", type=int_at_least("--cross-check", 1), default=4, help="prompts in the engine-vs-harness cross-check")
-    ap.add_argument("--max-model-len", type=int_at_least("--max-model-len", 1), default=4096)
-    ap.add_argument("--max-num-seqs", type=int_at_least("--max-num-seqs", 1), default=4)
+    ap.add_argument("--max-model-len", type=int_at_least("--max-model-len", 1), default=4096, help="the engine's context limit in tokens (vLLM max_model_len)")
+    ap.add_argument("--max-num-seqs", type=int_at_least("--max-num-seqs", 1), default=4, help='requests the engine batches at once (vLLM max_num_seqs)')
     ap.add_argument("--block-size", type=int_at_least("--block-size", 1), default=None, help="KV block size (default: the engine's; 128 on CPU)")
     ap.add_argument("--threads", type=int_at_least("--threads", 1), default=1, help="OpenMP threads of the engine and of torch")
     ap.add_argument("--kv-cache-gib", type=int_at_least("--kv-cache-gib", 1), default=1, help="VLLM_CPU_KVCACHE_SPACE (CPU backend)")
-    ap.add_argument("--seed", type=int_at_least("--seed", 0), default=0)
+    ap.add_argument("--seed", type=int_at_least("--seed", 0), default=0, help='seed of the traces (sessions, values, arrival times) and of the engine')
     ap.add_argument("--name", default="default", help="record directory name under runs/serving/<model>/")
-    ap.add_argument("--out-root", default="runs/serving")
+    ap.add_argument("--out-root", default="runs/serving", help='records go to OUT_ROOT/<model>/<name>/record.json')
     ap.add_argument("--force", action="store_true", help="re-run when the record is complete")
-    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--no-plot", action="store_true", help='write the record only, no figures')
     ap.add_argument("--verbose", action="store_true", help="keep vLLM's own INFO logging")
     ap.add_argument("--device-note", default="", help="free text recorded with the host (e.g. GPU model)")
     return ap.parse_args(argv)

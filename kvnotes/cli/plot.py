@@ -13,6 +13,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from kvnotes.cli.helptext import PlainHelpFormatter
 
 
 def main() -> None:
@@ -27,7 +28,7 @@ def main() -> None:
     from kvnotes.errors import KvnotesError
     from kvnotes.records.envelope import read_record, reading
 
-    ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__)
+    ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, prog=sys.argv[0], description=__doc__)
     ap.add_argument("records", nargs="+", help="record.json files or their directories")
     ap.add_argument("-o", "--out", help="output directory (default: beside each record)")
     args = ap.parse_args()

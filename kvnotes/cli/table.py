@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from kvnotes.cli.helptext import PlainHelpFormatter
 
 
 def main() -> None:
@@ -30,8 +31,7 @@ def main() -> None:
     from kvnotes.records.envelope import read_record, reading
     from kvnotes.records.tables import RESULTS_PROBES, record_table, results_table, screen_table
 
-    ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, prog=sys.argv[0], description=__doc__)
     ap.add_argument("records", nargs="*", help="record.json files or their directories")
     ap.add_argument("--by", choices=("family", "scenario"), default="family", help="rows of a screen table")
     ap.add_argument("--results", metavar="DIR", help="runs/<model>: the per-family results table of a suite")
