@@ -13,37 +13,35 @@ A person building an agent writes the context once, prefills it, and then change
     ctx.edit("status", "pending", mode="auto", candidates=[" yes", " no"])
 
 How the prompt is built. The user message is the segments in order (text, field values, chunk
-texts, errata), rendered once through the model's chat template (:func:`kvnotes.models.text.render_text`)
-and tokenised once with character offsets; a field's token span is the tokens overlapping its
+texts, errata), rendered once through the model's chat template and tokenised with character offsets
+(:func:`kvnotes.models.text.render_segments`); a field's token span is the tokens overlapping its
 characters. A field's label is never rendered: the text around the value is the caller's, so the
 paper's double label (``account_role: account_role: admin``) cannot happen. Errata are inserted
 before the request (the decision block), the placement the harness measures (``docs/editing.md``).
-With chunks, the rendered text is cut at each chunk's characters and each piece is tokenised on
-its own (a chunk's tokens must not depend on its neighbours), the chunks are precompiled once
-(:func:`kvnotes.ops.compose.precompile`, behind the BOS token) and spliced with their keys rotated
-to their positions (:func:`kvnotes.ops.compose.compose`).
+Chunks are precompiled once (:func:`kvnotes.ops.compose.precompile`, behind the BOS token) and
+spliced with their keys rotated to their positions (:func:`kvnotes.ops.compose.compose`).
 
 The cache covers positions ``[0, T - 1)`` of the ``T`` prompt tokens; the last token is fed when a
 decision is read (:meth:`EditableContext.decide`) or a reply generated (:meth:`EditableContext.generate`).
 
-Edit modes (:data:`MODES`; costs in tokens forwarded through every layer):
+Edit modes (:data:`MODES`): the modes of the edit-method registry (:mod:`kvnotes.ops.methods`), each
+running its method's steps on this prompt (costs in tokens forwarded through every layer), and ``auto``:
 
 - ``stale``: nothing is recomputed (the control);
-- ``in_place``: the field's tokens are recomputed against the unchanged prefix and written in place
-  (:func:`kvnotes.ops.edit.refresh_field`); downstream stays stale. A value whose tokens change the
-  prompt's length or alignment re-prefills from the first changed token instead (reported as
-  ``applied="reprefill_from_field"``), never skipped;
-- ``erratum``: a correction line (:data:`ERRATUM_TEMPLATE`) is inserted before the request and the
-  prompt is re-forwarded from the longest common token prefix; the field's text keeps its old value;
+- ``in_place`` (``refresh_field``): the field's tokens recomputed against the unchanged prefix and
+  written in place; downstream stays stale. A value whose tokens change the prompt's length or
+  alignment re-prefills from the first changed token instead (``applied="reprefill_from_field"``);
+- ``erratum``: a correction line (:data:`ERRATUM_TEMPLATE`) inserted before the request, forwarded
+  from the longest common token prefix; the field's text keeps its old value;
 - ``field_plus_erratum``: both;
-- ``selective@K``: ``in_place`` followed by a true recompute of the ``K`` downstream positions whose
-  layer-1 K/V deviate most (CacheBlend's ranking, :func:`kvnotes.ops.edit.rank_kv_deviation`,
-  :func:`kvnotes.ops.edit.selective`);
+- ``selective@K`` / ``selective@P%``: ``in_place``, then a true recompute of the ``K`` (P% of the)
+  downstream positions whose layer-1 K/V deviate most (CacheBlend's ranking,
+  :func:`kvnotes.ops.edit.rank_kv_deviation`);
 - ``full``: a re-prefill of the current prompt (every field at its value, no errata): the reference;
-- ``auto``: :meth:`EditableContext.diagnose` decides whether the in-place edit suffices or more is
-  needed (a corrected arm, ``check=``: ``selective@50%`` by default, or ``field_plus_erratum`` as in
-  the paper; a rule, :func:`verdict`), and applies ``in_place``, or else a re-prefill
-  (``fallback="full"``, the default) or the corrected arm (``fallback="corrected"``).
+- ``auto``: :meth:`EditableContext.diagnose` decides whether the in-place edit suffices (a corrected
+  arm, ``check=``: ``selective@50%`` by default, or ``field_plus_erratum`` as in the paper; a rule,
+  :func:`verdict`) and applies ``in_place``, or else a re-prefill (``fallback="full"``, the default)
+  or the corrected arm (``fallback="corrected"``).
 
 Imports nothing from scenarios, probes or the harness.
 """
@@ -51,100 +49,32 @@ Imports nothing from scenarios, probes or the harness.
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
 
 import torch
 
 from kvnotes.errors import KvnotesError
 from kvnotes.kv.cache import AllSlotCache
+from kvnotes.kv.decision import DEFAULT_MARGIN, RULES, Decision, verdict
 from kvnotes.kv.generate import generate as decode
 from kvnotes.kv.generate import stop_tokens
-from kvnotes.models.text import char_span_to_tokens, render_text, tokenize
+from kvnotes.models.text import Layout, Segment, candidate_first_tokens, render_segments
 from kvnotes.ops import edit as ops
+from kvnotes.ops import methods
+from kvnotes.ops.methods import Cost
 from kvnotes.ops.chunk import Chunk, precompile
 from kvnotes.ops.compose import compose
 
-#: The correction the erratum modes insert (the harness's template: ``docs/editing.md``);
-#: ``{field}`` is the field's label, ``{value}`` its new value.
+#: The correction the erratum modes insert, and the erratum edit of the harness
+#: (:mod:`kvnotes.harness.edit_prompts`, ``docs/editing.md``); ``{field}`` is the field's label (the
+#: scenario's domain in the harness), ``{value}`` its new value.
 ERRATUM_TEMPLATE = ("[STATE UPDATE] {field} has changed to {value}; this overrides any earlier value "
                     "and any earlier conclusion.")
-#: The edit modes of :meth:`EditableContext.edit` (``selective`` is written ``selective@K``).
-MODES = ("stale", "in_place", "erratum", "field_plus_erratum", "selective", "full", "auto")
-#: Default margin (nats) of :meth:`EditableContext.diagnose`: the corrected decision must lead the
-#: in-place one by at least this much in log-probability before an erratum is called for.
-DEFAULT_MARGIN = 0.0
-
-SegmentKind = Literal["text", "field", "chunk", "erratum", "request"]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One piece of the user message: ``text`` as rendered (a field segment holds the value the
-    cache was built with); ``name`` is the field's name (field and erratum segments)."""
-
-    kind: SegmentKind
-    text: str
-    name: str | None = None
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The rendered, tokenised prompt of a list of segments.
-
-    Attributes:
-        text: the full rendered text (chat template and answer prefix included).
-        ids: ``[T]`` token ids.
-        fields: field name -> token span ``(a, b)``.
-        pieces: ``(kind, start, end, chunk text)`` token ranges in order; kind ``"live"`` or
-            ``"chunk"`` (one ``"live"`` piece covering everything when there are no chunks).
-    """
-
-    text: str
-    ids: torch.Tensor
-    fields: dict[str, tuple[int, int]]
-    pieces: tuple[tuple[str, int, int, str], ...]
-
-    @property
-    def length(self) -> int:
-        return int(self.ids.shape[0])
-
-
-@dataclass(frozen=True)
-class Cost:
-    """What an operation cost: ``tokens`` forwarded through every layer (a ranking's partial
-    forwards in full-token equivalents), forward ``flops`` (:func:`kvnotes.ops.edit.forward_flops`)
-    and wall ``seconds``."""
-
-    tokens: float = 0.0
-    flops: float = 0.0
-    seconds: float = 0.0
-
-    def __add__(self, other: Cost) -> Cost:
-        return Cost(self.tokens + other.tokens, self.flops + other.flops, self.seconds + other.seconds)
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The decision among candidate continuations at the end of the prompt (the direct readout).
-
-    Attributes:
-        candidates: the candidate continuations, as given.
-        scores: fp32 ``[n]`` log-probabilities (nats) of each candidate's first token in context.
-        top1: the candidate with the highest score.
-        owned: whether the model's top-1 token over the whole vocabulary is ``top1``'s first token
-            (only owned decisions count as the model's own; docs/design.md).
-        logprobs: fp32 ``[vocab]`` next-token log-probs at the decision position.
-    """
-
-    candidates: tuple[str, ...]
-    scores: torch.Tensor
-    top1: str
-    owned: bool
-    logprobs: torch.Tensor
+#: The edit modes of :meth:`EditableContext.edit`: the registry's (:func:`kvnotes.ops.methods.modes`;
+#: ``selective`` is written ``selective@K``) and ``auto``.
+MODES = (*methods.modes(), "auto")
 
 
 @dataclass(frozen=True)
@@ -205,24 +135,19 @@ class _State:
 
 def parse_mode(mode: str) -> tuple[str, int | float | None]:
     """``"selective@16"`` -> ``("selective", 16)`` (positions); ``"selective@25%"`` ->
-    ``("selective", 0.25)`` (a share of the downstream positions); other modes -> ``(mode, None)``.
+    ``("selective", 0.25)`` (a share of the downstream positions); other modes -> ``(mode, None)``
+    (:func:`kvnotes.ops.methods.parse_mode`).
 
     Raises:
         KvnotesError: an unknown mode, or ``selective`` without ``@K`` / ``@P%`` (K >= 0, 0 <= P <= 100).
     """
-    m = re.fullmatch(r"selective@(\d+)(%?)", mode)
-    if m and (not m.group(2) or int(m.group(1)) <= 100):
-        return "selective", int(m.group(1)) / 100 if m.group(2) else int(m.group(1))
-    if mode not in MODES or mode == "selective":
-        raise KvnotesError(f"unknown edit mode {mode!r}; choose one of {', '.join(m for m in MODES if m != 'selective')} "
-                           f"or selective@K / selective@P%")
-    return mode, None
+    return methods.parse_mode(mode, also=("auto",))
 
 
-#: The corrected arms :meth:`EditableContext.diagnose` can compare the in-place edit with.
-CHECKS = ("field_plus_erratum", "selective@K", "selective@P%")
-#: The rules of :func:`verdict`.
-RULES = ("flip", "extrapolate")
+#: The corrected arms :meth:`EditableContext.diagnose` can compare the in-place edit with: the modes
+#: whose method refreshes the field and then does more (an erratum, a ranked recompute).
+_CORRECTED = tuple(m.mode for m in methods.METHODS.values() if m.mode and m.refresh and (m.prompt or m.ranked))
+CHECKS = tuple(c for m in _CORRECTED for c in ((f"{m}@K", f"{m}@P%") if methods.for_mode(m).ranked else (m,)))
 #: What ``auto`` applies when the in-place edit does not suffice.
 FALLBACKS = ("full", "corrected")
 #: ``auto``'s defaults, from ``kvnotes bench auto`` (``docs/context.md``): a true recompute of half
@@ -231,50 +156,6 @@ FALLBACKS = ("full", "corrected")
 #: re-prefill when the in-place edit does not suffice. The paper's erratum check found none of
 #: SmolLM2-135M's 9 in-place failures.
 DEFAULT_CHECK, DEFAULT_RULE, DEFAULT_FALLBACK = "selective@50%", "extrapolate", "full"
-
-
-def verdict(in_place: Decision, corrected: Decision, rule: str = "flip", margin: float = DEFAULT_MARGIN,
-            share: float = 1.0) -> tuple[bool, str]:
-    """Whether the in-place edit does not suffice, from its decision and a corrected arm's.
-
-    - ``flip``: the corrected decision is owned, names another candidate than the in-place one and
-      leads it by more than ``margin`` nats in the corrected distribution.
-    - ``extrapolate``: the corrected arm recomputed a ``share`` (in (0, 1]) of the downstream
-      positions; each other candidate's log-odds against the in-place decision is extrapolated
-      linearly to a full recompute, ``lo_in_place + (lo_corrected - lo_in_place) / share``, and the
-      edit needs more when the best of them exceeds ``margin`` nats. A partial recompute of the
-      most-deviating positions moves the decision only part of the way; the extrapolation asks
-      where the whole way would end (``docs/context.md`` measures both rules).
-
-    Returns:
-        ``(needs more, one-line reason)``.
-
-    Raises:
-        KvnotesError: an unknown rule or a share outside (0, 1].
-    """
-    if rule not in RULES:
-        raise KvnotesError(f"unknown diagnostic rule {rule!r}; choose one of {', '.join(RULES)}")
-    if not 0 < share <= 1:
-        raise KvnotesError(f"the corrected arm's share of downstream positions must be in (0, 1], got {share}")
-    ip = in_place.candidates.index(in_place.top1)
-    if rule == "flip":
-        gap = float(corrected.scores[corrected.candidates.index(corrected.top1)] - corrected.scores[ip])
-        if corrected.top1 == in_place.top1:
-            return False, f"keeps the in-place decision {in_place.top1!r}"
-        if not corrected.owned:
-            return False, f"the corrected decision {corrected.top1!r} is not the model's top-1 token"
-        if gap <= margin:
-            return False, f"prefers {corrected.top1!r} by {gap:.3f} nats <= margin {margin}"
-        return True, f"moves the decision {in_place.top1!r} -> {corrected.top1!r} by {gap:.3f} nats"
-    lo_ip = in_place.scores - in_place.scores[ip]
-    lo_c = corrected.scores - corrected.scores[ip]
-    full = lo_ip + (lo_c - lo_ip) / share
-    full[ip] = -float("inf")
-    best = int(full.argmax())
-    if float(full[best]) <= margin:
-        return False, f"extrapolated log-odds of {in_place.candidates[best]!r} {float(full[best]):.3f} <= margin {margin}"
-    return True, (f"extrapolated log-odds of {in_place.candidates[best]!r} over {in_place.top1!r} "
-                  f"{float(full[best]):.3f} > margin {margin}")
 
 
 class EditableContext:
@@ -461,22 +342,13 @@ class EditableContext:
         self._check_edit(name, value)
         old = self._values[name]
         diagnosis = None
-        if kind == "stale":
-            new, cost, applied = state, Cost(), "stale"
-        elif kind == "in_place":
-            new, cost, applied = self._in_place(state, name, value)
-        elif kind == "erratum":
-            new, cost = self._erratum(state, name, value)
-            applied = "erratum"
-        elif kind == "field_plus_erratum":
-            new, cost, applied = self._field_plus_erratum(state, name, value)
-        elif kind == "selective":
-            assert k is not None
-            new, cost, applied = self._selective(state, name, value, k)
-        elif kind == "full":
+        method = methods.for_mode(kind) if kind != "auto" else None
+        if method is not None and method.reprefill:
             self._values[name] = value
             cost = self.prefill(compose_chunks=False)
-            return EditReport(name, old, value, mode, "full", cost)
+            return EditReport(name, old, value, mode, kind, cost)
+        if method is not None:
+            new, cost, applied = self._apply(method, state, name, value, k)
         else:
             if not candidates:
                 raise KvnotesError("edit(mode='auto') needs the decision's candidates (candidates=[...])")
@@ -499,17 +371,14 @@ class EditableContext:
         """Whether setting ``name`` to ``value`` needs an erratum (more than the in-place edit) or the
         in-place edit suffices, without changing the context.
 
-        The in-place edit and a corrected arm (``check``: ``field_plus_erratum``, or ``selective@K``
-        / ``selective@P%``, a true recompute of the K (P% of the) downstream positions after the
-        in-place edit) are both applied to copies and their decisions read. The in-place edit does
-        not suffice when the corrected decision is owned, names another candidate than the in-place
-        one, and leads it by more than ``margin`` nats in the corrected distribution (``rule="flip"``), or
-        when the log-odds extrapolated to a full recompute cross ``margin`` (``rule="extrapolate"``;
-        :func:`verdict`). A value that changes the prompt's tokens is re-prefilled from the field on,
-        which is exact: never needs more. (The paper's ``needs_erratum`` compares the in-place decision with the erratum
-        decision after short greedy decodes, gated on the erratum moving the stale decision; its
-        validation reached precision 0.56 / recall 0.71 at margin 0.2. ``docs/context.md`` measures
-        this rule against the full re-prefill.)
+        The in-place edit and a corrected arm (``check``: ``field_plus_erratum``, or ``selective@K`` /
+        ``selective@P%``, a true recompute of K (P% of the) downstream positions after it) are applied
+        to copies and their decisions compared by :func:`verdict` (``rule``, ``margin`` in nats). A
+        value that changes the prompt's tokens is re-prefilled from the field on, which is exact:
+        never needs more. (The paper's ``needs_erratum`` compares the in-place decision with the
+        erratum decision after short greedy decodes, gated on the erratum moving the stale decision;
+        its validation reached precision 0.56 / recall 0.71 at margin 0.2. ``docs/context.md``
+        measures both rules against the full re-prefill.)
 
         Raises:
             KvnotesError: as :meth:`edit`.
@@ -520,14 +389,13 @@ class EditableContext:
 
     def _diagnose(self, state: _State, name: str, value: str, candidates: Sequence[str], margin: float,
                   check: str, rule: str = "flip") -> tuple[Diagnosis, dict[str, tuple[_State, str]]]:
-        kind, k = parse_mode(check) if check != "field_plus_erratum" else (check, None)
+        kind, k = parse_mode(check)
         if rule not in RULES:
             raise KvnotesError(f"unknown diagnostic rule {rule!r}; choose one of {', '.join(RULES)}")
-        if kind not in ("field_plus_erratum", "selective"):
+        if kind not in _CORRECTED:
             raise KvnotesError(f"unknown diagnostic check {check!r}; choose one of {', '.join(CHECKS)}")
         ip, c_ip, applied_ip = self._in_place(state, name, value)
-        if kind == "selective":
-            assert k is not None
+        if methods.for_mode(kind).ranked:
             fe, c_fe, fe_applied = self._selective_after(ip, c_ip, applied_ip, name, k)
             c_fe = Cost(c_fe.tokens - c_ip.tokens, c_fe.flops - c_ip.flops, c_fe.seconds - c_ip.seconds)
         else:
@@ -540,7 +408,7 @@ class EditableContext:
             needs, reason = False, "the value changed the prompt's tokens: re-prefilled from the field on (exact)"
         else:
             b = ip.layout.fields[name][1]
-            share = 1.0 if kind != "selective" else int(fe_applied.split("@")[1]) / max(1, ip.layout.length - 1 - b)
+            share = 1.0 if k is None else int(fe_applied.split("@")[1]) / max(1, ip.layout.length - 1 - b)
             needs, reason = verdict(d_ip, d_fe, rule, margin, share)
             reason = f"{check}: {reason}"
         diag = Diagnosis(needs, reason, d_ip, d_fe, margin, c_ip + c_fe + read, check, rule)
@@ -594,24 +462,32 @@ class EditableContext:
         segments = self._insert_before_request(state.segments, Segment("erratum", notice, name))
         return self._extend(state, segments)
 
-    def _field_plus_erratum(self, state: _State, name: str, value: str) -> tuple[_State, Cost, str]:
+    def _apply(self, method: methods.EditMethod, state: _State, name: str, value: str,
+               k: int | float | None) -> tuple[_State, Cost, str]:
+        """``method``'s steps for the field's new value (a mode of the registry, not a re-prefill): the
+        in-place edit (refresh), then the erratum (the one prompt a context renders) or the top ``k``
+        downstream positions (ranked); without the refresh, the erratum alone or nothing."""
+        if method.prompt not in (None, "erratum"):
+            raise KvnotesError(f"edit mode {method.mode!r}: a context renders no {method.prompt!r} prompt")
+        if not method.refresh:
+            new, cost = self._erratum(state, name, value) if method.prompt else (state, Cost())
+            return new, cost, str(method.mode)
         ip, c_ip, applied = self._in_place(state, name, value)
-        fe, c_fe, fe_applied = self._erratum_after(ip, applied, name, value)
-        return fe, c_ip + c_fe, fe_applied
+        if method.prompt is not None:
+            fe, c_fe, fe_applied = self._erratum_after(ip, applied, name, value)
+            return fe, c_ip + c_fe, fe_applied
+        return self._selective_after(ip, c_ip, applied, name, k) if method.ranked else (ip, c_ip, applied)
 
     def _erratum_after(self, ip: _State, applied: str, name: str, value: str) -> tuple[_State, Cost, str]:
         """The erratum on top of an in-place edited state, and what the pair applied."""
         fe, c_fe = self._erratum(ip, name, value)
         return fe, c_fe, "field_plus_erratum" if applied == "in_place" else "reprefill_from_field+erratum"
 
-    def _selective(self, state: _State, name: str, value: str, k: int | float) -> tuple[_State, Cost, str]:
-        ip, c_ip, applied = self._in_place(state, name, value)
-        return self._selective_after(ip, c_ip, applied, name, k)
-
     def _selective_after(self, ip: _State, c_ip: Cost, applied: str, name: str,
-                         k: int | float) -> tuple[_State, Cost, str]:
+                         k: int | float | None) -> tuple[_State, Cost, str]:
         """Recompute the top ``k`` downstream positions (an int, or a share of them as a float) of an
         in-place edited state, ranked by CacheBlend's layer-1 K/V deviation."""
+        assert k is not None
         if applied != "in_place":                     # downstream already recomputed exactly
             return ip, c_ip, applied
         T = ip.layout.length
@@ -651,27 +527,12 @@ class EditableContext:
         return self._decide(self._need_state(), candidates)
 
     def _decide(self, state: _State, candidates: Sequence[str]) -> Decision:
-        firsts = self._first_tokens(state.layout, candidates)
+        firsts = candidate_first_tokens(self.tokenizer, state.layout.text, state.layout.ids, candidates)
         T = state.layout.length
         lp = ops.decision_logprobs(self.model, state.cache, int(state.layout.ids[-1]), T - 1).float().cpu()
         scores = lp[torch.tensor(firsts)]
         top = int(scores.argmax())
         return Decision(tuple(candidates), scores, candidates[top], int(lp.argmax()) == firsts[top], lp)
-
-    def _first_tokens(self, layout: Layout, candidates: Sequence[str]) -> list[int]:
-        if len(candidates) < 2:
-            raise KvnotesError("a decision needs at least two candidates")
-        firsts = []
-        for cand in candidates:
-            ids, _ = tokenize(self.tokenizer, layout.text + cand)
-            n = layout.length
-            if len(ids) <= n or not torch.equal(ids[:n], layout.ids):
-                raise KvnotesError(f"candidate {cand!r} merges with the prompt's last token; start it with a space "
-                                   f"or end the answer prefix differently")
-            firsts.append(int(ids[n]))
-        if len(set(firsts)) < len(firsts):
-            raise KvnotesError(f"candidates {list(candidates)} share a first token; the first token decides")
-        return firsts
 
     @torch.no_grad()
     def generate(self, max_new_tokens: int = 64, stop: str | None = None) -> str:
@@ -725,36 +586,6 @@ class EditableContext:
         return (*segments[:at], seg, *segments[at:])
 
     def _layout(self, segments: tuple[Segment, ...]) -> Layout:
-        """Render, tokenise and locate the fields and chunks of ``segments`` (module docstring)."""
-        user = "".join(s.text for s in segments)
-        text, start = render_text(self.tokenizer, user, self.answer_prefix, self.chat_template, self.system,
-                                  self.template_kwargs)
-        spans, at = [], start
-        for s in segments:
-            spans.append((at, at + len(s.text)))
-            at += len(s.text)
-        cuts = [spans[i] for i, s in enumerate(segments) if s.kind == "chunk"]
-        bounds = [0] + [c for span in cuts for c in span] + [len(text)]
-        ids_parts, off_parts, pieces = [], [], []
-        n = 0
-        for j in range(len(bounds) - 1):
-            lo, hi = bounds[j], bounds[j + 1]
-            if hi <= lo:
-                continue
-            piece = text[lo:hi]
-            if lo == 0:
-                ids, offsets = tokenize(self.tokenizer, piece)
-            else:
-                enc = self.tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)
-                ids = torch.tensor(enc["input_ids"], dtype=torch.long)
-                offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).view(-1, 2)
-            kind = "chunk" if j % 2 == 1 else "live"
-            pieces.append((kind, n, n + len(ids), piece if kind == "chunk" else ""))
-            ids_parts.append(ids)
-            off_parts.append(offsets + lo * (offsets[:, 1] > offsets[:, 0]).long()[:, None])
-            n += len(ids)
-        ids, offsets = torch.cat(ids_parts), torch.cat(off_parts)
-        fields = {s.name: char_span_to_tokens(offsets, *spans[i]) for i, s in enumerate(segments)
-                  if s.kind == "field" and s.name is not None}
-        return Layout(text, ids, fields, tuple(pieces))
-
+        """Render, tokenise and locate the fields and chunks of ``segments`` (:func:`kvnotes.models.text.render_segments`)."""
+        return render_segments(self.tokenizer, segments, self.answer_prefix, self.chat_template, self.system,
+                               self.template_kwargs)

@@ -1,9 +1,10 @@
-"""Probe ``edit``: edit the cached old prompt into the new one by every method of
-:mod:`kvnotes.ops.edit` and measure quality against cost (paper "Models Take Notes at Prefill", §editing;
-``docs/editing.md``).
+"""Probe ``edit``: edit the cached old prompt into the new one by every method of the edit-method
+registry (:mod:`kvnotes.ops.methods`, operations of :mod:`kvnotes.ops.edit`) and measure quality
+against cost (paper "Models Take Notes at Prefill", §editing; ``docs/editing.md``).
 
 For each flipping pair (old -> new; :func:`kvnotes.harness.kit.flipping_pairs`) the old prompt is
-prefilled into an all-slot cache (the *stale* cache, not counted as cost) and edited by:
+prefilled into an all-slot cache (the *stale* cache, not counted as cost) and edited by every
+registered method (:class:`PairEditor` renders the prompts they name); today:
 
 - ``full`` (re-prefill of the new prompt, the reference), ``stale`` (no edit), ``refresh_field``;
 - ``erratum`` / ``field_plus_erratum``: :data:`kvnotes.harness.edit_prompts.ERRATUM_TEMPLATE` with the new value
@@ -47,14 +48,14 @@ from typing import Annotated, Any, Optional
 from pydantic import AfterValidator
 
 from collections import Counter
-from collections.abc import Callable
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from kvnotes.kv.cache import AllSlotCache
-from kvnotes.ops import edit
+from kvnotes.ops import edit, methods
+from kvnotes.ops.methods import EditSource, Prompted
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.constraints import Count, NonNegative, OpenFraction, one_of
 from kvnotes.harness.pairs import pair_row
@@ -80,7 +81,7 @@ class CotConfig:
 
 
 def _ranking(name: str) -> str:
-    """A registered position ranking (:data:`RANKINGS`, filled below by ``@ranking``)."""
+    """A registered position ranking (:data:`RANKINGS`: :data:`kvnotes.ops.methods.RANKINGS`)."""
     if name not in RANKINGS:
         raise ValueError(f"must be one of {', '.join(map(repr, RANKINGS))}")
     return name
@@ -123,11 +124,13 @@ def _metrics(lp: torch.Tensor, lp_full: torch.Tensor, e: edit.Edited, full: edit
             "time_ratio": e.seconds / full.seconds if np.isfinite(e.seconds) else None}
 
 
-class PairEditor:
-    """Builds every edit of one pair (caches and costs), shared by the direct and CoT readouts."""
+class PairEditor(EditSource):
+    """What every method of one pair reads (:class:`kvnotes.ops.methods.EditSource`), shared by the
+    direct and CoT readouts: the stale cache, the full re-prefill and the field refresh (each
+    computed once), and the prompts the methods name, rendered for this pair (:data:`PROMPTS`)."""
 
     def __init__(self, ctx, pair, kwargs: dict):
-        self.ctx, self.pair, self.model = ctx, pair, ctx.bundle.model
+        self.ctx, self.pair = ctx, pair
         self.tok = ctx.bundle.tokenizer
         cfg = ctx.cfg
         self.placement = str(cfg.placement)
@@ -142,33 +145,48 @@ class PairEditor:
             raise KvnotesError("edit: re-rendering the old prompt does not reproduce its tokens; set "
                                "probe.chat_template_kwargs to null (the model's template arguments)")
         self.d = pair.decision
-        self.token = int(pair.old.ids[self.d])
-        self.stale = AllSlotCache.prefill(self.model, pair.old.ids[: self.d])
-        self.full = edit.full(self.model, pair.new.ids, self.d)
-        self._refreshed = None
+        model = ctx.bundle.model
+        super().__init__(model, AllSlotCache.prefill(model, pair.old.ids[: self.d]), pair.new.ids, pair.field, self.d,
+                         int(pair.old.ids[self.d]))
+        _ = self.full                                   # the reference, computed first
 
-    @property
-    def refreshed(self) -> edit.Edited:
-        """The field refresh of the stale cache (computed on first use)."""
-        if self._refreshed is None:
-            self._refreshed = edit.refresh_field(self.model, self.stale, self.pair.new.ids, self.pair.field)
-        refreshed: edit.Edited = self._refreshed
-        return refreshed
+    def prompt_names(self) -> tuple[str, ...]:
+        return tuple(PROMPTS)
 
-    def notice(self, text: str, base: edit.Edited | None = None) -> tuple[edit.Edited, int]:
-        """The stale (or ``base``) cache extended by the old prompt with ``text`` inserted."""
+    def prompt(self, name: str) -> Prompted:
+        """The edited prompt ``name`` of this pair (:data:`PROMPTS`).
+
+        Raises:
+            KvnotesError: an unknown prompt.
+        """
+        if name not in PROMPTS:
+            raise KvnotesError(f"edit: no {name!r} prompt (known: {', '.join(PROMPTS)})")
+        return PROMPTS[name](self)
+
+    def rng(self) -> np.random.Generator:
+        """The pair's seeded generator (:func:`kvnotes.harness.selection.pair_rng`)."""
+        return pair_rng(self.ctx.seed, self.pair.spec.id)
+
+    def noticed(self, text: str) -> Prompted:
+        """The old prompt with ``text`` inserted at the configured placement, aligned with the stale cache."""
         ep = sedits.edited_prompt(self.tok, self.inst, self.pair.spec.old, self.pair.old, self.variant,
                                   notice=text, placement=self.placement, chat_template=self.chat,
                                   template_kwargs=self.kwargs)
-        cached = self.stale if base is None else base.cache
-        e = edit.extend_from(self.model, cached, ep.prompt.ids, ep.reuse, ep.prompt.decision)
-        if base is not None:
-            e = edit.Edited(e.cache, e.pos, e.tokens + base.tokens, e.flops + base.flops, e.seconds + base.seconds)
-        return e, int(ep.prompt.ids[ep.prompt.decision])
+        return Prompted(self.stale, ep.prompt.ids, ep.reuse, ep.prompt.decision)
+
+    def hoisted(self) -> Prompted:
+        """The new value in the hoisted layout, aligned with the old value's hoisted prompt, whose cache
+        (what one would have stored with that layout) is prefilled here, not counted."""
+        spec = self.pair.spec
+        old_h, new_h = sedits.hoisted_pair(self.tok, self.inst, spec.old, spec.new, self.variant, self.chat,
+                                           self.kwargs)
+        cached = AllSlotCache.prefill(self.model, old_h.ids[: old_h.decision])
+        return Prompted(cached, new_h.prompt.ids, new_h.reuse, new_h.prompt.decision)
 
     def named(self) -> dict[str, tuple[edit.Edited, int]]:
-        """``name -> (edited, decision token)`` for every registered edit method (:data:`EDIT_METHODS`)."""
-        return {name: method(self) for name, method in EDIT_METHODS.items()}
+        """``name -> (edited, decision token)`` for every method of the registry that is not ranked
+        (:data:`EDIT_METHODS`), in record order."""
+        return {name: methods.apply(methods.METHODS[name], self) for name in EDIT_METHODS}
 
     def erratum(self, value: str) -> str:
         """The erratum text stating ``value`` for this pair's instance."""
@@ -184,105 +202,24 @@ class PairEditor:
         for name in names:
             if name not in RANKINGS:
                 raise KvnotesError(f"edit: unknown ranking '{name}' (known: {', '.join(RANKINGS)})")
-            out[name] = RANKINGS[name](self)
+            out[name] = RANKINGS[name].rank(self)
         return out
 
-    def selective(self, order: list[int], k: int, cost: dict) -> edit.Edited:
-        return edit.selective(self.model, self.refreshed, self.pair.new.ids, order[:k], cost["seconds"],
-                              cost["tokens"], cost["flops"])
 
-#: ``name -> fn(editor) -> (edited cache, decision token)``: the named edits every pair gets, in
-#: record order; a new edit method is one function registered with :func:`edit_method`.
-EDIT_METHODS: dict[str, Callable[[PairEditor], tuple[edit.Edited, int]]] = {}
-#: ``name -> fn(editor) -> (downstream positions in ranked order, cost)``: the rankings of
-#: ``selective@K``; a new ranking is one function registered with :func:`ranking`.
-RANKINGS: dict[str, Callable[[PairEditor], tuple[list[int], dict]]] = {}
+#: The prompts the registry's prompt steps name, rendered for a pair: ``name -> fn(editor)``.
+PROMPTS = {
+    "erratum": lambda ed: ed.noticed(ed.erratum(ed.pair.spec.new)),
+    "wrong_erratum": lambda ed: ed.noticed(ed.erratum(ed.pair.spec.old)),
+    "irrelevant_notice": lambda ed: ed.noticed(sedits.length_matched_notice(
+        ed.tok, sedits.notice_tokens(ed.tok, ed.erratum(ed.pair.spec.new)))),
+    "hoist": lambda ed: ed.hoisted(),
+}
+#: The named edits every pair gets, in record order: the registry's methods that are not ranked.
+EDIT_METHODS: tuple[str, ...] = tuple(n for n, m in methods.METHODS.items() if not m.ranked)
+#: The rankings of ranked methods (``selective@K``): the registry's (:data:`kvnotes.ops.methods.RANKINGS`).
+RANKINGS = methods.RANKINGS
 #: Edit methods that are controls (they should not move the decision the way the edit does).
-CONTROLS: list[str] = []
-_FREE = {"tokens": 0, "flops": 0.0, "seconds": 0.0}
-
-
-def edit_method(name: str, control: bool = False):
-    """Register ``fn(editor) -> (edited, decision token)`` as the edit method ``name``."""
-    def register(fn):
-        EDIT_METHODS[name] = fn
-        if control:
-            CONTROLS.append(name)
-        return fn
-    return register
-
-
-def ranking(name: str):
-    """Register ``fn(editor) -> (ranked downstream positions, cost)`` as the ranking ``name``."""
-    def register(fn):
-        RANKINGS[name] = fn
-        return fn
-    return register
-
-
-@edit_method("stale")
-def _stale(ed: PairEditor):
-    return edit.Edited(ed.stale, ed.d, 0, 0.0, 0.0), ed.token
-
-
-@edit_method("refresh_field")
-def _refresh_field(ed: PairEditor):
-    return ed.refreshed, ed.token
-
-
-@edit_method("erratum")
-def _erratum(ed: PairEditor):
-    return ed.notice(ed.erratum(ed.pair.spec.new))
-
-
-@edit_method("field_plus_erratum")
-def _field_plus_erratum(ed: PairEditor):
-    return ed.notice(ed.erratum(ed.pair.spec.new), ed.refreshed)
-
-
-@edit_method("hoist")
-def _hoist(ed: PairEditor):
-    spec = ed.pair.spec
-    old_h, new_h = sedits.hoisted_pair(ed.tok, ed.inst, spec.old, spec.new, ed.variant, ed.chat, ed.kwargs)
-    cached = AllSlotCache.prefill(ed.model, old_h.ids[: old_h.decision])
-    return (edit.extend_from(ed.model, cached, new_h.prompt.ids, new_h.reuse, new_h.prompt.decision),
-            int(new_h.prompt.ids[new_h.prompt.decision]))
-
-
-@edit_method("full")
-def _full(ed: PairEditor):
-    return ed.full, ed.token
-
-
-@edit_method("wrong_erratum", control=True)
-def _wrong_erratum(ed: PairEditor):
-    return ed.notice(ed.erratum(ed.pair.spec.old))
-
-
-@edit_method("irrelevant_notice", control=True)
-def _irrelevant_notice(ed: PairEditor):
-    correct = ed.erratum(ed.pair.spec.new)
-    return ed.notice(sedits.length_matched_notice(ed.tok, sedits.notice_tokens(ed.tok, correct)))
-
-
-@ranking("attention")
-def _rank_attention(ed: PairEditor):
-    return edit.rank_attention(ed.model, ed.stale, ed.token, ed.pair.downstream)
-
-
-@ranking("kv_deviation")
-def _rank_kv_deviation(ed: PairEditor):
-    return edit.rank_kv_deviation(ed.model, ed.refreshed, ed.pair.new.ids, ed.pair.downstream)
-
-
-@ranking("last")
-def _rank_last(ed: PairEditor):
-    return edit.rank_last(ed.pair.downstream), dict(_FREE)
-
-
-@ranking("random")
-def _rank_random(ed: PairEditor):
-    return edit.rank_random(ed.pair.downstream, pair_rng(ed.ctx.seed, ed.pair.spec.id)), dict(_FREE)
+CONTROLS: list[str] = list(methods.controls())
 
 
 def named_methods() -> tuple[str, ...]:
@@ -291,19 +228,18 @@ def named_methods() -> tuple[str, ...]:
 
 
 def sweep_methods(editor: PairEditor, rankings: list[str], ks: list[int], oracle_ranking: str | None):
-    """Yield ``(method name, ranking, K, edited)`` for the selective sweep and the oracle copies."""
+    """Yield ``(method name, ranking, K, edited)`` for the ranked methods of the registry: each
+    ranking of ``rankings`` for a method, ``oracle_ranking`` (None: skipped) for an upper bound."""
     n_down = editor.pair.downstream[1] - editor.pair.downstream[0]
     ranked = editor.rankings(sorted(set(rankings) | ({oracle_ranking} if oracle_ranking else set())))
-    for name in rankings:
-        order, cost = ranked[name]
-        for k in ks:
-            if k <= n_down:
-                yield f"selective_{name}@{k}", name, k, editor.selective(order, k, cost)
-    if oracle_ranking:
-        order, _ = ranked[oracle_ranking]
-        for k in ks:
-            if k <= n_down:
-                yield f"oracle_copy@{k}", "oracle_copy", k, edit.oracle_copy(editor.refreshed, editor.full.cache, order[:k])
+    for m in methods.METHODS.values():
+        if not m.ranked or (m.upper_bound and not oracle_ranking):
+            continue
+        for name in ([oracle_ranking] if m.upper_bound else rankings):
+            for k in ks:
+                if k <= n_down:
+                    yield (m.variant(name, k), m.name if m.upper_bound else name, k,
+                           methods.apply(m, editor, k, ranked[name])[0])
 
 
 def readout(model, items: dict, budget_bytes: int) -> dict[str, torch.Tensor]:
@@ -349,7 +285,7 @@ def control_pairs(ctx, fs, kwargs, limit: int) -> tuple[list[dict], dict]:
         pair = by_id[r["pair"]]
         ed = PairEditor(ctx, pair, kwargs)
         lps = readout(ctx.bundle.model, {"full": (ed.full, ed.token),
-                                         "erratum": ed.notice(sedits.erratum_text(ed.inst, pair.spec.new, ed.template))},
+                                         "erratum": methods.apply(methods.METHODS["erratum"], ed)},
                       ctx.budget_bytes)
         lp_full, lp = lps["full"], lps["erratum"]
         rows.append({k: r[k] for k in ("pair", "scenario", "family", "instance", "old", "new", "expect_flip")}
@@ -530,7 +466,7 @@ def run(ctx) -> dict:
                   "families": families, "variant": "direct", "methods": named, "sweep": sweep,
                   "sweep_index": {n: {"ranking": index[n][0], "k": index[n][1]} for n in sweep_names},
                   "ranking_choice": choice, "controls": controls, "control_pairs_skipped": ctrl_skipped,
-                  "upper_bounds": ["oracle_copy"], "exclusions_by_family": exclusions_by_family(fs.excluded, families)}
+                  "upper_bounds": [n for n, m in methods.METHODS.items() if m.upper_bound], "exclusions_by_family": exclusions_by_family(fs.excluded, families)}
     return {"rows": rows, "control_rows": ctrl_rows, "exclusions": fs.exclusions, "excluded": fs.excluded,
             "aggregates": aggregates}
 

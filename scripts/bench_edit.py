@@ -17,19 +17,23 @@ layout has the field just before it). This path imports neither hydra/omegaconf 
 
 Timed per length (median of ``--trials`` after ``--warmup`` runs, :func:`kvnotes.harness.timing.time_calls`:
 the device synchronised before the clock is read), each from the same stale cache prepared outside
-the timing: ``full`` (prefill of the new prompt, last-position logits only), ``refresh_field``,
-``erratum``, ``field_plus_erratum``, ``hoist``, ``selective_last@K`` and ``selective_attention@K`` /
-``selective_kv_deviation@K`` (ranking included) for ``--ks``, each an eager operation of
-:mod:`kvnotes.ops.edit`; then (unless ``--no-pool``) the same edits on an
-:class:`kvnotes.ops.edit_runner.EditRunner` (``[pool]`` rows: kept positions copied into a reused KV
+the timing: every method of the edit-method registry (:data:`kvnotes.ops.methods.METHODS`) that
+recomputes and whose prompt this layout offers (erratum, hoist), controls excepted, each an eager
+operation of :mod:`kvnotes.ops.edit` (:func:`kvnotes.ops.methods.run`): today ``full`` (prefill of the
+new prompt, last-position logits only; the reference, first), ``refresh_field``, ``erratum``,
+``field_plus_erratum``, ``hoist`` and ``selective_<ranking>@K`` for ``--ks`` and ``--rankings``
+(``last``, ``attention``, ``kv_deviation``; ranking included); then (unless ``--no-pool``) the same
+edits on an :class:`kvnotes.ops.edit_runner.EditRunner` (``[pool]`` rows; a ranked method with the
+rankings that run no forward, ``last``: kept positions copied into a reused KV
 pool, one forward, a CUDA graph on GPU captured in the warm-up), each checked once, untimed, against
 the eager operation's decision log-probs (and, where the decision position is the stale one's, how far
 the edit moves them). Printed: milliseconds, the speed-up
 ``full / method`` and the tokens each forwards, and each method's **floor** and measured / floor.
 The floor (:func:`kvnotes.harness.roofline.forward_floor_s`) is the least time of the forwards the
-method must make: ONE forward of the recomputed tokens against the cache they attend to (an edit of
-several spans can be one forward, as the ``[pool]`` rows do; for ``selective@K`` the K tokens at their
-earliest possible positions; rankings not counted): the larger of their FLOPs at the
+method must make: ONE forward of the recomputed tokens against the cache they attend to, the
+method's cost model (:meth:`kvnotes.ops.methods.EditMethod.cost`; an edit of several spans can be
+one forward, as the ``[pool]`` rows do; for ``selective@K`` the K tokens at their earliest possible
+positions; rankings not counted): the larger of their FLOPs at the
 machine's best GEMM rate and their bytes (every weight once, the attended KV once, the LM head for
 the one decision row) at its best weight-read rate, both rates measured in the same process before and
 after the timings (:func:`kvnotes.harness.roofline.machine_rates`, best of the two). Copies that an
@@ -46,6 +50,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvnotes.cli import add_machine_flags
+from kvnotes.cli.helptext import PlainHelpFormatter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,7 +58,7 @@ import torch
 
 from kvnotes.harness.roofline import forward_floor_s, machine_rates
 from kvnotes.kv.cache import AllSlotCache
-from kvnotes.ops import edit
+from kvnotes.ops import edit, methods
 from kvnotes.ops.edit_runner import EditRunner
 from kvnotes.harness.timing import time_calls
 
@@ -140,70 +145,52 @@ def floor_ms(model, rates: tuple[float, float], spans: list[tuple[int, int]], ca
 
 def bench_length(model, lay: Layout, clock: Clock, ks: list[int], rankings: list[str],
                  runner: EditRunner | None = None) -> list[dict]:
-    """Time every method on one layout; rows ``{method, ms, tokens, spans, cached}`` (what its floor
-    counts, :func:`floor_ms`). With ``runner``, also each
-    edit on its pool (``[pool]`` rows, :mod:`kvnotes.ops.edit_runner`), with the largest difference
-    of its decision log-probs from the eager operation's (``max_logprob_diff``, one untimed call each)."""
+    """Time every method of the registry (:data:`kvnotes.ops.methods.METHODS`) this layout offers on
+    one layout: the reference first, then each method that recomputes (not a control) in registry
+    order, a ranked one for each K and ranking; rows ``{method, ms, tokens, spans, cached}`` (its
+    cost model, :meth:`kvnotes.ops.methods.EditMethod.cost`, which its floor counts, :func:`floor_ms`).
+    With ``runner``, also each edit on its pool (``[pool]`` rows, :meth:`EditRunner.apply`; a ranked
+    method with each ranking that runs no forward), with the largest difference of its decision
+    log-probs from the eager operation's (``max_logprob_diff``, one untimed call each)."""
     d, de, dh = len(lay.old) - 1, len(lay.erratum) - 1, len(lay.hoist_old) - 1
-    a, b = lay.field
     stale = AllSlotCache.prefill(model, lay.old[:d])
     hoist_cached = AllSlotCache.prefill(model, lay.hoist_old[:dh])
-    token = int(lay.old[d])
+    src = methods.EditSource(model, stale, lay.new, lay.field, d, int(lay.old[d]),
+                             {"erratum": methods.Prompted(stale, lay.erratum, lay.erratum_reuse, de),
+                              "hoist": methods.Prompted(hoist_cached, lay.hoist_new, lay.hoist_reuse, dh)})
+    controls = methods.controls()
+    timed = [methods.METHODS[methods.REFERENCE]] + [
+        m for m in methods.METHODS.values()
+        if m.recomputes and not m.reprefill and m.name not in controls and src.supports(m)]
+    # (row name, method, K, ranking): the plain methods, then each ranked one per K and ranking
+    variants = [(m.name, m, 0, None) for m in timed if not m.ranked]
+    variants += [(m.variant(r, k), m, k, r) for m in timed if m.ranked for k in ks for r in rankings]
     rows = []
 
-    def add(name, fn, tokens, spans, cached):
-        rows.append({"method": name, "ms": clock(fn), "tokens": tokens, "spans": spans, "cached": cached})
+    def add(name, fn, cost):
+        rows.append({"method": name, "ms": clock(fn), "tokens": cost["tokens"], "spans": cost["spans"],
+                     "cached": cost["cached"]})
 
-    err = (lay.erratum_reuse, de)
-    add("full", lambda: edit.full(model, lay.new, d), d, [(0, d)], 0)
-    add("refresh_field", lambda: edit.refresh_field(model, stale, lay.new, lay.field), b - a, [(a, b)], a)
-    add("erratum", lambda: edit.extend_from(model, stale, lay.erratum, lay.erratum_reuse, de), de - lay.erratum_reuse,
-        [err], lay.erratum_reuse)
-    add("field_plus_erratum",
-        lambda: edit.extend_from(model, edit.refresh_field(model, stale, lay.new, lay.field).cache, lay.erratum,
-                                 lay.erratum_reuse, de), de - lay.erratum_reuse + b - a, [(a, b), err], lay.erratum_reuse)
-    add("hoist", lambda: edit.extend_from(model, hoist_cached, lay.hoist_new, lay.hoist_reuse, dh), dh - lay.hoist_reuse,
-        [(lay.hoist_reuse, dh)], lay.hoist_reuse)
-    for k in ks:
-        for ranking in rankings:
-            def sel(ranking=ranking, k=k):
-                ref = edit.refresh_field(model, stale, lay.new, lay.field)
-                if ranking == "last":
-                    order = edit.rank_last((b, d))
-                elif ranking == "attention":
-                    order, _ = edit.rank_attention(model, stale, token, (b, d))
-                else:
-                    order, _ = edit.rank_kv_deviation(model, ref, lay.new, (b, d))
-                return edit.selective(model, ref, lay.new, order[:k])
-            # the k recomputed rows at their earliest possible positions, against the whole cache
-            add(f"selective_{ranking}@{k}", sel, k + b - a, [(a, b), (b, b + k)], d)
+    for name, m, k, r in variants:
+        # a ranked method's k rows at their earliest possible positions, against the whole cache
+        cost = m.cost(src.geometry(m), k)
+        add(name, lambda m=m, k=k, r=r: methods.run(m, src.fresh(), k, r),
+            {"tokens": cost.tokens, "spans": list(cost.spans), "cached": cost.cached})
     if runner is not None:
-        new_err = torch.cat([lay.new[:a], lay.new[a:b], lay.erratum[b:]])      # the erratum prompt, field new
-        pools = [
-            ("refresh_field", lambda: runner.refresh_field(stale, lay.new, lay.field),
-             lambda: edit.refresh_field(model, stale, lay.new, lay.field).cache, lay.new, d),
-            ("erratum", lambda: runner.extend_from(stale, lay.erratum, lay.erratum_reuse, de),
-             lambda: edit.extend_from(model, stale, lay.erratum, lay.erratum_reuse, de).cache, lay.erratum, de),
-            ("field_plus_erratum", lambda: runner.extend_from(stale, new_err, lay.erratum_reuse, de, field=lay.field),
-             lambda: edit.extend_from(model, edit.refresh_field(model, stale, lay.new, lay.field).cache, new_err,
-                                      lay.erratum_reuse, de).cache, new_err, de),
-            ("hoist", lambda: runner.extend_from(hoist_cached, lay.hoist_new, lay.hoist_reuse, dh),
-             lambda: edit.extend_from(model, hoist_cached, lay.hoist_new, lay.hoist_reuse, dh).cache, lay.hoist_new, dh),
-        ]
-        for k in ks:
-            picks = edit.rank_last((b, d))[:k]
-            pools.append((f"selective_last@{k}", lambda picks=picks: runner.selective(stale, lay.new, lay.field, picks),
-                          lambda picks=picks: edit.selective(model, edit.refresh_field(model, stale, lay.new, lay.field),
-                                                             lay.new, picks).cache, lay.new, d))
-        for name, fn, eager, ids, pos in pools:
-            base = next(r for r in rows if r["method"] == name)
-            tok = int(ids[pos])
-            ref = edit.decision_logprobs(model, eager(), tok, pos)
-            got = edit.decision_logprobs(model, fn()[0].all_slot_view(pos), tok, pos)
-            add(f"{name} [pool]", fn, base["tokens"], base["spans"], base["cached"])
+        for name, m, k, r in variants:
+            ranking = methods.RANKINGS.get(r or "")
+            if m.reprefill or (ranking is not None and (ranking.forwards or ranking.seeded)):
+                continue                  # a ranking that runs the model is timed eagerly only
+            ranked = ranking.rank(src) if ranking is not None else None
+            picks = ranked[0][:k] if ranked is not None else ()
+            base = next(row for row in rows if row["method"] == name)
+            e, tok = methods.apply(m, src.fresh(), k, ranked)
+            ref = edit.decision_logprobs(model, e.cache, tok, e.pos)
+            got = edit.decision_logprobs(model, runner.apply(m, src, picks)[0].all_slot_view(e.pos), tok, e.pos)
+            add(f"{name} [pool]", lambda m=m, picks=picks: runner.apply(m, src, picks), base)
             rows[-1]["max_logprob_diff"] = float((got - ref).abs().max())
             rows[-1]["top1_agree"] = bool(got.argmax() == ref.argmax())
-            if name == "refresh_field" or name.startswith("selective"):
+            if m.prompt is None:
                 # the stale prompt's decision, same position: how far the edit moves it (the scale of the check)
                 rows[-1]["edit_effect"] = float((ref - edit.decision_logprobs(model, stale, tok, d)).abs().max())
     full_ms = rows[0]["ms"]
@@ -220,8 +207,8 @@ def qwen3_8b_model():
     return random_model(zoo_config("qwen3-8b"), shrink=False, dtype=torch.bfloat16, device="cuda")
 
 
-#: Selective rankings :func:`bench_length` times.
-RANKINGS = ("last", "attention", "kv_deviation")
+#: Rankings :func:`bench_length` can time: the registry's that need no random generator.
+RANKINGS = tuple(name for name, r in methods.RANKINGS.items() if not r.seeded)
 #: Fixed tokens of the GPU path's synthetic layout (head, field, request block): a length needs more.
 SYNTHETIC_FIXED = 16 + 2 + 20
 
@@ -236,15 +223,15 @@ def main() -> None:
     from kvnotes.cli.errors import int_at_least, one_of
     from kvnotes.errors import KvnotesError
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, description=__doc__.split("\n\n")[0])
     add_machine_flags(ap)      # --device cuda: a random Qwen3-8B-shaped bf16 model on CUDA
     ap.add_argument("--lengths", type=int_at_least("--lengths", 1), nargs="+", default=None,
                     help="prompt tokens (CPU 512 2048 8192; GPU 2048..32768)")
     ap.add_argument("--ks", type=int_at_least("--ks", 1), nargs="+", default=[32], help="selective K values")
     ap.add_argument("--rankings", type=one_of("--rankings", RANKINGS), nargs="+", default=list(RANKINGS),
                     help=f"selective rankings ({', '.join(RANKINGS)})")
-    ap.add_argument("--trials", type=int_at_least("--trials", 1), default=3)
-    ap.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1)
+    ap.add_argument("--trials", type=int_at_least("--trials", 1), default=3, help='timed trials per operation (median reported)')
+    ap.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1, help='untimed runs first')
     ap.add_argument("--no-pool", action="store_true", help="skip the [pool] rows (kvnotes.ops.edit_runner)")
     args = ap.parse_args()
     args.gpu = args.device == "cuda"

@@ -8,8 +8,9 @@ the old prompt's KV cache is its longest common *token* prefix with the edited p
 (:func:`common_prefix_length`); everything after it must be forwarded.
 
 - **erratum** (paper "Models Take Notes at Prefill", erratum edit): the old prompt is kept and a
-  correction ``[STATE UPDATE] {field} has changed to {value}; ...`` (:data:`ERRATUM_TEMPLATE`) is
-  inserted at a *placement*: ``before_request`` (default: after context, filler and rule, before the
+  correction ``[STATE UPDATE] {field} has changed to {value}; ...``
+  (:data:`kvnotes.context.ERRATUM_TEMPLATE`, re-exported here; ``{field}`` is the scenario's domain)
+  is inserted at a *placement*: ``before_request`` (default: after context, filler and rule, before the
   request + decision block), ``after_context`` or ``before_decision``.
 - **hoist**: the restructuring baseline: the context line (which holds the field) is moved to just
   before the request + decision block (``filler, rule, context, request, decision``), so a change of
@@ -24,14 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvnotes.context import ERRATUM_TEMPLATE, EditableContext
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.tokens import Prompt, build_prompt
 from scenarios.instances import Instance, render_user_text
-
-#: The correction appended by the erratum edit; ``{field}`` is the scenario's domain, ``{value}``
-#: the new field value (issue 9 default template).
-ERRATUM_TEMPLATE = ("[STATE UPDATE] {field} has changed to {value}; this overrides any earlier value "
-                    "and any earlier conclusion.")
 #: Source text of the length-matched irrelevant notice (trimmed word by word to the erratum's length).
 IRRELEVANT_TEXT = ("[NOTICE] The office printer on the second floor has been serviced and the kitchen "
                    "will be cleaned on Friday afternoon; visitors should sign in at the front desk and "
@@ -190,8 +187,6 @@ def editable_context(model, tokenizer, instance: Instance, value: str, variant: 
     Raises:
         KvnotesError: from :func:`user_pieces`.
     """
-    from kvnotes.context import EditableContext
-
     pieces, fa, prefix = user_pieces(instance, value, variant)
     ctx = EditableContext(model, tokenizer, prefix, chat_template=chat_template, template_kwargs=template_kwargs)
     line = pieces["context"]

@@ -11,6 +11,10 @@
   candidates it does not say (``docs/design.md``, "Decision ownership").
 - recovery of an intervention on the old run: ``r = (s_patched - s_old) / (s_new - s_old)``;
   never clipped.
+
+Each clean run's vocabulary decision is a :class:`kvnotes.kv.decision.Decision`
+(:func:`kvnotes.kv.decision.clean_decisions`; the one decision type, which :mod:`kvnotes.context`
+reads candidates into too), re-exported here.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from kvnotes.kv import cache as kvcache
+from kvnotes.kv.decision import Decision as Decision, clean_decisions as clean_decisions
 from kvnotes.harness.tokens import TokenizedPair
 
 ReadoutMode = Literal["first_token", "full"]
@@ -107,40 +112,6 @@ def variant_scores(model, pair: TokenizedPair, base: DynamicCache, source: Dynam
     return candidate_scores(
         lambda tokens, _: (kvcache.patched_logprobs(model, base, source, masks, tokens, budget_bytes), None),
         pair, mode)[0]
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What one clean run says at the decision position, over the whole vocabulary.
-
-    Attributes:
-        top1: the vocabulary top-1 token id.
-        p_top1: its probability.
-        expected: the first token id of the candidate this run is expected to answer.
-        cand_mass: total probability of the two candidates' first tokens.
-    """
-
-    top1: int
-    p_top1: float
-    expected: int
-    cand_mass: float
-
-    @property
-    def owns(self) -> bool:
-        """The model's own answer (top-1) is the expected candidate."""
-        return self.top1 == self.expected
-
-
-def clean_decisions(logprobs: torch.Tensor, pair: TokenizedPair) -> tuple[Decision, Decision]:
-    """The old and new runs' :class:`Decision` from decision-position log-probs ``[2, vocab]``
-    (row 0 the old run, row 1 the new run; fp32 log-softmax)."""
-    p = logprobs.float().exp()
-    cands = [pair.cand_old[0], pair.cand_new[0]]
-    out = []
-    for i, expected in enumerate(cands):
-        top = int(p[i].argmax())
-        out.append(Decision(top, float(p[i, top]), expected, float(p[i, cands].sum())))
-    return out[0], out[1]
 
 
 def ownership_columns(decisions: tuple[Decision, Decision]) -> dict:

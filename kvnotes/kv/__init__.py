@@ -1,5 +1,6 @@
 """The KV cache and what acts on it: cache construction and views (:mod:`.cache`), attention hooks
 (:mod:`.capture`), attention knockouts (:mod:`.knockout`), RoPE delta rotations of cached keys
 (:mod:`.rope`), the generated readout (:mod:`.generate`: batched decoding of variants up to an
-answer marker) and the activation engine (:mod:`.engine`: sites and interventions on nnsight or
+answer marker), the decision at the decision position and whether the model owns it
+(:mod:`.decision`) and the activation engine (:mod:`.engine`: sites and interventions on nnsight or
 TransformerLens). Imports nothing from scenarios or the harness."""

@@ -12,13 +12,16 @@ already starts with the BOS string the tokenizer is told not to add another.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from kvnotes.errors import KvnotesError
 
 __all__ = ["rendering", "render_text", "render_conversation", "tokenize", "char_span_to_tokens", "THINK_OPEN",
-           "THINK_CLOSE", "thinking_kwargs"]
+           "THINK_CLOSE", "thinking_kwargs", "Segment", "Layout", "render_segments",
+           "candidate_first_tokens"]
 
 #: The think block of thinking chat templates (Qwen3): the reasoning sits between the tags, the
 #: answer after the closing one.
@@ -131,3 +134,110 @@ def char_span_to_tokens(offsets: torch.Tensor, start: int, end: int) -> tuple[in
     if len(hit) == 0:
         raise KvnotesError(f"no token covers characters [{start}, {end})")
     return int(hit[0]), int(hit[-1]) + 1
+
+
+SegmentKind = Literal["text", "field", "chunk", "erratum", "request"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of the user message: ``text`` as rendered (a field segment holds the value the
+    cache was built with); ``name`` is the field's name (field and erratum segments)."""
+
+    kind: SegmentKind
+    text: str
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The rendered, tokenised prompt of a list of segments.
+
+    Attributes:
+        text: the full rendered text (chat template and answer prefix included).
+        ids: ``[T]`` token ids.
+        fields: field name -> token span ``(a, b)``.
+        pieces: ``(kind, start, end, chunk text)`` token ranges in order; kind ``"live"`` or
+            ``"chunk"`` (one ``"live"`` piece covering everything when there are no chunks).
+    """
+
+    text: str
+    ids: torch.Tensor
+    fields: dict[str, tuple[int, int]]
+    pieces: tuple[tuple[str, int, int, str], ...]
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.shape[0])
+
+
+def render_segments(tokenizer, segments: Sequence[Segment], answer_prefix: str = "", chat_template: bool = True,
+                    system: str | None = None, template_kwargs: dict | None = None) -> Layout:
+    """Render a user message made of ``segments`` once (:func:`render_text`), tokenise it and locate
+    each field's token span and each chunk's tokens (the editable context's prompt, :mod:`kvnotes.context`).
+
+    Without chunks the text is tokenised once with offsets (:func:`tokenize`). With chunks it is cut at
+    each chunk's characters and each piece is tokenised on its own, so a chunk's tokens do not depend
+    on its neighbours (a chunk is precompiled once and spliced).
+
+    Returns:
+        the :class:`Layout`; a field's span is the tokens overlapping its characters
+        (:func:`char_span_to_tokens`).
+    """
+    user = "".join(s.text for s in segments)
+    text, start = render_text(tokenizer, user, answer_prefix, chat_template, system, template_kwargs)
+    spans, at = [], start
+    for s in segments:
+        spans.append((at, at + len(s.text)))
+        at += len(s.text)
+    cuts = [spans[i] for i, s in enumerate(segments) if s.kind == "chunk"]
+    bounds = [0] + [c for span in cuts for c in span] + [len(text)]
+    ids_parts, off_parts, pieces = [], [], []
+    n = 0
+    for j in range(len(bounds) - 1):
+        lo, hi = bounds[j], bounds[j + 1]
+        if hi <= lo:
+            continue
+        piece = text[lo:hi]
+        if lo == 0:
+            ids, offsets = tokenize(tokenizer, piece)
+        else:
+            enc = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)
+            ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+            offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).view(-1, 2)
+        kind = "chunk" if j % 2 == 1 else "live"
+        pieces.append((kind, n, n + len(ids), piece if kind == "chunk" else ""))
+        ids_parts.append(ids)
+        off_parts.append(offsets + lo * (offsets[:, 1] > offsets[:, 0]).long()[:, None])
+        n += len(ids)
+    ids, offsets = torch.cat(ids_parts), torch.cat(off_parts)
+    fields = {s.name: char_span_to_tokens(offsets, *spans[i]) for i, s in enumerate(segments)
+              if s.kind == "field" and s.name is not None}
+    return Layout(text, ids, fields, tuple(pieces))
+
+
+def candidate_first_tokens(tokenizer, text: str, ids: torch.Tensor, candidates: Sequence[str]) -> list[int]:
+    """The first token of each candidate continuation of a rendered prompt, tokenised in context
+    (``text + candidate``): the token a decision among them reads at the prompt's end.
+
+    Args:
+        text: the rendered prompt.
+        ids: ``[T]`` its token ids (:func:`tokenize` of ``text``).
+
+    Raises:
+        KvnotesError: fewer than two candidates, a candidate that merges with the prompt's last
+            token, or two candidates with the same first token.
+    """
+    if len(candidates) < 2:
+        raise KvnotesError("a decision needs at least two candidates")
+    firsts = []
+    n = len(ids)
+    for cand in candidates:
+        full, _ = tokenize(tokenizer, text + cand)
+        if len(full) <= n or not torch.equal(full[:n], ids):
+            raise KvnotesError(f"candidate {cand!r} merges with the prompt's last token; start it with a space "
+                               f"or end the answer prefix differently")
+        firsts.append(int(full[n]))
+    if len(set(firsts)) < len(firsts):
+        raise KvnotesError(f"candidates {list(candidates)} share a first token; the first token decides")
+    return firsts

@@ -7,7 +7,9 @@ The edited states equal :mod:`kvnotes.ops.edit`'s: each recomputed token attends
 before its own, which holds either the cached (stale) state or, for a position recomputed earlier in
 the same forward, its new state; the field refresh (:func:`kvnotes.ops.edit.refresh_field`), the
 appended erratum or hoisted suffix (:func:`kvnotes.ops.edit.extend_from`), both at once, and a
-selective recompute (:func:`kvnotes.ops.edit.selective`) are each one such forward. The eager path
+selective recompute (:func:`kvnotes.ops.edit.selective`) are each one such forward: the positions
+and the kept prefix of a method of the registry (:meth:`kvnotes.ops.methods.EditMethod.positions`,
+:meth:`~kvnotes.ops.methods.EditMethod.keep`; :meth:`EditRunner.apply`). The eager path
 pays Python and kernel launches per layer for a few-token forward (a 2-token field refresh of a
 random-weight Qwen3-8B shape at 32k tokens took 39 ms on an H200 against a 3.9-ms floor); the
 graph replays them in one launch (15 ms there, ``docs/bench/bench_edit_gpu_h200.txt``).
@@ -21,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from kvnotes.kv.cache import check_all_slots
+from kvnotes.ops.methods import METHODS, EditMethod, EditSource, Geometry
 from kvnotes.ops.slots import SlotCache, SlotRunner, position_runs
 
 
@@ -94,22 +97,46 @@ class EditRunner:
         logits = self.runner.forward_slots(ids.to(dev)[slots].view(1, -1), slots, position_runs(pos))
         return pool, logits[:, -1].float()
 
+    def apply(self, method: EditMethod, src: EditSource, picks: Sequence[int] = ()) -> tuple[SlotCache, torch.Tensor]:
+        """``method``'s edit of ``src`` (:func:`kvnotes.ops.methods.apply`) in one forward: the kept
+        prefix and recomputed positions of the registry (:meth:`kvnotes.ops.methods.EditMethod.keep`,
+        :meth:`~kvnotes.ops.methods.EditMethod.positions`); ``picks`` are a ranked method's positions.
+        With both a field refresh and a prompt, the field's tokens come from ``src.new_ids``.
+
+        Raises:
+            ValueError: a method that is not one forward on a kept cache (a re-prefill, a copy, no
+                edit), or as :meth:`recompute`.
+        """
+        if method.prompt is None:
+            return self._run(method, src.stale, src.new_ids, src.geometry(), picks)
+        p = src.prompt(method.prompt)
+        ids = p.ids
+        if method.refresh:
+            a, b = src.field
+            ids = torch.cat([ids[:a], src.new_ids[a:b].to(ids.device), ids[b:]])
+        return self._run(method, p.cache, ids, Geometry(src.field, src.decision, p.reuse, p.end), picks)
+
+    def _run(self, method: EditMethod, cached: DynamicCache, ids: torch.Tensor, g: Geometry,
+             picks: Sequence[int] = ()) -> tuple[SlotCache, torch.Tensor]:
+        return self.recompute(cached, method.keep(g), ids, method.positions(g, picks))
+
     def refresh_field(self, stale: DynamicCache, new_ids: torch.Tensor,
                       field: tuple[int, int]) -> tuple[SlotCache, torch.Tensor]:
         """:func:`kvnotes.ops.edit.refresh_field`: the field span ``[a, b)`` recomputed from
         ``new_ids``, every other position of ``stale`` kept."""
-        return self.recompute(stale, check_all_slots(stale), new_ids, range(*field))
+        return self._run(METHODS["refresh_field"], stale, new_ids, Geometry(field, check_all_slots(stale)))
 
     def extend_from(self, cached: DynamicCache, ids: torch.Tensor, reuse: int, d: int,
                     field: tuple[int, int] | None = None) -> tuple[SlotCache, torch.Tensor]:
         """:func:`kvnotes.ops.edit.extend_from`: positions ``[0, reuse)`` of ``cached`` kept and
-        ``ids[reuse:d]`` forwarded; with ``field`` (inside ``[0, reuse)``) the field span is
-        recomputed from ``ids`` in the same forward (a field refresh plus an erratum)."""
-        extra = range(*field) if field is not None else ()
-        return self.recompute(cached, reuse, ids, [*extra, *range(reuse, d)])
+        ``ids[reuse:d]`` forwarded (the ``erratum`` and ``hoist`` methods); with ``field`` (inside
+        ``[0, reuse)``) the field span is recomputed from ``ids`` in the same forward (a field
+        refresh plus an erratum: ``field_plus_erratum``)."""
+        method = METHODS["erratum" if field is None else "field_plus_erratum"]
+        return self._run(method, cached, ids, Geometry(field or (0, 0), check_all_slots(cached), reuse, d))
 
     def selective(self, stale: DynamicCache, new_ids: torch.Tensor, field: tuple[int, int],
                   positions: Sequence[int]) -> tuple[SlotCache, torch.Tensor]:
         """:func:`kvnotes.ops.edit.selective`: the field span and the downstream ``positions``
         recomputed in one forward, every other position of ``stale`` kept."""
-        return self.recompute(stale, check_all_slots(stale), new_ids, [*range(*field), *positions])
+        return self._run(METHODS["selective"], stale, new_ids, Geometry(field, check_all_slots(stale)), positions)
