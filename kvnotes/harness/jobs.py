@@ -48,6 +48,7 @@ def run_job(cfg: Any, out_dir: Path, hydra_info: dict, log: Callable[[str], None
     from kvnotes.harness import registry
     from kvnotes.errors import KvnotesError
     from kvnotes.harness.inputs import record_inputs
+    from kvnotes.harness.outcome import outcome_lines
     from kvnotes.harness.pairs import prepare_for_probe
     from kvnotes.records.store import RECORD_NAME, Timer, to_jsonable, write_atomic
     from kvnotes.records.envelope import check_record
@@ -78,6 +79,8 @@ def run_job(cfg: Any, out_dir: Path, hydra_info: dict, log: Callable[[str], None
     check_record(to_jsonable(record))                                   # the published envelope
     write_atomic(record_path, record)
     log(f"kvnotes: wrote {record_path}")
+    for line in outcome_lines(result, pairs, bundle.tokenizer, str(cfg.flip_rule)):
+        log(line)
     if cfg.plot:
         from kvnotes.plots import plot_record
 
