@@ -4,12 +4,12 @@ the library changed never returns the old record, and ``model.path`` is honoured
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
 from omegaconf import OmegaConf
 
-from kvnotes.errors import KvnotesError
 from kvnotes.harness.inputs import (cached_file_sha256, inputs_diff, record_inputs, scenario_files,
                                     weights_inputs)
 from tests.helpers import fruit_scenario
@@ -129,10 +129,17 @@ def test_edited_scenario_file_runs_again_and_model_path_is_honoured(tmp_path):
     assert first["inputs"]["scenario"]["files"] == 1 and first["inputs"]["weights"]["source"] == "embedded"
     again = run(*args)
     assert again.returncode == 0 and "skipping" in again.stdout
+    # what a user meets next: no lock file left beside the complete record, and the record readable
+    # as the figures are (0o666 less the umask, not mkstemp's 0o600)
+    assert not list((tmp_path / "runs").rglob("*.lock"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
     scenario.write_text(scenario.read_text().replace("Profile of", "Record of"))
     edited = run(*args)
     assert edited.returncode == 0, edited.stderr[-2000:]
     assert "(scenario files changed); running again" in edited.stdout and "wrote" in edited.stdout
+    assert "kvnotes: found: 2 token-aligned pairs" in edited.stdout           # what the run found, said
     second = json.loads(path.read_text())
     assert second["inputs"]["scenario"]["sha256"] != first["inputs"]["scenario"]["sha256"]
     pair = next(iter(second["prompts"]))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvnotes import CHECKOUT
@@ -159,7 +160,8 @@ def job(cfg) -> None:
     try:
         check_run_config(cfg)
         out_dir.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(record_path) + ".lock"):        # a second process waits, then finds the record
+        lock = Path(str(record_path) + ".lock")
+        with FileLock(str(lock)), _lock_removed_when_complete(lock, record_path):   # a second process waits, then finds the record
             if is_complete(record_path) and not cfg.force:
                 old = load_record(record_path)
                 differ = identity_diff(identity(old["config"]), identity(OmegaConf.to_container(cfg, resolve=True)))
@@ -180,6 +182,20 @@ def job(cfg) -> None:
     except KeyboardInterrupt:
         _clean(out_dir, record_path, Path(cfg.out_root))
         fail("interrupted; no record written", status=130)
+
+
+@contextmanager
+def _lock_removed_when_complete(lock: Path, record_path: Path):
+    """On leaving (while the lock is still held), remove the lock file beside a complete record:
+    a process waiting on it then finds the record and skips, a later one finds no lock file and the
+    record, so no lock file outlives its job beside a complete record."""
+    from kvnotes.records.store import is_complete
+
+    try:
+        yield
+    finally:
+        if is_complete(record_path):
+            lock.unlink(missing_ok=True)
 
 
 def _clean(out_dir: Path, record_path: Path, out_root: Path) -> None:

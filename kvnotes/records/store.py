@@ -84,12 +84,17 @@ def to_jsonable(obj: Any) -> Any:
 
 
 def write_atomic(path: Path, record: dict) -> None:
-    """Write JSON to ``path`` through a temporary file in the same directory and a rename."""
+    """Write JSON to ``path`` through a temporary file in the same directory and a rename; the file
+    gets the permissions of any file the process creates (``0o666`` less the umask, as the figures
+    beside it), not ``mkstemp``'s private ``0o600``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".record-", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(to_jsonable(record), f, indent=1, allow_nan=False)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
