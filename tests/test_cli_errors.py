@@ -145,7 +145,7 @@ def test_readers_still_work(work, monkeypatch, capsys):
     ran = run_kvnotes(monkeypatch, capsys, "report", work / "runs", "-o", work / "a" / "b" / "site")
     assert ran.returncode == 0, ran.stderr
     assert sorted(p.name for p in (work / "a" / "b" / "site").iterdir()) == [
-        "index.html", "r000-m-blast_radius-s.html", "records", "report.json"]
+        "assets", "index.html", "r000-m-blast_radius-s.html", "records", "report.json"]
     assert [p.name for p in (work / "a" / "b").iterdir()] == ["site"]        # no temporary directory left
 
 
