@@ -31,7 +31,7 @@ patch flipped (Wilson CI).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from kvnotes.records.schema import TypedDict
 
@@ -41,19 +41,15 @@ from collections import Counter
 from functools import partial
 
 import torch
-from tqdm import tqdm
 from transformers import DynamicCache
 
 from kvnotes.records.schema import BaseResult, PairRow, Summary
-from kvnotes.harness.constraints import Count, NonNegative
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness import kit as K
-from kvnotes.harness.kit import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
-from kvnotes.kv.generate import answer_marker, generate, owned_side, stop_tokens, unreached_label
-from kvnotes.harness.pairs import pair_row
-from kvnotes.harness.selection import round_robin
-from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
+from kvnotes.harness.kit import exclusions_by_family, families_of, summaries_by_family
+from kvnotes.harness.protocol import GeneratedReadout, patch_columns, run_patches
+from kvnotes.harness.readout import PairRun, variant_scores
 
 #: Position sets patched (all layers) from the new run into the old run, in scoring order.
 VARIANTS = ("none", "field", "downstream", "field_downstream", "all")
@@ -64,14 +60,12 @@ CHECK_VARIANTS = ("none", "field_downstream", "all")
 
 
 @dataclass
-class Config(ProbeConfig):
-    """Keys of ``conf/probe/field_refresh.yaml`` (defaults there; see the module docstring)."""
+class Config(ProbeConfig, GeneratedReadout):
+    """Keys of ``conf/probe/field_refresh.yaml`` (defaults there; see the module docstring); with
+    ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
 
     exact: bool = True
     keep_caches: bool = False
-    #: ``scenario.variant=cot``: most tokens generated per chain, and how many aligned pairs to screen
-    cot_max_new_tokens: NonNegative = 40
-    cot_max_pairs: Optional[Count] = 12
 
 
 def variant_positions(field: tuple[int, int], decision: int) -> dict[str, list[int]]:
@@ -169,44 +163,43 @@ def exact_field_source(model, run: PairRun) -> tuple[DynamicCache, dict]:
 
 
 @torch.no_grad()
-def refresh_pair(model, run: PairRun, mode: str = "first_token",
-                 budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES, exact: bool = True) -> dict:
-    """Recovery of every variant in :data:`VARIANTS` for one pair, plus the exact field refresh.
+def exact_refresh(model, run: PairRun, s_field: float, mode: str = "first_token",
+                  budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> dict:
+    """The exact field refresh of one pair (:func:`exact_field_source`) scored like the copied one.
 
     Args:
         run: the pair's clean run with its prefix caches over ``[0, d)``.
-        mode: readout mode (``first_token`` or ``full``, docs/design.md §3).
-        budget_bytes: memory budget for one chunk of variant caches.
-        exact: also recompute the field against the old prefix (:func:`exact_field_source`).
+        s_field: the copied field refresh's score (nats), to compare with.
 
     Returns:
-        ``r_<variant>`` (recovery), ``s_<variant>`` (score, nats) and ``flipped_<variant>`` (the
-        patched run takes the new run's decision) for each variant; with ``exact``, also
         ``r_field_exact``, ``s_field_exact``, ``flipped_field_exact``, ``k_max_abs_diff``,
         ``v_max_abs_diff``, ``score_abs_diff_exact`` (nats) and ``exact_method``.
 
     Raises:
         RuntimeError: from :func:`exact_field_source`.
-        ValueError: ``mode`` is not a readout mode.
     """
     pair = run.pair
-    d = pair.decision
-    n_layers = len(run.old_cache.layers)
-    sets = variant_positions(pair.field, d)
-    masks = kvcache.position_masks(n_layers, d, [sets[v] for v in VARIANTS])
-    s = variant_scores(model, pair, run.old_cache, run.new_cache, masks, mode, budget_bytes)
-    r, f = run.recovery(s), run.decision_flipped(s)
-    out: dict = {}
-    for i, v in enumerate(VARIANTS):
-        out |= {f"r_{v}": float(r[i]), f"s_{v}": float(s[i]), f"flipped_{v}": bool(f[i])}
-    if exact:
-        source, diffs = exact_field_source(model, run)
-        s_ex = variant_scores(model, pair, run.old_cache, source,
-                              kvcache.position_masks(n_layers, d, [sets["field"]]), mode, budget_bytes)
-        out |= diffs | {"r_field_exact": float(run.recovery(s_ex)[0]), "s_field_exact": float(s_ex[0]),
-                        "flipped_field_exact": bool(run.decision_flipped(s_ex)[0]),
-                        "score_abs_diff_exact": abs(float(s_ex[0]) - out["s_field"])}
-    return out
+    source, diffs = exact_field_source(model, run)
+    field = variant_positions(pair.field, pair.decision)["field"]
+    s_ex = variant_scores(model, pair, run.old_cache, source,
+                          kvcache.position_masks(len(run.old_cache.layers), pair.decision, [field]), mode, budget_bytes)
+    return diffs | {"r_field_exact": float(run.recovery(s_ex)[0]), "s_field_exact": float(s_ex[0]),
+                    "flipped_field_exact": bool(run.decision_flipped(s_ex)[0]),
+                    "score_abs_diff_exact": abs(float(s_ex[0]) - s_field)}
+
+
+def refresh_pair(model, run: PairRun, mode: str = "first_token",
+                 budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES, exact: bool = True) -> dict:
+    """Recovery of every variant in :data:`VARIANTS` for one pair
+    (:func:`kvnotes.harness.protocol.patch_columns`), plus the exact field refresh
+    (:func:`exact_refresh`) with ``exact``: the direct readout's columns of a flipping pair.
+
+    Raises:
+        RuntimeError: from :func:`exact_field_source`.
+        ValueError: ``mode`` is not a readout mode.
+    """
+    out = patch_columns(model, run, variant_positions(run.pair.field, run.pair.decision), mode, budget_bytes)
+    return out | (exact_refresh(model, run, out["s_field"], mode, budget_bytes) if exact else {})
 
 
 class RefreshRow(PairRow):
@@ -237,109 +230,34 @@ class Result(BaseResult):
     variants: list[str]
 
 
-def cot_pair(ctx, pair, max_new: int) -> tuple[dict, str | None]:
-    """One pair under chain of thought: every variant's patched cache (:func:`kvnotes.kv.cache.build_variants`,
-    ``none`` = the clean old run, ``all`` = the clean new run) decodes its reasoning in one batch
-    (:func:`kvnotes.kv.generate.generate`) and the decision is read after the answer marker.
-
-    Returns:
-        (the row: ``s_<v>`` scores after the marker (None: marker not reached), ``r_<v>`` recovery
-        against the clean chains, ``flipped_<v>`` (the chain names the new candidate), ``reached_<v>``,
-        ``chain_len_<v>``; the exclusion reason or None for a generated flip).
-    """
-    model, tok = ctx.bundle.model, ctx.bundle.tokenizer
-    sc = pair.spec.instance.scenario
-    d = pair.decision
-    n_layers = ctx.bundle.adapter.n_layers
-    sets = variant_positions(pair.field, d)
-    with ctx.timer("prefill"):
-        old_c, new_c = kvcache.prefill(model, pair.old.ids[:d]), kvcache.prefill(model, pair.new.ids[:d])
-    masks = kvcache.position_masks(n_layers, d, [sets[v] for v in VARIANTS])
-    with ctx.timer("generate"):
-        gen = generate(model, kvcache.build_variants(model.config, old_c, new_c, masks), int(pair.old.ids[d]), d,
-                       max_new, answer_marker(tok, sc.variants[pair.spec.variant].answer_marker, ctx.thinking),
-                       stop_tokens(tok))
-    row = pair_row(pair)
-    side = {}
-    for i, v in enumerate(VARIANTS):
-        chain, lp = gen.chains[i], gen.logprobs[i]
-        side[v] = owned_side(lp, pair) if chain.reached else None
-        row[f"s_{v}"] = float(first_token_scores(lp[None], pair)[0]) if chain.reached else None
-        row[f"reached_{v}"], row[f"chain_len_{v}"] = chain.reached, chain.length
-        row[f"flipped_{v}"] = side[v] == "new" if chain.reached else None
-    row["old_text"] = tok.decode(gen.chains[0].ids, skip_special_tokens=True)
-    row["new_text"] = tok.decode(gen.chains[-1].ids, skip_special_tokens=True)
-    if not row["reached_none"] or not row["reached_all"]:
-        side_, chain = ("old", gen.chains[0]) if not row["reached_none"] else ("new", gen.chains[-1])
-        return row, unreached_label(tok, side_, chain, ctx.thinking)
-    if side["none"] != "old" or side["all"] != "new":
-        return row, "no_cot_flip"
-    s_old, s_new = row["s_none"], row["s_all"]
-    row |= {"s_old": s_old, "s_new": s_new, "effect": s_new - s_old, "flips": True, "reason": None}
-    for v in VARIANTS:
-        row[f"r_{v}"] = None if row[f"s_{v}"] is None else (row[f"s_{v}"] - s_old) / (s_new - s_old)
-    return row, None
-
-
-def run_cot(ctx) -> dict:
-    """:func:`run` under ``scenario.variant=cot``: pairs screened by generation (the clean old chain
-    decides the old candidate and the new chain the new one, both after the marker), then the
-    variants' recovery from their chains. Variants whose chain does not reach the marker are left
-    out of that variant's summary and counted (``n_unreached``)."""
-    cfg = ctx.cfg
-    n_boot = int(cfg.n_boot)
-    limit = cfg.cot_max_pairs
-    order = round_robin([pair_row(p) for p in ctx.pairs.pairs])      # a cap keeps every scenario
-    pairs = [ctx.pairs.pairs[i] for i in (order if limit is None else order[: int(limit)])]
-    rows, excluded = [], list(ctx.pairs.excluded)
-    for pair in tqdm(pairs, desc="field_refresh cot", disable=not cfg.progress):
-        row, reason = cot_pair(ctx, pair, int(cfg.cot_max_new_tokens))
-        if reason:
-            excluded.append(row | {"reason": reason})
-        else:
-            rows.append(row)
-    families = families_of(ctx, rows + excluded)
-    with ctx.timer("statistics"):
-        recovery = {v: summaries_by_family(rows, f"r_{v}", f"flipped_{v}", families, n_boot, ctx.seed)
-                    for v in VARIANTS}
-    exclusions = K.exclusion_counts(excluded)
-    if len(pairs) < len(ctx.pairs.pairs):                  # counted, no rows: never screened
-        exclusions["beyond_max_pairs"] = len(ctx.pairs.pairs) - len(pairs)
-    aggregates = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
-                  "families": families, "readout": "generated", "findings": ["field", "downstream"],
-                  "checks_by_construction": list(CHECK_VARIANTS), "recovery": recovery,
-                  "n_unreached": {v: sum(not r[f"reached_{v}"] for r in rows) for v in VARIANTS},
-                  "checks": {"max_abs_none": K.worst(rows, "r_none"), "max_abs_all_minus_1": K.worst(rows, "r_all", 1.0)},
-                  "exclusions_by_family": exclusions_by_family(excluded, families)}
-    return {"rows": rows, "exclusions": dict(exclusions), "excluded": excluded, "variants": list(VARIANTS),
-            "aggregates": aggregates}
-
-
 def run(ctx) -> dict:
-    """Field-only vs field+downstream refresh of every flipping pair; see the module docstring.
+    """Field-only vs field+downstream refresh of every flipping pair under the run's readout
+    (:func:`kvnotes.harness.protocol.run_patches`); see the module docstring.
 
-    Each flipping pair is refreshed right after its clean run (its prefix caches are used once and
-    dropped), so every pair is prefilled once per job."""
-    if K.is_cot(ctx):
-        return run_cot(ctx)
+    Under the direct readout each flipping pair is refreshed right after its clean run (its prefix
+    caches are used once and dropped), so every pair is prefilled once per job, and the exact field
+    refresh is checked; under the generated readout variants whose chain does not reach the marker
+    are left out of that variant's summary and counted (``n_unreached``)."""
     cfg = ctx.cfg
-    model = ctx.bundle.model
     n_boot = int(cfg.n_boot)
-    exact = bool(cfg.exact)
+    generated = K.is_cot(ctx)
+    exact = bool(cfg.exact) and not generated
 
-    def refresh(run_, row):
-        with ctx.timer("variants"):
-            return refresh_pair(model, run_, ctx.readout, ctx.budget_bytes, exact)
+    def exact_columns(run_, row):
+        return exact_refresh(ctx.bundle.model, run_, row["s_field"], ctx.readout, ctx.budget_bytes)
 
-    fs = flipping_pairs(ctx, desc="field_refresh", keep_caches=bool(cfg.keep_caches), process=refresh)
-    rows = fs.rows
-    families = families_of(ctx, rows + fs.excluded)
+    pr = run_patches(ctx, lambda pair: variant_positions(pair.field, pair.decision), "field_refresh",
+                     keep_caches=bool(cfg.keep_caches), extra=exact_columns if exact else None)
+    rows = pr.rows
+    families = families_of(ctx, rows + pr.excluded)
     with ctx.timer("statistics"):
         recovery = {v: summaries_by_family(rows, f"r_{v}", f"flipped_{v}", families, n_boot, ctx.seed)
                     for v in VARIANTS + (("field_exact",) if exact else ())}
     worst = partial(K.worst, rows)
-    checks = {"max_abs_none": worst("r_none"), "max_abs_field_downstream_minus_1": worst("r_field_downstream", 1.0),
-              "max_abs_all_minus_1": worst("r_all", 1.0)}
+    checks = {"max_abs_none": worst("r_none"), "max_abs_all_minus_1": worst("r_all", 1.0)}
+    if not generated:
+        checks = {"max_abs_none": worst("r_none"), "max_abs_field_downstream_minus_1": worst("r_field_downstream", 1.0),
+                  "max_abs_all_minus_1": worst("r_all", 1.0)}
     if exact:
         checks |= {"k_max_abs_diff": max((r["k_max_abs_diff"] for r in rows), default=None),
                    "v_max_abs_diff": max((r["v_max_abs_diff"] for r in rows), default=None),
@@ -350,6 +268,9 @@ def run(ctx) -> dict:
     aggregates = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
                   "families": families, "findings": ["field", "downstream"] + (["field_exact"] if exact else []),
                   "checks_by_construction": list(CHECK_VARIANTS), "recovery": recovery, "checks": checks,
-                  "exclusions_by_family": exclusions_by_family(fs.excluded, families)}
-    return {"rows": rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "variants": list(VARIANTS),
+                  "exclusions_by_family": exclusions_by_family(pr.excluded, families)}
+    if generated:
+        aggregates |= {"readout": "generated",
+                       "n_unreached": {v: sum(not r[f"reached_{v}"] for r in rows) for v in VARIANTS}}
+    return {"rows": rows, "exclusions": dict(pr.exclusions), "excluded": pr.excluded, "variants": list(VARIANTS),
             "aggregates": aggregates}

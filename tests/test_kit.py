@@ -81,14 +81,25 @@ def test_worked_example_runs_as_documented(smol, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     raw = OmegaConf.create(yaml.replace("probes.field_only.run", "doc_field_only.run"))
     cfg = OmegaConf.merge(OmegaConf.load(probes.CONF_DIR / "_base.yaml"), raw, {"progress": False, "n_boot": 200})
-    with pytest.raises(KvnotesError, match="all_layer"):
-        probes.typed_config(OmegaConf.merge(cfg, {"all_layer": False}))
+    with pytest.raises(KvnotesError, match="cot_max_new_token"):
+        probes.typed_config(OmegaConf.merge(cfg, {"cot_max_new_token": 20}))
     ctx = probes.ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], n_instances=1, per_instance=2), cfg=cfg)
     res = probes.get(ctx.cfg)(ctx)
     check_result(res, result_schema(probes.module(ctx.cfg)))
+    assert res["aggregates"]["readout"] == "direct"
     assert res["rows"] and all(math.isfinite(r["r_field"]) for r in res["rows"])
     assert res["aggregates"]["recovery"]["all"]["n"] == len(res["rows"])
     assert len(res["rows"]) + len(res["excluded"]) == len(ctx.pairs.pairs) + len(ctx.pairs.excluded)
+    # the same module under the generated readout: a parameter of the run, no second code path
+    cot = probes.ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], n_instances=1, variant="cot"),
+                              cfg=OmegaConf.merge(cfg, {"cot_max_pairs": 2}),
+                              scenario_cfg=OmegaConf.create({"variant": "cot"}))
+    res = probes.get(cot.cfg)(cot)
+    check_result(res, result_schema(probes.module(cot.cfg)))
+    assert res["aggregates"]["readout"] == "generated"
+    assert set(res["exclusions"]) <= {"old_no_marker", "new_no_marker", "no_cot_flip", "beyond_max_pairs"}
+    assert len(res["rows"]) + sum(res["exclusions"].values()) == len(cot.pairs.pairs)
+    assert all(r["reached_field"] is not None and r["chain_len_field"] >= 0 for r in res["rows"])
 
 
 def _without_timing(res: dict) -> dict:
