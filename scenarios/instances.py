@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from scenarios.errors import ScenarioError
 from scenarios.schema import Scenario
 
 
@@ -71,8 +72,13 @@ def draw_instances(scenario: Scenario, n: int, seed: int, polarity: str = "norma
 
     List-valued slots are drawn without replacement across instances while options last (then with
     replacement), so instances differ in real surface content, not only in an id string.
+
+    Raises:
+        ScenarioError: ``seed`` is negative (``scenario.seed``; numpy seeds are non-negative).
     """
-    rng = np.random.default_rng([seed, zlib.crc32(scenario.id.encode())])
+    if int(seed) < 0:
+        raise ScenarioError(f"scenario.seed: must be a non-negative integer, got {seed}")
+    rng = np.random.default_rng([int(seed), zlib.crc32(scenario.id.encode())])
     orders = {name: rng.permutation(len(opts)) for name, opts in scenario.slots.items() if isinstance(opts, list)}
     out = []
     for i in range(n):

@@ -143,7 +143,7 @@ class ScenarioFile(_File):
     slots: dict[str, str | list[str]] = PydField(default_factory=dict)
     context: str
     filler: list[str] = PydField(default_factory=list)
-    n_filler: int | None = None
+    n_filler: int | None = PydField(default=None, ge=0)
     rule: str
     request: str
     variants: dict[str, VariantFile]
@@ -162,6 +162,9 @@ def _parse(raw: Any, source: str) -> ScenarioFile:
     """The file's mapping as a :class:`ScenarioFile` (pydantic), or one line naming file and key."""
     if not isinstance(raw, dict):
         raise ScenarioError(f"{source}: a scenario file must be a mapping")
+    bad = _unencodable(raw)
+    if bad is not None:
+        _fail(source, bad, "not valid UTF-8 text (a lone surrogate such as '\\ud800')")
     try:
         return ScenarioFile.model_validate({k if isinstance(k, str) else str(k): v for k, v in raw.items()})
     except ValidationError as exc:
@@ -181,6 +184,31 @@ def _parse(raw: Any, source: str) -> ScenarioFile:
 _UNION_TAGS = {"str", "list", "dict", "none"}
 
 
+def _unencodable(raw: Any) -> str | None:
+    """The dotted key of the first string (a key or a value) in ``raw`` that cannot be written as
+    UTF-8 (a lone surrogate, e.g. YAML's ``"\\ud800"``: every later step that encodes it would fail),
+    or None. Walks without recursion and visits each container once (YAML aliases may make a
+    structure refer to itself)."""
+    stack: list[tuple[str, Any]] = [("", raw)]
+    seen: set[int] = set()
+    while stack:
+        key, node = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                where = key or "(top level)"       # the key may hold the surrogate: shown escaped
+                return where.encode("utf-8", "backslashreplace").decode("utf-8")
+        elif isinstance(node, (dict, list, tuple, set, frozenset)) and id(node) not in seen:
+            seen.add(id(node))
+            if isinstance(node, dict):
+                children = [(f"{key}.{k}" if key else str(k), x) for k, v in node.items() for x in (k, v)]
+            else:
+                children = [(f"{key}[{i}]", v) for i, v in enumerate(node)]
+            stack.extend(reversed(children))
+    return None
+
+
 def validate(raw: Any, source: str) -> Scenario:
     """Validate a parsed scenario mapping and return a :class:`Scenario`: the file's shape and types
     with pydantic (:class:`ScenarioFile`), then the checks that relate keys to each other (outcomes
@@ -194,6 +222,8 @@ def validate(raw: Any, source: str) -> Scenario:
     values = {v: v for v in f.field.values} if isinstance(f.field.values, list) else dict(f.field.values)
     if len(values) < 2:
         _fail(source, "field.values", "needs at least two values")
+    if "" in values:
+        _fail(source, "field.values", "a value is empty (the field must have a token to change)")
     candidates = dict(f.candidates)
     if len(candidates) < 2:
         _fail(source, "candidates", "needs at least two outcome -> continuation entries")
@@ -267,11 +297,34 @@ def load_scenario(path: str | Path) -> Scenario:
         ScenarioError: unreadable YAML or a schema violation (the message names file and key).
     """
     path = Path(path)
+    return validate(read_yaml(path, "scenario"), str(path))
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def read_yaml(path: Path, what: str = "scenario") -> Any:
+    """The parsed content of a YAML file (``yaml.safe_load``).
+
+    Raises:
+        ScenarioError: ``<path>: cannot read <what> (<reason>)`` in one line: the file cannot be read
+            (missing, a directory, no permission), is not UTF-8 text, or is not YAML that ``safe_load``
+            can build. PyYAML's constructors raise more than ``YAMLError`` on text that scans (an
+            impossible date ``2001-02-30`` or ``!!int abc``: ``ValueError``; ``!!bool maybe``:
+            ``KeyError``; ``!!timestamp x``: ``AttributeError``) and deep nesting exhausts the stack
+            (``RecursionError``); ``safe_load`` runs no code of the file's, so every failure is the
+            file's fault and this error.
+    """
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ScenarioError(f"{path}: cannot read scenario ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
-    return validate(raw, str(path))
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScenarioError(f"{path}: cannot read {what} ({_first_line(exc)})") from None
+    try:
+        return yaml.safe_load(text)
+    except Exception as exc:  # noqa: BLE001 -- safe_load builds plain data only: any failure is the text's
+        raise ScenarioError(f"{path}: cannot read {what} ({_first_line(exc)})") from None
 
 
 def resolve_path(path: str | Path) -> Path:
