@@ -37,11 +37,10 @@ import random
 import string
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from scenarios.errors import ScenarioError
-from scenarios.schema import resolve_path
+from scenarios.schema import read_yaml, resolve_path
 
 #: The filler slot that numbers the lines (filled by :func:`filler_lines`, never declared).
 DAY_SLOT = "day"
@@ -228,11 +227,7 @@ def load_memory(path: str | Path, personas: list[str] | None = None) -> MemorySu
         if len(files) != 1:
             raise ScenarioError(f"{path}: a memory suite is one file; found {len(files)} YAML files (name one)")
         p = files[0]
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ScenarioError(f"{path}: cannot read memory suite ({type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0]})") from None
+    raw = read_yaml(p, "memory suite")
     suite = validate_memory(raw, str(p))
     if personas:
         known = {x.id for x in suite.personas}

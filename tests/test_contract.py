@@ -17,10 +17,11 @@ status 2, exactly one line on stderr starting ``kvnotes: error:``, and nothing w
 3. End to end on the embedded SmolLM2 (``embedded``): a valid generated scenario file writes a complete
    record; an invalid one exits 2 with one line naming it and nothing written.
 
-Inputs that violate the contract outside ``scenarios/`` are kept below as ``xfail`` examples (strict:
-the mark goes once the contract holds for them); the strategies leave their classes out (``$``
-interpolations, a bare ``,`` sweep without ``-m``; deleted keys in the pipeline check; the weight-loading
-bar before an invalid scenario file's line) so that the properties test everything else.
+Inputs that violated the contract when these tests were written are kept below as examples
+(``test_known_violations_*``, fixed since: an unresolvable interpolation, a sweep without ``-m``,
+``device=mps``/``meta``, a negative seed, a deleted key, an invalid scenario file reported only after
+the model loaded, a memory suite of garbage bytes); the strategies leave their classes out (``$``
+interpolations, a bare ``,`` sweep, deleted keys) so that the properties test everything else.
 """
 
 from __future__ import annotations
@@ -348,9 +349,6 @@ def test_negative_scenario_seed_is_a_scenario_error(seed):
         build_pairs(scenarios, 2, seed)
 
 
-@pytest.mark.xfail(strict=True, reason="scenarios/memory.py load_memory reads with read_text() and catches only "
-                   "(OSError, YAMLError): a memory suite of non-UTF-8 bytes raises UnicodeDecodeError "
-                   "(use scenarios.schema.read_yaml(path, 'memory suite'))")
 def test_memory_suite_of_garbage_bytes_is_one_line():
     from scenarios.memory import load_memory
 
@@ -442,7 +440,7 @@ def test_main_reaches_the_job_or_is_one_line():
     assert not check_main(["probe=screen", "min_effect=abc"])
 
 
-#: Unquoted Hydra strings: no ``$`` (interpolations: see the xfail examples), no bare ``,`` (a sweep
+#: Unquoted Hydra strings: no ``$`` (interpolations: see the known-violation examples), no bare ``,`` (a sweep
 #: without ``-m``: likewise).
 UNQUOTED = st.text(st.sampled_from(string.ascii_letters + string.digits + "_-.:/+*?%~@ =!'\"\\#&"),
                    min_size=0, max_size=10)
@@ -521,19 +519,10 @@ def test_probe_values_pass_or_are_one_line(probe_key, prefix, value):
 
 
 @pytest.mark.parametrize("args", [
-    pytest.param(["min_effect=${nope}"], marks=pytest.mark.xfail(strict=True, reason=(
-        "an interpolation is resolved unguarded in kvnotes.harness.runconfig.typed (OmegaConf.to_container("
-        "resolve=True)): run.py exits 1 with a traceback ending 'omegaconf.errors.InterpolationKeyError: "
-        "Interpolation key 'nope' not found'"))),
-    pytest.param(["seed=${oc.env:KVNOTES_NO_SUCH_VARIABLE}"], marks=pytest.mark.xfail(strict=True, reason=(
-        "likewise: traceback ending 'InterpolationResolutionError: KeyError raised while resolving "
-        "interpolation: \"Environment variable 'KVNOTES_NO_SUCH_VARIABLE' not found\"'"))),
-    pytest.param(["readout=${readout}"], marks=pytest.mark.xfail(strict=True, reason=(
-        "likewise: traceback ending 'InterpolationResolutionError: Recursive interpolation detected'"))),
-    pytest.param(["scenario.seed=1,2"], marks=pytest.mark.xfail(strict=True, reason=(
-        "a sweep value without -m passes precheck (it checks each point) and Hydra then prints its own "
-        "five lines ('Ambiguous value for argument 'scenario.seed=1,2'' ... 'Set the environment variable "
-        "HYDRA_FULL_ERROR=1 ...') and exits 1"))),
+    ["min_effect=${nope}"],
+    ["seed=${oc.env:KVNOTES_NO_SUCH_VARIABLE}"],
+    ["readout=${readout}"],
+    ["scenario.seed=1,2"],
 ])
 def test_known_violations_before_the_job(args):
     check_main(["probe=screen", *args])
@@ -559,15 +548,8 @@ def _complete_record(proc, out: Path) -> None:
 E2E = dict(COMMON, max_examples=3, phases=[Phase.explicit, Phase.generate])
 
 
-def _is_loading_bar(line: str) -> bool:
-    """transformers' weight-loading progress bar (tqdm, on stderr): printed before a scenario file is
-    read, so an invalid file's one line follows it (see test_invalid_scenario_is_the_only_stderr_line)."""
-    return line.startswith("Loading weights")
-
-
-def _one_line_nothing_written(proc, out: Path, allow_loading_bar: bool = False) -> None:
-    lines = [ln for ln in proc.stderr.strip().splitlines()
-             if ln.strip() and not (allow_loading_bar and _is_loading_bar(ln))]
+def _one_line_nothing_written(proc, out: Path) -> None:
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     assert len(lines) == 1 and lines[0].startswith("kvnotes: error:"), proc.stderr[-3000:]
     assert not out.exists() or not any(out.iterdir()), sorted(out.rglob("*"))
@@ -601,21 +583,16 @@ def test_valid_generated_scenario_writes_a_complete_record(doc):
 @settings(**E2E)
 @given(doc=invalid_scenarios())
 def test_invalid_generated_scenario_is_one_line_and_writes_nothing(doc):
-    """Exit 2, one ``kvnotes: error:`` line naming the file, no traceback, nothing under out_root; the
-    weight-loading bar before it is the known violation of test_invalid_scenario_is_the_only_stderr_line."""
+    """Exit 2, one ``kvnotes: error:`` line naming the file (the only line on stderr: the files are
+    checked before the model loads), no traceback, nothing under out_root."""
     with tempfile.TemporaryDirectory() as d:
         path, out = _write(Path(d), "bad", doc), Path(d) / "runs"
         proc = run(*SCREEN, f"scenario.paths=[{path}]", f"out_root={out}")
-        _one_line_nothing_written(proc, out, allow_loading_bar=True)
+        _one_line_nothing_written(proc, out)
         assert str(path) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.embedded
-@pytest.mark.xfail(strict=True, reason=(
-    "scenario files are read after the model loads (kvnotes/harness/jobs.py run_job -> prepare_for_probe; "
-    "check_run_config checks only that scenario.paths exist), so stderr holds transformers' "
-    "'Loading weights: ...' progress bar (two lines) before the one 'kvnotes: error: <file>: key 'family': "
-    "missing' line; run.py's docstring promises invalid scenario files are reported before any model loads"))
 def test_invalid_scenario_is_the_only_stderr_line():
     with tempfile.TemporaryDirectory() as d:
         path, out = _write(Path(d), "bad", {k: v for k, v in FRUIT.items() if k != "family"}), Path(d) / "runs"
@@ -624,25 +601,11 @@ def test_invalid_scenario_is_the_only_stderr_line():
 
 @pytest.mark.embedded
 @pytest.mark.parametrize("args", [
-    pytest.param(["device=mps"], marks=pytest.mark.xfail(strict=True, reason=(
-        "resolve_device accepts mps on a machine without MPS: the model load ends in a traceback "
-        "('RuntimeError: PyTorch is not linked with support for mps devices'), exit 1, and the job's "
-        "directory with record.json.lock is left under out_root"))),
-    pytest.param(["device=meta"], marks=pytest.mark.xfail(strict=True, reason=(
-        "resolve_device accepts meta: the probe ends in a traceback ('RuntimeError: Tensor.item() cannot be "
-        "called on meta tensors'), exit 1, and record.json.lock is left under out_root"))),
-    pytest.param(["seed=-1", "flip_rule=relative", "min_effect=0"], marks=pytest.mark.xfail(strict=True, reason=(
-        "RunSettings.seed takes negatives; with flips in >= 5 scenarios the cluster bootstrap calls "
-        "np.random.default_rng(-1): traceback ('ValueError: expected non-negative integer'), exit 1, "
-        "record.json.lock left under out_root"))),
-    pytest.param(["~scenario.n_instances"], marks=pytest.mark.xfail(strict=True, reason=(
-        "deleting a key that has a default passes precheck (RunSettings/ScenarioSettings fill the default) "
-        "but the job reads the raw config: traceback after the model loads ('omegaconf.errors."
-        "ConfigAttributeError: Key 'n_instances' is not in struct' in kvnotes/harness/pairs.py "
-        "prepare_pairs), exit 1, record.json.lock left under out_root"))),
-    pytest.param(["~seed"], marks=pytest.mark.xfail(strict=True, reason=(
-        "likewise: 'ConfigAttributeError: Key 'seed' is not in struct' in registry.ProbeContext."
-        "from_run_config (so do ~min_effect, ~flip_rule, ...)"))),
+    ["device=mps"],
+    ["device=meta"],
+    ["seed=-1", "flip_rule=relative", "min_effect=0"],
+    ["~scenario.n_instances"],
+    ["~seed"],
 ])
 def test_known_violations_end_to_end(args):
     with tempfile.TemporaryDirectory() as d:

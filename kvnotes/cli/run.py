@@ -84,11 +84,17 @@ def precheck(argv: list[str]) -> None:
         fail(f"cannot parse the overrides: {str(exc).splitlines()[0]}")
     # a job that runs on another machine (a SLURM launcher) checks its device and quantization there
     local = not any(o.key_or_group == "hydra/launcher" and "slurm" in str(o.value()) for o in overrides)
+    multirun = "-m" in argv or "--multirun" in argv
     fixed, sweeps = [], []
     for o in overrides:
         if o.key_or_group.split(".")[0].split("/")[0] == "hydra":
             continue
+        if o.is_delete() and o.key_or_group not in GROUPS:
+            fail(f"~{o.key_or_group}: deleting a key is not supported (every key has a value the job reads); "
+                 f"set it instead, e.g. {o.key_or_group}=...")
         if o.is_sweep_override():
+            if not multirun:
+                fail(f"{o.input_line} is a sweep (several values): add -m to run one job per value")
             sweeps.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
         else:
             fixed.append(o.input_line)
@@ -182,6 +188,9 @@ def job(cfg) -> None:
     except KeyboardInterrupt:
         _clean(out_dir, record_path, Path(cfg.out_root))
         fail("interrupted; no record written", status=130)
+    except BaseException:                       # a bug: its traceback, and nothing of this job left behind
+        _clean(out_dir, record_path, Path(cfg.out_root))
+        raise
 
 
 @contextmanager

@@ -76,7 +76,7 @@ class ScenarioSettings(BaseModel):
     families: list[str] | None = None
     ids: list[str] | None = None
     n_instances: int = Field(default=4, ge=1)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)
     variant: Literal["direct", "cot"] = "direct"
     chat_template: bool = True
     memory: str | None = None
@@ -89,7 +89,7 @@ class RunSettings(BaseModel):
     model_config = ConfigDict(extra="allow")
     out_root: str
     device: str = "auto"
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)
     force: bool = False
     plot: bool = True
     readout: Literal["first_token", "full"] = "first_token"
@@ -123,8 +123,14 @@ def typed(cfg: Any) -> RunSettings:
             with its dotted key and the given value).
     """
     from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    except OmegaConfBaseException as exc:                 # an interpolation that does not resolve
+        key = getattr(exc, "full_key", None)
+        raise KvnotesError(f"{key + ': ' if key else ''}cannot resolve the config: "
+                           f"{str(exc).splitlines()[0]}") from None
     try:
         return RunSettings.model_validate(data)
     except ValidationError as exc:
@@ -196,7 +202,25 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
     for entry in cfg.scenario.get("paths") or ():
         if not resolve_path(str(entry)).exists():
             raise ScenarioError(f"scenario path not found: {entry}")
+    check_scenario_files(settings.scenario)
     return settings
+
+
+def check_scenario_files(scenario: ScenarioSettings) -> None:
+    """Every scenario file the run reads is valid, before any model loads: the suite under
+    ``scenario.paths`` (with its ``families`` / ``ids`` selection) and the memory suite
+    ``scenario.memory``.
+
+    Raises:
+        ScenarioError: the first invalid file, naming file and key (or an empty selection).
+    """
+    from scenarios.memory import load_memory
+    from scenarios.schema import load_suite
+
+    if scenario.paths:
+        load_suite(scenario.paths, scenario.families, scenario.ids)
+    if scenario.memory:
+        load_memory(scenario.memory)
 
 
 def _drop(tree: dict, dotted: str) -> None:

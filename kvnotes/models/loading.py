@@ -85,7 +85,9 @@ def resolve_device(spec: str) -> torch.device:
                                f"use device=cpu or device=auto")
         if dev.index is not None and dev.index >= n:
             raise KvnotesError(f"device={spec} but this machine has {n} CUDA device(s)")
-    elif dev.type not in ("cpu", "mps", "meta"):
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise KvnotesError(f"device={spec} but this machine has no MPS device: use device=cpu or device=auto")
+    elif dev.type not in ("cpu", "mps"):
         raise KvnotesError(f"device '{spec}' is not supported (use auto, cpu, cuda or cuda:N)")
     return dev
 
