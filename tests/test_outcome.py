@@ -48,3 +48,10 @@ def test_no_flip_warns_with_the_top_reason_in_the_models_words(pairs):
 
 def test_probes_without_pairs_say_nothing():
     assert outcome.outcome_lines({"rows": [{"x": 1}]}, SimpleNamespace(pairs=[], excluded=[]), Tok(), "owned") == []
+
+
+def test_a_probe_reporting_every_pair_counts_its_non_flipping_rows(pairs):
+    rows = [{"pair": "p0", "flips": True}, {"pair": "p1", "flips": False, "reason": "not_owned"},
+            {"pair": "p2", "flips": False, "reason": "not_owned"}]
+    assert outcome.outcome_lines({"rows": rows, "exclusions": {}}, pairs, Tok(), "owned")[0].endswith(
+        "1 flip under the owned rule; excluded by reason: not_owned 2")

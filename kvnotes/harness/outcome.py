@@ -11,6 +11,7 @@ first); when none flips, a warning names the top reason with one example in the 
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from kvnotes.harness.pairs import pair_meta
@@ -57,6 +58,9 @@ def outcome_lines(result: dict, pairs: Any, tokenizer: Any, flip_rule: str) -> l
     excluded = result.get("excluded") or []
     exclusions = {str(k): int(v) for k, v in (result.get("exclusions") or {}).items() if v}
     screened = [r for r in rows if "flips" in r]
+    if not exclusions:                       # a probe that reports every pair as a row (screen) counts none
+        exclusions = dict(Counter(str(r["reason"]) for r in [*excluded, *screened]
+                                  if r.get("flips") is not True and r.get("reason")))
     n_flip = sum(r["flips"] is True for r in screened) if screened else len(rows)
     ranked = sorted(exclusions.items(), key=lambda kv: (-kv[1], kv[0]))
     why = ", ".join(f"{k} {v}" for k, v in ranked) or "none"
