@@ -221,6 +221,23 @@ def grid_arg(text: str) -> str:
     return text
 
 
+def add_layout_flags(ap, lengths: list[int] | None, warmup: int) -> None:
+    """The flags of a composed prompt's layout and its timing, shared with ``bench compose-gpu``:
+    ``--lengths`` (default ``lengths``; None: the device's list), ``--prefix``, ``--suffix``,
+    ``--seam``, ``--warmup`` (default ``warmup``), ``--trials``, ``--seed``."""
+    from kvnotes.cli.errors import int_at_least
+
+    ap.add_argument("--lengths", type=int_at_least("--lengths", 1), nargs="+", default=lengths,
+                    help="prompt lengths L in tokens" + (" (default: the device's list)" if lengths is None else ""))
+    ap.add_argument("--prefix", type=int_at_least("--prefix", 1), default=32, help="live prefix tokens before the chunk")
+    ap.add_argument("--suffix", type=int_at_least("--suffix", 1), default=64,
+                    help="live suffix tokens after the chunk (state update + question)")
+    ap.add_argument("--seam", type=int_at_least("--seam", 0), default=4, help="chunk tokens recomputed after the splice")
+    ap.add_argument("--warmup", type=int_at_least("--warmup", 0), default=warmup, help="untimed runs first")
+    ap.add_argument("--trials", type=int_at_least("--trials", 1), default=5, help="timed trials (median reported)")
+    ap.add_argument("--seed", type=int_at_least("--seed", 0), default=0, help="seed of the random token ids")
+
+
 def main() -> None:
     """Run the benchmark (see the module docstring).
 
@@ -228,20 +245,14 @@ def main() -> None:
         KvnotesError: a bad flag (an unknown model, a length not longer than prefix + suffix, a count
             below its least value, a malformed grid, ``--image`` on CUDA) before any model loads.
     """
-    from kvnotes.cli.errors import conf_name, int_at_least
+    from kvnotes.cli.errors import conf_name
     from kvnotes.errors import KvnotesError
 
     ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, description=__doc__.split("\n")[0])
     add_machine_flags(ap)      # --device cuda: a random Qwen3-8B-shaped bf16 model on CUDA
     ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"),
                     help="zoo config for the CPU path")
-    ap.add_argument("--lengths", type=int_at_least("--lengths", 1), nargs="+", default=None, help="prompt lengths L in tokens (default: the device's list)")
-    ap.add_argument("--prefix", type=int_at_least("--prefix", 1), default=32, help='live prefix tokens before the chunk')
-    ap.add_argument("--suffix", type=int_at_least("--suffix", 1), default=64, help='live suffix tokens after the chunk (state update + question)')
-    ap.add_argument("--seam", type=int_at_least("--seam", 0), default=4, help='chunk tokens recomputed after the splice')
-    ap.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1, help='untimed runs first')
-    ap.add_argument("--trials", type=int_at_least("--trials", 1), default=5, help='timed trials (median reported)')
-    ap.add_argument("--seed", type=int_at_least("--seed", 0), default=0, help='seed of the random token ids')
+    add_layout_flags(ap, lengths=None, warmup=1)
     ap.add_argument("--no-graphs", action="store_true", help="GPU: run the composed forward eagerly")
     ap.add_argument("--image", action="store_true", help="image rows: re-encoding the image vs its precompiled chunk "
                     "(random-weight shrunk VLM, CPU)")

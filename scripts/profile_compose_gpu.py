@@ -35,6 +35,7 @@ import torch
 from transformers import StaticCache
 
 from kvnotes.ops import compose as kc
+from scripts.bench_compose import add_layout_flags
 from kvnotes.harness.timing import elapsed_ms
 from scripts.bench_compose import gpu_model
 from kvnotes.cli.helptext import PlainHelpFormatter
@@ -178,17 +179,10 @@ def main() -> None:
         KvnotesError: a bad flag (a count below its least value, a length not longer than prefix +
             suffix) or no CUDA device, before the model is built.
     """
-    from kvnotes.cli.errors import int_at_least
     from kvnotes.errors import KvnotesError
 
     ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", type=int_at_least("--lengths", 1), nargs="+", default=[2048, 32768], help='prompt lengths L in tokens')
-    ap.add_argument("--prefix", type=int_at_least("--prefix", 1), default=32, help='live prefix tokens before the chunk')
-    ap.add_argument("--suffix", type=int_at_least("--suffix", 1), default=64, help='live suffix tokens after the chunk')
-    ap.add_argument("--seam", type=int_at_least("--seam", 0), default=4, help='chunk tokens recomputed after the splice')
-    ap.add_argument("--warmup", type=int_at_least("--warmup", 0), default=2, help='untimed runs first')
-    ap.add_argument("--trials", type=int_at_least("--trials", 1), default=5, help='timed trials (median reported)')
-    ap.add_argument("--seed", type=int_at_least("--seed", 0), default=0, help='seed of the random token ids')
+    add_layout_flags(ap, lengths=[2048, 32768], warmup=2)
     ap.add_argument("--profiler", action="store_true", help='also print a torch.profiler table at the largest length')
     args = ap.parse_args()
     if min(args.lengths) <= args.prefix + args.suffix:

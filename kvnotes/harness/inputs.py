@@ -32,22 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from kvnotes.errors import KvnotesError
+from kvnotes.models.loading import cache_dir, file_sha256
 
 #: Files of a checkpoint directory left out of its digest (caches written beside the weights).
 _SKIP_NAMES = (".DS_Store",)
 
 
-def _file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _digest_cache_path() -> Path:
-    from kvnotes.models.loading import cache_dir
-
     return cache_dir() / "file_digests.json"
 
 
@@ -68,7 +59,7 @@ def cached_file_sha256(path: Path) -> str:
         cache = {}
     if key in cache:
         return cache[key]
-    digest = _file_sha256(path)
+    digest = file_sha256(path)
     if st.st_size >= 1 << 24:                 # only large files are worth remembering
         cache = {k: v for k, v in cache.items() if not k.startswith(f"{path}\0")} | {key: digest}
         try:

@@ -103,7 +103,12 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
         raise KvnotesError(f"unknown dtype '{spec}' (use auto, float32, bfloat16 or float16)") from None
 
 
-def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    """The sha256 (hex) of a file's content, read in ``chunk``-byte blocks.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -165,7 +170,7 @@ def assemble_parts(parts: list[tuple[str, str]], filename: str, sha256: str) -> 
     expected = str(sha256).lower()
     target = cache_dir() / "gguf" / filename
     if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in paths):
-        digest = _sha256(target)
+        digest = file_sha256(target)
         if digest.startswith(expected):
             return target, digest
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -208,7 +213,7 @@ def embedded_source(spec: Any) -> tuple[Path, str]:
             raise KvnotesError(f"embedded model file {spec.file} is split into parts but declares no sha256")
         return assemble_parts([(p["package"], p["file"]) for p in spec.parts], spec.file, spec.sha256)
     gguf = embedded_gguf(spec.package, spec.file)
-    return gguf, _sha256(gguf)
+    return gguf, file_sha256(gguf)
 
 
 def materialise_gguf(gguf: Path, digest: str) -> Path:
