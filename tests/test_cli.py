@@ -22,6 +22,21 @@ def run(*args, env=None, timeout=600):
                           timeout=timeout, env=e, cwd=ROOT)
 
 
+def run_main(monkeypatch, capsys, *args) -> subprocess.CompletedProcess:
+    """``run.py``'s own ``main`` in this process (for bad input caught before any model loads: a
+    subprocess would spend seconds importing torch), as a ``CompletedProcess`` like :func:`run`."""
+    from kvnotes.cli import run as cli
+
+    monkeypatch.setattr(sys, "argv", ["run.py", *args])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as stop:
+        code = int(stop.code or 0)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out.out, out.err)
+
+
 def one_line_error(proc, *needles):
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [l for l in proc.stderr.strip().splitlines() if l.startswith("kvnotes: error:")]
@@ -53,8 +68,8 @@ def test_field_missing_from_template(tmp_path):
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("record.json"))
 
 
-def test_cot_variant_refused_by_probes_that_do_not_generate(tmp_path):
-    proc = run("probe=blast_radius", "scenario.variant=cot", f"out_root={tmp_path}")
+def test_cot_variant_refused_by_probes_that_do_not_generate(tmp_path, monkeypatch, capsys):
+    proc = run_main(monkeypatch, capsys, "probe=blast_radius", "scenario.variant=cot", f"out_root={tmp_path}")
     one_line_error(proc, "blast_radius", "scenario.variant=cot",
                    "probes that do: agent, compose, edit, field_refresh, injection, read_location, suffix_recovery")
     assert not any(tmp_path.iterdir())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvnotes.errors import KvnotesError
-from tests.test_cli import ROOT, one_line_error, run
+from tests.test_cli import ROOT, one_line_error, run, run_main
 from tests.helpers import fruit_scenario
 
 
@@ -52,12 +52,12 @@ def test_bad_input_is_one_line_before_the_model_loads(override, needles, tmp_pat
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_cuda_without_cuda_is_one_line(tmp_path):
-    one_line_error(run("device=cuda", f"out_root={tmp_path}"), "device=cuda", "no CUDA device")
+def test_cuda_without_cuda_is_one_line(tmp_path, monkeypatch, capsys):
+    one_line_error(run_main(monkeypatch, capsys, "device=cuda", f"out_root={tmp_path}"), "device=cuda", "no CUDA device")
 
 
-def test_bad_point_of_a_sweep_fails_the_sweep_up_front(tmp_path):
-    proc = run("-m", "min_effect=0.5,abc", f"out_root={tmp_path}")
+def test_bad_point_of_a_sweep_fails_the_sweep_up_front(tmp_path, monkeypatch, capsys):
+    proc = run_main(monkeypatch, capsys, "-m", "min_effect=0.5,abc", f"out_root={tmp_path}")
     one_line_error(proc, "min_effect", "'abc'")
     assert not any(tmp_path.iterdir())
 

@@ -92,8 +92,9 @@ def test_a_chain_cut_inside_the_think_block_is_never_scored(tok):
     assert unreached_reason(tok, chain, thinking=True) == "truncated_in_think"
 
 
-def test_thinking_without_the_cot_variant_is_refused_in_one_line():
-    from tests.test_cli import one_line_error, run
+def test_thinking_without_the_cot_variant_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    from tests.test_cli import one_line_error, run_main
 
-    proc = run("model=smollm2-135m", "model.thinking=true", "probe=screen", "scenario=small", timeout=120)
+    proc = run_main(monkeypatch, capsys, "model=smollm2-135m", "model.thinking=true", "probe=screen", "scenario=small",
+                    f"out_root={tmp_path}")
     one_line_error(proc, "model.thinking=true", "scenario.variant=cot")

@@ -177,7 +177,8 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
 
     Checks: :func:`typed` (and ``flip_rule=synthetic`` only with ``model.random_init``); ``model.path``
     (:func:`check_model_path`); the probe's
-    keys and types (``registry.typed_config``); the device exists
+    keys, types and allowed values (``registry.typed_config``) and that it can read the prompt variant
+    (``registry.check_variant``); every scenario file is valid (:func:`check_scenario_files`); the device exists
     (:func:`kvnotes.models.loading.resolve_device`); the model's device map and quantization can run on it
     (:func:`kvnotes.models.loading.placement_kwargs`); ``out_root`` is writable; every scenario path exists.
     With ``machine=False`` (a job that will run elsewhere, e.g. submitted to SLURM from a login node
@@ -194,7 +195,8 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
     settings = typed(cfg)
     check_flip_rule(settings.flip_rule, settings.model.random_init.enabled, settings.model.name)
     check_model_path(settings.model)
-    registry.typed_config(cfg.probe)
+    probe_cfg = registry.typed_config(cfg.probe)
+    registry.check_variant(probe_cfg, settings.scenario.variant, bool(settings.model.thinking))
     if machine:
         dev = resolve_device(settings.device)
         placement_kwargs(cfg.model, dev, resolve_dtype(settings.model.dtype, dev))
@@ -217,10 +219,22 @@ def check_scenario_files(scenario: ScenarioSettings) -> None:
     from scenarios.memory import load_memory
     from scenarios.schema import load_suite
 
+    from kvnotes.harness.inputs import scenario_files
+
+    files = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for _, p in scenario_files(scenario.model_dump()))
+    key = (files, tuple(scenario.paths), tuple(scenario.families or ()), tuple(scenario.ids or ()), scenario.memory)
+    if key in _CHECKED_SCENARIOS:            # a sweep's points share their files: each set is read once
+        return
     if scenario.paths:
         load_suite(scenario.paths, scenario.families, scenario.ids)
     if scenario.memory:
         load_memory(scenario.memory)
+    _CHECKED_SCENARIOS.add(key)
+
+
+#: Scenario file sets :func:`check_scenario_files` found valid in this process, keyed by each file's
+#: path, size and modification time (an edited file is checked again).
+_CHECKED_SCENARIOS: set = set()
 
 
 def _drop(tree: dict, dotted: str) -> None:
