@@ -48,7 +48,7 @@ from kvnotes.harness.kit import ProbeConfig
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness import kit as K
 from kvnotes.harness.kit import exclusions_by_family, families_of, summaries_by_family
-from kvnotes.harness.protocol import GeneratedReadout, patch_columns, run_patches
+from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, patch_columns, run_patches
 from kvnotes.harness.readout import PairRun, variant_scores
 
 #: Position sets patched (all layers) from the new run into the old run, in scoring order.
@@ -198,7 +198,7 @@ def refresh_pair(model, run: PairRun, mode: str = "first_token",
         RuntimeError: from :func:`exact_field_source`.
         ValueError: ``mode`` is not a readout mode.
     """
-    out = patch_columns(model, run, variant_positions(run.pair.field, run.pair.decision), mode, budget_bytes)
+    out = patch_columns(ScreenedPair(run, model, mode, budget_bytes), variant_positions(run.pair.field, run.pair.decision))
     return out | (exact_refresh(model, run, out["s_field"], mode, budget_bytes) if exact else {})
 
 
@@ -243,8 +243,8 @@ def run(ctx) -> dict:
     generated = K.is_cot(ctx)
     exact = bool(cfg.exact) and not generated
 
-    def exact_columns(run_, row):
-        return exact_refresh(ctx.bundle.model, run_, row["s_field"], ctx.readout, ctx.budget_bytes)
+    def exact_columns(sp, row):
+        return exact_refresh(ctx.bundle.model, sp.run, row["s_field"], ctx.readout, ctx.budget_bytes)
 
     pr = run_patches(ctx, lambda pair: variant_positions(pair.field, pair.decision), "field_refresh",
                      keep_caches=bool(cfg.keep_caches), extra=exact_columns if exact else None)

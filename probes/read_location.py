@@ -34,7 +34,8 @@ score). A knockout can change the decision merely by destroying the readout, so 
 Aggregates are per family (and ``all``), over flipping pairs and over all aligned pairs, with
 cluster-bootstrap CIs (scenarios, then instances; docs/design.md §8).
 
-**Chain of thought** (``scenario.variant=cot``, issue #20; :func:`run_cot`). The decision is read
+**Chain of thought** (``scenario.variant=cot``, issue #20; the harness's generated readout,
+:mod:`kvnotes.harness.protocol`). The decision is read
 after a generated chain (the shared generated readout, :mod:`kvnotes.kv.generate`), greedy, at most
 ``cot_max_new_tokens`` tokens, on at most ``cot_max_pairs`` aligned pairs (round-robin over
 scenarios; the rest counted ``beyond_max_pairs``). Each pair is screened by its clean chains (old
@@ -62,7 +63,7 @@ query's field mass: does the reasoning re-read the field? Rows keep each chain (
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 from pydantic import AfterValidator
 
@@ -79,11 +80,10 @@ from kvnotes.harness.kit import ProbeConfig
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness import kit as K
 from kvnotes.kv.knockout import DecisionRead, decision_forward, generate_knocked, knockout_masks
-from kvnotes.kv.generate import owned_side, stop_tokens
-from kvnotes.harness.pairs import pair_row
+from kvnotes.harness.protocol import GeneratedReadout, pair_loop
+from kvnotes.kv.generate import owned_side
 from kvnotes.harness.readout import first_token_scores
 from kvnotes.records.schema import NotRequired
-from tqdm import tqdm
 from kvnotes.harness.readout import candidate_scores
 from kvnotes.harness.stats import bootstrap_weights, proportion
 
@@ -123,8 +123,9 @@ class Collapse:
 
 
 @dataclass
-class Config(ProbeConfig):
-    """Keys of ``conf/probe/read_location.yaml`` (defaults there; see the module docstring)."""
+class Config(ProbeConfig, GeneratedReadout):
+    """Keys of ``conf/probe/read_location.yaml`` (defaults there; see the module docstring); with
+    ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
 
     n_sinks: NonNegative = 1
     band_units: Annotated[str, one_of("fraction", "layer")] = "fraction"
@@ -133,9 +134,6 @@ class Config(ProbeConfig):
     knockout_groups: Annotated[Any, AfterValidator(_knockout_groups)] = field(
         default_factory=lambda: [["field"], ["downstream"], ["sinks"], ["field", "downstream"]])
     collapse: Collapse = field(default_factory=Collapse)
-    #: ``scenario.variant=cot``: most tokens generated per chain, and how many aligned pairs to screen
-    cot_max_new_tokens: NonNegative = 40
-    cot_max_pairs: Optional[Count] = 12
 
 
 def key_groups(field: tuple[int, int], decision: int, n_sinks: int) -> dict[str, tuple[int, int]]:
@@ -391,37 +389,32 @@ def _chain_masses(masses: torch.Tensor, length: int) -> dict[str, list[list[floa
     return {"chain": gen.mean(0).tolist(), "decision": masses[0].tolist(), "marker": masses[min(length, len(masses) - 1)].tolist()}
 
 
-def cot_pair(ctx, pair, variants: list[dict], n_sinks: int, drop_nats: float, top_k: int,
-             max_new: int) -> tuple[dict, list[dict], list[dict], str | None]:
-    """One pair under chain of thought.
+def _knockout_chains(ctx, sp, row: dict, variants: list[dict], n_sinks: int, drop_nats: float,
+                     top_k: int) -> tuple[list[dict], list[dict]]:
+    """One pair under the generated readout, both runs (its clean chains screened it already).
 
-    The clean chains screen the pair (:func:`kvnotes.harness.kit.cot_screen`). Then per run, one
-    batch from the run's one prefix cache decodes the clean chain and one chain per knockout variant
-    (:func:`kvnotes.kv.knockout.generate_knocked`: the knocked keys are hidden from the decision
-    query and from every generated token's query, in the variant's layers, on every decode step),
-    capturing the attention mass of every query per layer and :data:`CHAIN_GROUPS` group; each
-    decision is read after its chain's marker.
+    Per run, one batch from the run's one prefix cache decodes the clean chain and one chain per
+    knockout variant (:func:`kvnotes.kv.knockout.generate_knocked`: the knocked keys are hidden from
+    the decision query and from every generated token's query, in the variant's layers, on every
+    decode step), capturing the attention mass of every query per layer and :data:`CHAIN_GROUPS`
+    group; each decision is read after its chain's marker. The pair's columns are written into
+    ``row``.
 
     Returns:
-        (the row, knockout rows of chains that reached the marker, knockout rows of chains that did
-        not (``reason``, the chain), the pair's exclusion reason or None).
+        (knockout rows of chains that reached the marker, knockout rows of chains that did not
+        (``reason``, the chain)).
     """
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     n_layers = ctx.bundle.adapter.n_layers
+    pair, max_new = sp.pair, sp.max_new
     d = pair.decision
-    with ctx.timer("prefill"):
-        caches = {"old": kvcache.prefill(model, pair.old.ids[:d]), "new": kvcache.prefill(model, pair.new.ids[:d])}
-    row = pair_row(pair)
-    screen, why = K.cot_screen(ctx, pair, caches["old"], caches["new"], max_new)
-    row |= screen
-    if why:
-        return row, [], [], why
+    caches = {"old": sp.old_cache, "new": sp.new_cache}
     groups = key_groups(pair.field, d, n_sinks)
     spans = chain_spans(groups, d)
     sizes = {g: e - s for g, (s, e) in groups.items()}
     masks = torch.cat([torch.zeros(1, n_layers, d, dtype=torch.bool)] +
                       [knockout_masks(n_layers, d, groups, [(v["groups"], v["layers"])]) for v in variants])
-    marker, stops = K.cot_marker(ctx, pair), stop_tokens(tok)
+    marker, stops = K.cot_marker(ctx, pair), K.stop_tokens(tok)
     row |= {"groups": {g: list(s) for g, s in groups.items()}, "clean_chain_matches": True}
     base = {k: row[k] for k in ("pair", "scenario", "family", "instance", "flips")}
     null_err = 0.0
@@ -442,7 +435,7 @@ def cot_pair(ctx, pair, variants: list[dict], n_sinks: int, drop_nats: float, to
         row[f"knocked_mass_max_{run_name}"] = max(
             (float(masses[i + 1][:, l0:l1][..., [CHAIN_GROUPS.index(g) for g in v["groups"]]].sum(-1).max())
              for i, v in enumerate(variants) for l0, l1 in [v["layers"]]), default=0.0)
-        row["clean_chain_matches"] &= clean.ids == row[f"chain_{run_name}"]["ids"]
+        row["clean_chain_matches"] &= clean.ids == sp.chain_ids[run_name]
         if not clean.reached:                                  # the screen's chain did, this batch's did not
             unreached += [base | {"run": run_name, "variant": v["name"], "reason": "clean_no_marker",
                                   "chain": gen.chains[i].record()} for i, v in enumerate(variants, start=1)]
@@ -471,7 +464,7 @@ def cot_pair(ctx, pair, variants: list[dict], n_sinks: int, drop_nats: float, to
                 "flip_intact": changed and not bool(flags["collapsed"][i]),
             })
     row["null_knockout_err"] = null_err
-    return row, ko_rows, unreached, None
+    return ko_rows, unreached
 
 
 def _chain_attention(rows: list[dict], n_boot: int, seed: int) -> dict:
@@ -505,88 +498,9 @@ def _chain_attention(rows: list[dict], n_boot: int, seed: int) -> dict:
     return out
 
 
-def run_cot(ctx) -> dict:
-    """:func:`run` under ``scenario.variant=cot`` (see "Chain of thought" in the module docstring).
-
-    Returns:
-        what :func:`run` returns, with per row the chains (``chain_old``/``chain_new``: ids, length,
-        marker position), the generated tokens' masses ``mass_<run>`` (``[L, 6]``, :data:`CHAIN_GROUPS`),
-        the decision query's ``mass_decision_<run>`` and the marker query's ``mass_marker_<run>``;
-        knockout rows carry their chain; ``knockout_unreached`` lists knocked chains without a
-        marker; ``aggregates.readout = "generated"``, ``aggregates.chain_attention`` and per knockout
-        cell ``n_unreached``.
-    """
-    cfg = ctx.cfg
-    n_sinks = int(cfg.n_sinks)
-    drop_nats, top_k = float(cfg.collapse.drop_nats), int(cfg.collapse.top_k)
-    n_boot = int(cfg.n_boot)
-    bands, variants = _variants(cfg, ctx.bundle.adapter.n_layers)
-    limit = cfg.cot_max_pairs
-    pairs, beyond = K.cot_selection(ctx, None if limit is None else int(limit))
-    max_new = int(cfg.cot_max_new_tokens)
-    rows, ko_rows, unreached, excluded = [], [], [], list(ctx.pairs.excluded)
-    for pair in tqdm(pairs, desc="read_location cot", disable=not K.progress(ctx)):
-        row, ko, un, why = cot_pair(ctx, pair, variants, n_sinks, drop_nats, top_k, max_new)
-        if why:
-            excluded.append(row | {"reason": why})
-            continue
-        rows.append(row)
-        ko_rows += ko
-        unreached += un
-    excluded += [r for r in rows if not r["flips"]]
-    excluded = [{k: r[k] for k in K.EXCLUSION_COLUMNS} | ({"chain_old": r["chain_old"], "chain_new": r["chain_new"]}
-                                                          if "chain_old" in r else {}) for r in excluded]
-    exclusions = K.exclusion_counts(excluded)
-    if beyond:
-        exclusions["beyond_max_pairs"] = beyond
-    with ctx.timer("statistics"):
-        knockout = _knockout_aggregates(ko_rows, variants, n_boot, ctx.seed)
-        for subset, fams in knockout.items():
-            for fam, runs in fams.items():
-                for run_name, cells in runs.items():
-                    for name, cell in cells.items():
-                        cell["n_unreached"] = sum(u["variant"] == name and u["run"] == run_name and
-                                                  (fam == "all" or u["family"] == fam) and
-                                                  (subset == "all" or u["flips"]) for u in unreached)
-        aggregates = {
-            "readout": "generated", "max_new_tokens": max_new,
-            "n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_screened": len(pairs),
-            "n_reached": len(rows), "n_flip": sum(r["flips"] for r in rows),
-            "n_pairs_by_family": dict(Counter(r["family"] for r in rows)),
-            "n_flip_by_family": dict(Counter(r["family"] for r in rows if r["flips"])),
-            "n_knocked_unreached": len(unreached),
-            "chain_attention": _chain_attention(rows, n_boot, ctx.seed),
-            "knockout": knockout,
-            "checks": {
-                "max_mass_sum_err": max((abs(sum(m) - 1) for r in rows for run in RUNS
-                                         for key in ("mass", "mass_decision", "mass_marker")
-                                         for m in r[f"{key}_{run}"]), default=None),
-                "max_recon_err": max((r[f"recon_err_{run}"] for r in rows for run in RUNS), default=None),
-                "max_null_knockout_err": max((r["null_knockout_err"] for r in rows), default=None),
-                "max_knocked_mass": max((r[f"knocked_mass_max_{run}"] for r in rows for run in RUNS), default=None),
-                "n_clean_chain_mismatch": sum(not r["clean_chain_matches"] for r in rows),
-            },
-            "attention": _attention_aggregates(rows, bands, n_boot, ctx.seed, CHAIN_GROUPS),
-        }
-    examples: dict = {}
-    for row in rows:
-        fam = row["family"]
-        if fam not in examples or (row["flips"] and not examples[fam]["flips"]):
-            examples[fam] = {"pair": row["pair"], "flips": row["flips"], "field": row["field"],
-                             "decision": row["decision"], "mass_new": row["mass_new"],
-                             "chain_new_text": ctx.bundle.tokenizer.decode(row["chain_new"]["ids"], skip_special_tokens=True)}
-    return {"rows": rows, "knockout_rows": ko_rows, "knockout_unreached": unreached, "aggregates": aggregates,
-            "exclusions": exclusions, "excluded": excluded,
-            "groups": list(CHAIN_GROUPS), "n_sinks": n_sinks, "bands": bands,
-            "variants": [{k: v[k] for k in ("name", "group", "band", "layers")} for v in variants],
-            "collapse": {"drop_nats": drop_nats, "top_k": top_k,
-                         "rule": "collapsed = both candidates' first-token log-probs (after the marker) fall by "
-                                 ">= drop_nats, or neither candidate stays in the top_k that held one of them"},
-            "examples": examples}
-
-
 def run(ctx) -> dict:
-    """Attention masses and knockouts of every aligned pair; see the module docstring.
+    """Attention masses and knockouts of every screened pair under the run's readout
+    (:func:`kvnotes.harness.protocol.pair_loop`, every pair measured); see the module docstring.
 
     Returns:
         ``rows`` (one per pair: clean status, per-run ``[L, G]`` masses ``mass_old``/``mass_new``,
@@ -595,46 +509,80 @@ def run(ctx) -> dict:
         log-probs, collapse flags),
         ``aggregates`` (``attention``, ``knockout``, checks), ``exclusions``/``excluded``
         (tokenisation exclusions and pairs that do not flip, which are left out of the ``flipping``
-        aggregates), ``groups``, ``bands``, ``variants``, ``collapse``.
+        aggregates), ``groups``, ``bands``, ``variants``, ``collapse``. Under the generated readout
+        (module docstring) rows also keep the chains (``chain_old``/``chain_new``), the generated
+        tokens' masses ``mass_<run>`` (``[L, 6]``, :data:`CHAIN_GROUPS`), the decision query's
+        ``mass_decision_<run>`` and the marker query's ``mass_marker_<run>``; knockout rows carry
+        their chain; ``knockout_unreached`` lists knocked chains without a marker;
+        ``aggregates.readout = "generated"``, ``aggregates.chain_attention`` and per knockout cell
+        ``n_unreached``.
     """
-    if K.is_cot(ctx):
-        return run_cot(ctx)
     cfg = ctx.cfg
-    n_layers = ctx.bundle.adapter.n_layers
+    generated = K.is_cot(ctx)
     n_sinks = int(cfg.n_sinks)
     drop_nats, top_k = float(cfg.collapse.drop_nats), int(cfg.collapse.top_k)
     n_boot = int(cfg.n_boot)
-    bands, variants = _variants(cfg, n_layers)
-    rows, ko_rows, examples = [], [], {}
-    for pr, row in K.each_pair(ctx, desc="read_location"):
-        pair = pr.pair
-        ko_rows += _knockout_pair(ctx, pr, row, variants, n_sinks, drop_nats, top_k)
-        rows.append(row)
-        fam = row["family"]
-        if fam not in examples or (row["flips"] and not examples[fam]["flips"]):
-            examples[fam] = {"pair": row["pair"], "flips": row["flips"], "field": list(pair.field),
-                             "decision": pair.decision, "mass_new": row["mass_new"]}
-    excluded = K.excluded_rows(ctx.pairs.excluded, rows)
+    bands, variants = _variants(cfg, ctx.bundle.adapter.n_layers)
+    ko_rows: list[dict] = []
+    unreached: list[dict] = []
+
+    def measure(sp, row: dict) -> dict:
+        row = dict(row)
+        if generated:
+            ko, un = _knockout_chains(ctx, sp, row, variants, n_sinks, drop_nats, top_k)
+            unreached.extend(un)
+        else:
+            ko = _knockout_pair(ctx, sp.run, row, variants, n_sinks, drop_nats, top_k)
+        ko_rows.extend(ko)
+        return row
+
+    pr = pair_loop(ctx, "read_location", measure, scope="all")
+    rows = pr.rows
+    groups = CHAIN_GROUPS if generated else GROUPS
+    mass_keys = ("mass", "mass_decision", "mass_marker") if generated else ("mass",)
     with ctx.timer("statistics"):
+        knockout = _knockout_aggregates(ko_rows, variants, n_boot, ctx.seed)
+        for subset, fams in knockout.items() if generated else ():
+            for fam, runs in fams.items():
+                for run_name, cells in runs.items():
+                    for name, cell in cells.items():
+                        cell["n_unreached"] = sum(u["variant"] == name and u["run"] == run_name and
+                                                  (fam == "all" or u["family"] == fam) and
+                                                  (subset == "all" or u["flips"]) for u in unreached)
         aggregates = {
             "n_pairs": len(rows), "n_flip": sum(r["flips"] for r in rows),
             "n_pairs_by_family": dict(Counter(r["family"] for r in rows)),
             "n_flip_by_family": dict(Counter(r["family"] for r in rows if r["flips"])),
             "checks": {
-                "max_mass_sum_err": max((abs(sum(m) - 1) for r in rows for run in RUNS for m in r[f"mass_{run}"]),
-                                        default=None),
+                "max_mass_sum_err": max((abs(sum(m) - 1) for r in rows for run in RUNS for key in mass_keys
+                                         for m in r[f"{key}_{run}"]), default=None),
                 "max_recon_err": max((r[f"recon_err_{run}"] for r in rows for run in RUNS), default=None),
                 "max_null_knockout_err": max((r["null_knockout_err"] for r in rows), default=None),
                 "max_knocked_mass": max((r[f"knocked_mass_max_{run}"] for r in rows for run in RUNS), default=None),
             },
-            "attention": _attention_aggregates(rows, bands, n_boot, ctx.seed),
-            "knockout": _knockout_aggregates(ko_rows, variants, n_boot, ctx.seed),
+            "attention": _attention_aggregates(rows, bands, n_boot, ctx.seed, groups),
+            "knockout": knockout,
         }
+        if generated:
+            aggregates |= {"readout": "generated", "max_new_tokens": int(cfg.cot_max_new_tokens),
+                           "n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_screened": pr.n_screened,
+                           "n_reached": len(rows), "n_knocked_unreached": len(unreached),
+                           "chain_attention": _chain_attention(rows, n_boot, ctx.seed)}
+            aggregates["checks"]["n_clean_chain_mismatch"] = sum(not r["clean_chain_matches"] for r in rows)
+    examples: dict = {}
+    for row in rows:
+        fam = row["family"]
+        if fam not in examples or (row["flips"] and not examples[fam]["flips"]):
+            examples[fam] = {k: row[k] for k in ("pair", "flips", "field", "decision", "mass_new")}
+            if generated:
+                examples[fam]["chain_new_text"] = ctx.bundle.tokenizer.decode(row["chain_new"]["ids"],
+                                                                              skip_special_tokens=True)
+    what = "(after the marker) " if generated else ""
     return {"rows": rows, "knockout_rows": ko_rows, "aggregates": aggregates,
-            "exclusions": K.exclusion_counts(excluded), "excluded": excluded,
-            "groups": list(GROUPS), "n_sinks": n_sinks, "bands": bands,
+            "exclusions": pr.exclusions, "excluded": pr.excluded,
+            "groups": list(groups), "n_sinks": n_sinks, "bands": bands,
             "variants": [{k: v[k] for k in ("name", "group", "band", "layers")} for v in variants],
             "collapse": {"drop_nats": drop_nats, "top_k": top_k,
-                         "rule": "collapsed = both candidates' first-token log-probs fall by >= drop_nats, "
+                         "rule": f"collapsed = both candidates' first-token log-probs {what}fall by >= drop_nats, "
                                  "or neither candidate stays in the top_k that held one of them"},
-            "examples": examples}
+            "examples": examples} | ({"knockout_unreached": unreached} if generated else {})

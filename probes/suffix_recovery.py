@@ -59,7 +59,7 @@ many draws, stay direct-readout only: asking for them under cot is refused in on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 from annotated_types import Len
 from pydantic import AfterValidator
@@ -74,16 +74,13 @@ import torch
 from tqdm import tqdm
 
 from kvnotes.records.schema import BaseResult, PairRow
-from kvnotes.harness.constraints import Count, Counts, NonNegative, OpenFraction, Share, one_of
+from kvnotes.harness.constraints import Counts, OpenFraction, Share, one_of
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.kit import RandomControl
-from kvnotes.kv import cache as kvcache
 from kvnotes.harness import kit as K
-from kvnotes.harness.kit import exclusions_by_family, families_of, flipping_pairs, summaries_by_family
-from kvnotes.harness.pairs import pair_row
-from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
+from kvnotes.harness.kit import exclusions_by_family, families_of, summaries_by_family
+from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, pair_loop
 from kvnotes.harness.selection import pair_rng, split_instances
-from kvnotes.kv.generate import generate, owned_side, stop_tokens
 
 SET_FAMILIES = ("suffix", "prefix", "topk", "random")
 #: Set families of the chain-of-thought curves (the others need the direct single-position map).
@@ -117,8 +114,9 @@ class Grid:
 
 
 @dataclass
-class Config(ProbeConfig):
-    """Keys of ``conf/probe/suffix_recovery.yaml`` (defaults there; see the module docstring)."""
+class Config(ProbeConfig, GeneratedReadout):
+    """Keys of ``conf/probe/suffix_recovery.yaml`` (defaults there; see the module docstring); with
+    ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
 
     grid: Grid = field(default_factory=Grid)
     random: RandomControl = field(default_factory=lambda: RandomControl(5))
@@ -128,12 +126,9 @@ class Config(ProbeConfig):
     with_field: bool = True
     store_sets: bool = False
     keep_caches: bool = True
-    #: ``scenario.variant=cot``: set sizes (fractions of the downstream), set families, most tokens
-    #: generated per chain, and how many aligned pairs to screen
+    #: ``scenario.variant=cot``: set sizes (fractions of the downstream) and set families
     cot_fractions: Annotated[list[Share], Len(min_length=1)] = field(default_factory=lambda: [0.1, 0.25, 0.5, 1.0])
     cot_families: Annotated[list[Annotated[str, AfterValidator(_cot_family)]], Len(min_length=1)] = field(default_factory=lambda: list(COT_FAMILIES))
-    cot_max_new_tokens: NonNegative = 40
-    cot_max_pairs: Optional[Count] = 12
 
 
 def grid_points(fractions: Sequence[float], counts: Sequence[int]) -> list[dict]:
@@ -326,21 +321,23 @@ def _curves(idx: dict, rec: list[float], flip: list[bool]) -> tuple[dict, dict]:
             if ids is None:
                 vals.append(None)
                 flips.append(None)
+            elif any(rec[i] is None for i in ids):                 # a chain missed its marker
+                vals.append(None)
+                flips.append(None)
             else:
                 vals.append(float(np.mean([rec[i] for i in ids])))
-                flips.append(sum(flip[i] for i in ids) > len(ids) / 2)
+                flips.append(sum(bool(flip[i]) for i in ids) > len(ids) / 2)
         curves[name], flipped[name] = vals, flips
     return curves, flipped
 
 
-def evaluate_pair(model, run: PairRun, grid: list[dict], bands: list[dict], rng: np.random.Generator,
+def evaluate_pair(sp: ScreenedPair, grid: list[dict], bands: list[dict], rng: np.random.Generator,
                   n_draws: int, topk_order: list[int] | None = None, with_field: bool = True,
-                  mode: str = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES,
-                  store_sets: bool = False) -> dict:
-    """Every variant of one pair in one batched :func:`kvnotes.harness.readout.variant_scores` call.
+                  store_sets: bool = False, families: Sequence[str] = SET_FAMILIES, single: bool = True) -> dict:
+    """Every variant of one screened pair, scored (or decoded) in one batch under the run's readout.
 
     Args:
-        run: the pair's clean run with prefix caches over ``[0, d)``.
+        sp: the screened pair (:class:`kvnotes.harness.protocol.ScreenedPair`).
         grid: :func:`grid_points`.
         bands: :func:`kvnotes.harness.kit.layer_bands`.
         rng: the pair's generator for random sets (:func:`pair_rng`).
@@ -348,56 +345,67 @@ def evaluate_pair(model, run: PairRun, grid: list[dict], bands: list[dict], rng:
         topk_order: downstream positions ranked by the selection profile (held-out pairs), or None.
         with_field: also evaluate every set together with the field.
         store_sets: keep the random sets in the result.
+        families: the set families (``topk`` only with ``topk_order``).
+        single: evaluate the single-position map.
 
     Returns:
-        ``r_<ref>``/``flipped_<ref>`` for :data:`REFERENCES`; ``single``/``single_flipped``
+        ``r_<ref>``/``flipped_<ref>`` for :data:`REFERENCES`; with ``single``, ``single``/``single_flipped``
         (``[n]``, downstream order); ``bands``/``bands_flipped``; ``k`` (per grid point, None when
         skipped); ``curves``/``curves_flipped`` (family -> per grid point; ``random`` is the mean
-        over draws and its flip flag the majority); ``random_draws`` (per grid point, per draw),
+        over draws and its flip flag the majority; None where a chain missed its marker); with
+        ``random``: ``random_draws`` (per grid point, per draw),
         ``random_flip_share``, ``random_sizes`` (distinct positions actually patched per draw,
         read back from the masks) and ``random_outside`` (patched positions outside ``[b, d)``,
-        must be 0); ``topk_sets`` (held-out pairs); ``n_variants`` (unique masks evaluated).
+        must be 0); ``topk_sets`` (held-out pairs); ``n_variants`` (unique masks evaluated); under
+        the generated readout ``chains`` (``ref:<name>``, ``<family>@<g>``, ``band@<i>`` -> chain
+        record) and ``n_unreached``.
     """
-    pair = run.pair
+    pair = sp.pair
     a, b = pair.field
     d = pair.decision
     down = (b, d)
     n = d - b
-    n_layers = len(run.old_cache.layers)
     field = list(range(a, b))
-    plan = VariantPlan(n_layers, d)
-    refs = {"none": plan.add([]), "field": plan.add(field), "downstream": plan.add(range(b, d)),
-            "field_downstream": plan.add(range(a, d))}
-    single = [plan.add([p]) for p in range(b, d)]
+    plan = VariantPlan(sp.model.config.get_text_config().num_hidden_layers, d)
+    names = {f"ref:{k}": plan.add(v) for k, v in (("none", []), ("field", field), ("downstream", range(b, d)),
+                                                    ("field_downstream", range(a, d)))}
+    single_idx = [plan.add([p]) for p in range(b, d)] if single else []
     band_idx = [plan.add(range(b, d), range(*band["layers"])) for band in bands]
+    names |= {f"band@{i}": v for i, v in enumerate(band_idx)}
     ks = [k_for(pt, n) for pt in grid]
-    fams = [f for f in SET_FAMILIES if f != "topk" or topk_order is not None]
+    fams = [f for f in families if f != "topk" or topk_order is not None]
     sets = _position_sets(fams, ks, down, rng, n_draws, topk_order)
     idx = {f: [None if s is None else [plan.add(x) for x in s] for s in sets[f]] for f in fams}
     if with_field:
         idx |= {f"field+{f}": [None if s is None else [plan.add(field + x) for x in s] for s in sets[f]] for f in fams}
+    names |= {f"{c}@{g}": ids[0] for c, per_k in idx.items() for g, ids in enumerate(per_k) if ids and len(ids) == 1}
     masks = plan.masks()
-    scores = variant_scores(model, pair, run.old_cache, run.new_cache, masks, mode, budget_bytes)
-    rec = run.recovery(scores).tolist()
-    flip = run.decision_flipped(scores).tolist()
+    sc = sp.score(masks)
+    rec, flip = sc.r, sc.flipped
     out: dict = {"downstream": [b, d], "n_downstream": n, "n_variants": len(plan.specs), "k": ks}
-    for name, i in refs.items():
+    for name in REFERENCES:
+        i = names[f"ref:{name}"]
         out[f"r_{name}"], out[f"flipped_{name}"] = rec[i], flip[i]
-    out["single"] = [rec[i] for i in single]
-    out["single_flipped"] = [flip[i] for i in single]
+    if single:
+        out["single"] = [rec[i] for i in single_idx]
+        out["single_flipped"] = [flip[i] for i in single_idx]
     out["bands"] = [rec[i] for i in band_idx]
     out["bands_flipped"] = [flip[i] for i in band_idx]
     out["curves"], out["curves_flipped"] = _curves(idx, rec, flip)
-    rnd = idx["random"]
-    out["random_draws"] = [None if ids is None else [rec[i] for i in ids] for ids in rnd]
-    out["random_flip_share"] = [None if ids is None else float(np.mean([flip[i] for i in ids])) for ids in rnd]
-    patched = masks.any(dim=1)                                                   # [V, d]
-    out["random_sizes"] = [None if ids is None else [int(patched[i].sum()) for i in ids] for ids in rnd]
-    out["random_outside"] = sum(int(patched[i, :b].sum()) for ids in rnd if ids for i in ids)
-    if store_sets:
-        out["random_sets"] = sets["random"]
+    if "random" in fams:
+        rnd = idx["random"]
+        out["random_draws"] = [None if ids is None else [rec[i] for i in ids] for ids in rnd]
+        out["random_flip_share"] = [None if ids is None else float(np.mean([flip[i] for i in ids])) for ids in rnd]
+        patched = masks.any(dim=1)                                                   # [V, d]
+        out["random_sizes"] = [None if ids is None else [int(patched[i].sum()) for i in ids] for ids in rnd]
+        out["random_outside"] = sum(int(patched[i, :b].sum()) for ids in rnd if ids for i in ids)
+        if store_sets:
+            out["random_sets"] = sets["random"]
     if topk_order is not None:
         out["topk_sets"] = [None if s is None else s[0] for s in sets["topk"]]
+    if sc.chains is not None:
+        out |= {"chains": {name: sc.chains[i].record() for name, i in names.items()},
+                "n_unreached": sum(not c.reached for c in sc.chains)}
     return out
 
 
@@ -517,90 +525,6 @@ def _checks(rows: list[dict], held_rows: list[dict], grid: list[dict], sel) -> d
     }
 
 
-# ---------------------------------------------------------------------------------------------
-# chain of thought: the coarse curves read after generated reasoning
-
-
-def cot_plan(pair, fractions: Sequence[float], families: Sequence[str], bands: list[dict],
-             with_field: bool, n_layers: int) -> tuple[VariantPlan, dict]:
-    """The variants of one pair under chain of thought, deduplicated by mask.
-
-    Returns:
-        (the plan, names -> unique-mask index: ``ref:<name>`` for :data:`REFERENCES`,
-        ``<family>@<i>`` / ``field+<family>@<i>`` for the ``i``-th fraction, ``band@<i>``).
-    """
-    a, b = pair.field
-    d = pair.decision
-    plan = VariantPlan(n_layers, d)
-    field_pos = list(range(a, b))
-    names = {"ref:none": plan.add([]), "ref:field": plan.add(field_pos), "ref:downstream": plan.add(range(b, d)),
-             "ref:field_downstream": plan.add(range(a, d))}
-    for i, f in enumerate(fractions):
-        k = k_for({"kind": "fraction", "value": float(f)}, d - b)
-        assert k is not None
-        for fam in families:
-            pos = suffix_set((b, d), k) if fam == "suffix" else prefix_set((b, d), k)
-            names[f"{fam}@{i}"] = plan.add(pos)
-            if with_field:
-                names[f"field+{fam}@{i}"] = plan.add(field_pos + pos)
-    for i, band in enumerate(bands):
-        names[f"band@{i}"] = plan.add(range(b, d), range(*band["layers"]))
-    return plan, names
-
-
-@torch.no_grad()
-def cot_pair(ctx, pair, fractions: Sequence[float], families: Sequence[str], bands: list[dict],
-             with_field: bool, max_new: int) -> tuple[dict, str | None]:
-    """One pair under chain of thought: screened by its clean chains
-    (:func:`kvnotes.harness.kit.cot_screen`), then every variant of :func:`cot_plan` decodes its chain
-    from its patched cache (one batched :func:`kvnotes.kv.generate.generate`) and its score is read
-    after the chain's marker.
-
-    Returns:
-        (the row: the clean columns and chains; ``k`` (set size per fraction), ``r_<ref>`` /
-        ``flipped_<ref>``, ``curves`` / ``curves_flipped`` (family -> per fraction), ``bands`` /
-        ``bands_flipped`` (None where the chain missed its marker), ``chains`` (name -> chain record),
-        ``n_unreached``, ``n_variants``; the exclusion reason (``no_downstream``, a clean chain
-        without its marker, ``no_cot_flip``) or None).
-    """
-    model, tok = ctx.bundle.model, ctx.bundle.tokenizer
-    d, b = pair.decision, pair.field[1]
-    row = pair_row(pair)
-    if d <= b:
-        return row, NO_DOWNSTREAM
-    with ctx.timer("prefill"):
-        old_c, new_c = kvcache.prefill(model, pair.old.ids[:d]), kvcache.prefill(model, pair.new.ids[:d])
-    screen, why = K.cot_screen(ctx, pair, old_c, new_c, max_new)
-    row |= screen
-    if why:
-        return row, why
-    plan, names = cot_plan(pair, fractions, families, bands, with_field, len(old_c.layers))
-    with ctx.timer("generate"):
-        gen = generate(model, kvcache.build_variants(model.config, old_c, new_c, plan.masks()), int(pair.old.ids[d]),
-                       d, max_new, K.cot_marker(ctx, pair), stop_tokens(tok))
-    s_old, s_new = row["s_old"], row["s_new"]
-    r: list[float | None] = []
-    flip: list[bool | None] = []
-    for lp, chain in zip(gen.logprobs, gen.chains, strict=True):
-        s = float(first_token_scores(lp[None], pair)[0]) if chain.reached else None
-        r.append(None if s is None else (s - s_old) / (s_new - s_old))
-        flip.append(owned_side(lp, pair) == "new" if chain.reached else None)
-    n = d - b
-    row |= {"downstream": [b, d], "n_downstream": n, "n_variants": len(plan.specs),
-            "k": [k_for({"kind": "fraction", "value": float(f)}, n) for f in fractions],
-            "chains": {name: gen.chains[i].record() for name, i in names.items()},
-            "n_unreached": sum(not c.reached for c in gen.chains)}
-    for ref in REFERENCES:
-        i = names[f"ref:{ref}"]
-        row[f"r_{ref}"], row[f"flipped_{ref}"] = r[i], flip[i]
-    curve_names = [*families, *((f"field+{f}" for f in families) if with_field else ())]
-    row["curves"] = {c: [r[names[f"{c}@{i}"]] for i in range(len(fractions))] for c in curve_names}
-    row["curves_flipped"] = {c: [flip[names[f"{c}@{i}"]] for i in range(len(fractions))] for c in curve_names}
-    row["bands"] = [r[names[f"band@{i}"]] for i in range(len(bands))]
-    row["bands_flipped"] = [flip[names[f"band@{i}"]] for i in range(len(bands))]
-    return row, None
-
-
 def _cot_summaries(rows: list[dict], value, flipped, families: list[str], n_boot: int, seed: int) -> dict:
     """:func:`kvnotes.harness.kit.summaries_by_family` over the chains that reached their marker, with
     ``n_unreached`` (rows whose chain for this point missed it) per family and ``all``."""
@@ -610,127 +534,94 @@ def _cot_summaries(rows: list[dict], value, flipped, families: list[str], n_boot
     return got
 
 
-def cot_settings(cfg) -> tuple[list[float], list[str], int]:
-    """The cot curves' fractions, set families and token budget from the (typed, so checked)
-    probe config: a family other than ``suffix`` / ``prefix`` (:func:`_cot_family`) or a fraction
-    outside ``(0, 1]`` never gets here."""
-    return [float(f) for f in cfg.cot_fractions], [str(f) for f in cfg.cot_families], int(cfg.cot_max_new_tokens)
-
-
-def run_cot(ctx) -> dict:
-    """:func:`run` under ``scenario.variant=cot`` (see "Chain of thought" in the module docstring)."""
-    cfg = ctx.cfg
-    fractions, fams, max_new = cot_settings(cfg)
-    n_layers = ctx.bundle.adapter.n_layers
-    bands_spec = cfg.layer_bands
-    bands = K.layer_bands(n_layers, bands_spec if isinstance(bands_spec, int) else [list(x) for x in bands_spec])
-    n_boot = int(cfg.n_boot)
-    limit = cfg.cot_max_pairs
-    pairs, beyond = K.cot_selection(ctx, None if limit is None else int(limit))
-    rows, screened_out = [], []
-    for pair in tqdm(pairs, desc="suffix_recovery cot", disable=not K.progress(ctx)):
-        row, why = cot_pair(ctx, pair, fractions, fams, bands, bool(cfg.with_field), max_new)
-        (screened_out if why else rows).append(row | {"reason": why})
-    excluded = list(ctx.pairs.excluded) + screened_out
-    exclusions = K.exclusion_counts(excluded)
-    if beyond:
-        exclusions["beyond_max_pairs"] = beyond
-    families = families_of(ctx, rows + excluded)
+def _cot_aggregates(rows: list[dict], grid: list[dict], bands: list[dict], fams: list[str], families: list[str],
+                    n_boot: int, seed: int) -> dict:
+    """The generated readout's aggregates: the coarse curves, references and bands over the chains
+    that reached their marker, and the exact checks where both chains did."""
     curve_names = list(rows[0]["curves"]) if rows else []
-    with ctx.timer("statistics"):
-        curves = {c: [_cot_summaries(rows, lambda r, c=c, i=i: r["curves"][c][i],
-                                     lambda r, c=c, i=i: bool(r["curves_flipped"][c][i]), families, n_boot, ctx.seed)
-                      for i in range(len(fractions))] for c in curve_names}
-        refs = {n: _cot_summaries(rows, lambda r, n=n: r[f"r_{n}"], lambda r, n=n: bool(r[f"flipped_{n}"]),
-                                  families, n_boot, ctx.seed) for n in REFERENCES}
-        band_aggs = [_cot_summaries(rows, lambda r, i=i: r["bands"][i], lambda r, i=i: bool(r["bands_flipped"][i]),
-                                    families, n_boot, ctx.seed) for i in range(len(bands))]
-    full = [i for i, f in enumerate(fractions) if f == 1.0]
-    aggregates = {
-        "readout": "generated", "max_new_tokens": max_new, "cot_fractions": fractions, "cot_families": fams,
-        "n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_screened": len(pairs), "n_flip": len(rows),
-        "families": families, "curves": {"heldout": {}, "all": curves}, "references": refs, "bands": band_aggs,
-        "n_unreached": sum(r["n_unreached"] for r in rows),
-        "direct_only": ["single", "topk", "random"],
-        "checks": {"max_abs_none": K.worst(rows, "r_none"),
-                   "max_abs_field_downstream_minus_1": K.worst(rows, "r_field_downstream", 1.0),
-                   "max_abs_full_set_minus_downstream": max(
-                       (abs(r["curves"][f][g] - r["r_downstream"]) for r in rows for f in fams for g in full
-                        if r["curves"][f][g] is not None and r["r_downstream"] is not None), default=None)},
-        "exclusions_by_family": exclusions_by_family(excluded, families)}
-    return {"rows": rows, "exclusions": exclusions, "excluded": excluded, "aggregates": aggregates,
-            "grid": [{"kind": "fraction", "value": f} for f in fractions], "layer_bands": bands,
-            "set_families": fams, "topk_anchor": str(cfg.topk_anchor), "split": {}, "selection_pairs": [],
-            "examples": {}}
+    curves = {c: [_cot_summaries(rows, lambda r, c=c, i=i: r["curves"][c][i],
+                                 lambda r, c=c, i=i: bool(r["curves_flipped"][c][i]), families, n_boot, seed)
+                  for i in range(len(grid))] for c in curve_names}
+    refs = {n: _cot_summaries(rows, lambda r, n=n: r[f"r_{n}"], lambda r, n=n: bool(r[f"flipped_{n}"]),
+                              families, n_boot, seed) for n in REFERENCES}
+    band_aggs = [_cot_summaries(rows, lambda r, i=i: r["bands"][i], lambda r, i=i: bool(r["bands_flipped"][i]),
+                                families, n_boot, seed) for i in range(len(bands))]
+    full = [i for i, pt in enumerate(grid) if pt["value"] == 1.0]
+    return {"cot_fractions": [pt["value"] for pt in grid], "cot_families": fams,
+            "curves": {"heldout": {}, "all": curves}, "references": refs, "bands": band_aggs,
+            "n_unreached": sum(r["n_unreached"] for r in rows), "direct_only": ["single", "topk", "random"],
+            "checks": {"max_abs_none": K.worst(rows, "r_none"),
+                       "max_abs_field_downstream_minus_1": K.worst(rows, "r_field_downstream", 1.0),
+                       "max_abs_full_set_minus_downstream": max(
+                           (abs(r["curves"][f][g] - r["r_downstream"]) for r in rows for f in fams for g in full
+                            if r["curves"][f][g] is not None and r["r_downstream"] is not None), default=None)}}
 
 
 def run(ctx) -> dict:
     """Suffix / prefix / top-k / random recovery curves, single-position map and layer bands of
-    every flipping pair; see the module docstring."""
-    if K.is_cot(ctx):
-        return run_cot(ctx)
+    every flipping pair under the direct readout, the coarse curves and bands under the generated
+    one (:func:`kvnotes.harness.protocol.pair_loop`); see the module docstring."""
     cfg = ctx.cfg
-    model = ctx.bundle.model
-    n_layers = model.config.get_text_config().num_hidden_layers
-    grid = grid_points(list(cfg.grid.fractions), list(cfg.grid.counts))
+    generated = K.is_cot(ctx)
+    n_layers = ctx.bundle.model.config.get_text_config().num_hidden_layers
+    if generated:
+        grid = [{"kind": "fraction", "value": float(f)} for f in cfg.cot_fractions]
+        fams = [str(f) for f in cfg.cot_families]
+    else:
+        grid, fams = grid_points(list(cfg.grid.fractions), list(cfg.grid.counts)), list(SET_FAMILIES)
     bands_spec = cfg.layer_bands
     bands = K.layer_bands(n_layers, bands_spec if isinstance(bands_spec, int) else [list(x) for x in bands_spec])
     anchor = str(cfg.topk_anchor)
     offsets((0, 1), anchor)                                     # validate the anchor before any work
     n_draws = int(cfg.random.n_draws)
     n_boot = int(cfg.n_boot)
-    keep = bool(cfg.keep_caches)
 
-    fs = flipping_pairs(ctx, keep_caches=keep)
-    runs, rows, excluded = [], [], list(fs.excluded)
-    for r, row in zip(fs.runs, fs.rows):
-        if r.pair.decision <= r.pair.field[1]:
-            excluded.append(row | {"reason": NO_DOWNSTREAM})
-        else:
-            runs.append(r)
-            rows.append(row)
-    exclusions = K.exclusion_counts(excluded)
-    sel, held = split_instances(rows, float(cfg.selection_fraction), ctx.seed)
+    pr = pair_loop(ctx, "suffix_recovery", exclude=lambda p: NO_DOWNSTREAM if p.decision <= p.field[1] else None,
+                   keep=True, keep_caches=bool(cfg.keep_caches))
+    rows, excluded = pr.rows, pr.excluded
+    sel, held = (set(), set()) if generated else split_instances(rows, float(cfg.selection_fraction), ctx.seed)
     order = sorted(range(len(rows)), key=lambda i: rows[i]["instance"] not in sel)   # selection first, stable
     out_rows: list[dict | None] = [None] * len(rows)
     profiles = None
-    for i in tqdm(order, desc="suffix_recovery", disable=not cfg.progress):
-        row = rows[i] | {"split": "selection" if rows[i]["instance"] in sel else "heldout"}
+    for i in tqdm(order, desc="suffix_recovery", disable=not K.progress(ctx)):
+        row = rows[i] if generated else rows[i] | {"split": "selection" if rows[i]["instance"] in sel else "heldout"}
         topk_order = None
-        if row["split"] == "heldout":
+        if row.get("split") == "heldout":
             if profiles is None:       # every selection pair is done: build the ranking profiles once
                 profiles = offset_profiles([r for r in out_rows if r is not None and r["split"] == "selection"], anchor)
             prof, source = profile_for(profiles, row["scenario"], row["family"])
             row |= {"topk_profile_source": source, "topk_profile_pairs": prof["pairs"] if prof else []}
             if prof is not None:
-                topk_order = rank_positions(prof, runs[i].pair.downstream, anchor)
-        with ctx.timer("prefill"):
-            full = runs[i].with_caches(model)
-        with ctx.timer("variants"):
-            row |= evaluate_pair(model, full, grid, bands, pair_rng(ctx.seed, row["pair"]), n_draws, topk_order,
-                                 bool(cfg.with_field), ctx.readout, ctx.budget_bytes,
-                                 bool(cfg.store_sets))
-        runs[i] = PairRun(full.pair, None, None, full.s_old, full.s_new)            # free the caches
+                topk_order = rank_positions(prof, pr.pairs[i].pair.downstream, anchor)
+        row |= evaluate_pair(pr.pairs[i], grid, bands, pair_rng(ctx.seed, row["pair"]), n_draws, topk_order,
+                             bool(cfg.with_field), bool(cfg.store_sets), fams, single=not generated)
+        pr.pairs[i] = pr.pairs[i].released()                                     # free the caches
         out_rows[i] = row
     rows = [r for r in out_rows if r is not None]
-    held_rows = [r for r in rows if r["split"] == "heldout" and "topk_sets" in r]
     families = families_of(ctx, rows + excluded)
+    common = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows), "families": families,
+              "exclusions_by_family": exclusions_by_family(excluded, families)}
+    out = {"rows": rows, "exclusions": pr.exclusions, "excluded": excluded, "grid": grid, "layer_bands": bands,
+           "topk_anchor": anchor}
+    if generated:
+        with ctx.timer("statistics"):
+            aggregates = _cot_aggregates(rows, grid, bands, fams, families, n_boot, ctx.seed)
+        return out | {"aggregates": {"readout": "generated", "max_new_tokens": int(cfg.cot_max_new_tokens),
+                                     "n_screened": pr.n_screened} | common | aggregates,
+                      "set_families": fams, "split": {}, "selection_pairs": [], "examples": {}}
+    held_rows = [r for r in rows if r["split"] == "heldout" and "topk_sets" in r]
     examples = {}
-    for r, run_ in zip(rows, runs):
+    for r, sp in zip(rows, pr.pairs):
         cur = examples.get(r["family"])
         if cur is None or (cur["split"] != "heldout" and r["split"] == "heldout"):
-            examples[r["family"]] = _example(ctx.bundle.tokenizer, run_.pair, r)
+            examples[r["family"]] = _example(ctx.bundle.tokenizer, sp.pair, r)
     with ctx.timer("statistics"):
         aggregates = _aggregates(rows, held_rows, grid, bands, families, n_boot, ctx.seed, anchor)
-
     aggregates["checks"] = _checks(rows, held_rows, grid, sel)
-    aggregates |= {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
-                   "n_selection": sum(r["split"] == "selection" for r in rows), "n_heldout": len(held_rows),
-                   "n_heldout_without_profile": sum(r["split"] == "heldout" and "topk_sets" not in r for r in rows),
-                   "families": families, "exclusions_by_family": exclusions_by_family(excluded, families)}
-    return {"rows": rows, "exclusions": exclusions, "excluded": excluded, "aggregates": aggregates,
-            "grid": grid, "layer_bands": bands, "set_families": list(SET_FAMILIES), "topk_anchor": anchor,
-            "split": {"selection_fraction": float(cfg.selection_fraction), "seed": ctx.seed,
-                      "selection": sorted(sel), "heldout": sorted(held)},
-            "selection_pairs": [r["pair"] for r in rows if r["split"] == "selection"],
-            "examples": examples}
+    aggregates |= common | {"n_selection": sum(r["split"] == "selection" for r in rows), "n_heldout": len(held_rows),
+                            "n_heldout_without_profile": sum(r["split"] == "heldout" and "topk_sets" not in r
+                                                             for r in rows)}
+    return out | {"aggregates": aggregates, "set_families": list(SET_FAMILIES),
+                  "split": {"selection_fraction": float(cfg.selection_fraction), "seed": ctx.seed,
+                            "selection": sorted(sel), "heldout": sorted(held)},
+                  "selection_pairs": [r["pair"] for r in rows if r["split"] == "selection"], "examples": examples}

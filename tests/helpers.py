@@ -161,6 +161,7 @@ def cot_tiny_ctx(model, monkeypatch, *modules):
     from kvnotes.harness import kit
 
     for m in (kit, *modules):
-        monkeypatch.setattr(m, "stop_tokens", lambda tok: [])
+        if hasattr(m, "stop_tokens"):
+            monkeypatch.setattr(m, "stop_tokens", lambda tok: [])
     return SimpleNamespace(bundle=SimpleNamespace(model=model, tokenizer=None), thinking=False,
                            timer=lambda name: nullcontext())

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from kvnotes.harness import kit
+from kvnotes.harness.protocol import screen_generated
 from kvnotes.kv.generate import token_marker
 from probes import injection
 from probes.injection import DIRECTIONS, inject_pair
@@ -29,9 +30,10 @@ def test_zero_new_tokens_is_the_direct_injection(tiny, tiny_ctx, monkeypatch):
     monkeypatch.setattr(kit, "cot_marker", lambda ctx, pair: None)
     old, new = prompts()
     pair = synthetic_pair(old, new)
-    row, why = injection.cot_pair(tiny_ctx, pair, 0)
+    sp, row = screen_generated(tiny_ctx, pair, 0)
     direct = inject_pair(tiny, pair)
-    assert why is None
+    assert sp is not None                                  # both clean chains reached their (absent) marker
+    row |= injection.inject(sp)
     assert row["s_old"] == pytest.approx(direct["s_old"], abs=TOL) and row["s_new"] == pytest.approx(direct["s_new"], abs=TOL)
     for name in DIRECTIONS:
         for what in ("notes", "all"):
@@ -45,8 +47,8 @@ def test_zero_new_tokens_is_the_direct_injection(tiny, tiny_ctx, monkeypatch):
 def test_clean_chains_without_the_marker_exclude_the_pair(tiny_ctx, monkeypatch):
     monkeypatch.setattr(kit, "cot_marker", lambda ctx, pair: token_marker([VOCAB + 5]))   # never generated
     old, new = prompts()
-    row, why = injection.cot_pair(tiny_ctx, synthetic_pair(old, new), 3)
-    assert why == "old_no_marker" and row["s_old"] is None and not row["flips"]
+    sp, row = screen_generated(tiny_ctx, synthetic_pair(old, new), 3)
+    assert sp is None and row["reason"] == "old_no_marker" and row["s_old"] is None and not row["flips"]
     for side in ("old", "new"):
         assert row[f"chain_{side}"]["length"] == 3 and row[f"chain_{side}"]["marker_at"] is None
     assert not any(k.endswith("_s_notes") for k in row)                        # never injected, never scored

@@ -93,9 +93,9 @@ def spied(smol):
         calls["profiles"].append([dict(r) for r in rows])
         return orig_prof(rows, anchor)
 
-    def spy_eval(model, run, *args, **kw):
-        out = orig_eval(model, run, *args, **kw)
-        calls["evaluate"].append((run.pair.spec.id, run.pair.spec.instance.id, args[4], out))
+    def spy_eval(sp, *args, **kw):
+        out = orig_eval(sp, *args, **kw)
+        calls["evaluate"].append((sp.pair.spec.id, sp.pair.spec.instance.id, args[4], out))
         return out
 
     mp = pytest.MonkeyPatch()

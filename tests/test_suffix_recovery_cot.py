@@ -14,6 +14,7 @@ import torch
 import probes.suffix_recovery as sr
 from kvnotes.errors import KvnotesError
 from kvnotes.harness import kit
+from kvnotes.harness.protocol import ScreenedPair, screen_generated
 from kvnotes.harness.readout import PairRun
 from kvnotes.harness.tokens import Prompt, TokenizedPair
 from kvnotes.kv import cache as kvcache
@@ -54,12 +55,16 @@ def test_zero_new_tokens_is_the_direct_readout(tiny, tiny_ctx, monkeypatch):
     pair = owned_pair(tiny)
     n_layers = len(kvcache.prefill(tiny, pair.old.ids[:2]).layers)
     bands = kit.layer_bands(n_layers, 2)
-    row, why = sr.cot_pair(tiny_ctx, pair, FRACTIONS, list(sr.COT_FAMILIES), bands, True, 0)
-    assert why is None and row["n_unreached"] == 0
+    grid = sr.grid_points(FRACTIONS, [])
+    sp, row = screen_generated(tiny_ctx, pair, 0)
+    assert sp is not None and row["flips"]
+    row |= sr.evaluate_pair(sp, grid, bands, np.random.default_rng(0), 1, None, True, families=sr.COT_FAMILIES,
+                            single=False)
+    assert row["n_unreached"] == 0 and "single" not in row and "random_draws" not in row
     d = pair.decision
     run = PairRun(pair, kvcache.prefill(tiny, pair.old.ids[:d]), kvcache.prefill(tiny, pair.new.ids[:d]),
                   row["s_old"], row["s_new"])
-    direct = sr.evaluate_pair(tiny, run, sr.grid_points(FRACTIONS, []), bands, np.random.default_rng(0), 1, None, True)
+    direct = sr.evaluate_pair(ScreenedPair(run, tiny), grid, bands, np.random.default_rng(0), 1, None, True)
     assert row["k"] == direct["k"]
     for name in ("suffix", "prefix", "field+suffix", "field+prefix"):
         assert row["curves"][name] == pytest.approx(direct["curves"][name], abs=TOL)
@@ -74,8 +79,8 @@ def test_zero_new_tokens_is_the_direct_readout(tiny, tiny_ctx, monkeypatch):
 def test_clean_chains_without_the_marker_exclude_the_pair(tiny, tiny_ctx, monkeypatch):
     monkeypatch.setattr(kit, "cot_marker", lambda ctx, pair: token_marker([VOCAB + 5]))   # never generated
     pair = owned_pair(tiny)
-    row, why = sr.cot_pair(tiny_ctx, pair, FRACTIONS, list(sr.COT_FAMILIES), [], True, 3)
-    assert why == "old_no_marker" and row["s_old"] is None and not row["flips"]
+    sp, row = screen_generated(tiny_ctx, pair, 3)
+    assert sp is None and row["reason"] == "old_no_marker" and row["s_old"] is None and not row["flips"]
     assert row["chain_old"]["length"] == 3 and row["chain_old"]["marker_at"] is None
     assert "curves" not in row and "chains" not in row                      # never patched, never scored
 
@@ -104,7 +109,7 @@ def test_run_py_writes_a_generated_readout_record(tmp_path):
     agg = res["aggregates"]
     assert agg["readout"] == "generated" and agg["n_screened"] == 2 and agg["direct_only"] == ["single", "topk", "random"]
     screened_out = sum(v for k, v in res["exclusions"].items() if k.endswith("_no_marker") or k == "no_cot_flip")
-    assert agg["n_flip"] + screened_out == 2
+    assert agg["n_flip"] + screened_out == 2 and all(r["flips"] for r in res["rows"])
     assert res["exclusions"]["beyond_max_pairs"] == rec["scenario"]["n_pairs_aligned"] - 2
     for r in res["rows"]:
         assert r["chain_old"]["reached"] and r["chain_new"]["reached"]

@@ -1,42 +1,42 @@
-"""The pair loop of a patch probe, owned by the harness, with the readout as a parameter of the run.
+"""The pair loop of a probe, owned by the harness, with the readout as a parameter of the run.
 
-A *patch probe* says, for each token-aligned pair, which positions of the prefix ``[0, d)`` to patch
-(every layer) from the new run's K/V into the old run's: named position sets, its *variants*
-(activation patching: the new run is the clean source, the old run the patched one). Everything
-else is the harness's job, here, for both readouts:
+A pair probe says what to measure on each screened pair; everything else is the harness's job,
+here, for both readouts:
 
 - **direct** (``scenario.variant=direct``, the default): every aligned pair is prefilled and
-  screened under the run's flip rule (:func:`kvnotes.harness.kit.flipping_pairs`: the clean-run
-  store, exclusions by reason, progress, timing); each flipping pair's variants are scored in one
-  batched call chunked to the memory budget (:func:`kvnotes.harness.readout.variant_scores`, the
-  run's ``readout`` mode), right after its clean run.
+  screened under the run's flip rule (:func:`kvnotes.harness.kit.each_pair`: the clean-run store,
+  progress, timing); patched variants are scored in one batched call chunked to the memory budget
+  (:func:`kvnotes.harness.readout.variant_scores`, the run's ``readout`` mode).
 - **generated** (``scenario.variant=cot``): pairs are taken round-robin over scenarios up to the
   probe's ``cot_max_pairs`` (the rest counted ``beyond_max_pairs``); per pair both prefixes are
-  prefilled, every variant and the two clean runs (nothing patched, everything patched) decode
-  their reasoning greedily in one batch, at most ``cot_max_new_tokens`` tokens
-  (:func:`kvnotes.kv.generate.generate`), and each decision is read after the scenario's answer
-  marker (after the think block on a thinking model). The clean chains decide whether the pair
-  flips: the old chain must name the old candidate and the new chain the new one (exclusions:
-  ``<side>_no_marker``, ``<side>_truncated_in_think``, ``no_cot_flip``).
+  prefilled and the clean chains decode greedily in one batch (:func:`kvnotes.harness.kit.cot_screen`,
+  at most ``cot_max_new_tokens`` tokens): the old chain must name the old candidate after the
+  scenario's answer marker (after the think block on a thinking model) and the new chain the new
+  one (exclusions: ``<side>_no_marker``, ``<side>_truncated_in_think``, ``no_cot_flip``). Patched
+  variants then decode their reasoning in one batch (:func:`kvnotes.kv.generate.generate`) and each
+  decision is read after its chain's marker.
 
-Either way a flipping pair's row holds :func:`kvnotes.harness.pairs.pair_row` columns, its clean
-scores and, per variant ``v``: ``s_<v>`` (score, nats), ``r_<v>`` (recovery
-``(s_v - s_old) / (s_new - s_old)``, unclipped; docs/design.md §3) and ``flipped_<v>`` (the patched
-run takes the new run's decision); the generated readout adds ``reached_<v>`` and
-``chain_len_<v>`` (a variant whose chain missed its marker has ``s``, ``r`` and ``flipped`` None)
-and the clean chains' texts. A probe adds its own columns with ``extra`` (direct readout only: it
-gets the pair's prefix caches). :func:`run_patches` returns a :class:`PatchRows`; the probe
-summarises them (``kit.summaries_by_family``) and names what it found.
+Either way the probe sees a :class:`ScreenedPair` (the pair, its clean scores, and ``score(masks)``
+giving a :class:`Scored` under the run's readout) and its row (:func:`kvnotes.harness.pairs.pair_row`
+and the screen's columns). :func:`pair_loop` runs the loop for any measurement; :func:`run_patches`
+is the loop of a *patch probe*, one that names, per pair, position sets of the prefix ``[0, d)`` to
+patch (every layer) from the new run's K/V into the old run's (activation patching: the new run is
+the clean source, the old run the patched one). A patch probe's flipping rows hold, per variant
+``v``: ``s_<v>`` (score, nats), ``r_<v>`` (recovery ``(s_v - s_old) / (s_new - s_old)``, unclipped;
+docs/design.md §3) and ``flipped_<v>`` (the patched run takes the new run's decision); the generated
+readout adds ``reached_<v>`` and ``chain_len_<v>`` (a variant whose chain missed its marker has
+``s``, ``r`` and ``flipped`` None) and its rows keep the clean chains (``chain_old`` / ``chain_new``).
 
-A probe that declares its variants this way supports both readouts with one code path
-(``docs/adding_a_probe.md``); its ``Config`` includes :class:`GeneratedReadout`'s keys.
+A probe whose ``Config`` includes :class:`GeneratedReadout`'s keys supports both readouts with one
+code path (``docs/adding_a_probe.md``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
@@ -46,10 +46,13 @@ from kvnotes.harness.constraints import Count, NonNegative
 from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
 from kvnotes.kv import cache as kvcache
-from kvnotes.kv.generate import generate, owned_side, stop_tokens, unreached_label
+from kvnotes.kv import generate as kvgen
 
 #: ``pair -> {variant name: positions in [0, d)}`` (patched in every layer), in scoring order.
 Variants = Callable[[Any], Mapping[str, Sequence[int]]]
+#: ``"flipping"``: measure the pairs that flip, exclude the rest; ``"all"``: measure every screened
+#: pair (rows keep ``flips`` / ``reason``), and also list the non-flipping ones as exclusions.
+Scope = Literal["flipping", "all"]
 
 
 @dataclass
@@ -66,154 +69,299 @@ class GeneratedReadout:
 
 
 @dataclass
-class PatchRows:
+class Scored:
+    """Patched variants of one pair scored under the run's readout (one entry per variant).
+
+    Attributes:
+        s: score ``log p(new) - log p(old)`` of the decision's first tokens (nats); None where a
+            chain missed its marker.
+        r: recovery ``(s - s_old) / (s_new - s_old)``, unclipped (docs/design.md §3); None with ``s``.
+        flipped: the patched run takes the new run's decision (direct: the score's sign equals the
+            new run's; generated: the owned top-1 after the marker is the new candidate).
+        side: the candidate the patched run decides for, ``"old"`` / ``"new"`` (direct: by the
+            score's sign; generated: the owned top-1 after the marker, None when neither).
+        reached: the chain reached its marker (always true under the direct readout).
+        chains: the generated chains (:class:`kvnotes.kv.generate.Chain`), None under direct.
+    """
+
+    s: list[float | None]
+    r: list[float | None]
+    flipped: list[bool | None]
+    side: list[str | None]
+    reached: list[bool]
+    chains: list[kvgen.Chain] | None = None
+
+
+class ScreenedPair:
+    """A pair that passed the screen, with its clean scores, under the direct readout.
+
+    Attributes:
+        run: its :class:`kvnotes.harness.readout.PairRun` (prefix caches over ``[0, d)``, or
+            released: :meth:`score` prefills them again).
+        readout: ``"direct"``.
+    """
+
+    readout = "direct"
+
+    def __init__(self, run: PairRun, model, mode: str = "first_token",
+                 budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES, timer: Callable[[str], Any] | None = None):
+        self.run, self.model, self.mode, self.budget_bytes = run, model, mode, budget_bytes
+        self.timer = timer or (lambda name: nullcontext())
+
+    @classmethod
+    def of(cls, ctx, run: PairRun) -> "ScreenedPair":
+        """The pair under the run's readout mode, memory budget and timer."""
+        return cls(run, ctx.bundle.model, ctx.readout, ctx.budget_bytes, ctx.timer)
+
+    @property
+    def pair(self):
+        return self.run.pair
+
+    @property
+    def s_old(self) -> float:
+        return self.run.s_old
+
+    @property
+    def s_new(self) -> float:
+        return self.run.s_new
+
+    def masks(self, sets: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Bool ``[V, n_layers, d]`` patch masks of position sets in ``[0, d)``, every layer."""
+        n_layers = self.model.config.get_text_config().num_hidden_layers
+        return kvcache.position_masks(n_layers, self.pair.decision, [list(s) for s in sets])
+
+    @torch.no_grad()
+    def score(self, masks: torch.Tensor) -> Scored:
+        """Score ``masks`` (bool ``[V, n_layers, d]``: patch from the new run where true) in one
+        batched call chunked to the memory budget (:func:`kvnotes.harness.readout.variant_scores`).
+
+        Raises:
+            ValueError: the readout mode is not one.
+        """
+        run = self.run.with_caches(self.model)
+        with self.timer("variants"):
+            s = variant_scores(self.model, run.pair, run.old_cache, run.new_cache, masks, self.mode, self.budget_bytes)
+        flipped = run.decision_flipped(s).tolist()
+        return Scored(s.tolist(), run.recovery(s).tolist(), flipped, ["new" if x > 0 else "old" for x in s.tolist()],
+                      [True] * len(flipped))
+
+    def released(self) -> "ScreenedPair":
+        """This pair without its prefix caches (:meth:`kvnotes.harness.readout.PairRun.released`)."""
+        return ScreenedPair(self.run.released(), self.model, self.mode, self.budget_bytes, self.timer)
+
+
+class GeneratedPair(ScreenedPair):
+    """A pair that passed the generated screen: its prefix caches and the clean chains' scores
+    (read after their markers); :meth:`score` decodes the variants' chains."""
+
+    readout = "generated"
+
+    def __init__(self, ctx, pair, old_cache, new_cache, screen: dict, max_new: int):
+        self.ctx, self._pair, self.old_cache, self.new_cache = ctx, pair, old_cache, new_cache
+        #: the clean chains' token ids, ``"old"`` / ``"new"``
+        self.chain_ids = {side: screen[f"chain_{side}"]["ids"] for side in ("old", "new")}
+        s_old, s_new = screen["s_old"], screen["s_new"]
+        self.model, self.timer = ctx.bundle.model, ctx.timer
+        self._s_old, self._s_new, self.max_new = s_old, s_new, max_new
+
+    @property
+    def pair(self):
+        return self._pair
+
+    @property
+    def s_old(self) -> float:
+        return self._s_old
+
+    @property
+    def s_new(self) -> float:
+        return self._s_new
+
+    @torch.no_grad()
+    def score(self, masks: torch.Tensor) -> Scored:
+        """Decode every variant's chain in one batch and read each decision after its marker."""
+        ctx, pair = self.ctx, self._pair
+        model, d = ctx.bundle.model, pair.decision
+        with ctx.timer("generate"):
+            gen = kvgen.generate(model, kvcache.build_variants(model.config, self.old_cache, self.new_cache, masks),
+                                 int(pair.old.ids[d]), d, self.max_new, K.cot_marker(ctx, pair),
+                                 K.stop_tokens(ctx.bundle.tokenizer))
+        reached = [c.reached for c in gen.chains]
+        side = [kvgen.owned_side(lp, pair) if ok else None for lp, ok in zip(gen.logprobs, reached)]
+        s = [float(first_token_scores(lp[None], pair)[0]) if ok else None for lp, ok in zip(gen.logprobs, reached)]
+        gap = self._s_new - self._s_old
+        return Scored(s, [None if x is None else (x - self._s_old) / gap for x in s],
+                      [x == "new" if ok else None for x, ok in zip(side, reached)], side, reached, gen.chains)
+
+    def released(self) -> "GeneratedPair":
+        return self
+
+
+@dataclass
+class PairRows:
     """What the pair loop hands back to the probe.
 
     Attributes:
-        rows: one row per flipping pair (module docstring).
-        excluded: one row per excluded pair with its ``reason`` (tokenisation, screen, flip rule).
+        rows: one row per measured pair (:data:`Scope`), with the probe's columns.
+        excluded: one row per excluded pair with its ``reason`` (tokenisation, screen, flip rule,
+            the probe's own ``exclude``).
         exclusions: reason -> count (with ``beyond_max_pairs`` under the generated readout).
         readout: ``"direct"`` or ``"generated"``.
-        variants: the variant names, in order.
+        n_screened: pairs screened (every aligned pair under direct; the capped selection under
+            generated).
+        variants: a patch probe's variant names, in order.
+        pairs: with ``keep``: the measured rows' :class:`ScreenedPair`, aligned with ``rows``.
     """
 
     rows: list[dict] = field(default_factory=list)
     excluded: list[dict] = field(default_factory=list)
     exclusions: dict[str, int] = field(default_factory=dict)
     readout: str = "direct"
+    n_screened: int = 0
     variants: list[str] = field(default_factory=list)
+    pairs: list[ScreenedPair] = field(default_factory=list)
+
+
+def _screened(ctx, desc: str, pairs: list | None) -> Iterator[tuple[ScreenedPair | None, dict]]:
+    """``(screened pair, row)`` for each pair under the run's readout, in suite order (direct:
+    every aligned pair; generated: ``pairs``); the pair is None when a generated clean chain missed
+    its marker (``row["reason"]`` says how)."""
+    if pairs is None:
+        for run, row in K.each_pair(ctx, desc=desc):
+            yield ScreenedPair.of(ctx, run), row
+        return
+    max_new = int(ctx.cfg.cot_max_new_tokens)
+    for pair in tqdm(pairs, desc=f"{desc} cot", disable=not K.progress(ctx)):
+        yield screen_generated(ctx, pair, max_new)
 
 
 @torch.no_grad()
-def patch_columns(model, run: PairRun, sets: Mapping[str, Sequence[int]], mode: str = "first_token",
-                  budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> dict:
-    """The direct readout of one pair's variants: each named position set patched (every layer)
-    from the new run's prefix cache into the old run's, all scored in one batched call
-    (:func:`kvnotes.harness.readout.variant_scores`, chunked to ``budget_bytes``).
-
-    Args:
-        run: the pair's clean run with its prefix caches over ``[0, d)``.
-        sets: variant name -> positions in ``[0, d)``.
-        mode: readout mode (``first_token`` or ``full``, docs/design.md §3).
+def screen_generated(ctx, pair, max_new: int) -> tuple[GeneratedPair | None, dict]:
+    """Screen one pair under the generated readout: prefill both prefixes over ``[0, d)`` and
+    decode the clean chains (:func:`kvnotes.harness.kit.cot_screen`).
 
     Returns:
-        per variant ``v``: ``r_<v>`` (recovery), ``s_<v>`` (score, nats), ``flipped_<v>``.
-
-    Raises:
-        ValueError: ``mode`` is not a readout mode.
+        (the :class:`GeneratedPair`, or None when a clean chain missed its marker; the row:
+        :func:`kvnotes.harness.pairs.pair_row` and the screen's columns, ``reason`` set).
     """
-    masks = kvcache.position_masks(len(run.old_cache.layers), run.pair.decision, [list(v) for v in sets.values()])
-    s = variant_scores(model, run.pair, run.old_cache, run.new_cache, masks, mode, budget_bytes)
-    r, f = run.recovery(s), run.decision_flipped(s)
-    out: dict = {}
-    for i, v in enumerate(sets):
-        out |= {f"r_{v}": float(r[i]), f"s_{v}": float(s[i]), f"flipped_{v}": bool(f[i])}
-    return out
+    d = pair.decision
+    with ctx.timer("prefill"):
+        old_c = kvcache.prefill(ctx.bundle.model, pair.old.ids[:d])
+        new_c = kvcache.prefill(ctx.bundle.model, pair.new.ids[:d])
+    screen, why = K.cot_screen(ctx, pair, old_c, new_c, max_new)
+    row = pair_row(pair) | screen
+    if why:
+        return None, row | {"reason": why}
+    return GeneratedPair(ctx, pair, old_c, new_c, screen, max_new), row
 
 
-def run_patches(ctx, variants: Variants, desc: str, keep_caches: bool = False,
-                extra: Callable[[PairRun, dict], dict] | None = None) -> PatchRows:
-    """The pair loop of a patch probe under the run's readout (module docstring).
+def _exclusion(row: dict) -> dict:
+    """A generated exclusion row: :data:`kvnotes.harness.kit.EXCLUSION_COLUMNS` and the clean chains."""
+    return {k: row[k] for k in K.EXCLUSION_COLUMNS} | {c: row[c] for c in ("chain_old", "chain_new") if c in row}
+
+
+def pair_loop(ctx, desc: str, measure: Callable[[ScreenedPair, dict], dict] | None = None, *,
+              scope: Scope = "flipping", exclude: Callable[[Any], str | None] | None = None,
+              keep: bool = False, keep_caches: bool = False) -> PairRows:
+    """The pair loop of a probe under the run's readout (module docstring).
+
+    Exclusion rows come in this order: tokenisation; in suite order, the pairs the screen or the
+    flip rule excluded (direct: the whole row; generated: :func:`_exclusion`); then, in suite order,
+    the pairs the probe's ``exclude`` refused and, with ``scope="all"``, the measured pairs that do
+    not flip.
 
     Args:
         ctx: the probe context (``ctx.cfg`` declares :class:`GeneratedReadout`'s keys when the
             probe supports the generated readout).
-        variants: the probe's variants of a pair (:data:`Variants`).
         desc: the progress bar's label.
-        keep_caches: direct readout: keep the flipping pairs' prefix caches in the clean-run
-            store's runs (more memory, no second prefill for a later probe of the job).
-        extra: direct readout: ``(run with caches, row with the variant columns) -> columns`` of
-            the probe's own, added to the row.
+        measure: ``(screened pair, row) -> columns`` of the probe's own, called on each measured
+            pair right after its screen (its caches are used once, no second prefill).
+        scope: which screened pairs are measured (:data:`Scope`).
+        exclude: ``pair -> reason or None``: the probe's own exclusion of a flipping pair before
+            it is measured (e.g. ``no_downstream``).
+        keep: keep the measured pairs (:attr:`PairRows.pairs`), for a probe that must see every
+            pair before it measures one; ``keep_caches``: with their prefix caches (else released
+            and prefilled again when scored; generated pairs always keep theirs).
 
     Returns:
-        :class:`PatchRows`.
+        :class:`PairRows`.
     """
-    if K.is_cot(ctx):
-        return _generated(ctx, variants, desc)
-    model = ctx.bundle.model
-    names: list[str] = []
+    generated = K.is_cot(ctx)
+    pairs, beyond = None, 0
+    if generated:
+        limit = ctx.cfg.cot_max_pairs
+        pairs, beyond = K.cot_selection(ctx, None if limit is None else int(limit))
+    out = PairRows(excluded=list(ctx.pairs.excluded), readout="generated" if generated else "direct")
+    late: list[dict] = []
 
-    def score(run_: PairRun, row: dict) -> dict:
-        sets = variants(run_.pair)
-        names[:] = list(sets)
-        with ctx.timer("variants"):
-            out = patch_columns(model, run_, sets, ctx.readout, ctx.budget_bytes)
-            return out | (extra(run_, row | out) if extra is not None else {})
+    def excluded(row: dict) -> dict:
+        return _exclusion(row) if generated else row
 
-    fs = K.flipping_pairs(ctx, desc=desc, keep_caches=keep_caches, process=score)
-    return PatchRows(fs.rows, fs.excluded, fs.exclusions, "direct", names)
-
-
-def _clean_index(sets: Mapping[str, Sequence[int]], d: int) -> tuple[list[list[int]], int, int]:
-    """The position sets to decode (the variants', then the clean runs' where no variant is one)
-    and the indices of the clean old (nothing patched) and clean new (all of ``[0, d)``) runs."""
-    rows = [sorted(int(p) for p in v) for v in sets.values()]
-    full = list(range(d))
-    if [] not in rows:
-        rows.append([])
-    if full not in rows:
-        rows.append(full)
-    return rows, rows.index([]), rows.index(full)
-
-
-@torch.no_grad()
-def generated_pair(ctx, pair, sets: Mapping[str, Sequence[int]], max_new: int) -> tuple[dict, str | None]:
-    """One pair under the generated readout: every variant and the clean runs decode their reasoning
-    in one batch and each decision is read after the answer marker (module docstring).
-
-    Returns:
-        (the row: ``s_<v>`` (None: marker not reached), ``r_<v>``, ``flipped_<v>``, ``reached_<v>``,
-        ``chain_len_<v>``, ``old_text`` / ``new_text`` of the clean chains, and when the clean chains
-        flip ``s_old``, ``s_new``, ``effect``, ``flips``, ``reason``; the exclusion reason, or None
-        for a pair whose generated decision flips).
-    """
-    model, tok = ctx.bundle.model, ctx.bundle.tokenizer
-    d = pair.decision
-    todo, i_old, i_new = _clean_index(sets, d)
-    with ctx.timer("prefill"):
-        old_c, new_c = kvcache.prefill(model, pair.old.ids[:d]), kvcache.prefill(model, pair.new.ids[:d])
-    masks = kvcache.position_masks(ctx.bundle.adapter.n_layers, d, todo)
-    with ctx.timer("generate"):
-        gen = generate(model, kvcache.build_variants(model.config, old_c, new_c, masks), int(pair.old.ids[d]), d,
-                       max_new, K.cot_marker(ctx, pair), stop_tokens(tok))
-    reached = [c.reached for c in gen.chains]
-    side = [owned_side(lp, pair) if ok else None for lp, ok in zip(gen.logprobs, reached)]
-    score = [float(first_token_scores(lp[None], pair)[0]) if ok else None for lp, ok in zip(gen.logprobs, reached)]
-    row = pair_row(pair)
-    for i, v in enumerate(sets):
-        row[f"s_{v}"] = score[i]
-        row[f"reached_{v}"], row[f"chain_len_{v}"] = reached[i], gen.chains[i].length
-        row[f"flipped_{v}"] = side[i] == "new" if reached[i] else None
-    row["old_text"] = tok.decode(gen.chains[i_old].ids, skip_special_tokens=True)
-    row["new_text"] = tok.decode(gen.chains[i_new].ids, skip_special_tokens=True)
-    for name, i in (("old", i_old), ("new", i_new)):
-        if not reached[i]:
-            return row, unreached_label(tok, name, gen.chains[i], ctx.thinking)
-    if side[i_old] != "old" or side[i_new] != "new":
-        return row, "no_cot_flip"
-    s_old, s_new = score[i_old], score[i_new]
-    assert s_old is not None and s_new is not None              # both clean chains reached their marker
-    row |= {"s_old": s_old, "s_new": s_new, "effect": s_new - s_old, "flips": True, "reason": None}
-    for v in sets:
-        s = row[f"s_{v}"]
-        row[f"r_{v}"] = None if s is None else (s - s_old) / (s_new - s_old)
-    return row, None
-
-
-def _generated(ctx, variants: Variants, desc: str) -> PatchRows:
-    """:func:`run_patches` under the generated readout."""
-    limit = ctx.cfg.cot_max_pairs
-    pairs, beyond = K.cot_selection(ctx, None if limit is None else int(limit))
-    out = PatchRows(excluded=list(ctx.pairs.excluded), readout="generated")
-    for pair in tqdm(pairs, desc=f"{desc} cot", disable=not K.progress(ctx)):
-        sets = variants(pair)
-        out.variants = list(sets)
-        row, reason = generated_pair(ctx, pair, sets, int(ctx.cfg.cot_max_new_tokens))
-        if reason:
-            out.excluded.append(row | {"reason": reason})
-        else:
-            out.rows.append(row)
+    for sp, row in _screened(ctx, desc, pairs):
+        out.n_screened += 1
+        if sp is None or (not row["flips"] and scope == "flipping"):
+            out.excluded.append(excluded(row))
+            continue
+        why = exclude(sp.pair) if exclude is not None and row["flips"] else None
+        if why:
+            late.append(excluded(row | {"reason": why}))
+            continue
+        if not row["flips"]:
+            late.append(_exclusion(row))
+        out.rows.append(row | measure(sp, row) if measure is not None else row)
+        if keep:
+            out.pairs.append(sp if keep_caches else sp.released())
+    out.excluded += late
     out.exclusions = K.exclusion_counts(out.excluded)
     if beyond:                                            # counted, no rows: never screened
         out.exclusions["beyond_max_pairs"] = beyond
     return out
+
+
+def patch_columns(sp: ScreenedPair, sets: Mapping[str, Sequence[int]]) -> dict:
+    """One pair's variants under the run's readout: each named position set patched (every layer)
+    from the new run's prefix cache into the old run's, all scored in one batched call.
+
+    Args:
+        sp: the screened pair.
+        sets: variant name -> positions in ``[0, d)``.
+
+    Returns:
+        per variant ``v``: ``r_<v>`` (recovery), ``s_<v>`` (score, nats), ``flipped_<v>``; under the
+        generated readout also ``reached_<v>`` and ``chain_len_<v>``.
+    """
+    sc = sp.score(sp.masks(list(sets.values())))
+    out: dict = {}
+    for i, v in enumerate(sets):
+        out |= {f"r_{v}": sc.r[i], f"s_{v}": sc.s[i], f"flipped_{v}": sc.flipped[i]}
+        if sc.chains is not None:
+            out |= {f"reached_{v}": sc.reached[i], f"chain_len_{v}": sc.chains[i].length}
+    return out
+
+
+def run_patches(ctx, variants: Variants, desc: str, keep_caches: bool = False,
+                extra: Callable[[ScreenedPair, dict], dict] | None = None) -> PairRows:
+    """The pair loop of a patch probe under the run's readout (module docstring).
+
+    Args:
+        ctx: the probe context.
+        variants: the probe's variants of a pair (:data:`Variants`).
+        desc: the progress bar's label.
+        keep_caches: direct readout: keep the flipping pairs' prefix caches (no second prefill for
+            a later probe of the job).
+        extra: ``(screened pair, row with the variant columns) -> columns`` of the probe's own,
+            added to the row.
+
+    Returns:
+        :class:`PairRows`.
+    """
+    names: list[str] = []
+
+    def measure(sp: ScreenedPair, row: dict) -> dict:
+        sets = variants(sp.pair)
+        names[:] = list(sets)
+        out = patch_columns(sp, sets)
+        return out | (extra(sp, row | out) if extra is not None else {})
+
+    pr = pair_loop(ctx, desc, measure, keep=keep_caches, keep_caches=keep_caches)
+    pr.variants = names
+    return pr
