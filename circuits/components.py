@@ -31,6 +31,9 @@ contributions are aggregated over **held-out** pairs at that offset, and at ``d`
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import Curves
+
 from typing import Annotated, Any
 
 from dataclasses import dataclass
@@ -208,3 +211,11 @@ def run(ctx) -> dict:
                   "exclusions_by_family": K.exclusions_by_family(fs.excluded, families)}
     return {"rows": rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
             "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates}
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(figures=tuple(Curves(f"layer-contributions-{where}", f"contributions/{where}/@/[attn,mlp]/#",
+                           f"new - old direct logit attribution per layer, {what} (held-out; mean, 95% interval)",
+                           "layer", "Δ logit attribution (nats)")
+                    for where, what in (("at_note", "top note position"), ("at_decision", "decision position"))))

@@ -59,6 +59,9 @@ still fitted on.
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import Curves
+
 from typing import Annotated, Any, Optional
 
 from collections.abc import Sequence
@@ -575,3 +578,12 @@ def run(ctx) -> dict:
     }
     return {"rows": rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
             "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates}
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(figures=(
+    Curves("layer-curves-suff", "curves/suff/*/#/@", "sufficiency: recovery adding along the direction in the "
+           "old prefill, per layer (held-out; mean, 95% interval)", "layer", "recovery"),
+    Curves("layer-curves-nec", "curves/nec/*/#/@", "necessity: drop / (s_new - s_old) mean-ablating the "
+           "projection in the new prefill, per layer (held-out; mean, 95% interval)", "layer", "drop")))

@@ -27,6 +27,9 @@ jointly; a pair's control value is the mean over its draws.
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import Curves
+
 from dataclasses import dataclass, field
 from typing import Annotated, Optional
 
@@ -331,3 +334,11 @@ def run(ctx) -> dict:
                   "exclusions_by_family": K.exclusions_by_family(fs.excluded, families)}
     return {"rows": out_rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
             "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates}
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(headline="curves/read/all_heads/all",
+    figures=tuple(Curves(f"k-curves-{mode}", f"curves/{mode}/[topk,random]/#/@", f"{mode} heads: cumulative "
+                      "top-k recovery against k-matched random heads (held-out pairs; mean, 95% interval)",
+                      "k heads patched jointly", "recovery", xlog=True) for mode in ("read", "write")))

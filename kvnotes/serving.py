@@ -35,6 +35,8 @@ from kvnotes.errors import KvnotesError
 from kvnotes.harness.stats import proportion
 from kvnotes.harness.tokens import Prompt, build_prompt, continuation_ids
 from kvnotes.harness.edit_prompts import DEFAULT_ORDER, HOISTED_ORDER, erratum_text, render_layout
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.tables import serving_table
 from scenarios.instances import Instance, draw_instances
 
 ARMS = ("in_place", "erratum", "hoist", "cold")
@@ -353,3 +355,7 @@ def aggregate(runs: list[dict]) -> dict:
                 if ref and mine:
                     ratio.setdefault(arm, {}).setdefault(pos, {})[rate] = ref / mine
     return {"by_run": table, "p90_ttft_ratio_vs_in_place": ratio}
+
+
+#: How the serving benchmark's records are shown (they name this module under ``presentation``).
+PRESENTATION = Presentation(table=serving_table)

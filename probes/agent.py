@@ -66,6 +66,10 @@ as excluded (``agent_no_marker`` or ``agent_truncated_in_think``, with the turn 
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import Bars, agent_turns
+from kvnotes.records.tables import agent_table
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -498,3 +502,17 @@ def run(ctx) -> dict:
             "n_candidate_merges": {k: sum(r[f"{k}_reached"] and r["expected_first_tokens"][k] is None for r in rows)
                                    for k in SIDES}}
     return {"rows": rows, "aggregates": aggregates, "exclusions": exclusion_counts(excluded), "excluded": excluded}
+
+
+#: The accuracy and agreement columns of the agent's per-family figures.
+_AGENT = "[agent_accuracy,transcript_accuracy,oracle_accuracy,agreement_oracle_owned]"
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(figures=(
+    Bars("family-turn1", f"by_family/@/turn1/{_AGENT}", "turn 1: accuracy and agreement per family (95% "
+         "interval)", "share of decisions"),
+    Bars("family-turns2", f"by_family/@/turn2+/{_AGENT}", "turns 2+: accuracy and agreement per family (95% "
+         "interval)", "share of decisions"),
+    agent_turns),
+    table=agent_table)

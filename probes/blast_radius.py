@@ -18,6 +18,9 @@ must not move at all; the largest prefix deviation is recorded as a check.
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import Bars, Curves
+
 from typing import Annotated, Any
 
 from annotated_types import Len
@@ -173,3 +176,18 @@ def run(ctx) -> dict:
         }
     return {"rows": rows, "exclusions": ctx.pairs.exclusion_counts(), "excluded": ctx.pairs.excluded,
             "thresholds": thresholds, "metrics": list(METRICS), "examples": examples, "aggregates": aggregates}
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(headline="all/k_rel_p95/all",
+    figures=(
+    Curves("share-curves", "share_all/[k_rel,attn_rel]/#/@", "share of downstream positions whose layer-mean "
+           "deviation exceeds a threshold (all pairs; mean, 95% interval)", "threshold on layer-mean relative L2",
+           "share of positions", x="thresholds", xlog=True),
+    Curves("share-curves-flipping", "share_flipping/[k_rel,attn_rel]/#/@", "share of downstream positions whose "
+           "layer-mean deviation exceeds a threshold (flipping pairs; mean, 95% interval)",
+           "threshold on layer-mean relative L2", "share of positions", x="thresholds", xlog=True),
+    Bars("family-deviation", "all/[k_rel_p50,k_rel_p95,attn_rel_p50,attn_rel_p95]/@",
+         "downstream deviation per family (median and 95th percentile over layer x position cells; "
+         "mean over pairs, 95% interval)", "relative L2")))

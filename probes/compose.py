@@ -62,6 +62,10 @@ the decision position directly: the edit arms are skipped under cot (``aggregate
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import Curves, Reshaped, by_seam
+from kvnotes.records.tables import compose_table
+
 from typing import Annotated, Any, Optional
 
 from annotated_types import Len
@@ -729,3 +733,13 @@ def run(ctx) -> dict:
                                                                           n_boot, ctx.seed)}
     return {"rows": rows, "prompts": prompt_rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "variant_names": names,
             "aggregates": aggregates}
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(figures=(
+    Reshaped(Curves("seam-agreement", "decision_agreement/*/#/@", "compose: decision agreement with the full "
+                    "prefill by seam (owned prompts; Wilson 95%)", "seam tokens", "agreement"), by_seam),
+    Reshaped(Curves("seam-kl", "kl/*/#/@", "compose: KL(full || composed) by seam (mean, 95% interval)",
+                    "seam tokens", "KL (nats)", ylog=True), by_seam)),
+    table=compose_table)

@@ -26,6 +26,9 @@ in ``notes`` with its counts instead of reporting an effect.
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import Bars
+
 from typing import Any, cast
 
 from dataclasses import dataclass
@@ -199,3 +202,14 @@ def run(ctx) -> dict:
             "exclusions": K.exclusion_counts(excluded), "excluded": excluded,
             "skipped_scenarios": dict(Counter(s["reason"] for s in skipped)), "skipped": skipped,
             "variants": list(VARIANTS)}
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(figures=(
+    Bars("family-recovery", "@/recovery/*", "recovery towards the inverted rule per family and patch "
+         "(flipping polarity pairs; mean, 95% interval)", "recovery"),
+    Bars("family-shift", "@/abs_shift_all/*", "|score shift| per family and patch (all aligned pairs; mean, "
+         "95% interval)", "nats"),
+    Bars("family-two-by-two", "@/two_by_two/cells/*", "clean 2x2: log p(A) - log p(B) per field value outcome "
+         "and rule polarity (mean, 95% interval)", "nats")))

@@ -42,6 +42,10 @@ reason (``full_no_marker``, ``stale_no_marker``, ``no_cot_flip``).
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import edit_frontier
+from kvnotes.records.tables import edit_table
+
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Optional
 
@@ -492,3 +496,9 @@ def run_cot(ctx, kwargs, rankings, ks, n_boot, seed) -> dict:
                   "families": families, "variant": "cot", "methods": methods, "controls": controls,
                   "upper_bounds": [], "exclusions_by_family": exclusions_by_family(excluded, families)}
     return {"rows": rows, "exclusions": dict(exclusions), "excluded": excluded, "aggregates": aggregates}
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(figures=(edit_frontier,),
+    table=edit_table)

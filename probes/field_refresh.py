@@ -31,6 +31,9 @@ patch flipped (Wilson CI).
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import Bars, FLIPPED
+
 from typing import Any
 
 from kvnotes.records.schema import TypedDict
@@ -273,3 +276,13 @@ def run(ctx) -> dict:
                        "n_unreached": {v: sum(not r[f"reached_{v}"] for r in rows) for v in VARIANTS}}
     return {"rows": rows, "exclusions": dict(pr.exclusions), "excluded": pr.excluded, "variants": list(VARIANTS),
             "aggregates": aggregates}
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(headline="recovery/field/all",
+    figures=(
+    Bars("family-recovery", "recovery/[field,field_exact,downstream,field_downstream]/@",
+         "mean recovery per family and patch (95% interval)", "recovery"),
+    Bars("family-flipped", "recovery/[field,field_exact,downstream,field_downstream]/@/decision_flipped",
+         FLIPPED, "share of pairs")))

@@ -35,6 +35,9 @@ direction also injects field + downstream ``[a, d)``, which must reproduce the s
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import Bars
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,3 +225,13 @@ def run(ctx) -> dict:
              for f, n in aggregates["n_pairs_by_family"].items() if f not in aggregates["n_flip_by_family"]}
     return {"rows": rows, "aggregates": aggregates, "notes": notes, "exclusions": pr.exclusions,
             "excluded": pr.excluded, "directions": {n: {"base": b, "notes_from": s} for n, (b, s) in DIRECTIONS.items()}}
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(headline="flipping/all/old_notes_into_new/r_notes",
+    figures=(
+    Bars("family-follow", "flipping/@/*/follow_notes", "decision follows the injected notes (flipping pairs; "
+         "Wilson 95%)", "share of pairs"),
+    Bars("family-r-notes", "flipping/@/*/r_notes", "r_notes: score moved towards the notes' run (flipping "
+         "pairs; mean, 95% interval)", "r_notes")))

@@ -28,6 +28,9 @@ Benjamini-Hochberg over the cells.
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.tables import memory_agent_table
+
 from typing import Annotated, Optional
 
 from annotated_types import Len
@@ -224,3 +227,8 @@ def run(ctx) -> dict:
             "exclusions": dict(Counter(e["reason"] for e in excluded)), "excluded": excluded,
             "settings": mem.settings(cfg, suite, turns=int(cfg.turns), long_turns=int(cfg.long_turns),
                                      long_length=cfg.long_length, arms=list(cfg.arms))}
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(table=memory_agent_table)

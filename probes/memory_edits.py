@@ -27,6 +27,10 @@ prompt has the full prompt's exact tokens (else the two arms read different toke
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import Bars
+from kvnotes.records.tables import memory_edits_table
+
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -178,3 +182,13 @@ def run(ctx) -> dict:
             "exclusions": {}, "excluded": [],
             "settings": mem.settings(cfg, suite, ks=[int(k) for k in cfg.ks], recompile_seam=int(cfg.recompile_seam),
                                      max_edits_per_persona=int(cfg.max_edits_per_persona))}
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(figures=(
+    Bars("length-agreement", "@/arms/*/top1_agreement", "top-1 agreement with the full re-prefill per memory "
+         "length and arm (Wilson 95%)", "agreement"),
+    Bars("length-kl", "@/arms/*/kl", "KL(full || arm) per memory length and arm (mean, 95% interval)",
+         "KL (nats)", ylog=True)),
+    table=memory_edits_table)

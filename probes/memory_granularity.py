@@ -26,6 +26,10 @@ Benjamini-Hochberg over all cells of each kind.
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import Curves
+from kvnotes.records.tables import memory_granularity_table
+
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -290,3 +294,13 @@ def run(ctx) -> dict:
     return {**out, "aggregates": agg, "tests": tests, "bh": adjusted,
             "exclusions": dict(Counter(e["reason"] for e in excluded)), "excluded": excluded,
             "settings": mem.settings(cfg, suite, blocks=Ss, seam=int(cfg.seam))}
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(figures=(
+    Curves("s-curves-agreement", "@/by_S/#/top1_agreement", "top-1 agreement with full against the number of "
+           "blocks S, per memory length (Wilson 95%)", "blocks S", "agreement", xlog=True),
+    Curves("s-curves-kl", "@/by_S/#/kl", "KL(full || composed) against the number of blocks S, per memory "
+           "length (mean, 95% interval)", "blocks S", "KL (nats)", xlog=True, ylog=True)),
+    table=memory_granularity_table)

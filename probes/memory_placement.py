@@ -29,6 +29,10 @@ kind.
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import Bars
+from kvnotes.records.tables import memory_placement_table
+
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
@@ -209,3 +213,11 @@ def run(ctx) -> dict:
                                      reference="early", arm="late",
                                      kl="KL(early||late) at the decision position, nats (descriptive; tost_kl tests "
                                         "it against 0)")}
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(figures=(
+    Bars("length-accuracy", "@/by_depth/*/[accuracy_early,accuracy_late]", "accuracy with the memory early "
+         "and late per memory length and depth (facts) (95% interval)", "accuracy"),),
+    table=memory_placement_table)

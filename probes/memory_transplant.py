@@ -20,6 +20,10 @@ length the wall seconds of the full prefill, of the one precompilation and of ea
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import Bars
+from kvnotes.records.tables import memory_transplant_table
+
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -124,3 +128,13 @@ def run(ctx) -> dict:
     return {"rows": rows, "aggregates": agg, "tests": tests, "bh": adjusted, "arm_names": names, "costs": costs,
             "exclusions": dict(Counter(e["reason"] for e in excluded)), "excluded": excluded,
             "settings": mem.settings(cfg, suite, seams=[int(s) for s in cfg.seams])}
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(figures=(
+    Bars("length-agreement", "@/arms/*/decision_agreement", "decision agreement with the full prefill per "
+         "memory length and arm (owned queries; Wilson 95%)", "agreement"),
+    Bars("length-kl", "@/arms/*/kl", "KL(full || arm) per memory length and arm (mean, 95% interval)",
+         "KL (nats)", ylog=True)),
+    table=memory_transplant_table)

@@ -11,6 +11,10 @@ imply different outcomes); control scenarios must not flip (``unexpected_flips``
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import Bars
+from kvnotes.records.tables import screen_table
+
 from typing import Any
 
 from kvnotes.records.schema import TypedDict
@@ -106,3 +110,21 @@ def run(ctx) -> dict:
             "effect_flipping": summarize_rows(flipping, "effect", seed=ctx.seed),
         },
     }
+
+
+def flip_count(rec: dict) -> tuple[str, str] | None:
+    """The headline of a screen: flipping pairs of all aligned pairs (None without the counts)."""
+    aggs = rec["result"].get("aggregates", {})
+    if "n_flip" not in aggs or "n_pairs" not in aggs:
+        return None
+    return "flipping pairs", f"{aggs['n_flip']} of {aggs['n_pairs']} ({rec['config'].get('flip_rule')} rule)"
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(headline=flip_count,
+    figures=(Bars("screen-families", "by_family/@/[n_pairs,n_flip_relative,n_flip_owned,n_flip]",
+                "screen: pairs per family", "pairs",
+                names={"n_pairs": "aligned pairs", "n_flip_relative": "flipping, relative rule",
+                       "n_flip_owned": "flipping, owned rule", "n_flip": "flipping, configured rule"}),),
+    table=screen_table)

@@ -58,6 +58,9 @@ many draws, stay direct-readout only: asking for them under cot is refused in on
 
 from __future__ import annotations
 
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.figures import Bars, Curves
+
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -625,3 +628,19 @@ def run(ctx) -> dict:
                   "split": {"selection_fraction": float(cfg.selection_fraction), "seed": ctx.seed,
                             "selection": sorted(sel), "heldout": sorted(held)},
                   "selection_pairs": [r["pair"] for r in rows if r["split"] == "selection"], "examples": examples}
+
+
+#: How this probe's records are shown: the report's headline, its figures, its table
+#: (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(headline="references/field/all",
+    figures=(
+    Curves("k-curves", "curves/?heldout,all/*/#/@", "recovery against the set size k per set family "
+           "({alt} pairs; mean, 95% interval)", "k", "recovery", x="grid", xlog=("count",),
+           ref="references/downstream/@", ref_name="all downstream", dashed=("field+",)),
+    Bars("family-references", "references/*/@", "reference patches per family (mean recovery, 95% interval)",
+         "recovery"),
+    Bars("family-bands", "bands/@/*", "recovery per layer band, all downstream positions (per family; "
+         "mean, 95% interval)", "recovery", labels="layer_bands"),
+    Curves("offset-profile", "single/by_offset/decision/*", "single-position recovery by offset from the "
+           "decision position (mean over flipping pairs)", "offset d - p", "recovery", xy=("offset", "mean"),
+           xreverse=True)))

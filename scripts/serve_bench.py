@@ -377,6 +377,7 @@ def main(argv=None) -> None:
     from kvnotes.serving import aggregate
 
     record = new_record("serving", vars(args), {}, info, args.seed)
+    record["presentation"] = "kvnotes.serving"                  # its table (kvnotes.records.presentation)
     record["packages"]["vllm"] = vllm.__version__
     record["host"]["note"] = args.device_note
     record["scenario"] = {"name": ",".join(split(args.families)), "n_scenarios": len(scenarios),

@@ -193,7 +193,8 @@ def test_run_writes_a_generated_record(llama_ctx, monkeypatch, tmp_path):
     t = agg["by_family"]["all"]["all"]["time"]
     assert t["agent_generate_ms_total"] == pytest.approx(sum(r["agent_generate_ms"] for r in res["rows"]))
     check_figures("agent", res, tmp_path)
-    record = json.loads(json.dumps({"probe": "agent", "model": {"name": "tiny"}, "scenario": {"name": "t"},
+    record = json.loads(json.dumps({"probe": "agent", "config": {"probe": {"_target_": "probes.agent.run"}},
+                                    "model": {"name": "tiny"}, "scenario": {"name": "t"},
                                     "result": res}))
     assert "| recall | turn 1 |" in record_table(record)
     # the agent's chain never reaches its marker: nothing scored, the trajectory counted
@@ -202,7 +203,8 @@ def test_run_writes_a_generated_record(llama_ctx, monkeypatch, tmp_path):
     check_schema("agent", res)
     assert res["rows"] == [] and res["exclusions"] == {"agent_no_marker": 1}
     assert res["excluded"][0]["turn"] == 1 and res["aggregates"]["n_unreached"]["agent"] == 1
-    record_table(json.loads(json.dumps({"probe": "agent", "model": {"name": "tiny"}, "scenario": {"name": "t"},
+    record_table(json.loads(json.dumps({"probe": "agent", "config": {"probe": {"_target_": "probes.agent.run"}},
+                                    "model": {"name": "tiny"}, "scenario": {"name": "t"},
                                         "result": res})))
 
 

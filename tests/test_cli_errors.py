@@ -60,8 +60,10 @@ def run_kvnotes(monkeypatch, capsys, *args) -> Ran:
 
 
 def write_record(path: Path, result: dict | None = None, **changes) -> Path:
-    """A ``record.json`` at ``path`` (a directory) with the envelope, ``changes`` and ``result`` (none: no key)."""
+    """A ``record.json`` at ``path`` (a directory) with the envelope, ``changes`` and ``result`` (none: no key);
+    its config names the probe's module, as a run's does (which its presentation is read from)."""
     rec = ENVELOPE | changes | ({"result": result} if result is not None else {})
+    rec["config"] = {"probe": {"_target_": f"probes.{rec['probe']}.run"}} | rec["config"]
     path.mkdir(parents=True, exist_ok=True)
     (path / "record.json").write_text(json.dumps(rec))
     return path / "record.json"

@@ -90,6 +90,14 @@ def test_worked_example_runs_as_documented(smol, tmp_path, monkeypatch):
     assert res["rows"] and all(math.isfinite(r["r_field"]) for r in res["rows"])
     assert res["aggregates"]["recovery"]["all"]["n"] == len(res["rows"])
     assert len(res["rows"]) + len(res["excluded"]) == len(ctx.pairs.pairs) + len(ctx.pairs.excluded)
+    # its presentation is found from a record through the module the record names
+    from kvnotes.records.presentation import presentation
+    from kvnotes.records.report import headline
+    from kvnotes.records.tables import aggregates_table, record_table
+    rec = {"probe": "field_only", "config": {"probe": {"_target_": "doc_field_only.run"}, "flip_rule": "owned"},
+           "result": res}
+    assert [f.id for f in presentation(rec).figures] == ["family-recovery", "family-flipped"]
+    assert headline(rec)[0] == "recovery/all" and record_table(rec) == aggregates_table(rec)
     # the same module under the generated readout: a parameter of the run, no second code path
     cot = probes.ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], n_instances=1, variant="cot"),
                               cfg=OmegaConf.merge(cfg, {"cot_max_pairs": 2}),

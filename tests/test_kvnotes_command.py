@@ -13,7 +13,8 @@ import pytest
 from kvnotes.errors import KvnotesError
 from kvnotes.records.envelope import check_record, json_schema
 from kvnotes.records.store import find_records, load_record
-from kvnotes.records.tables import TABLES, record_table, screen_table
+from kvnotes.records.presentation import presentation
+from kvnotes.records.tables import record_table, screen_table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,7 +80,8 @@ def test_sweep_records_and_tables(sweep, tmp_path):
     blast = next(p for p in paths if "/blast_radius/" in str(p))
     proc = kvnotes("table", str(blast))
     assert proc.returncode == 0 and proc.stdout == record_table(load_record(blast))
-    assert "blast_radius" not in TABLES and set(TABLES) >= {"screen", "edit", "compose", "agent", "serving"}
+    assert presentation(load_record(blast)).table is None                  # no table of its own: every summary
+    assert presentation(load_record(screen)).table is screen_table
     proc = kvnotes("table", str(tmp_path / "missing.json"))
     assert proc.returncode != 0 and proc.stderr.startswith("kvnotes: error: cannot read record")
 
@@ -92,7 +94,7 @@ def test_serving_table_renders_every_run():
            "hit_rate_updates": 0.77, "engine_hit_rate": None, "ttft_updates_p50_s": 0.1, "ttft_updates_p90_s": 0.2,
            "throughput_rps": 1.5, "n_owned": 4, "correct_owned": share, "agreement": share, "reset_ok": True,
            "first_request_cached_tokens": 0}
-    rec = {"probe": "serving", "model": {"name": "m"}, "packages": {"vllm": "0.32.0"},
+    rec = {"probe": "serving", "presentation": "kvnotes.serving", "model": {"name": "m"}, "packages": {"vllm": "0.32.0"},
            "scenario": {"n_scenarios": 2, "families": ["recall"]},
            "config": {"sessions": 2, "turns": 3, "doc_tokens": 600},
            "result": {"engine": {"block_size": 16}, "runs": [run, run | {"arm": "in_place", "position": "late"}],

@@ -29,7 +29,7 @@ def main() -> None:
     """
     from kvnotes.errors import KvnotesError
     from kvnotes.records.envelope import read_record, reading
-    from kvnotes.records.tables import RESULTS_PROBES, record_table, results_table, screen_table
+    from kvnotes.records.tables import RESULTS_PROBES, record_table, results_table
 
     ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, prog=sys.argv[0], description=__doc__)
     ap.add_argument("records", nargs="*", help="record.json files or their directories")
@@ -52,7 +52,7 @@ def main() -> None:
     records = [(path, read_record(path)) for path in args.records]        # every record checked first
     for path, rec in records:
         with reading(path, "table"):
-            out.append(screen_table(rec, args.by) if rec.get("probe") == "screen" else record_table(rec))
+            out.append(record_table(rec, by=args.by))
     print("".join(out), end="")
 
 

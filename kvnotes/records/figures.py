@@ -1,6 +1,7 @@
 """The figures of a report page, drawn from a record's numbers only: token strips, layer x position
 and single-head maps where the data holds them, and per probe the per-family figures and curves that
-``kvnotes plot`` draws, read from the record keys :data:`FIGURES` names (:mod:`kvnotes.records.report`)."""
+``kvnotes plot`` draws, read from the record keys its presentation names (``PRESENTATION`` in the probe's
+module, :mod:`kvnotes.records.presentation`; :mod:`kvnotes.records.report`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import NamedTuple
 
 from kvnotes.records.tables import summaries
 from kvnotes.records.pages import _Page
+from kvnotes.records.presentation import presentation
 
 #: Pairs drawn as token strips per record page.
 MAX_STRIPS = 4
@@ -115,7 +117,7 @@ def _row_maps(page: _Page, rec: dict) -> None:
 
 # --------------------------------------------------------------------- figures from the figure table
 #
-# FIGURES says, per probe, which record keys hold per-family summaries and curves over k (or a
+# A probe's presentation says which record keys hold per-family summaries and curves over k (or a
 # threshold, a layer, a seam); the drawing below is the same for every probe. A path is read under
 # ``result.aggregates``, segment by segment: a key; ``@`` every key (or list index) of that level, the
 # x categories of bars or the panels of curves (families, ``all`` first; memory lengths); ``*`` every
@@ -368,7 +370,7 @@ class Curves:
         page.figure(fig, fig_id, {"kind": "curves", "title": title, "panels": names, "traces": traces})
 
 
-def _by_seam(res: dict) -> dict:
+def by_seam(res: dict) -> dict:
     """A ``compose`` record's ``variants`` (``rotate/sink=bos/seam=4`` -> metrics) as
     ``metric -> "rotate sink=bos" -> seam -> group -> summary`` for :class:`Curves`."""
     out: dict = {}
@@ -392,7 +394,7 @@ class Reshaped:
         self.figure.draw(page, rec, self.reshape(rec["result"]))
 
 
-def _edit_frontier(page: _Page, rec: dict) -> None:
+def edit_frontier(page: _Page, rec: dict) -> None:
     """Mean recovery against the share of tokens recomputed, one point per method and K."""
     import plotly.graph_objects as go
 
@@ -410,7 +412,7 @@ def _edit_frontier(page: _Page, rec: dict) -> None:
         page.figure(fig, "edit-frontier", {"kind": "edit_frontier"})
 
 
-def _agent_turns(page: _Page, rec: dict) -> None:
+def agent_turns(page: _Page, rec: dict) -> None:
     """Share of rows per turn whose agent agrees with the oracle and with the transcript."""
     import plotly.graph_objects as go
 
@@ -426,106 +428,17 @@ def _agent_turns(page: _Page, rec: dict) -> None:
         page.figure(fig, "agent-turns", {"kind": "turn_curve"})
 
 
-_FLIPPED = "share of pairs whose decision the patch flipped (Wilson 95%)"
-_AGENT = "[agent_accuracy,transcript_accuracy,oracle_accuracy,agreement_oracle_owned]"
-
-#: Per probe, the figures drawn from its record besides the token strips, maps and aggregate bars
-#: every page gets: :class:`Bars` and :class:`Curves` read the keys their paths name (above), a
-#: function draws what needs more. The per-family figures and the curves ``kvnotes plot`` draws.
-FIGURES: dict[str, tuple] = {
-    "screen": (Bars("screen-families", "by_family/@/[n_pairs,n_flip_relative,n_flip_owned,n_flip]",
-                    "screen: pairs per family", "pairs",
-                    names={"n_pairs": "aligned pairs", "n_flip_relative": "flipping, relative rule",
-                           "n_flip_owned": "flipping, owned rule", "n_flip": "flipping, configured rule"}),),
-    "field_refresh": (
-        Bars("family-recovery", "recovery/[field,field_exact,downstream,field_downstream]/@",
-             "mean recovery per family and patch (95% interval)", "recovery"),
-        Bars("family-flipped", "recovery/[field,field_exact,downstream,field_downstream]/@/decision_flipped",
-             _FLIPPED, "share of pairs")),
-    "suffix_recovery": (
-        Curves("k-curves", "curves/?heldout,all/*/#/@", "recovery against the set size k per set family "
-               "({alt} pairs; mean, 95% interval)", "k", "recovery", x="grid", xlog=("count",),
-               ref="references/downstream/@", ref_name="all downstream", dashed=("field+",)),
-        Bars("family-references", "references/*/@", "reference patches per family (mean recovery, 95% interval)",
-             "recovery"),
-        Bars("family-bands", "bands/@/*", "recovery per layer band, all downstream positions (per family; "
-             "mean, 95% interval)", "recovery", labels="layer_bands"),
-        Curves("offset-profile", "single/by_offset/decision/*", "single-position recovery by offset from the "
-               "decision position (mean over flipping pairs)", "offset d - p", "recovery", xy=("offset", "mean"),
-               xreverse=True)),
-    "blast_radius": (
-        Curves("share-curves", "share_all/[k_rel,attn_rel]/#/@", "share of downstream positions whose layer-mean "
-               "deviation exceeds a threshold (all pairs; mean, 95% interval)", "threshold on layer-mean relative L2",
-               "share of positions", x="thresholds", xlog=True),
-        Curves("share-curves-flipping", "share_flipping/[k_rel,attn_rel]/#/@", "share of downstream positions whose "
-               "layer-mean deviation exceeds a threshold (flipping pairs; mean, 95% interval)",
-               "threshold on layer-mean relative L2", "share of positions", x="thresholds", xlog=True),
-        Bars("family-deviation", "all/[k_rel_p50,k_rel_p95,attn_rel_p50,attn_rel_p95]/@",
-             "downstream deviation per family (median and 95th percentile over layer x position cells; "
-             "mean over pairs, 95% interval)", "relative L2")),
-    "heads": tuple(Curves(f"k-curves-{mode}", f"curves/{mode}/[topk,random]/#/@", f"{mode} heads: cumulative "
-                          "top-k recovery against k-matched random heads (held-out pairs; mean, 95% interval)",
-                          "k heads patched jointly", "recovery", xlog=True) for mode in ("read", "write")),
-    "direction": (
-        Curves("layer-curves-suff", "curves/suff/*/#/@", "sufficiency: recovery adding along the direction in the "
-               "old prefill, per layer (held-out; mean, 95% interval)", "layer", "recovery"),
-        Curves("layer-curves-nec", "curves/nec/*/#/@", "necessity: drop / (s_new - s_old) mean-ablating the "
-               "projection in the new prefill, per layer (held-out; mean, 95% interval)", "layer", "drop")),
-    "components": tuple(Curves(f"layer-contributions-{where}", f"contributions/{where}/@/[attn,mlp]/#",
-                               f"new - old direct logit attribution per layer, {what} (held-out; mean, 95% interval)",
-                               "layer", "Δ logit attribution (nats)")
-                        for where, what in (("at_note", "top note position"), ("at_decision", "decision position"))),
-    "dissociation": (
-        Bars("family-recovery", "@/recovery/*", "recovery towards the inverted rule per family and patch "
-             "(flipping polarity pairs; mean, 95% interval)", "recovery"),
-        Bars("family-shift", "@/abs_shift_all/*", "|score shift| per family and patch (all aligned pairs; mean, "
-             "95% interval)", "nats"),
-        Bars("family-two-by-two", "@/two_by_two/cells/*", "clean 2x2: log p(A) - log p(B) per field value outcome "
-             "and rule polarity (mean, 95% interval)", "nats")),
-    "injection": (
-        Bars("family-follow", "flipping/@/*/follow_notes", "decision follows the injected notes (flipping pairs; "
-             "Wilson 95%)", "share of pairs"),
-        Bars("family-r-notes", "flipping/@/*/r_notes", "r_notes: score moved towards the notes' run (flipping "
-             "pairs; mean, 95% interval)", "r_notes")),
-    "agent": (
-        Bars("family-turn1", f"by_family/@/turn1/{_AGENT}", "turn 1: accuracy and agreement per family (95% "
-             "interval)", "share of decisions"),
-        Bars("family-turns2", f"by_family/@/turn2+/{_AGENT}", "turns 2+: accuracy and agreement per family (95% "
-             "interval)", "share of decisions"),
-        _agent_turns),
-    "compose": (
-        Reshaped(Curves("seam-agreement", "decision_agreement/*/#/@", "compose: decision agreement with the full "
-                        "prefill by seam (owned prompts; Wilson 95%)", "seam tokens", "agreement"), _by_seam),
-        Reshaped(Curves("seam-kl", "kl/*/#/@", "compose: KL(full || composed) by seam (mean, 95% interval)",
-                        "seam tokens", "KL (nats)", ylog=True), _by_seam)),
-    "edit": (_edit_frontier,),
-    "memory_transplant": (
-        Bars("length-agreement", "@/arms/*/decision_agreement", "decision agreement with the full prefill per "
-             "memory length and arm (owned queries; Wilson 95%)", "agreement"),
-        Bars("length-kl", "@/arms/*/kl", "KL(full || arm) per memory length and arm (mean, 95% interval)",
-             "KL (nats)", ylog=True)),
-    "memory_edits": (
-        Bars("length-agreement", "@/arms/*/top1_agreement", "top-1 agreement with the full re-prefill per memory "
-             "length and arm (Wilson 95%)", "agreement"),
-        Bars("length-kl", "@/arms/*/kl", "KL(full || arm) per memory length and arm (mean, 95% interval)",
-             "KL (nats)", ylog=True)),
-    "memory_granularity": (
-        Curves("s-curves-agreement", "@/by_S/#/top1_agreement", "top-1 agreement with full against the number of "
-               "blocks S, per memory length (Wilson 95%)", "blocks S", "agreement", xlog=True),
-        Curves("s-curves-kl", "@/by_S/#/kl", "KL(full || composed) against the number of blocks S, per memory "
-               "length (mean, 95% interval)", "blocks S", "KL (nats)", xlog=True, ylog=True)),
-    "memory_placement": (
-        Bars("length-accuracy", "@/by_depth/*/[accuracy_early,accuracy_late]", "accuracy with the memory early "
-             "and late per memory length and depth (facts) (95% interval)", "accuracy"),),
-}
+#: The flip-share axis title of a patch probe's figures.
+FLIPPED = "share of pairs whose decision the patch flipped (Wilson 95%)"
 
 
 def _figures(page: _Page, rec: dict) -> None:
     """Every figure of a record's page but the aggregate bars: what its data holds (token strips,
-    example maps, head maps) and its probe's entries in :data:`FIGURES`."""
+    example maps, head maps) and the figures its probe's presentation declares
+    (:func:`kvnotes.records.presentation.presentation`)."""
     _single_strips(page, rec)
     _example_maps(page, rec)
-    for fig in FIGURES.get(rec["probe"], ()):
+    for fig in presentation(rec).figures:
         if isinstance(fig, (Bars, Curves, Reshaped)):
             fig.draw(page, rec)
         else:

@@ -13,7 +13,7 @@ each clean run's top-1 and probability, the flip rule's verdict, exclusion reaso
 raw JSON. The figures: what the record's data holds (token strips of single-position recovery and
 of key deviation, layer x position maps, single-head maps), the per-family figures and the curves
 over k (or a threshold, a layer, a seam) that ``kvnotes plot`` draws, read from the keys
-:data:`kvnotes.records.figures.FIGURES` names for the record's probe, and the aggregates over all families.
+its probe's presentation names (``PRESENTATION``, :mod:`kvnotes.records.presentation`), and the aggregates over all families.
 ``report.json`` lists the pages and the figures on each (what the browser test checks). A figure
 whose keys a record lacks (older versions) is left out; a page without decoded tokens or without any
 figure says so.
@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 from kvnotes.records.envelope import read_record, reading
@@ -40,23 +39,9 @@ from kvnotes.records.store import find_records, record_overrides
 from kvnotes.records.tables import ci, record_table, summaries
 from kvnotes.records.figures import _figures, _summary_bars
 from kvnotes.records.pages import PLOTLY_JS, _Page, _md, write_plotly_js
+from kvnotes.records.presentation import presentation
 
 
-
-def _flip_count(rec: dict) -> tuple[str, str] | None:
-    """The headline of a screen: flipping pairs of all aligned pairs (None without the counts)."""
-    aggs = rec["result"].get("aggregates", {})
-    if "n_flip" not in aggs or "n_pairs" not in aggs:
-        return None
-    return "flipping pairs", f"{aggs['n_flip']} of {aggs['n_pairs']} ({rec['config'].get('flip_rule')} rule)"
-
-
-#: Preferred headline per probe: a path under ``result.aggregates``, or a function of the record
-#: (None: fall back); else the first aggregate with pairs.
-HEADLINES: dict[str, str | Callable[[dict], tuple[str, str] | None]] = {
-    "screen": _flip_count, "field_refresh": "recovery/field/all", "blast_radius": "all/k_rel_p95/all",
-    "suffix_recovery": "references/field/all", "injection": "flipping/all/old_notes_into_new/r_notes",
-    "heads": "curves/read/all_heads/all"}
 
 #: The site's one copy of plotly.js, relative to the site's root; every page with figures loads it.
 def _page_name(rec: dict, i: int) -> str:
@@ -66,7 +51,7 @@ def _page_name(rec: dict, i: int) -> str:
 def headline(rec: dict) -> tuple[str, str]:
     """(aggregate path, ``mean [interval] method``) shown for a record in the index."""
     aggs = rec["result"].get("aggregates", {})
-    preferred = HEADLINES.get(rec["probe"])
+    preferred = presentation(rec).headline
     if callable(preferred) and (got := preferred(rec)) is not None:
         return got
     path = preferred if isinstance(preferred, str) else None

@@ -1,26 +1,16 @@
 """Tables of records as Markdown, one implementation for ``kvnotes table`` and the HTML report
-(:mod:`kvnotes.records.report`): every number comes from the record. :data:`TABLES` maps a probe to
-its table (``fn(record) -> str``, registered with :func:`table`); probes without one get
-:func:`aggregates_table`. :func:`results_table` joins several records of one model and suite.
+(:mod:`kvnotes.records.report`): every number comes from the record. A probe names its table in
+its presentation (``PRESENTATION.table``, :mod:`kvnotes.records.presentation`; the functions here
+are the ones the project's probes name); probes without one get :func:`aggregates_table`.
+:func:`results_table` joins the records of one model and suite that the paper's results table reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
 from pathlib import Path
 
-#: probe -> its table (a record in, Markdown out); filled by :func:`table`.
-TABLES: dict[str, Callable[[dict], str]] = {}
-
-
-def table(probe: str):
-    """Register ``fn(record) -> Markdown`` as the table of probe ``probe``: a new probe's table is
-    one decorated function in this module."""
-    def register(fn: Callable[[dict], str]) -> Callable[[dict], str]:
-        TABLES[probe] = fn
-        return fn
-    return register
-
+from kvnotes.records.presentation import presentation
 
 class _Lines:
     """Collects printed lines (``print`` semantics: one call, one line)."""
@@ -109,7 +99,6 @@ def aggregates_table(rec: dict, limit: int = 60) -> str:
     return w.text()
 
 
-@table("screen")
 def screen_table(rec: dict, by: str = "family") -> str:
     """The per-family (``by="family"``) or per-scenario screen table of a ``screen`` record."""
     w = _Lines()
@@ -130,7 +119,6 @@ def screen_table(rec: dict, by: str = "family") -> str:
     return w.text()
 
 
-@table("edit")
 def edit_table(record: dict) -> str:
     """The method table of an ``edit`` record (direct or ``cot`` variant), with its controls and the ranking chosen on selection instances."""
     w = _Lines()
@@ -168,7 +156,6 @@ def edit_table(record: dict) -> str:
     return w.text()
 
 
-@table("compose")
 def compose_table(rec: dict) -> str:
     """The variant, seam and edit-arm tables of a ``compose`` record."""
     agg = rec["result"]["aggregates"]
@@ -236,7 +223,6 @@ def _compose_cot_table(rec: dict) -> str:
     return w.text()
 
 
-@table("agent")
 def agent_table(record: dict) -> str:
     """The per-family, per-turn table of an ``agent`` record."""
     w = _Lines()
@@ -265,12 +251,19 @@ def agent_table(record: dict) -> str:
     return w.text()
 
 
-def record_table(rec: dict) -> str:
-    """The table of a record: its probe's (:data:`TABLES`), else :func:`aggregates_table`."""
-    return TABLES.get(rec.get("probe"), aggregates_table)(rec)
+def record_table(rec: dict, **options) -> str:
+    """The table of a record: the one its probe's presentation names
+    (:func:`kvnotes.records.presentation.presentation`), else :func:`aggregates_table`.
+
+    Args:
+        options: keyword options of the probe's table it accepts (e.g. ``by`` of
+            :func:`screen_table`); the others are ignored.
+    """
+    fn = presentation(rec).table or aggregates_table
+    params = inspect.signature(fn).parameters
+    return fn(rec, **{k: v for k, v in options.items() if k in params})
 
 
-@table("serving")
 def serving_table(rec: dict) -> str:
     """The measured serving table of a ``scripts/serve_bench.py`` record (per rate, field position
     and arm: hit rates, time to first token on update turns, correctness against the harness)."""
@@ -407,7 +400,6 @@ _MEM_HEAD = ("| memory (tokens) | arm | decision agreement (owned) | top-1 agree
              "KL(full‖arm) mean [95% CI] | McNemar (arm vs full) | TOST accuracy | TOST KL |")
 
 
-@table("memory_transplant")
 def memory_transplant_table(rec: dict) -> str:
     """E2: per length and arm, agreement with the full prefill, KL and the paired tests."""
     w = _Lines()
@@ -429,7 +421,6 @@ def memory_transplant_table(rec: dict) -> str:
     return w.text()
 
 
-@table("memory_edits")
 def memory_edits_table(rec: dict) -> str:
     """E3: per length and arm, agreement with the full re-prefill, KL, cost and the paired tests."""
     w = _Lines()
@@ -453,7 +444,6 @@ def memory_edits_table(rec: dict) -> str:
     return w.text()
 
 
-@table("memory_granularity")
 def memory_granularity_table(rec: dict) -> str:
     """E4: per length and S, composition and localized-edit agreement with full, cost, and the
     cross-referential split."""
@@ -489,7 +479,6 @@ def memory_granularity_table(rec: dict) -> str:
     return w.text()
 
 
-@table("memory_agent")
 def memory_agent_table(rec: dict) -> str:
     """E5: per run (timed sessions, long horizon), length and arm: agreement with the re-prefill of
     the rewritten prompt, KL, cumulative time to first token against re-prefilling every turn, the
@@ -513,7 +502,6 @@ def memory_agent_table(rec: dict) -> str:
     return w.text()
 
 
-@table("memory_placement")
 def memory_placement_table(rec: dict) -> str:
     """E1: per length and integration depth, accuracy with the memory early vs late, the answer's
     log-prob, KL(early‖late) and the paired tests of late against early."""

@@ -1,0 +1,75 @@
+"""A probe's presentation, declared in its own module and found from its records.
+
+A probe module (or any module that writes records) declares ``PRESENTATION``, a :class:`Presentation`:
+the report's headline for its records, the figures the report draws from them
+(:class:`kvnotes.records.figures.Bars`, :class:`~kvnotes.records.figures.Curves`, or a drawing
+function), and its Markdown table (``kvnotes table``, the report's page). Nothing central is keyed by
+a probe's name: a record names the module that wrote it (``config.probe._target_``, the probe's run
+function; or ``presentation``, a module path, for records written outside a probe such as the
+serving benchmark's), and :func:`presentation` imports that module and reads its declaration. A
+record whose module cannot be imported, or declares nothing, gets the defaults every page has (the
+aggregate bars and the table of every summary).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: A headline: a path under ``result.aggregates`` to a summary, or ``record -> (label, value)`` (None:
+#: fall back to the first aggregate with pairs).
+Headline = str | Callable[[dict], tuple[str, str] | None]
+
+
+@dataclass(frozen=True)
+class Presentation:
+    """How a probe's records are shown.
+
+    Attributes:
+        headline: the report index's headline of a record (:data:`Headline`; None: the first
+            aggregate with pairs).
+        figures: what the report draws on a record's page besides the figures every page gets:
+            :class:`kvnotes.records.figures.Bars` / ``Curves`` / ``Reshaped`` (record keys), or
+            ``fn(page, record)``.
+        table: ``fn(record) -> Markdown`` (None: :func:`kvnotes.records.tables.aggregates_table`);
+            keyword options the table accepts (``by`` of the screen table) are passed by ``kvnotes table``.
+    """
+
+    headline: Headline | None = None
+    figures: tuple[Any, ...] = ()
+    table: Callable[..., str] | None = None
+
+
+#: What a record whose module declares nothing gets.
+DEFAULT = Presentation()
+
+
+def source_module(rec: dict) -> str | None:
+    """The module that wrote a record: that of ``config.probe._target_``, else the record's
+    ``presentation`` key; None when the record names neither."""
+    probe = (rec.get("config") or {}).get("probe")
+    target = probe.get("_target_") if isinstance(probe, dict) else None
+    if isinstance(target, str) and "." in target:
+        return target.rsplit(".", 1)[0]
+    named = rec.get("presentation")
+    return named if isinstance(named, str) and named else None
+
+
+@functools.cache
+def _declared(module: str) -> Presentation:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return DEFAULT
+    got = getattr(mod, "PRESENTATION", DEFAULT)
+    return got if isinstance(got, Presentation) else DEFAULT
+
+
+def presentation(rec: dict) -> Presentation:
+    """The :class:`Presentation` the module that wrote ``rec`` declares (:func:`source_module`;
+    :data:`DEFAULT` when none can be found)."""
+    module = source_module(rec)
+    return DEFAULT if module is None else _declared(module)
