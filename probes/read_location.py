@@ -62,6 +62,9 @@ query's field mass: does the reasoning re-read the field? Rows keep each chain (
 
 from __future__ import annotations
 
+from kvnotes.plots.read_location import plot_read_location
+from kvnotes.records.presentation import Presentation
+
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -586,3 +589,7 @@ def run(ctx) -> dict:
                          "rule": f"collapsed = both candidates' first-token log-probs {what}fall by >= drop_nats, "
                                  "or neither candidate stays in the top_k that held one of them"},
             "examples": examples} | ({"knockout_unreached": unreached} if generated else {})
+
+
+#: How this probe's records are shown: its figures (:mod:`kvnotes.records.presentation`).
+PRESENTATION = Presentation(plot=plot_read_location)

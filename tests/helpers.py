@@ -104,6 +104,15 @@ def recall_pairs(bundle, ids, n_instances=2, per_instance=None, variant="direct"
     return ps
 
 
+def record_of(name: str, res: dict) -> dict:
+    """The parts of a record of probe ``name`` that its table and figures read: the result, and the
+    config naming the probe's module (its presentation, :mod:`kvnotes.records.presentation`)."""
+    import probes
+
+    return {"probe": name, "config": {"probe": {"_target_": f"{probes.module(name).__name__}.run"}},
+            "model": {"name": "smollm2-135m"}, "scenario": {"name": "test"}, "result": res}
+
+
 def check_figures(name: str, res: dict, tmp_path) -> None:
     """A probe's result, computed on a real model, matches its declared ``Result`` schema after a
     JSON round-trip (as in a record), and its figures render from it (figures come from records)."""
@@ -114,8 +123,7 @@ def check_figures(name: str, res: dict, tmp_path) -> None:
     from kvnotes.records.store import to_jsonable
     from kvnotes.records.schema import check_result, result_schema
 
-    record = json.loads(json.dumps(to_jsonable({"probe": name, "model": {"name": "smollm2-135m"},
-                                                "scenario": {"name": "test"}, "result": res})))
+    record = json.loads(json.dumps(to_jsonable(record_of(name, res))))
     check_result(record["result"], result_schema(probes.module(name)))
     paths = plot_record(record, tmp_path)
     assert paths and all(p.is_file() and p.stat().st_size > 10_000 for p in paths)

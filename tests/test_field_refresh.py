@@ -16,7 +16,7 @@ from kvnotes.harness.readout import PairRun, variant_scores
 from probes import ProbeContext
 from probes.field_refresh import VARIANTS, exact_field_source, refresh_pair, variant_positions
 from probes.field_refresh import run as run_probe
-from tests.helpers import VOCAB, WINDOW, check_schema, recall_pairs
+from tests.helpers import VOCAB, WINDOW, check_schema, recall_pairs, record_of
 
 T = 3 * WINDOW            # prefix length: longer than the sliding window, so windows fill
 FIELD = (5, 8)
@@ -173,8 +173,7 @@ def test_exclusions_are_counted(smol, result):
 def test_figure_from_record(result, tmp_path):
     _, res = result
     check_schema("field_refresh", res)
-    record = {"probe": "field_refresh", "model": {"name": "smollm2-135m"}, "scenario": {"name": "test"},
-              "result": res}
+    record = record_of("field_refresh", res)
     paths = plot_record(record, tmp_path)
     assert [p.name for p in paths] == ["field_refresh.png"] and paths[0].stat().st_size > 10_000
 

@@ -13,7 +13,7 @@ from kvnotes.harness.kit import layer_bands
 from kvnotes.harness.pairs import PairSet
 from kvnotes.plots import plot_record
 from probes import ProbeContext
-from tests.helpers import check_schema, recall_pairs
+from tests.helpers import check_schema, recall_pairs, record_of
 
 GRID = {"fractions": [0.1, 0.5, 1.0], "counts": [1, 4, 1000]}     # 1000 exceeds every downstream
 N_DRAWS = 3
@@ -208,8 +208,7 @@ def test_exclusions_are_counted(smol, spied):
 def test_figures_from_record(spied, tmp_path):
     _, res, _ = spied
     check_schema("suffix_recovery", res)
-    record = {"probe": "suffix_recovery", "model": {"name": "smollm2-135m"}, "scenario": {"name": "test"},
-              "result": res}
+    record = record_of("suffix_recovery", res)
     paths = plot_record(record, tmp_path)
     assert sorted(p.name for p in paths) == ["suffix_recovery_bands.png", "suffix_recovery_curves.png",
                                              "suffix_recovery_map.png"]

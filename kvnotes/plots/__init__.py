@@ -1,43 +1,26 @@
 """Figures drawn from records only: every number comes from a record's JSON.
 
-One module per probe (``kvnotes/plots/<probe>.py``) registers its drawing function with
-:func:`plotter`; :func:`plot_record` imports the module named after the record's probe and
-dispatches. ``kvnotes plot`` is the command-line front end and the notebooks call the same
-functions.
+One module per probe (``kvnotes/plots/<probe>.py``) holds its drawing function, which the probe's
+presentation names (``PRESENTATION.plot``, :mod:`kvnotes.records.presentation`); :func:`plot_record`
+finds it through the module the record names. ``kvnotes plot`` is the command-line front end and
+the notebooks call the same functions.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 
-PLOTTERS: dict[str, Callable[[dict, Path], list[Path]]] = {}
-
-
-def plotter(name: str):
-    """Register ``fn(record, out_dir) -> list of written paths`` as the figures of probe ``name``."""
-    def register(fn):
-        PLOTTERS[name] = fn
-        return fn
-    return register
-
+from kvnotes.records.presentation import presentation  # noqa: E402  (after the backend is chosen)
 
 def plot_record(record: dict, out_dir: str | Path) -> list[Path]:
-    """Write the figures of a record into ``out_dir``; returns their paths (none for probes
-    without figures)."""
-    name = record["probe"]
-    if name not in PLOTTERS:
-        try:
-            importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise
-    fn = PLOTTERS.get(name)
+    """Write the figures of a record into ``out_dir`` with the drawing function its probe's
+    presentation names (:func:`kvnotes.records.presentation.presentation`); returns their paths
+    (none for probes without figures)."""
+    fn = presentation(record).plot
     return fn(record, Path(out_dir)) if fn else []
 
 

@@ -7,14 +7,13 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import ci_bounds, plotter, save, title
+from kvnotes.plots import ci_bounds, save, title
 
 #: Bars per turn scope: (aggregate key, label).
 BARS = (("agent_accuracy", "agent (composed + update)"), ("transcript_accuracy", "full prefill of the conversation"),
         ("oracle_accuracy", "oracle: full prefill, field rewritten"), ("agreement_oracle_owned", "agent = oracle (owned)"))
 
 
-@plotter("agent")
 def plot_agent(record: dict, out_dir: Path) -> list[Path]:
     """Per group (``all`` and each family) and turn scope (turn 1, turns 2+): accuracy of the agent,
     the transcript and the oracle, and the agent's agreement with the oracle where the oracle owns

@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import LogNorm
 
-from kvnotes.plots import ci_bounds, plotter, save, title
+from kvnotes.plots import ci_bounds, save, title
 
 
 def _heatmap(ax, example: dict, metric: str, label: str) -> None:
@@ -29,7 +29,6 @@ def _heatmap(ax, example: dict, metric: str, label: str) -> None:
     plt.colorbar(im, ax=ax, fraction=0.046, pad=0.02)
 
 
-@plotter("blast_radius")
 def plot_blast_radius(record: dict, out_dir: Path) -> list[Path]:
     """Layer x position deviation heatmaps for one example pair (field span and decision position
     marked) and the share-above-threshold curves per family with CI bands."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import ci_bounds, plotter, save, title
+from kvnotes.plots import ci_bounds, save, title
 
 
 def _vals(summaries: list[dict]) -> tuple[np.ndarray, np.ndarray]:
@@ -19,7 +19,6 @@ def _vals(summaries: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     return mean, np.stack([mean - lo, hi - mean])
 
 
-@plotter("components")
 def plot_components(record: dict, out_dir: Path) -> list[Path]:
     """One row per family with held-out pairs; columns: at the note position, at the decision."""
     agg = record["result"]["aggregates"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import save, title
 
 
 def _share_line(ax, seams, shares: list[dict], label: str, **style) -> None:
@@ -23,7 +23,6 @@ def _share_line(ax, seams, shares: list[dict], label: str, **style) -> None:
     ax.fill_between(xs, lo, hi, color=style.get("color"), alpha=0.12, lw=0)
 
 
-@plotter("compose")
 def plot_compose(record: dict, out_dir: Path) -> list[Path]:
     """Per group (``all`` and each family): decision agreement with the full prefill on prompts
     whose full prefill owns its decision (Wilson CI) and mean KL(full || composed) (cluster-bootstrap

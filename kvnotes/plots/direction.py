@@ -11,7 +11,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from kvnotes.plots import ci_line, plotter, save, title
+from kvnotes.plots import ci_line, save, title
 
 _STYLE = {"direction": ("tab:red", "-", "direction"), "orthogonal": ("tab:blue", "--", "orthogonal complement"),
           "full": ("grey", ":", "full difference"), "random": ("tab:green", "-.", "random, norm-matched")}
@@ -23,7 +23,6 @@ def _line(ax, curve: dict, layers: list, fam: str, variant: str) -> None:
     ci_line(ax, layers, pts, label, ls=ls, marker="o", ms=3, color=color)
 
 
-@plotter("direction")
 def plot_direction(record: dict, out_dir: Path) -> list[Path]:
     """One row per family with held-out pairs (and ``all``); columns: sufficiency, necessity."""
     agg = record["result"]["aggregates"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import ci_bounds, plotter, save, title
+from kvnotes.plots import ci_bounds, save, title
 
 CELLS = ("A_normal", "A_inverted", "B_normal", "B_inverted")
 
@@ -19,7 +19,6 @@ def _bars(ax, x, stats, width, label, color=None):
     ax.errorbar(x, m, yerr=[m - lo, hi - m], fmt="none", ecolor="k", lw=0.8, capsize=2)
 
 
-@plotter("dissociation")
 def plot_dissociation(record: dict, out_dir: Path) -> list[Path]:
     """Left: recovery from the trigger's KV, the notes after it, and both, per family over flipping
     polarity pairs (families without flips are marked, not drawn). Middle: mean absolute score shift

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import save, title
 
 MARKERS = {"stale": "x", "refresh_field": "s", "erratum": "^", "field_plus_erratum": "v", "hoist": "D",
            "full": "*", "wrong_erratum": "1", "irrelevant_notice": "2"}
@@ -28,7 +28,6 @@ def _point(ax, x, p, ci, **style):
     ax.errorbar([max(x, FLOOR)], [p], yerr=yerr, capsize=2, lw=0.8, **style)
 
 
-@plotter("edit")
 def plot_edit(record: dict, out_dir: Path) -> list[Path]:
     """Share of pairs whose decision agrees with the full re-prefill (Wilson 95% CI) against the
     share of prompt tokens recomputed, for every named method and each selective ranking's K sweep

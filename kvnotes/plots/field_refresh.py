@@ -7,7 +7,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import save, title
 
 #: Bars drawn per family: (variant key in the record, label, is it a check by construction).
 BARS = (("field", "field only (copied KV)", False), ("field_exact", "field only (recomputed)", False),
@@ -31,7 +31,6 @@ def bar_with_ci(ax, x: float, summary: dict, key: str, width: float, color, hatc
            yerr=yerr, capsize=2, error_kw={"lw": 0.8})
 
 
-@plotter("field_refresh")
 def plot_field_refresh(record: dict, out_dir: Path) -> list[Path]:
     """Bars per family: mean recovery of field-only vs field+downstream refresh (and downstream
     only, and the recomputed field) with 95% cluster-bootstrap CIs; right: share of pairs whose

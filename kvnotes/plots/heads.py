@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import ci_line, plotter, save, title
+from kvnotes.plots import ci_line, save, title
 
 
 def _curve(ax, curve: dict, ks: list, fam: str, color, label: str, ls: str) -> None:
@@ -17,7 +17,6 @@ def _curve(ax, curve: dict, ks: list, fam: str, color, label: str, ls: str) -> N
     ci_line(ax, ks, pts, label, ls=ls, marker="o", ms=3, color=color)
 
 
-@plotter("heads")
 def plot_heads(record: dict, out_dir: Path) -> list[Path]:
     """Top-k curves per mode and family; single-head recovery heatmaps per mode (all families)."""
     agg = record["result"]["aggregates"]

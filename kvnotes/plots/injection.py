@@ -7,10 +7,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import ci_bounds, plotter, save, title
+from kvnotes.plots import ci_bounds, save, title
 
 
-@plotter("injection")
 def plot_injection(record: dict, out_dir: Path) -> list[Path]:
     """Follow-the-notes rate (Wilson 95% CI) and notes recovery ``r_notes`` (cluster-bootstrap CI)
     per family and direction, over flipping pairs."""

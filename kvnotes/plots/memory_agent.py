@@ -8,10 +8,9 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import save, title
 
 
-@plotter("memory_agent")
 def plot_memory_agent(record: dict, out_dir: Path) -> list[Path]:
     """Left, middle: per turn of the long-horizon run, the share of owned turns whose decision agrees
     with the re-prefill and the mean KL(full || arm) (persona means), one line per arm. Right: the

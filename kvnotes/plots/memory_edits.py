@@ -8,10 +8,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import save, title
 
 
-@plotter("memory_edits")
 def plot_memory_edits(record: dict, out_dir: Path) -> list[Path]:
     """Per memory length: top-1 agreement with ``full`` (Wilson CI), mean KL(full || arm) and the
     mean share of ``full``'s tokens each arm forwarded, one bar per arm."""

@@ -8,11 +8,10 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import save, title
 from kvnotes.plots.memory import mean_line, share_line
 
 
-@plotter("memory_granularity")
 def plot_memory_granularity(record: dict, out_dir: Path) -> list[Path]:
     """Per memory length, against ``S``: top-1 agreement with full (composed, and after the
     localized edit), mean KL(full || composed), the edit's tokens as a share of the full

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import save, title
 from kvnotes.plots.memory import mean_line, share_and_kl_axes, share_line
 
 
-@plotter("memory_placement")
 def plot_memory_placement(record: dict, out_dir: Path) -> list[Path]:
     """Accuracy (Wilson CI) per placement and depth, and mean KL(early || late) (interval over
     persona means) per depth, against the memory length."""

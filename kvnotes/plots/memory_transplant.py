@@ -7,11 +7,10 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import save, title
 from kvnotes.plots.memory import mean_line, share_and_kl_axes, share_line
 
 
-@plotter("memory_transplant")
 def plot_memory_transplant(record: dict, out_dir: Path) -> list[Path]:
     """Decision agreement on owned queries (Wilson CI) and mean KL(full || arm) (interval over
     persona means) against the memory length, per arm."""

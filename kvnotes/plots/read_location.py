@@ -8,7 +8,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import ci_bounds, plotter, save, title
+from kvnotes.plots import ci_bounds, save, title
 
 
 def _subset(agg: dict, family: str) -> tuple[str, dict]:
@@ -93,7 +93,6 @@ def knockout_figure(record: dict) -> plt.Figure:
     return fig
 
 
-@plotter("read_location")
 def plot_read_location(record: dict, out_dir: Path) -> list[Path]:
     """``read_location_attention.png`` and ``read_location_knockout.png``."""
     return [save(attention_figure(record), out_dir, "read_location_attention.png"),

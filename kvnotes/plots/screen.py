@@ -7,10 +7,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import save, title
 
 
-@plotter("screen")
 def plot_screen(record: dict, out_dir: Path) -> list[Path]:
     """Pairs, flipping pairs and excluded pairs per family."""
     table = record["result"]["aggregates"]["by_family"]

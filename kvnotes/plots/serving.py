@@ -8,7 +8,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import plotter, save, title
+from kvnotes.plots import save, title
 
 ARM_ORDER = ("in_place", "erratum", "hoist", "cold")
 POS_ORDER = ("early", "middle", "late")
@@ -18,7 +18,6 @@ def _present(values, order):
     return [v for v in order if v in values] + sorted(v for v in values if v not in order)
 
 
-@plotter("serving")
 def plot_serving(record: dict, out_dir: Path) -> list[Path]:
     """``serving_ttft.png``: TTFT of the update turns (turn >= 1) per arm, one panel per arrival
     rate, one box per field position (log scale); ``serving_hit_rate.png``: prefix-cache hit rate of

@@ -7,7 +7,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvnotes.plots import ci_bounds, plotter, save, title
+from kvnotes.plots import ci_bounds, save, title
 from kvnotes.plots.field_refresh import bar_with_ci
 
 COLORS = {"suffix": "tab:blue", "prefix": "tab:orange", "topk": "tab:green", "random": "tab:gray"}
@@ -129,7 +129,6 @@ def _bands_figure(record: dict, out_dir: Path) -> Path:
     return save(fig, out_dir, "suffix_recovery_bands.png")
 
 
-@plotter("suffix_recovery")
 def plot_suffix_recovery(record: dict, out_dir: Path) -> list[Path]:
     """Recovery curves with CI bands per family (suffix / prefix / top-k / random, held-out
     pairs), the single-position map of one example pair per family over its tokens (field and

@@ -1,7 +1,8 @@
 """A probe's presentation, declared in its own module and found from its records.
 
 A probe module (or any module that writes records) declares ``PRESENTATION``, a :class:`Presentation`:
-the report's headline for its records, the figures the report draws from them
+the report's headline for its records, the figures the report draws from them and those
+``kvnotes plot`` writes
 (:class:`kvnotes.records.figures.Bars`, :class:`~kvnotes.records.figures.Curves`, or a drawing
 function), and its Markdown table (``kvnotes table``, the report's page). Nothing central is keyed by
 a probe's name: a record names the module that wrote it (``config.probe._target_``, the probe's run
@@ -17,6 +18,7 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 #: A headline: a path under ``result.aggregates`` to a summary, or ``record -> (label, value)`` (None:
@@ -36,11 +38,14 @@ class Presentation:
             ``fn(page, record)``.
         table: ``fn(record) -> Markdown`` (None: :func:`kvnotes.records.tables.aggregates_table`);
             keyword options the table accepts (``by`` of the screen table) are passed by ``kvnotes table``.
+        plot: ``fn(record, out_dir) -> written paths``: the static figures ``kvnotes plot`` and a run
+            write (:mod:`kvnotes.plots`; None: none).
     """
 
     headline: Headline | None = None
     figures: tuple[Any, ...] = ()
     table: Callable[..., str] | None = None
+    plot: Callable[[dict, Path], list[Path]] | None = None
 
 
 #: What a record whose module declares nothing gets.
