@@ -12,3 +12,8 @@ class KvnotesError(Exception):
     Raised for: unknown model/probe/scenario names, a field slot missing from its template, a model
     that is neither embedded nor available offline, scenarios whose values do not change the tokens.
     """
+
+
+class ModelFitError(KvnotesError, ValueError):
+    """A config value the loaded model cannot take (known only once its shape is), e.g. more layer
+    bands than the model has layers: one line at the command line, a ``ValueError`` to library callers."""

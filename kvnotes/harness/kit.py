@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from kvnotes.kv import cache as kvcache
-from kvnotes.errors import KvnotesError
+from kvnotes.errors import KvnotesError, ModelFitError
 from kvnotes.harness.constraints import Count, one_of
 from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import PairRun, first_token_scores, run_pair, variant_scores
@@ -344,11 +344,13 @@ def layer_bands(n_layers: int, spec, units: str = "layer") -> list[dict]:
             ``units="fraction"`` fractions of depth (``[floor(lo * L + 0.5), floor(hi * L + 0.5))``).
 
     Raises:
-        ValueError: unknown units, more bands than layers, or an empty / out-of-range band.
+        ModelFitError: (a ``ValueError``) unknown units, more bands than layers, or an empty /
+            out-of-range band.
     """
     if isinstance(spec, int | np.integer):
         if not 1 <= spec <= n_layers:
-            raise ValueError(f"cannot split {n_layers} layers into {spec} bands")
+            raise ModelFitError(f"layer bands: cannot split the model's {n_layers} layers into {spec} bands "
+                                f"(give the probe at most {n_layers})")
         spec, units = [[int(a[0]), int(a[-1]) + 1] for a in np.array_split(np.arange(n_layers), int(spec))], "layer"
     out = []
     for lo, hi in spec:
@@ -357,9 +359,9 @@ def layer_bands(n_layers: int, spec, units: str = "layer") -> list[dict]:
         elif units == "layer":
             l0, l1 = int(lo), int(hi)
         else:
-            raise ValueError(f"band units must be 'fraction' or 'layer', got {units!r}")
+            raise ModelFitError(f"band units must be 'fraction' or 'layer', got {units!r}")
         if not 0 <= l0 < l1 <= n_layers:
-            raise ValueError(f"band [{lo}, {hi}] ({units}) gives an empty or out-of-range layer range "
+            raise ModelFitError(f"layer bands: band [{lo}, {hi}] ({units}) gives an empty or out-of-range layer range "
                              f"[{l0}, {l1}) for {n_layers} layers")
         out.append({"name": f"L{l0}-{l1 - 1}", "layers": [l0, l1]})
     return out

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from kvnotes.models.adapters import Adapter
 from kvnotes.models.cpu_linear import CPU_LINEAR, pack_linears
@@ -426,8 +427,15 @@ def _random_bundle_parts(cfg: Any, dev: torch.device, dtype: torch.dtype, attn: 
 
 def _checkpoint_source(cfg: Any) -> tuple[str, dict]:
     """Where a checkpoint config's weights are (a directory) and their provenance: ``model.path``
-    when set (for an embedded entry too: its own weights are then not loaded), else the embedded
+    when set (for an embedded entry too: its own weights are then not loaded), else a planted
+    model's checkpoint (:mod:`kvnotes.models.planted`, built on first use), else the embedded
     package's GGUF, else the hub id."""
+    if cfg.get("planted") and not cfg.get("path"):
+        from kvnotes.models.planted import CONSTRUCTION_VERSION, materialise_planted
+
+        source = materialise_planted(cfg.planted, cache_dir())
+        return str(source), {"source": "planted", "planted": OmegaConf.to_container(cfg.planted) if isinstance(cfg.planted, DictConfig) else dict(cfg.planted),
+                             "construction_version": CONSTRUCTION_VERSION, "path": str(source)}
     if cfg.get("embedded") and not cfg.get("path"):
         source, digest = materialise_embedded(cfg.embedded)
         packages = [p["package"] for p in cfg.embedded.parts] if cfg.embedded.get("parts") else cfg.embedded.package

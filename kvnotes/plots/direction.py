@@ -14,11 +14,18 @@ import matplotlib.pyplot as plt
 from kvnotes.plots import ci_line, save, title
 
 _STYLE = {"direction": ("tab:red", "-", "direction"), "orthogonal": ("tab:blue", "--", "orthogonal complement"),
-          "full": ("grey", ":", "full difference"), "random": ("tab:green", "-.", "random, norm-matched")}
+          "full": ("grey", ":", "full difference"), "random": ("tab:green", "-.", "random, norm-matched"),
+          "random_subspace": ("tab:olive", (0, (3, 1, 1, 1)), "random 1-d subspace of the difference")}
+#: A control the style table does not know yet is drawn, not dropped.
+_OTHER = ("tab:purple", (0, (1, 1)))
+
+
+def _style(variant: str) -> tuple:
+    return _STYLE.get(variant, (*_OTHER, variant))
 
 
 def _line(ax, curve: dict, layers: list, fam: str, variant: str) -> None:
-    color, ls, label = _STYLE[variant]
+    color, ls, label = _style(variant)
     pts = [curve.get(str(l), {}).get(fam, {}) for l in layers]
     ci_line(ax, layers, pts, label, ls=ls, marker="o", ms=3, color=color)
 
