@@ -31,7 +31,6 @@ contributions are aggregated over **held-out** pairs at that offset, and at ``d`
 
 from __future__ import annotations
 
-from kvnotes.plots.components import plot_components
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Curves
 
@@ -216,7 +215,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_components, figures=tuple(Curves(f"layer-contributions-{where}", f"contributions/{where}/@/[attn,mlp]/#",
+PRESENTATION = Presentation(plot="kvnotes.plots.components:plot_components", figures=tuple(Curves(f"layer-contributions-{where}", f"contributions/{where}/@/[attn,mlp]/#",
                            f"new - old direct logit attribution per layer, {what} (held-out; mean, 95% interval)",
                            "layer", "Δ logit attribution (nats)")
                     for where, what in (("at_note", "top note position"), ("at_decision", "decision position"))))

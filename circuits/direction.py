@@ -59,7 +59,6 @@ still fitted on.
 
 from __future__ import annotations
 
-from kvnotes.plots.direction import plot_direction
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Curves
 
@@ -583,7 +582,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_direction, figures=(
+PRESENTATION = Presentation(plot="kvnotes.plots.direction:plot_direction", figures=(
     Curves("layer-curves-suff", "curves/suff/*/#/@", "sufficiency: recovery adding along the direction in the "
            "old prefill, per layer (held-out; mean, 95% interval)", "layer", "recovery"),
     Curves("layer-curves-nec", "curves/nec/*/#/@", "necessity: drop / (s_new - s_old) mean-ablating the "

@@ -27,7 +27,6 @@ jointly; a pair's control value is the mean over its draws.
 
 from __future__ import annotations
 
-from kvnotes.plots.heads import plot_heads
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Curves
 
@@ -339,7 +338,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_heads, headline="curves/read/all_heads/all",
+PRESENTATION = Presentation(plot="kvnotes.plots.heads:plot_heads", headline="curves/read/all_heads/all",
     figures=tuple(Curves(f"k-curves-{mode}", f"curves/{mode}/[topk,random]/#/@", f"{mode} heads: cumulative "
                       "top-k recovery against k-matched random heads (held-out pairs; mean, 95% interval)",
                       "k heads patched jointly", "recovery", xlog=True) for mode in ("read", "write")))

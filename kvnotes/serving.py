@@ -35,7 +35,6 @@ from kvnotes.errors import KvnotesError
 from kvnotes.harness.stats import proportion
 from kvnotes.harness.tokens import Prompt, build_prompt, continuation_ids
 from kvnotes.harness.edit_prompts import DEFAULT_ORDER, HOISTED_ORDER, erratum_text, render_layout
-from kvnotes.plots.serving import plot_serving
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.tables import serving_table
 from scenarios.instances import Instance, draw_instances
@@ -359,4 +358,4 @@ def aggregate(runs: list[dict]) -> dict:
 
 
 #: How the serving benchmark's records are shown (they name this module under ``presentation``).
-PRESENTATION = Presentation(plot=plot_serving, table=serving_table)
+PRESENTATION = Presentation(plot="kvnotes.plots.serving:plot_serving", table=serving_table)

@@ -66,7 +66,6 @@ as excluded (``agent_no_marker`` or ``agent_truncated_in_think``, with the turn 
 
 from __future__ import annotations
 
-from kvnotes.plots.agent import plot_agent
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Bars, agent_turns
 from kvnotes.records.tables import agent_table
@@ -510,7 +509,7 @@ _AGENT = "[agent_accuracy,transcript_accuracy,oracle_accuracy,agreement_oracle_o
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_agent, figures=(
+PRESENTATION = Presentation(plot="kvnotes.plots.agent:plot_agent", figures=(
     Bars("family-turn1", f"by_family/@/turn1/{_AGENT}", "turn 1: accuracy and agreement per family (95% "
          "interval)", "share of decisions"),
     Bars("family-turns2", f"by_family/@/turn2+/{_AGENT}", "turns 2+: accuracy and agreement per family (95% "

@@ -18,7 +18,6 @@ must not move at all; the largest prefix deviation is recorded as a check.
 
 from __future__ import annotations
 
-from kvnotes.plots.blast_radius import plot_blast_radius
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Bars, Curves
 
@@ -181,7 +180,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_blast_radius, headline="all/k_rel_p95/all",
+PRESENTATION = Presentation(plot="kvnotes.plots.blast_radius:plot_blast_radius", headline="all/k_rel_p95/all",
     figures=(
     Curves("share-curves", "share_all/[k_rel,attn_rel]/#/@", "share of downstream positions whose layer-mean "
            "deviation exceeds a threshold (all pairs; mean, 95% interval)", "threshold on layer-mean relative L2",

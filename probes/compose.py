@@ -62,7 +62,6 @@ the decision position directly: the edit arms are skipped under cot (``aggregate
 
 from __future__ import annotations
 
-from kvnotes.plots.compose import plot_compose
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Curves, Reshaped, by_seam
 from kvnotes.records.tables import compose_table
@@ -738,7 +737,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_compose, figures=(
+PRESENTATION = Presentation(plot="kvnotes.plots.compose:plot_compose", figures=(
     Reshaped(Curves("seam-agreement", "decision_agreement/*/#/@", "compose: decision agreement with the full "
                     "prefill by seam (owned prompts; Wilson 95%)", "seam tokens", "agreement"), by_seam),
     Reshaped(Curves("seam-kl", "kl/*/#/@", "compose: KL(full || composed) by seam (mean, 95% interval)",

@@ -26,7 +26,6 @@ in ``notes`` with its counts instead of reporting an effect.
 
 from __future__ import annotations
 
-from kvnotes.plots.dissociation import plot_dissociation
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Bars
 
@@ -207,7 +206,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_dissociation, figures=(
+PRESENTATION = Presentation(plot="kvnotes.plots.dissociation:plot_dissociation", figures=(
     Bars("family-recovery", "@/recovery/*", "recovery towards the inverted rule per family and patch "
          "(flipping polarity pairs; mean, 95% interval)", "recovery"),
     Bars("family-shift", "@/abs_shift_all/*", "|score shift| per family and patch (all aligned pairs; mean, "

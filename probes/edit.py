@@ -42,7 +42,6 @@ reason (``full_no_marker``, ``stale_no_marker``, ``no_cot_flip``).
 
 from __future__ import annotations
 
-from kvnotes.plots.edit import plot_edit
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import edit_frontier
 from kvnotes.records.tables import edit_table
@@ -501,5 +500,5 @@ def run_cot(ctx, kwargs, rankings, ks, n_boot, seed) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_edit, figures=(edit_frontier,),
+PRESENTATION = Presentation(plot="kvnotes.plots.edit:plot_edit", figures=(edit_frontier,),
     table=edit_table)

@@ -31,7 +31,6 @@ patch flipped (Wilson CI).
 
 from __future__ import annotations
 
-from kvnotes.plots.field_refresh import plot_field_refresh
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Bars, FLIPPED
 
@@ -281,7 +280,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_field_refresh, headline="recovery/field/all",
+PRESENTATION = Presentation(plot="kvnotes.plots.field_refresh:plot_field_refresh", headline="recovery/field/all",
     figures=(
     Bars("family-recovery", "recovery/[field,field_exact,downstream,field_downstream]/@",
          "mean recovery per family and patch (95% interval)", "recovery"),

@@ -35,7 +35,6 @@ direction also injects field + downstream ``[a, d)``, which must reproduce the s
 
 from __future__ import annotations
 
-from kvnotes.plots.injection import plot_injection
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Bars
 
@@ -230,7 +229,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_injection, headline="flipping/all/old_notes_into_new/r_notes",
+PRESENTATION = Presentation(plot="kvnotes.plots.injection:plot_injection", headline="flipping/all/old_notes_into_new/r_notes",
     figures=(
     Bars("family-follow", "flipping/@/*/follow_notes", "decision follows the injected notes (flipping pairs; "
          "Wilson 95%)", "share of pairs"),

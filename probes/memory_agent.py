@@ -28,7 +28,6 @@ Benjamini-Hochberg over the cells.
 
 from __future__ import annotations
 
-from kvnotes.plots.memory_agent import plot_memory_agent
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.tables import memory_agent_table
 
@@ -232,4 +231,4 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_memory_agent, table=memory_agent_table)
+PRESENTATION = Presentation(plot="kvnotes.plots.memory_agent:plot_memory_agent", table=memory_agent_table)

@@ -27,7 +27,6 @@ prompt has the full prompt's exact tokens (else the two arms read different toke
 
 from __future__ import annotations
 
-from kvnotes.plots.memory_edits import plot_memory_edits
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Bars
 from kvnotes.records.tables import memory_edits_table
@@ -187,7 +186,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_memory_edits, figures=(
+PRESENTATION = Presentation(plot="kvnotes.plots.memory_edits:plot_memory_edits", figures=(
     Bars("length-agreement", "@/arms/*/top1_agreement", "top-1 agreement with the full re-prefill per memory "
          "length and arm (Wilson 95%)", "agreement"),
     Bars("length-kl", "@/arms/*/kl", "KL(full || arm) per memory length and arm (mean, 95% interval)",

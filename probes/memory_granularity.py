@@ -26,7 +26,6 @@ Benjamini-Hochberg over all cells of each kind.
 
 from __future__ import annotations
 
-from kvnotes.plots.memory_granularity import plot_memory_granularity
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Curves
 from kvnotes.records.tables import memory_granularity_table
@@ -299,7 +298,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_memory_granularity, figures=(
+PRESENTATION = Presentation(plot="kvnotes.plots.memory_granularity:plot_memory_granularity", figures=(
     Curves("s-curves-agreement", "@/by_S/#/top1_agreement", "top-1 agreement with full against the number of "
            "blocks S, per memory length (Wilson 95%)", "blocks S", "agreement", xlog=True),
     Curves("s-curves-kl", "@/by_S/#/kl", "KL(full || composed) against the number of blocks S, per memory "

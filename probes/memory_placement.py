@@ -29,7 +29,6 @@ kind.
 
 from __future__ import annotations
 
-from kvnotes.plots.memory_placement import plot_memory_placement
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Bars
 from kvnotes.records.tables import memory_placement_table
@@ -218,7 +217,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_memory_placement, figures=(
+PRESENTATION = Presentation(plot="kvnotes.plots.memory_placement:plot_memory_placement", figures=(
     Bars("length-accuracy", "@/by_depth/*/[accuracy_early,accuracy_late]", "accuracy with the memory early "
          "and late per memory length and depth (facts) (95% interval)", "accuracy"),),
     table=memory_placement_table)

@@ -20,7 +20,6 @@ length the wall seconds of the full prefill, of the one precompilation and of ea
 
 from __future__ import annotations
 
-from kvnotes.plots.memory_transplant import plot_memory_transplant
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Bars
 from kvnotes.records.tables import memory_transplant_table
@@ -133,7 +132,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_memory_transplant, figures=(
+PRESENTATION = Presentation(plot="kvnotes.plots.memory_transplant:plot_memory_transplant", figures=(
     Bars("length-agreement", "@/arms/*/decision_agreement", "decision agreement with the full prefill per "
          "memory length and arm (owned queries; Wilson 95%)", "agreement"),
     Bars("length-kl", "@/arms/*/kl", "KL(full || arm) per memory length and arm (mean, 95% interval)",

@@ -62,7 +62,6 @@ query's field mass: does the reasoning re-read the field? Rows keep each chain (
 
 from __future__ import annotations
 
-from kvnotes.plots.read_location import plot_read_location
 from kvnotes.records.presentation import Presentation
 
 from dataclasses import dataclass, field
@@ -592,4 +591,4 @@ def run(ctx) -> dict:
 
 
 #: How this probe's records are shown: its figures (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot=plot_read_location)
+PRESENTATION = Presentation(plot="kvnotes.plots.read_location:plot_read_location")

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 import probes
 from kvnotes.harness.pairs import prepare_pairs
-from kvnotes.models import planted
+from kvnotes.models import planted, zoo
 from kvnotes.models.loading import load_model
 
 #: recovery units: the issue's bar for a probe's estimate of a planted share
@@ -32,10 +32,7 @@ def _context(cache, monkeypatch, family: str, probe: str, model_overrides: dict 
              probe_overrides: dict | None = None, scenario_ids: list[str] | None = None, n_instances: int = 2):
     """A probe context on planted model ``family`` and the planted suite (``n_instances`` per scenario)."""
     monkeypatch.setenv("KVNOTES_CACHE", str(cache))
-    mcfg = OmegaConf.merge(OmegaConf.load(CONF / "model" / "_base.yaml"),
-                           OmegaConf.load(CONF / "model" / f"planted-{family}.yaml"), model_overrides or {})
-    mcfg.pop("defaults", None)
-    bundle = load_model(mcfg, "cpu")
+    bundle = load_model(OmegaConf.merge(zoo.zoo_config(f"planted-{family}"), model_overrides or {}), "cpu")
     scen = OmegaConf.merge(OmegaConf.load(CONF / "scenario" / "default.yaml"),
                            OmegaConf.load(CONF / "scenario" / "planted.yaml"),
                            {"n_instances": n_instances, "ids": scenario_ids, "paths": [str(CONF.parent / "scenarios" / "planted")]})
@@ -57,6 +54,17 @@ def test_the_checkpoint_carries_its_truth(cache, monkeypatch):
     assert ctx.bundle.info["source"] == "planted"
     with pytest.raises(Exception, match="model.planted.family"):
         planted.PlantedSpec.of({"family": "nope"})
+
+
+def test_the_architecture_block_is_the_construction():
+    """``conf/model/_planted.yaml``'s architecture block (the zoo lane builds from it) is the
+    construction's own config."""
+    built = planted.build(planted.PlantedSpec())[0].config
+    data = zoo.architecture_config(zoo.zoo_config("planted-notes"))
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+            "intermediate_size", "tie_word_embeddings", "rms_norm_eps")
+    assert {k: getattr(data, k) for k in keys} == {k: getattr(built, k) for k in keys}
+    assert data.rope_parameters["rope_theta"] == built.rope_parameters["rope_theta"] == planted.ROPE_THETA
 
 
 @pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.1), ("mixed", 0.5), ("mixed", 0.9),

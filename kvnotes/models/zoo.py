@@ -68,7 +68,8 @@ def zoo_names() -> list[str]:
 
 
 def zoo_config(name: str):
-    """The model config ``conf/model/<name>.yaml`` as a ``DictConfig`` (its ``_base`` merged).
+    """The model config ``conf/model/<name>.yaml`` as a ``DictConfig``, its defaults list merged as
+    Hydra merges it (entries of the same group, e.g. ``_base``; ``_self_`` where listed, else last).
 
     Raises:
         KvnotesError: no such zoo entry.
@@ -79,10 +80,12 @@ def zoo_config(name: str):
     if not path.is_file():
         raise KvnotesError(f"unknown model '{name}' (known: {', '.join(zoo_names())})")
     cfg = OmegaConf.load(path)
-    base = MODEL_CONF / "_base.yaml"
-    if "defaults" in cfg and base.is_file():
-        cfg = OmegaConf.merge(OmegaConf.load(base), OmegaConf.masked_copy(cfg, [k for k in cfg if k != "defaults"]))
-    return cfg
+    own = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "defaults"])
+    defaults = [str(d) for d in cfg.get("defaults", [])]
+    if "_self_" not in defaults:
+        defaults.append("_self_")
+    parts = [own if d == "_self_" else zoo_config(d) for d in defaults if d == "_self_" or (MODEL_CONF / f"{d}.yaml").is_file()]
+    return OmegaConf.merge(*parts)
 
 
 def _plain(block: Any) -> dict:

@@ -8,6 +8,7 @@ the notebooks call the same functions.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import matplotlib
@@ -21,6 +22,9 @@ def plot_record(record: dict, out_dir: str | Path) -> list[Path]:
     presentation names (:func:`kvnotes.records.presentation.presentation`); returns their paths
     (none for probes without figures)."""
     fn = presentation(record).plot
+    if isinstance(fn, str):
+        module, _, name = fn.partition(":")
+        fn = getattr(importlib.import_module(module), name)
     return fn(record, Path(out_dir)) if fn else []
 
 

@@ -39,13 +39,14 @@ class Presentation:
         table: ``fn(record) -> Markdown`` (None: :func:`kvnotes.records.tables.aggregates_table`);
             keyword options the table accepts (``by`` of the screen table) are passed by ``kvnotes table``.
         plot: ``fn(record, out_dir) -> written paths``: the static figures ``kvnotes plot`` and a run
-            write (:mod:`kvnotes.plots`; None: none).
+            write (:mod:`kvnotes.plots`; None: none), or ``"module:function"`` naming it (imported
+            when drawing, so importing a probe does not import matplotlib).
     """
 
     headline: Headline | None = None
     figures: tuple[Any, ...] = ()
     table: Callable[..., str] | None = None
-    plot: Callable[[dict, Path], list[Path]] | None = None
+    plot: str | Callable[[dict, Path], list[Path]] | None = None
 
 
 #: What a record whose module declares nothing gets.
