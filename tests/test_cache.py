@@ -203,3 +203,22 @@ def test_auto_runs_variants_cache_free_on_a_long_prefix(monkeypatch):
     many = torch.cat([old[80:], new[:30]])                   # 31 fed tokens: chunks of (160 + 93 - 80) // 31 = 5
     kvcache.patched_logits(model, c_old, c_new, masks, many, vocab_ids=[1, 2])
     assert used == []
+
+
+def test_cache_free_chunks_are_sized_by_what_they_allocate(caches):
+    """The shared-prefix path's chunk is the most variants whose forward fits the budget
+    (:func:`kvnotes.kv.cache.shared_prefix_bytes`, which grows with the chunk), not the budget
+    divided by a variant cache it never builds; any chunking gives the same scores."""
+    model, old, new, c_old, c_new = caches
+    L = len(c_old.layers)
+    masks = kvcache.position_masks(L, T, [[p] for p in range(T)])
+    e = int(masks.any(0).sum(1).max())
+    need = [kvcache.shared_prefix_bytes(model.config, c_old, v, 1, e) for v in range(1, T + 1)]
+    assert need == sorted(need) and need[0] > 0
+    one = kvcache.patched_logits(model, c_old, c_new, masks, old[T:T + 1], budget_bytes=1, method="shared")
+    for want in (1, 3, T):
+        budget = need[want - 1]
+        assert kvcache.shared_prefix_budget_chunk(model.config, c_old, masks, 1, budget, T) == want
+        assert kvcache.shared_prefix_budget_chunk(model.config, c_old, masks, 1, budget - 1, T) == max(1, want - 1)
+        got = kvcache.patched_logits(model, c_old, c_new, masks, old[T:T + 1], budget_bytes=budget, method="shared")
+        assert torch.allclose(got, one, atol=BATCH_TOL)

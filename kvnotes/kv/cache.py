@@ -429,6 +429,46 @@ def shared_prefix_chunk(masks: torch.Tensor, base: DynamicCache, n: int) -> int:
     return max(1, (2 * slots + 3 * n - e) // n)
 
 
+def shared_prefix_bytes(config, base: DynamicCache, V: int, n: int, e: int) -> int:
+    """Bytes a :class:`SharedPrefix` forward of ``V`` variants x ``n`` fed tokens allocates besides
+    the model's weights and the shared prefix: per layer its additive mask and the bool view it is
+    built from (kept for every layer), the prefix and substituted K/V it concatenates, one layer's
+    attention scores (fp32, ``heads x V n x keys``, what sdpa's CPU path materialises), and the
+    block's activations (hidden states and the MLP's three intermediate products).
+
+    Args:
+        config: the model config (its text config's heads, hidden and intermediate sizes).
+        e: the most slots one layer substitutes over the chunk (:func:`shared_prefix_chunk`).
+    """
+    text = config.get_text_config(decoder=True)
+    layers = base.layers
+    k0 = layers[0].keys
+    slots, elem = k0.shape[-2], k0.element_size()
+    rows, keys = V * n, k0.shape[-2] + e + V * n
+    per_layer_kv = (slots + e) * k0.shape[1] * k0.shape[-1] * 2 * elem
+    masks = len(layers) * (rows * keys * (elem + 1) + per_layer_kv)
+    scores = text.num_attention_heads * rows * keys * 4
+    inter = getattr(text, "intermediate_size", None) or getattr(text, "moe_intermediate_size", None) or 4 * text.hidden_size
+    acts = rows * (4 * text.hidden_size + 3 * inter) * elem
+    return masks + scores + acts
+
+
+def shared_prefix_budget_chunk(config, base: DynamicCache, masks: torch.Tensor, n: int, budget_bytes: int,
+                               limit: int) -> int:
+    """The most variants (at most ``limit``, at least 1) one :class:`SharedPrefix` forward of
+    ``masks`` may take within ``budget_bytes`` (:func:`shared_prefix_bytes`): sized by what the
+    cache-free path allocates, not by the variant caches it never builds."""
+    e = int(masks.any(dim=0).sum(dim=1).max()) if masks.shape[0] else 0
+    lo, hi = 1, max(1, limit)
+    while lo < hi:                                               # bytes grow with V: the largest that fits
+        mid = (lo + hi + 1) // 2
+        if shared_prefix_bytes(config, base, mid, n, e) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def _candidate_logits(model, hidden: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
     """Logits of ``vocab_ids`` only, from final (normed) hidden states ``[V, n, d_model]``: the
     unembedding rows of those tokens (and Gemma-2/3's final soft-capping), fp32 ``[V, n, k]``."""
@@ -457,7 +497,8 @@ def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch
 
     - when :func:`shared_prefix_chunk` gives chunks of at least :data:`MIN_SHARED_CHUNK` variants (or
       all of them), the variants run cache-free: every variant attends to the one batch-1 prefix
-      plus the source K/V of the slots substituted in its chunk (:class:`SharedPrefix`);
+      plus the source K/V of the slots substituted in its chunk (:class:`SharedPrefix`), in chunks
+      whose forward fits ``budget_bytes`` (:func:`shared_prefix_budget_chunk`);
     - else (many fed tokens per variant) they decode on a batch-``V`` view of ``base`` with the
       masked K/V written into the attention call (:class:`_Substitute`), in chunks whose variant
       caches fit ``budget_bytes``.
@@ -498,13 +539,15 @@ def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch
     plan = []                                   # (variant indices, chunk size, shared?)
     all_idx = torch.arange(masks.shape[0])
     if method == "shared":
-        plan.append((all_idx, per_cache, True))
+        plan.append((all_idx, shared_prefix_budget_chunk(model.config, base, masks, n, budget_bytes,
+                                                         masks.shape[0]), True))
     elif method == "substitute" or impl not in SHARED_PREFIX_ATTENTION:
         plan.append((all_idx, per_cache, False))
     else:                                       # auto: cache-free when a forward takes enough variants
-        size = shared_prefix_chunk(masks, base, n)
+        size = shared_prefix_budget_chunk(model.config, base, masks, n, budget_bytes,
+                                          min(shared_prefix_chunk(masks, base, n), masks.shape[0]))
         if size >= min(MIN_SHARED_CHUNK, masks.shape[0]):
-            plan.append((all_idx, min(size, per_cache), True))
+            plan.append((all_idx, size, True))
         else:
             plan.append((all_idx, per_cache, False))
     out = None
