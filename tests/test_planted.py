@@ -149,3 +149,19 @@ def test_direction_is_found_where_the_notes_are_written(cache, monkeypatch):
     agg = probes.get(ctx.cfg)(ctx)["aggregates"]
     assert agg["chosen_layers"]["planted"]["layer"] == _truth(ctx)["write_heads"][0][0]
     assert agg["at_chosen"]["suff"]["direction"]["all"]["mean"] == pytest.approx(1.0, abs=BAR)
+
+
+@pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.3), ("direct", 1.0)])
+def test_read_location_knockouts_move_the_planted_shares(cache, monkeypatch, family, alpha):
+    """Hiding a key group from the decision query in every layer removes exactly what the model reads
+    there: the downstream notes carry ``(1 - alpha) * beta`` nats of each clean score, the field
+    ``alpha * beta`` (the score moves that far towards the other run's), the sinks nothing."""
+    ctx = _context(cache, monkeypatch, family, "read_location", {"planted": {"alpha": alpha}}, n_instances=1)
+    res = probes.get(ctx.cfg)(ctx)
+    beta = _truth(ctx)["beta"]
+    every = next(b["name"] for b in res["bands"] if b["layers"] == [0, planted.N_LAYERS])
+    share = {"downstream": 1 - alpha, "field": alpha, "sinks": 0.0}
+    for run, cells in res["aggregates"]["knockout"]["flipping"]["all"].items():
+        for group, part in share.items():
+            moved = cells[f"{group}@{every}"]["delta_toward_other"]["mean"]
+            assert moved == pytest.approx(part * beta, abs=BAR * 2 * beta), (run, group)
