@@ -44,10 +44,11 @@ All variants of one pair are evaluated in one call of :func:`kvnotes.harness.rea
 batched variant caches (chunked to ``ctx.budget_bytes``); identical masks are evaluated once.
 Aggregates per family (and ``all``) come from :func:`kvnotes.harness.kit.summaries_by_family`.
 
-**Chain of thought** (``scenario.variant=cot``, :func:`run_cot`): the coarse curves only. Pairs are
-screened by generation (:func:`kvnotes.harness.kit.cot_screen`: the clean old chain names the old
-candidate and the new chain the new one, each read after its answer marker; ``cot_max_pairs``
-round-robin over scenarios, the rest counted ``beyond_max_pairs``). Each screened pair's
+**Chain of thought** (``scenario.variant=cot``, the harness's generated readout,
+:mod:`kvnotes.harness.protocol`): the coarse curves only. Pairs are screened by generation (the
+clean old chain names the old candidate and the new chain the new one, each read after its answer
+marker; ``cot_max_pairs`` round-robin over scenarios, the rest counted ``beyond_max_pairs``; pairs
+whose chains do not flip are excluded, ``no_cot_flip``). Each screened pair's
 references, ``suffix`` / ``prefix`` sets at ``cot_fractions`` of its downstream (with the field too
 when ``with_field``) and layer bands decode their reasoning from their patched caches in one batch
 (:func:`kvnotes.kv.generate.generate`), and recovery is read after each chain's marker against the

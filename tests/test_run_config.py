@@ -215,8 +215,17 @@ def fruit(tmp_path_factory):
             "probe.progress=false"]
 
 
+@pytest.fixture(scope="module")
+def planted_screen():
+    """A screen of the planted suite on a planted model (:mod:`kvnotes.models.planted`): the job
+    path end to end with a model that loads in a fraction of a second."""
+    return ["model=planted-notes", "scenario=planted", "scenario.n_instances=1", "probe=screen", "plot=false",
+            "probe.progress=false"]
+
+
 @pytest.mark.embedded
-def test_sweep_over_flip_rule_and_keys_writes_one_record_per_point(fruit, tmp_path):
+def test_sweep_over_flip_rule_and_keys_writes_one_record_per_point(planted_screen, tmp_path):
+    fruit = planted_screen
     proc = run("-m", *fruit, "flip_rule=owned,relative", "probe.n_boot=100,200", f"out_root={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = sorted(tmp_path.rglob("record.json"))
@@ -239,7 +248,8 @@ def test_sweep_over_flip_rule_and_keys_writes_one_record_per_point(fruit, tmp_pa
 
 
 @pytest.mark.embedded
-def test_record_of_another_config_is_never_returned_and_a_truncated_one_is_rerun(fruit, tmp_path):
+def test_record_of_another_config_is_never_returned_and_a_truncated_one_is_rerun(planted_screen, tmp_path):
+    fruit = planted_screen
     assert run(*fruit, f"out_root={tmp_path}").returncode == 0
     path = next(tmp_path.rglob("record.json"))
     rec = json.loads(path.read_text())
