@@ -189,6 +189,5 @@ def run(ctx) -> dict:
 PRESENTATION = Presentation(plot="kvnotes.plots.memory_edits:plot_memory_edits", figures=(
     Bars("length-agreement", "@/arms/*/top1_agreement", "top-1 agreement with the full re-prefill per memory "
          "length and arm (Wilson 95%)", "agreement"),
-    Bars("length-kl", "@/arms/*/kl", "KL(full || arm) per memory length and arm (mean, 95% interval)",
-         "KL (nats)", ylog=True)),
+    mem.KL_BARS),
     table=memory_edits_table)

@@ -135,6 +135,5 @@ def run(ctx) -> dict:
 PRESENTATION = Presentation(plot="kvnotes.plots.memory_transplant:plot_memory_transplant", figures=(
     Bars("length-agreement", "@/arms/*/decision_agreement", "decision agreement with the full prefill per "
          "memory length and arm (owned queries; Wilson 95%)", "agreement"),
-    Bars("length-kl", "@/arms/*/kl", "KL(full || arm) per memory length and arm (mean, 95% interval)",
-         "KL (nats)", ylog=True)),
+    mem.KL_BARS),
     table=memory_transplant_table)

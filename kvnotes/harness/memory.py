@@ -38,10 +38,16 @@ from kvnotes.harness.constraints import Counts, OpenFraction, PositiveFloat, Sha
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.paired import bh, mcnemar_exact, tost
 from kvnotes.harness.stats import proportion, summarize
+from kvnotes.records.figures import Bars
 from kvnotes.kv.cache import AllSlotCache
 from kvnotes.models.text import render_text, tokenize
 from kvnotes.records.schema import TypedDict
 from scenarios.memory import MemorySuite, Persona, filler_lines, load_memory, memory_lines
+
+
+#: The memory probes' KL figure (their presentations): KL(full || arm) per memory length and arm.
+KL_BARS = Bars("length-kl", "@/arms/*/kl", "KL(full || arm) per memory length and arm (mean, 95% interval)",
+               "KL (nats)", ylog=True)
 
 
 @dataclass
