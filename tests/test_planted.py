@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 import probes
@@ -165,3 +166,29 @@ def test_read_location_knockouts_move_the_planted_shares(cache, monkeypatch, fam
         for group, part in share.items():
             moved = cells[f"{group}@{every}"]["delta_toward_other"]["mean"]
             assert moved == pytest.approx(part * beta, abs=BAR * 2 * beta), (run, group)
+
+
+def test_direction_is_the_planted_value_direction(cache, monkeypatch):
+    """The difference-of-means direction fitted at the write layer's output has cosine at least 0.95
+    with the planted one (``note_<new> - note_<old>`` in the residual stream), for every held-out
+    pair it is fitted for (the fits are read as the probe makes them)."""
+    import circuits.direction as direction
+
+    fits = []
+    real = direction.fit_direction
+
+    def spy(stats, row, outs, scope="all"):
+        fit = real(stats, row, outs, scope)
+        fits.append((outs, fit))
+        return fit
+
+    monkeypatch.setattr(direction, "fit_direction", spy)
+    ctx = _context(cache, monkeypatch, "notes", "direction")
+    agg = probes.get(ctx.cfg)(ctx)["aggregates"]
+    truth = _truth(ctx)
+    li = agg["layers"].index(truth["write_heads"][0][0])
+    assert fits and all(f is not None for _, f in fits)
+    for (old, new), fit in fits:
+        want = torch.zeros(planted.HIDDEN)
+        want[truth["dims"][f"note_{new}"]], want[truth["dims"][f"note_{old}"]] = 1.0, -1.0
+        assert float(fit.u[li] @ (want / want.norm())) >= 0.95, (old, new, float(fit.u[li] @ (want / want.norm())))
