@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvnotes.harness.kit import CleanRuns
 from kvnotes.models import zoo
 
 pytestmark = [pytest.mark.zoo, pytest.mark.embedded]
@@ -99,12 +100,12 @@ def compose_cfg(model: str, probe: str, extra: list[str] = ()):
                                             *extra])
 
 
-def run_probe(model, probe, bundle, out: Path, extra=()) -> dict:
+def run_probe(model, probe, bundle, out: Path, extra=(), clean_runs=None) -> dict:
     from kvnotes.harness.jobs import run_job
 
     cfg = compose_cfg(model, probe, list(extra))
     path = run_job(cfg, out / probe / "-".join(extra).replace("=", "_"), {"launcher": "zoo lane"},
-                   log=lambda _: None, bundle=bundle)
+                   log=lambda _: None, bundle=bundle, clean_runs=clean_runs)
     rec = json.loads(path.read_text())
     assert rec["status"] == "complete" and rec["probe"] == probe
     assert rec["model"]["source"] == "random" and rec["config"]["flip_rule"] == "synthetic"
@@ -211,7 +212,8 @@ def test_zoo_entry(model, tmp_path):
                               f"probes: refused (patched readout on the MLA latent)")
         return
     mrope = bool(bundle.adapter.paths.get("rope_index"))
-    recs = {name: run_probe(model, name, bundle, tmp_path, MROPE_BOUNDS.get(name, []) if mrope else [])
+    store = CleanRuns()                 # one entry's probes prefill each prompt once (same numbers: tests/test_kit.py)
+    recs = {name: run_probe(model, name, bundle, tmp_path, MROPE_BOUNDS.get(name, []) if mrope else [], store)
             for name in lane_probes(model, bundle)}
     checks = check_invariants(recs)
     tl = []

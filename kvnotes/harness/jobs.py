@@ -26,7 +26,7 @@ def load_bundle(cfg: Any):
 
 
 def run_job(cfg: Any, out_dir: Path, hydra_info: dict, log: Callable[[str], None] = print,
-            bundle: Any = None) -> Path:
+            bundle: Any = None, clean_runs: Any = None) -> Path:
     """Run the probe of a composed run config and write its record under ``out_dir``.
 
     Args:
@@ -36,6 +36,8 @@ def run_job(cfg: Any, out_dir: Path, hydra_info: dict, log: Callable[[str], None
         log: where progress lines go.
         bundle: an already loaded model for ``cfg.model`` (the conformance lane reuses one per zoo
             entry); None loads it.
+        clean_runs: a :class:`kvnotes.harness.kit.CleanRuns` store shared by the jobs of one model
+            (prompts prefilled once for all of them; the numbers are the same without it), or None.
 
     Returns:
         the record path.
@@ -68,7 +70,7 @@ def run_job(cfg: Any, out_dir: Path, hydra_info: dict, log: Callable[[str], None
     if not pairs.pairs and probe_cfg.pairs != "none":
         raise KvnotesError(f"no token-aligned pairs in scenario '{cfg.scenario.name}' "
                            f"(excluded: {pairs.exclusion_counts()})")
-    ctx = registry.ProbeContext.from_run_config(cfg, probe_cfg, bundle, pairs, timer)
+    ctx = registry.ProbeContext.from_run_config(cfg, probe_cfg, bundle, pairs, timer, clean_runs)
     with timer("probe"):
         result = probe_run(ctx)
     result = to_jsonable(result)
