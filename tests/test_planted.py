@@ -55,6 +55,10 @@ def test_the_checkpoint_carries_its_truth(cache, monkeypatch):
     assert ctx.bundle.info["source"] == "planted"
     with pytest.raises(Exception, match="model.planted.family"):
         planted.PlantedSpec.of({"family": "nope"})
+    with pytest.raises(Exception, match=r"model.planted.alpha: must be in \[0, 1\]"):
+        planted.PlantedSpec.of({"family": "mixed", "alpha": 2})
+    with pytest.raises(Exception, match="model.planted.weights"):
+        planted.PlantedSpec.of({"family": "distributed", "weights": [0, 1]})
 
 
 def test_the_architecture_block_is_the_construction():

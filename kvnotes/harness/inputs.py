@@ -24,8 +24,6 @@ differ from the current ones (docs/design.md, "Records").
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
-
 import hashlib
 import json
 import os
@@ -155,9 +153,10 @@ def weights_inputs(model_cfg: Any) -> dict:
                                f"({exc.strerror or type(exc).__name__})") from None
     planted = model_cfg.get("planted")
     if planted:                        # built from the config by code: the construction's version is its identity
+        from kvnotes.models import zoo
         from kvnotes.models.planted import CONSTRUCTION_VERSION
 
-        return {"source": "planted", "planted": OmegaConf.to_container(planted) if isinstance(planted, DictConfig) else dict(planted), "construction_version": CONSTRUCTION_VERSION}
+        return {"source": "planted", "planted": zoo.plain(planted), "construction_version": CONSTRUCTION_VERSION}
     embedded = model_cfg.get("embedded")
     if embedded:
         packages = [p["package"] for p in embedded.get("parts")] if embedded.get("parts") else [embedded["package"]]

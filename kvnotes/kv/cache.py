@@ -434,20 +434,22 @@ def shared_prefix_bytes(config, base: DynamicCache, V: int, n: int, e: int) -> i
     the model's weights and the shared prefix: per layer its additive mask and the bool view it is
     built from (kept for every layer), the prefix and substituted K/V it concatenates, one layer's
     attention scores (fp32, ``heads x V n x keys``, what sdpa's CPU path materialises), and the
-    block's activations (hidden states and the MLP's three intermediate products).
+    block's activations (hidden states and the MLP's three intermediate products). Each layer counts
+    its own slots (a sliding-window layer holds fewer than a global one).
 
     Args:
         config: the model config (its text config's heads, hidden and intermediate sizes).
         e: the most slots one layer substitutes over the chunk (:func:`shared_prefix_chunk`).
     """
     text = config.get_text_config(decoder=True)
-    layers = base.layers
-    k0 = layers[0].keys
-    slots, elem = k0.shape[-2], k0.element_size()
-    rows, keys = V * n, k0.shape[-2] + e + V * n
-    per_layer_kv = (slots + e) * k0.shape[1] * k0.shape[-1] * 2 * elem
-    masks = len(layers) * (rows * keys * (elem + 1) + per_layer_kv)
-    scores = text.num_attention_heads * rows * keys * 4
+    rows, elem = V * n, base.layers[0].keys.element_size()
+    masks, widest = 0, 0
+    for layer in base.layers:                   # a sliding layer holds fewer slots than a global one
+        k = layer.keys
+        keys = k.shape[-2] + e + V * n
+        masks += rows * keys * (elem + 1) + (k.shape[-2] + e) * k.shape[1] * k.shape[-1] * 2 * elem
+        widest = max(widest, keys)
+    scores = text.num_attention_heads * rows * widest * 4
     inter = getattr(text, "intermediate_size", None) or getattr(text, "moe_intermediate_size", None) or 4 * text.hidden_size
     acts = rows * (4 * text.hidden_size + 3 * inter) * elem
     return masks + scores + acts

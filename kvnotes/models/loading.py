@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from kvnotes.models.adapters import Adapter
 from kvnotes.models.cpu_linear import CPU_LINEAR, pack_linears
@@ -431,10 +430,11 @@ def _checkpoint_source(cfg: Any) -> tuple[str, dict]:
     model's checkpoint (:mod:`kvnotes.models.planted`, built on first use), else the embedded
     package's GGUF, else the hub id."""
     if cfg.get("planted") and not cfg.get("path"):
+        from kvnotes.models import zoo
         from kvnotes.models.planted import CONSTRUCTION_VERSION, materialise_planted
 
         source = materialise_planted(cfg.planted, cache_dir())
-        return str(source), {"source": "planted", "planted": OmegaConf.to_container(cfg.planted) if isinstance(cfg.planted, DictConfig) else dict(cfg.planted),
+        return str(source), {"source": "planted", "planted": zoo.plain(cfg.planted),
                              "construction_version": CONSTRUCTION_VERSION, "path": str(source)}
     if cfg.get("embedded") and not cfg.get("path"):
         source, digest = materialise_embedded(cfg.embedded)

@@ -88,7 +88,8 @@ def zoo_config(name: str):
     return OmegaConf.merge(*parts)
 
 
-def _plain(block: Any) -> dict:
+def plain(block: Any) -> dict:
+    """A config mapping (``DictConfig`` or dict) as a plain, independent dict (interpolations resolved)."""
     from omegaconf import DictConfig, OmegaConf
 
     if isinstance(block, DictConfig):
@@ -116,7 +117,7 @@ def architecture_config(model_cfg: Any):
     if not block:
         raise KvnotesError(f"model '{model_cfg.get('name')}' has no architecture block in conf/model "
                            f"(its published config.json values; see docs/design.md, 'Models and adapters')")
-    arch = _plain(block)
+    arch = plain(block)
     cls = arch.pop("class")
     model_type = arch.pop("model_type")
     try:
