@@ -2,8 +2,9 @@
 model (:func:`kvnotes.models.zoo.random_model`), through ``run.py``'s own job path (:func:`kvnotes.harness.jobs.run_job`).
 
 Entries with the same structural signature (:func:`kvnotes.models.zoo.signature`) share one run, named for
-each. Per run: every probe and circuit writes a record that validates against its schema (circuits
-on both engine backends where TransformerLens has an adapter for the architecture; the memory
+each. Per run: every probe and circuit writes a record that validates against its schema (the circuits
+also on TransformerLens where it has an adapter for the architecture: ``components`` on every entry,
+all three on two shapes, :data:`TL_EVERY`; the memory
 probes on two shapes and a core set on multimodal entries, :func:`lane_probes`), and the
 invariants hold on that architecture: field + downstream recovery = 1 and everything-patched = 1,
 the exact field refresh equals the copied field K/V, the DLA parts add up to the logit difference,
@@ -67,6 +68,11 @@ BOUNDS = {
     "memory_placement": ["probe.lengths=[96]", "probe.personas=[maria]"],
 }
 CIRCUITS = ("components", "heads", "direction")
+#: On the TransformerLens backend every entry runs ``components`` (its record must hold the DLA sums
+#: too: the bridge's hook names and head outputs of that architecture); ``heads`` and ``direction``
+#: read the same hooks through the same engine calls, so they run on two shapes only (those of
+#: :data:`MEMORY_LANE`): on every entry they cost ~2.5 s each and checked no other code.
+TL_EVERY = ("components",)
 #: The memory probes (pairs: none) run on two shapes only: the Llama shape and Gemma's one KV head
 #: with sliding windows. Their cache paths are the editable context's and compose's, which
 #: tests/test_context.py and tests/test_compose.py check on all five tiny architectures; on every
@@ -217,9 +223,12 @@ def test_zoo_entry(model, tmp_path):
             for name in lane_probes(model, bundle)}
     checks = check_invariants(recs)
     tl = []
-    for name in CIRCUITS if not mrope else ():                      # last: the TransformerLens bridge switches the model to eager
+    tl_circuits = () if mrope else CIRCUITS if model in MEMORY_LANE else TL_EVERY
+    for name in tl_circuits:                      # last: the TransformerLens bridge switches the model to eager
         try:
-            run_probe(model, name, bundle, tmp_path, ["probe.backend=transformer_lens"])
+            rec = run_probe(model, name, bundle, tmp_path, ["probe.backend=transformer_lens"])
+            if name == "components":
+                check_invariants({"field_refresh": recs["field_refresh"], "components": rec})
             tl.append(name)
         except ValueError as exc:              # no TransformerLens adapter for this architecture
             assert "architecture" in str(exc).lower() or "not supported" in str(exc).lower(), exc

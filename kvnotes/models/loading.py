@@ -246,9 +246,15 @@ def materialise_gguf(gguf: Path, digest: str) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "kvnotes_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}))
-        if target.exists():
+        if (target / "kvnotes_source.json").is_file():      # another process finished first: its copy is in use
+            return target
+        if target.exists():                                   # an incomplete leftover (no source file)
             shutil.rmtree(target)
-        tmp.rename(target)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "kvnotes_source.json").is_file():
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
