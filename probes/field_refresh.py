@@ -31,6 +31,7 @@ patch flipped (Wilson CI).
 
 from __future__ import annotations
 
+from kvnotes.records.tables import FIELD_REFRESH_RESULTS
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Bars, FLIPPED
 
@@ -280,7 +281,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.field_refresh:plot_field_refresh", headline="recovery/field/all",
+PRESENTATION = Presentation(results=FIELD_REFRESH_RESULTS, plot="kvnotes.plots.field_refresh:plot_field_refresh", headline="recovery/field/all",
     figures=(
     Bars("family-recovery", "recovery/[field,field_exact,downstream,field_downstream]/@",
          "mean recovery per family and patch (95% interval)", "recovery"),

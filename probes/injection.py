@@ -35,6 +35,7 @@ direction also injects field + downstream ``[a, d)``, which must reproduce the s
 
 from __future__ import annotations
 
+from kvnotes.records.tables import INJECTION_RESULTS
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Bars
 
@@ -229,7 +230,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.injection:plot_injection", headline="flipping/all/old_notes_into_new/r_notes",
+PRESENTATION = Presentation(results=INJECTION_RESULTS, plot="kvnotes.plots.injection:plot_injection", headline="flipping/all/old_notes_into_new/r_notes",
     figures=(
     Bars("family-follow", "flipping/@/*/follow_notes", "decision follows the injected notes (flipping pairs; "
          "Wilson 95%)", "share of pairs"),

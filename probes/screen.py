@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Bars
-from kvnotes.records.tables import screen_table
+from kvnotes.records.tables import SCREEN_RESULTS, screen_table
 
 from typing import Any
 
@@ -122,7 +122,7 @@ def flip_count(rec: dict) -> tuple[str, str] | None:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.screen:plot_screen", headline=flip_count,
+PRESENTATION = Presentation(results=SCREEN_RESULTS, plot="kvnotes.plots.screen:plot_screen", headline=flip_count,
     figures=(Bars("screen-families", "by_family/@/[n_pairs,n_flip_relative,n_flip_owned,n_flip]",
                 "screen: pairs per family", "pairs",
                 names={"n_pairs": "aligned pairs", "n_flip_relative": "flipping, relative rule",

@@ -59,6 +59,7 @@ many draws, stay direct-readout only: asking for them under cot is refused in on
 
 from __future__ import annotations
 
+from kvnotes.records.tables import SUFFIX_RECOVERY_RESULTS
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Bars, Curves
 
@@ -633,7 +634,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.suffix_recovery:plot_suffix_recovery", headline="references/field/all",
+PRESENTATION = Presentation(results=SUFFIX_RECOVERY_RESULTS, plot="kvnotes.plots.suffix_recovery:plot_suffix_recovery", headline="references/field/all",
     figures=(
     Curves("k-curves", "curves/?heldout,all/*/#/@", "recovery against the set size k per set family "
            "({alt} pairs; mean, 95% interval)", "k", "recovery", x="grid", xlog=("count",),

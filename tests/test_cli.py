@@ -141,3 +141,25 @@ def test_recurrent_architecture_is_refused_before_loading(tmp_path):
     one_line_error(run("model=qwen3-8b", f"model.path={ckpt}", f"out_root={tmp_path / 'runs'}"),
                    "qwen3_next", "'linear_attention' layers (3 of 4 layers)")
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("record.json"))
+
+
+def test_results_table_joins_the_columns_records_declare(sweep):
+    """``kvnotes table --results``: a row per family and ``all``, with the columns every record's
+    presentation declares (the screen's flipping / aligned pairs, from its aggregates); a record
+    whose presentation declares none (blast_radius) adds none, and none at all is refused."""
+    from kvnotes.records.tables import results_table, suite_records
+
+    out, _ = sweep
+    screen = next(out.rglob("screen/**/record.json"))
+    model_dir = screen.parents[3]
+    suite = str(screen.parent.relative_to(model_dir / "screen"))              # default/<the sweep's overrides>
+    recs = suite_records(model_dir, suite)
+    assert list(recs) == ["screen"] and (model_dir / "blast_radius" / suite / "record.json").is_file()
+    lines = results_table(recs).splitlines()
+    assert lines[0] == "| family | flipping / aligned pairs |"
+    agg = recs["screen"]["result"]["aggregates"]
+    rows = {cells[1].strip(): cells[2].strip() for cells in (line.split("|") for line in lines[2:] if line.startswith("| "))}
+    assert rows == {**{f: f"{t['n_flip']}/{t['n_pairs']}" for f, t in agg["by_family"].items()},
+                    "all": f"{agg['n_flip']}/{agg['n_pairs']}"}
+    with pytest.raises(ValueError, match="no record"):
+        results_table({"blast_radius": json.loads((model_dir / "blast_radius" / suite / "record.json").read_text())})

@@ -29,7 +29,7 @@ def main() -> None:
     """
     from kvnotes.errors import KvnotesError
     from kvnotes.records.envelope import read_record, reading
-    from kvnotes.records.tables import RESULTS_PROBES, record_table, results_table
+    from kvnotes.records.tables import record_table, results_table, suite_records
 
     ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, prog=sys.argv[0], description=__doc__)
     ap.add_argument("records", nargs="*", help="record.json files or their directories")
@@ -43,10 +43,9 @@ def main() -> None:
     if args.results:
         if not Path(args.results).is_dir():
             raise KvnotesError(f"--results: {args.results}: no such directory")
-        paths = {p: Path(args.results) / p / args.suite / "record.json" for p in RESULTS_PROBES}
-        recs = {p: read_record(path) for p, path in paths.items() if path.is_file()}
+        recs = suite_records(args.results, args.suite, read_record)
         if not recs:
-            raise KvnotesError(f"no records under {args.results}/*/{args.suite}")
+            raise KvnotesError(f"no record with results columns under {args.results}/*/{args.suite}")
         with reading(f"{args.results}/*/{args.suite}", "results table"):
             out.append(results_table(recs))
     records = [(path, read_record(path)) for path in args.records]        # every record checked first

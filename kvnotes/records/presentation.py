@@ -27,6 +27,22 @@ Headline = str | Callable[[dict], tuple[str, str] | None]
 
 
 @dataclass(frozen=True)
+class ResultsColumn:
+    """A column a probe's record adds to the per-family results table of a model and suite
+    (:func:`kvnotes.records.tables.results_table`).
+
+    Attributes:
+        rank: where it goes among every record's columns (ascending).
+        header: the column's header.
+        cell: ``(record, family or "all") -> Markdown cell`` (``-`` for nothing to show).
+    """
+
+    rank: int
+    header: str
+    cell: Callable[[dict, str], str]
+
+
+@dataclass(frozen=True)
 class Presentation:
     """How a probe's records are shown.
 
@@ -41,12 +57,14 @@ class Presentation:
         plot: ``fn(record, out_dir) -> written paths``: the static figures ``kvnotes plot`` and a run
             write (:mod:`kvnotes.plots`; None: none), or ``"module:function"`` naming it (imported
             when drawing, so importing a probe does not import matplotlib).
+        results: the columns its records add to the per-family results table (:class:`ResultsColumn`).
     """
 
     headline: Headline | None = None
     figures: tuple[Any, ...] = ()
     table: Callable[..., str] | None = None
     plot: str | Callable[[dict, Path], list[Path]] | None = None
+    results: tuple[ResultsColumn, ...] = ()
 
 
 #: What a record whose module declares nothing gets.

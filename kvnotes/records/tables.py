@@ -2,7 +2,8 @@
 (:mod:`kvnotes.records.report`): every number comes from the record. A probe names its table in
 its presentation (``PRESENTATION.table``, :mod:`kvnotes.records.presentation`; the functions here
 are the ones the project's probes name); probes without one get :func:`aggregates_table`.
-:func:`results_table` joins the records of one model and suite that the paper's results table reads.
+:func:`results_table` joins the records of one model and suite into the paper's per-family results
+table, each record adding the columns its presentation declares (``PRESENTATION.results``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from kvnotes.records.presentation import presentation
+from kvnotes.records.presentation import ResultsColumn, presentation
 
 class _Lines:
     """Collects printed lines (``print`` semantics: one call, one line)."""
@@ -120,31 +121,25 @@ def screen_table(rec: dict, by: str = "family") -> str:
 
 
 def edit_table(record: dict) -> str:
-    """The method table of an ``edit`` record (direct or ``cot`` variant), with its controls and the ranking chosen on selection instances."""
+    """The method table of an ``edit`` record (either readout), with its controls and the ranking
+    chosen on selection instances. Under the generated readout agreement counts every pair (a chain
+    that missed its marker does not agree) and a column says how many reached their markers."""
     w = _Lines()
     agg = record["result"]["aggregates"]
     variant = agg.get("variant", "direct")
+    generated = variant == "cot"
     w(f"## {record['model']['name']} · edit · {record['scenario']['name']} · {variant} · "
           f"n_flip={agg['n_flip']} · exclusions {record['result']['exclusions']}\n")
-    if variant == "cot":
-        w("| method | agrees with full (Wilson 95%) | reached marker | tokens recomputed / total |")
-        w("|---|---|---|---|")
-        for name, m in agg["methods"].items():
-            w(f"| {name} | {fmt_p(m['agreement']['all'])} | {fmt_p(m['reached_marker'])} | "
-                  f"{fmt(m['frac']['all']['mean'])} |")
-        w("\ncontrols (moved the stale decision): "
-              + ", ".join(f"{k} {fmt_p(v)}" for k, v in agg["controls"].items()))
-        return w.text()
-    w("| method | agrees with full (Wilson 95%) | mean recovery | KL(full‖m) nats | top-1 = full | "
-          "tokens / total | FLOPs / full | time / full (median) |")
-    w("|---|---|---|---|---|---|---|---|")
-    rows = list(agg["methods"].items())
-    rows += [(n, m) for n, m in agg["sweep"].items()]
-    for name, m in rows:
+    w("| method | agrees with full (Wilson 95%) | " + ("reached marker | " if generated else "")
+      + "mean recovery | KL(full‖m) nats | top-1 = full | tokens / total | FLOPs / full | time / full (median) |")
+    w("|---|---|---|---|---|---|---|---|" + ("---|" if generated else ""))
+    for name, m in [*agg["methods"].items(), *agg["sweep"].items()]:
         rec = m["recovery"]["all"]
-        w(f"| {name} | {fmt_p(rec.get('decision_flipped'))} | {fmt(rec['mean'], '.2f')} | "
-              f"{fmt(m['kl']['all']['mean'])} | {fmt_p(m['top1']['all'])} | {fmt(m['frac']['all']['mean'])} | "
-              f"{fmt(m['flops_frac']['all']['mean'])} | {fmt(m['time_ratio']['all']['median'], '.2f')} |")
+        agree = m["agreement"]["all"] if generated else rec.get("decision_flipped")
+        w(f"| {name} | {fmt_p(agree)} | " + (f"{fmt_p(m['reached_marker'])} | " if generated else "")
+          + f"{fmt(rec['mean'], '.2f')} | {fmt(m['kl']['all']['mean'])} | {fmt_p(m['top1']['all'])} | "
+          f"{fmt(m['frac']['all']['mean'])} | {fmt(m['flops_frac']['all']['mean'])} | "
+          f"{fmt(m['time_ratio']['all']['median'], '.2f')} |")
     c = agg["controls"]
     moved = ", ".join(f"{k} {fmt_p(v['all'])}" for k, v in c.items() if k != "overcorrection")
     w(f"\ncontrols (moved the stale decision): {moved}; over-correction (correct erratum flips "
@@ -302,52 +297,69 @@ def serving_table(rec: dict) -> str:
     return w.text()
 
 
-#: The probes :func:`results_table` joins, in column order.
-RESULTS_PROBES = ("screen", "field_refresh", "suffix_recovery", "injection")
-
-
 def results_table(recs: dict[str, dict]) -> str:
-    """The per-family results table of one model and suite from its records (probe -> record, any of
-    :data:`RESULTS_PROBES`; a missing record leaves its columns ``-``)."""
+    """The per-family results table of one model and suite: a row per family (and ``all``), the
+    columns every record's presentation declares (:class:`kvnotes.records.presentation.ResultsColumn`,
+    in rank order), e.g. the screen's flipping pairs, field_refresh's recoveries, suffix_recovery's
+    held-out positions and injection's follow rates.
+
+    Args:
+        recs: name -> record of the same model and suite (any probe; one that declares no column
+            adds none).
+
+    Raises:
+        ValueError: no record declares a column.
+    """
+    cols = sorted(((c, rec) for rec in recs.values() for c in presentation(rec).results), key=lambda x: x[0].rank)
+    if not cols:
+        raise ValueError(f"no record among {sorted(recs)} adds a column to the results table")
+    fams = sorted({row["family"] for _, rec in cols for row in rec["result"].get("rows", []) if row.get("family")})
     w = _Lines()
-    fams = set()
-    for r in recs.values():
-        fams |= {row["family"] for row in r["result"]["rows"]}
-    sr = recs.get("suffix_recovery")
-    if sr and sr["result"]["aggregates"].get("readout") == "generated":
-        sr = None                                  # cot: coarse curves only, no held-out top-k columns
-    if sr:
-        grid = [(g["kind"], g["value"]) for g in sr["result"]["grid"]]
-        i10, i1 = grid.index(("fraction", 0.1)), grid.index(("count", 1))
-    w("| family | flipping / aligned pairs | field-only refresh | downstream only | last 10% of downstream (held-out) "
-          "| top-1 position (held-out) | k-matched random position (held-out) | notes injected: decision follows notes |")
-    w("|---|---|---|---|---|---|---|---|")
-    for fam in sorted(fams) + ["all"]:
-        cells = [fam]
-        scr = recs.get("screen")
-        t = scr["result"]["aggregates"]["by_family"].get(fam) if scr else None
-        if scr and fam == "all":
-            a = scr["result"]["aggregates"]
-            cells.append(f"{a['n_flip']}/{a['n_pairs']}")
-        else:
-            cells.append(f"{t['n_flip']}/{t['n_pairs']}" if t else "-")
-        fr = recs.get("field_refresh")
-        rec = fr["result"]["aggregates"]["recovery"] if fr else {}
-        cells += [ci(rec.get("field", {}).get(fam)), ci(rec.get("downstream", {}).get(fam))]
-        if sr:
-            cur = sr["result"]["aggregates"]["curves"]["heldout"]
-            cells += [ci(cur["suffix"][i10].get(fam)), ci(cur["topk"][i1].get(fam)), ci(cur["random"][i1].get(fam))]
-        else:
-            cells += ["-"] * 3
-        inj = recs.get("injection")
-        f = inj["result"]["aggregates"]["flipping"].get(fam) if inj else None
-        cells.append(fmt_kn_or_dash(f["old_notes_into_new"]["follow_notes"]) + " / " + fmt_kn_or_dash(f["new_notes_into_old"]["follow_notes"])
-                     if f else "-")
-        w("| " + " | ".join(cells) + " |")
+    w("| family | " + " | ".join(c.header for c, _ in cols) + " |")
+    w("|---|" + "---|" * len(cols))
+    for fam in [*fams, "all"]:
+        w(f"| {fam} | " + " | ".join(c.cell(rec, fam) for c, rec in cols) + " |")
     w("\nIntervals: 95% two-stage cluster bootstrap with >= 5 scenarios; `t` = t-interval over scenario "
           "means (2-4 scenarios); `ti` = t-interval over instance means (1 scenario); none for a single cluster.")
-
     return w.text()
+
+
+def _screen_pairs(rec: dict, fam: str) -> str:
+    a = rec["result"]["aggregates"]
+    t = a if fam == "all" else a["by_family"].get(fam)
+    return f"{t['n_flip']}/{t['n_pairs']}" if t else "-"
+
+
+def _recovery(finding: str):
+    return lambda rec, fam: ci(rec["result"]["aggregates"]["recovery"].get(finding, {}).get(fam))
+
+
+def _heldout(curve: str, kind: str, value: float):
+    """A held-out curve of a suffix_recovery record at one grid point (``-`` under the generated readout:
+    coarse curves only, no held-out top-k)."""
+    def cell(rec: dict, fam: str) -> str:
+        res = rec["result"]
+        if res["aggregates"].get("readout") == "generated":
+            return "-"
+        i = [(g["kind"], g["value"]) for g in res["grid"]].index((kind, value))
+        return ci(res["aggregates"]["curves"]["heldout"][curve][i].get(fam))
+    return cell
+
+
+def _follow_notes(rec: dict, fam: str) -> str:
+    f = rec["result"]["aggregates"]["flipping"].get(fam)
+    return (fmt_kn_or_dash(f["old_notes_into_new"]["follow_notes"]) + " / "
+            + fmt_kn_or_dash(f["new_notes_into_old"]["follow_notes"])) if f else "-"
+
+
+#: The results-table columns of the probes the paper's results table reads (their presentations).
+SCREEN_RESULTS = (ResultsColumn(10, "flipping / aligned pairs", _screen_pairs),)
+FIELD_REFRESH_RESULTS = (ResultsColumn(20, "field-only refresh", _recovery("field")),
+                         ResultsColumn(30, "downstream only", _recovery("downstream")))
+SUFFIX_RECOVERY_RESULTS = (ResultsColumn(40, "last 10% of downstream (held-out)", _heldout("suffix", "fraction", 0.1)),
+                           ResultsColumn(50, "top-1 position (held-out)", _heldout("topk", "count", 1)),
+                           ResultsColumn(60, "k-matched random position (held-out)", _heldout("random", "count", 1)))
+INJECTION_RESULTS = (ResultsColumn(70, "notes injected: decision follows notes", _follow_notes),)
 
 
 def fmt_kn_or_dash(d: dict | None) -> str:
@@ -355,16 +367,21 @@ def fmt_kn_or_dash(d: dict | None) -> str:
     return f"{d['k']}/{d['n']}" if d else "-"
 
 
-def suite_records(model_dir: str | Path, suite: str) -> dict[str, dict]:
-    """The records :func:`results_table` reads: ``<model_dir>/<probe>/<suite>/record.json``, those that exist."""
+def suite_records(model_dir: str | Path, suite: str, read=None) -> dict[str, dict]:
+    """The records :func:`results_table` reads: ``<model_dir>/<probe>/<suite>/record.json`` of every
+    probe whose presentation declares results columns, by probe folder name.
+
+    Args:
+        suite: the suite's folder under each probe's, or a path below it (a run with overrides:
+            ``default/<overrides>``).
+        read: ``path -> record`` (default :func:`kvnotes.records.store.load_record`).
+    """
     from kvnotes.records.store import load_record
 
-    recs = {}
-    for probe in RESULTS_PROBES:
-        path = Path(model_dir) / probe / suite / "record.json"
-        if path.is_file():
-            recs[probe] = load_record(path)
-    return recs
+    read = read or load_record
+    paths = [d / suite / "record.json" for d in sorted(Path(model_dir).iterdir()) if d.is_dir()]
+    recs = {path.relative_to(model_dir).parts[0]: read(path) for path in paths if path.is_file()}
+    return {name: rec for name, rec in recs.items() if presentation(rec).results}
 
 
 def _kl(d: dict) -> str:
