@@ -29,15 +29,17 @@ new clean runs take the same candidate decision) must keep that decision.
 choice is *which ranking* to use: it is chosen by mean agreement over K on the selection instances
 (:func:`kvnotes.harness.selection.split_instances`) and its curve is reported on the held-out instances.
 
-**Chain of thought** (``scenario.variant=cot``): each method's cache is decoded greedily
-(``cot.max_new_tokens``) by the shared generated readout (:mod:`kvnotes.kv.generate`) until
-the decoded text ends with the variant's ``answer_marker``; the decision is read right after it as
-the direct readout reads it: the outcome whose candidate's first token is the top-1 (none when the
-top-1 is neither: not owned), with the score ``s`` in nats. A chain that never reaches the marker
-is not scored (``reached`` false). A pair counts when the full run reaches the marker and decides the new outcome
-while the stale run decides the old one (a generated flip; pairs are screened by generation, not by
-the first-token readout, which in CoT is the first reasoning token); the rest are excluded by
-reason (``full_no_marker``, ``stale_no_marker``, ``no_cot_flip``).
+**Readout** (a parameter of the run, :mod:`kvnotes.harness.protocol`): pairs are screened by the
+harness's pair loop and every method's cache is read by its readout hook
+(:func:`kvnotes.harness.protocol.read_caches`). Under ``scenario.variant=cot`` (the generated
+readout) the clean runs and each method's cache decode greedily (at most ``cot_max_new_tokens``)
+to the scenario's answer marker and the decision is read right after it: a pair counts when the
+old chain names the old candidate and the new chain the new one (exclusions ``old_no_marker``,
+``new_no_marker``, ``no_cot_flip``; at most ``cot_max_pairs`` pairs screened, round-robin); a
+method whose chain misses its marker has ``s``, ``r``, ``kl`` and ``top1`` None and does not
+agree (its ``reached`` is false; ``agreement`` counts it, ``recovery`` leaves it out). The K sweep
+then runs ``cot_ks`` on every pair without the upper bound, and there are no over-correction
+pairs (the screen's excluded rows carry no clean scores).
 """
 
 from __future__ import annotations
@@ -62,10 +64,10 @@ from kvnotes.ops import edit, methods
 from kvnotes.ops.methods import EditSource, Prompted
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.constraints import Count, NonNegative, OpenFraction, one_of
-from kvnotes.harness.pairs import pair_row
-from kvnotes.kv.generate import answer_marker, generate, owned_side, stop_tokens, unreached_reason
-from kvnotes.harness.readout import first_token_score, first_token_scores
-from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
+from kvnotes.harness import kit as K
+from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, summaries_by_family
+from kvnotes.harness.protocol import (GeneratedReadout, Read, ScreenedPair, pair_loop, read_caches,
+                                      readout_aggregates)
 from kvnotes.records.schema import BaseResult
 from kvnotes.harness.selection import pair_rng, round_robin, split_instances
 from kvnotes.harness.stats import proportion
@@ -73,15 +75,6 @@ from kvnotes.harness import edit_prompts as sedits
 
 #: With ``scenario.variant=cot`` this probe decodes the reasoning before reading the decision.
 SUPPORTS_COT = True
-
-
-@dataclass
-class CotConfig:
-    """``cot`` keys: greedy decoding of the reasoning (``scenario.variant=cot``)."""
-
-    max_new_tokens: NonNegative = 40
-    ks: list[NonNegative] = field(default_factory=lambda: [8, 32])
-    max_pairs: Optional[Count] = 12
 
 
 def _ranking(name: str) -> str:
@@ -95,8 +88,9 @@ Ranking = Annotated[str, AfterValidator(_ranking)]
 
 
 @dataclass
-class Config(ProbeConfig):
-    """Keys of ``conf/probe/edit.yaml`` (defaults there; see the module docstring)."""
+class Config(ProbeConfig, GeneratedReadout):
+    """Keys of ``conf/probe/edit.yaml`` (defaults there; see the module docstring); ``cot_ks``: the K
+    sweep under the generated readout (every ranking of ``rankings``, no upper bound)."""
 
     rankings: list[Ranking] = field(default_factory=lambda: ["attention", "kv_deviation", "last", "random"])
     ks: list[NonNegative] = field(default_factory=lambda: [0, 1, 2, 4, 8, 16, 32, 64])
@@ -108,7 +102,7 @@ class Config(ProbeConfig):
     sweep_max_pairs: Optional[NonNegative] = 8
     max_control_pairs: NonNegative = 8
     chat_template_kwargs: Any = None
-    cot: CotConfig = field(default_factory=CotConfig)
+    cot_ks: list[NonNegative] = field(default_factory=lambda: [8, 32])
 
 
 class Result(BaseResult):
@@ -118,14 +112,22 @@ class Result(BaseResult):
     rows: list[dict[str, Any]]
     excluded: list[dict[str, Any]]
 
-def _metrics(lp: torch.Tensor, lp_full: torch.Tensor, e: edit.Edited, full: edit.Edited, pair, s_old, s_new) -> dict:
-    s = first_token_score(lp, pair)
-    p_full = lp_full.exp()
-    return {"s": s, "r": (s - s_old) / (s_new - s_old), "agree": (s > 0) == (first_token_score(lp_full, pair) > 0),
-            "kl": float((p_full * (lp_full - lp)).sum()), "top1": int(lp.argmax()) == int(lp_full.argmax()),
-            "tokens": e.tokens, "frac": e.tokens / full.tokens,
-            "flops_frac": e.flops / full.flops if np.isfinite(e.flops) else None,
-            "time_ratio": e.seconds / full.seconds if np.isfinite(e.seconds) else None}
+def _metrics(read: Read, full: Read, e: edit.Edited, ref: edit.Edited, sp: ScreenedPair) -> dict:
+    """One method's columns on a pair: its score and recovery against the clean scores, agreement
+    with full's decision, KL(full || method) and top-1 (None when a chain missed its marker), and
+    its cost relative to full (``ref``); under the generated readout also ``reached``,
+    ``chain_len`` and ``side`` (the candidate its chain names, :class:`kvnotes.harness.protocol.Read`)."""
+    both = read.reached and full.reached
+    out = {"s": read.s, "r": None if read.s is None else (read.s - sp.s_old) / (sp.s_new - sp.s_old),
+           "agree": read.side is not None and read.side == full.side,
+           "kl": float((full.logprobs.exp() * (full.logprobs - read.logprobs)).sum()) if both else None,
+           "top1": int(read.logprobs.argmax()) == int(full.logprobs.argmax()) if both else None,
+           "tokens": e.tokens, "frac": e.tokens / ref.tokens,
+           "flops_frac": e.flops / ref.flops if np.isfinite(e.flops) else None,
+           "time_ratio": e.seconds / ref.seconds if np.isfinite(e.seconds) else None}
+    if read.chain is not None:
+        out |= {"reached": read.reached, "chain_len": read.chain.length, "side": read.side}
+    return out
 
 
 class PairEditor(EditSource):
@@ -246,55 +248,43 @@ def sweep_methods(editor: PairEditor, rankings: list[str], ks: list[int], oracle
                            methods.apply(m, editor, k, ranked[name])[0])
 
 
-def readout(model, items: dict, budget_bytes: int) -> dict[str, torch.Tensor]:
-    """Decision log-probs of ``{name: (edited, decision token)}``, batched per (position, token)."""
-    groups: dict = {}
-    for name, (e, tok) in items.items():
-        groups.setdefault((e.pos, tok), []).append(name)
-    out = {}
-    for (pos, tok), names in groups.items():
-        lps = edit.decision_logprobs_batch(model, [items[n][0].cache for n in names], tok, pos, budget_bytes)
-        out |= dict(zip(names, lps))
-    return out
-
-
-def direct_pair(ctx, run, kwargs, rankings, ks, oracle_ranking, sweep: bool) -> dict:
-    """Metrics of every method on one flipping pair (direct readout); the K sweep when ``sweep``."""
-    model, pair = ctx.bundle.model, run.pair
+def edit_pair(ctx, sp: ScreenedPair, kwargs, rankings, ks, oracle_ranking, sweep: bool) -> dict:
+    """Every method's columns on one flipping pair under the run's readout (:func:`_metrics`,
+    controls' ``moved``); the K sweep when ``sweep``."""
+    pair = sp.pair
     ed = PairEditor(ctx, pair, kwargs)
     named = ed.named()
-    lps = readout(model, named, ctx.budget_bytes)
-    lp_full = lps["full"]
-    methods = {n: _metrics(lps[n], lp_full, e, ed.full, pair, run.s_old, run.s_new) for n, (e, _) in named.items()}
-    stale_new = methods["stale"]["s"] > 0
-    for name in CONTROLS:
-        methods[name]["moved"] = (methods[name]["s"] > 0) != stale_new
+    reads = read_caches(ctx, pair, {n: (e.cache, e.pos, t) for n, (e, t) in named.items()})
+    full, stale = reads["full"], reads["stale"]
+    methods = {n: _metrics(reads[n], full, e, ed.full, sp) for n, (e, _) in named.items()}
+    for name in CONTROLS:                       # generated: no decision read is not moved (see reached)
+        methods[name]["moved"] = reads[name].side is not None and reads[name].side != stale.side
     out = {"n_downstream": pair.downstream[1] - pair.downstream[0], "full_seconds": ed.full.seconds,
            "methods": methods, "sweep": {}}
     if sweep:
         variants = {name: (e, ranking, k) for name, ranking, k, e in sweep_methods(ed, rankings, ks, oracle_ranking)}
-        lps = readout(model, {n: (v[0], ed.token) for n, v in variants.items()}, ctx.budget_bytes)
-        out["sweep"] = {n: _metrics(lps[n], lp_full, e, ed.full, pair, run.s_old, run.s_new) | {"ranking": r, "k": k}
+        reads = read_caches(ctx, pair, {n: (v[0].cache, v[0].pos, ed.token) for n, v in variants.items()})
+        out["sweep"] = {n: _metrics(reads[n], full, e, ed.full, sp) | {"ranking": r, "k": k}
                         for n, (e, r, k) in variants.items()}
     return out
 
 
-def control_pairs(ctx, fs, kwargs, limit: int) -> tuple[list[dict], dict]:
-    """Over-correction: the correct erratum on pairs whose clean runs take the same candidate
-    decision; ``overcorrected`` = the erratum's decision differs from full's."""
+def control_pairs(ctx, excluded: list[dict], kwargs, limit: int) -> tuple[list[dict], dict]:
+    """Over-correction: the correct erratum on pairs whose clean scores have the same sign (the
+    clean runs take the same candidate; under the generated readout the excluded rows carry no
+    clean scores, so there are none); ``overcorrected`` = the erratum's decision differs from
+    full's."""
     by_id = {p.spec.id: p for p in ctx.pairs.pairs}
     rows, skipped = [], Counter()
-    cands = [r for r in fs.excluded if r.get("s_old") is not None and (r["s_old"] > 0) == (r["s_new"] > 0)]
+    cands = [r for r in excluded if r.get("s_old") is not None and (r["s_old"] > 0) == (r["s_new"] > 0)]
     for r in cands[:limit]:
         pair = by_id[r["pair"]]
         ed = PairEditor(ctx, pair, kwargs)
-        lps = readout(ctx.bundle.model, {"full": (ed.full, ed.token),
-                                         "erratum": methods.apply(methods.METHODS["erratum"], ed)},
-                      ctx.budget_bytes)
-        lp_full, lp = lps["full"], lps["erratum"]
+        err, tok = methods.apply(methods.METHODS["erratum"], ed)
+        reads = read_caches(ctx, pair, {"full": (ed.full.cache, ed.full.pos, ed.token), "erratum": (err.cache, err.pos, tok)})
+        full, got = reads["full"], reads["erratum"]
         rows.append({k: r[k] for k in ("pair", "scenario", "family", "instance", "old", "new", "expect_flip")}
-                    | {"s_full": first_token_score(lp_full, pair), "s_erratum": first_token_score(lp, pair),
-                       "overcorrected": (first_token_score(lp, pair) > 0) != (first_token_score(lp_full, pair) > 0)})
+                    | {"s_full": full.s, "s_erratum": got.s, "overcorrected": got.side != full.side})
     skipped["beyond_limit"] = max(0, len(cands) - limit)
     return rows, dict(skipped)
 
@@ -311,14 +301,20 @@ def _family_means(rows, get, families) -> dict:
 
 
 def method_summary(rows, key: str, families, n_boot, seed, section: str = "methods") -> dict:
-    """Agreement (Wilson), recovery (cluster bootstrap), KL, top-1, cost of one method."""
+    """Recovery and agreement (cluster bootstrap, Wilson), KL, top-1, cost of one method. Under the
+    generated readout also ``agreement`` over every pair (a chain that missed its marker does not
+    agree; ``recovery`` leaves it out) and ``reached_marker``."""
     have = [r for r in rows if key in r[section]]
     m = lambda r: r[section][key]                                                # noqa: E731
     out = {"recovery": summaries_by_family(have, lambda r: m(r)["r"], lambda r: m(r)["agree"], families, n_boot, seed)}
     for name in ("kl", "frac", "flops_frac", "time_ratio"):
         out[name] = _family_means(have, lambda r, n=name: m(r)[n], families)
-    out["top1"] = {g: proportion(sum(m(r)["top1"] for r in have if g in ("all", r["family"])),
-                                 sum(1 for r in have if g in ("all", r["family"]))) for g in ["all", *families]}
+    groups = {g: [r for r in have if g in ("all", r["family"])] for g in ["all", *families]}
+    out["top1"] = {g: proportion(sum(bool(m(r)["top1"]) for r in rs), sum(m(r)["top1"] is not None for r in rs))
+                   for g, rs in groups.items()}
+    if have and "reached" in m(have[0]):
+        out["agreement"] = {g: proportion(sum(m(r)["agree"] for r in rs), len(rs)) for g, rs in groups.items()}
+        out["reached_marker"] = proportion(sum(m(r)["reached"] for r in have), len(have))
     return out
 
 
@@ -347,115 +343,32 @@ def choose_ranking(rows, rankings, ks, seed, fraction) -> dict:
             "chosen": chosen, "held_out": {n: curve(n, held) for n in rankings}}
 
 
-# -------------------------------------------------------------------------------------------- cot
-
-def decision_after_marker(logprobs: torch.Tensor, pair, o_old: str, o_new: str) -> str | None:
-    """The owned decision read after the answer marker as an outcome name
-    (:func:`kvnotes.kv.generate.owned_side`), or None when it is not owned."""
-    return {"old": o_old, "new": o_new}.get(owned_side(logprobs, pair) or "")
-
-
-def cot_pairs(ctx, kwargs, rankings, ks) -> tuple[list[dict], list[dict]]:
-    """CoT readout of every method on the pairs whose generated decision flips (see module doc):
-    chains from :func:`kvnotes.kv.generate.generate`, the decision read after the marker."""
-    cfg = ctx.cfg
-    model, tok = ctx.bundle.model, ctx.bundle.tokenizer
-    max_new = int(cfg.cot.max_new_tokens)
-    limit = cfg.cot.max_pairs
-    stop_ids = stop_tokens(tok)
-    rows, excluded = [], list(ctx.pairs.excluded)
-
-    def decide(items: dict, pair, marker, o_old, o_new) -> dict[str, dict]:
-        """``{name: (edited, token)}`` -> ``{name: {decision, reached, s, text, chain_len}}``; one
-        batched generation per decision position (the methods' caches stacked, one copy)."""
-        groups: dict = {}
-        for name, (e, t) in items.items():
-            groups.setdefault((e.pos, t), []).append(name)
-        res = {}
-        for (pos, t), names in groups.items():
-            gen = generate(model, edit.stack([items[n][0].cache for n in names], pos), t, pos, max_new,
-                           answer_marker(tok, marker, ctx.thinking), stop_ids)
-            for j, n in enumerate(names):
-                chain, lp = gen.chains[j], gen.logprobs[j]
-                res[n] = {"decision": decision_after_marker(lp, pair, o_old, o_new) if chain.reached else None,
-                          "reached": chain.reached, "text": tok.decode(chain.ids, skip_special_tokens=True),
-                          "chain_len": chain.length, "stopped": chain.stopped,
-                          "unreached": unreached_reason(tok, chain, ctx.thinking),
-                          "s": float(first_token_scores(lp[None], pair)[0]) if chain.reached else None}
-        return res
-
-    order = round_robin([pair_row(p) for p in ctx.pairs.pairs])
-    pairs = [ctx.pairs.pairs[i] for i in (order if limit is None else order[: int(limit)])]
-    excluded_limit = len(ctx.pairs.pairs) - len(pairs)
-    for pair in tqdm(pairs, desc="edit cot", disable=not cfg.progress):
-        sc = pair.spec.instance.scenario
-        marker = sc.variants[pair.spec.variant].answer_marker
-        outcome = {c: o for o, c in sc.candidates.items()}
-        o_old, o_new = outcome[pair.spec.cand_old], outcome[pair.spec.cand_new]
-        with ctx.timer("cot_screen"):
-            ed = PairEditor(ctx, pair, kwargs)
-            screen = decide({"full": (ed.full, ed.token), "stale": (edit.Edited(ed.stale, ed.d, 0, 0.0, 0.0), ed.token)},
-                            pair, marker, o_old, o_new)
-            full, stale = screen["full"], screen["stale"]
-        base = pair_row(pair) | {"full_text": full["text"], "stale_text": stale["text"],
-                                 "full_decision": full["decision"], "stale_decision": stale["decision"],
-                                 "full_chain_len": full["chain_len"], "stale_chain_len": stale["chain_len"]}
-        def why(arm: str, got: dict) -> str:
-            return f"{arm}_{'no_marker' if got['unreached'] == 'no_answer_marker' else got['unreached']}"
-        reason = (why("full", full) if not full["reached"] else why("stale", stale) if not stale["reached"]
-                  else None if (full["decision"] == o_new and stale["decision"] == o_old) else "no_cot_flip")
-        if reason:
-            excluded.append(base | {"reason": reason})
-            continue
-        full_dec, stale_dec = full["decision"], stale["decision"]
-        methods = {"full": {"decision": full_dec, "agree": True, "reached": True, "tokens": ed.full.tokens, "frac": 1.0,
-                            "s": full["s"], "chain_len": full["chain_len"]},
-                   "stale": {"decision": stale_dec, "agree": False, "reached": True, "tokens": 0, "frac": 0.0,
-                             "s": stale["s"], "chain_len": stale["chain_len"]}}
-        with ctx.timer("cot_methods"):
-            items = {n: v for n, v in ed.named().items() if n not in ("full", "stale")}
-            items |= {n: (e, ed.token) for n, _, _, e in sweep_methods(ed, rankings, ks, None)}
-            for name, got in decide(items, pair, marker, o_old, o_new).items():
-                methods[name] = {"decision": got["decision"], "agree": got["decision"] == full_dec,
-                                 "reached": got["reached"], "tokens": items[name][0].tokens,
-                                 "frac": items[name][0].tokens / ed.full.tokens, "s": got["s"],
-                                 "chain_len": got["chain_len"]}
-            for name in CONTROLS:                          # no decision read: not moved (see reached)
-                dec = methods[name]["decision"]
-                methods[name]["moved"] = dec is not None and dec != stale_dec
-        rows.append(base | {"methods": methods})
-    if excluded_limit:
-        excluded.append({"pair": None, "family": None, "reason": "beyond_max_pairs", "count": excluded_limit})
-    return rows, excluded
-
-
 # --------------------------------------------------------------------------------------------- run
 
 def run(ctx) -> dict:
-    """Every edit method on every flipping pair; see the module docstring."""
+    """Every edit method on every flipping pair under the run's readout; see the module docstring."""
     cfg = ctx.cfg
+    generated = K.is_cot(ctx)
     kwargs = dict(cfg.chat_template_kwargs or ctx.template_kwargs or {})
     rankings = [str(r) for r in cfg.rankings]
-    ks = [int(k) for k in cfg.ks]
+    ks = [int(k) for k in (cfg.cot_ks if generated else cfg.ks)]
+    oracle_ranking = None if generated else cfg.oracle_ranking
     n_boot, seed = int(cfg.n_boot), ctx.seed
-    oracle_ranking = cfg.oracle_ranking
-    if ctx.scenario.variant == "cot":
-        return run_cot(ctx, kwargs, rankings, [int(k) for k in cfg.cot.ks], n_boot, seed)
-    fs = flipping_pairs(ctx, keep_caches=False)
-    order = round_robin(fs.rows)
-    limit, sweep_limit = cfg.max_pairs, cfg.sweep_max_pairs
+    pr = pair_loop(ctx, "edit: clean runs", keep=True)        # every flipping row first: the cap is round-robin
+    order = round_robin(pr.rows)
+    limit, sweep_limit = cfg.max_pairs, None if generated else cfg.sweep_max_pairs
     if limit is not None and len(order) > int(limit):
-        fs.exclusions["beyond_max_pairs"] = len(order) - int(limit)
+        pr.exclusions["beyond_max_pairs"] = pr.exclusions.get("beyond_max_pairs", 0) + len(order) - int(limit)
         order = order[: int(limit)]
     swept = set(order if sweep_limit is None else order[: int(sweep_limit)])
     rows = []
     for i in tqdm(order, desc="edit", disable=not cfg.progress):
         with ctx.timer("edits"):
-            rows.append(fs.rows[i] | {"swept": i in swept}
-                        | direct_pair(ctx, fs.runs[i], kwargs, rankings, ks, oracle_ranking, i in swept))
-    families = families_of(ctx, rows + fs.excluded)
+            rows.append(pr.rows[i] | {"swept": i in swept}
+                        | edit_pair(ctx, pr.pairs[i], kwargs, rankings, ks, oracle_ranking, i in swept))
+    families = families_of(ctx, rows + pr.excluded)
     with ctx.timer("controls"):
-        ctrl_rows, ctrl_skipped = control_pairs(ctx, fs, kwargs, int(cfg.max_control_pairs))
+        ctrl_rows, ctrl_skipped = control_pairs(ctx, pr.excluded, kwargs, int(cfg.max_control_pairs))
     with ctx.timer("statistics"):
         named = {m: method_summary(rows, m, families, n_boot, seed) for m in EDIT_METHODS}
         index = {n: (v["ranking"], v["k"]) for r in rows for n, v in r["sweep"].items()}
@@ -467,35 +380,13 @@ def run(ctx) -> dict:
         controls["overcorrection"] = proportion(sum(r["overcorrected"] for r in ctrl_rows), len(ctrl_rows))
         choice = choose_ranking(rows, rankings, ks, seed, float(cfg.selection_fraction))
     aggregates = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
-                  "families": families, "variant": "direct", "methods": named, "sweep": sweep,
+                  "families": families, "variant": "cot" if generated else "direct", "methods": named, "sweep": sweep,
                   "sweep_index": {n: {"ranking": index[n][0], "k": index[n][1]} for n in sweep_names},
                   "ranking_choice": choice, "controls": controls, "control_pairs_skipped": ctrl_skipped,
-                  "upper_bounds": [n for n, m in methods.METHODS.items() if m.upper_bound], "exclusions_by_family": exclusions_by_family(fs.excluded, families)}
-    return {"rows": rows, "control_rows": ctrl_rows, "exclusions": fs.exclusions, "excluded": fs.excluded,
+                  "upper_bounds": [n for n, m in methods.METHODS.items() if m.upper_bound and oracle_ranking],
+                  "exclusions_by_family": exclusions_by_family(pr.excluded, families)} | readout_aggregates(ctx, pr)
+    return {"rows": rows, "control_rows": ctrl_rows, "exclusions": pr.exclusions, "excluded": pr.excluded,
             "aggregates": aggregates}
-
-
-def run_cot(ctx, kwargs, rankings, ks, n_boot, seed) -> dict:
-    """CoT mode of :func:`run`: decisions read from greedy decodes of every method's cache."""
-    rows, excluded = cot_pairs(ctx, kwargs, rankings, ks)
-    families = families_of(ctx, rows + [e for e in excluded if e.get("family")])
-    names = sorted({n for r in rows for n in r["methods"]})
-    methods = {}
-    for n in names:
-        have = [r for r in rows if n in r["methods"]]
-        methods[n] = {
-            "agreement": {g: proportion(sum(r["methods"][n]["agree"] for r in have if g in ("all", r["family"])),
-                                        sum(1 for r in have if g in ("all", r["family"]))) for g in ["all", *families]},
-            "reached_marker": proportion(sum(r["methods"][n]["reached"] for r in have), len(have)),
-            "frac": _family_means(have, lambda r, n=n: r["methods"][n]["frac"], families)}
-    controls = {m: proportion(sum(r["methods"][m]["moved"] for r in rows), len(rows)) for m in CONTROLS}
-    exclusions = Counter()
-    for e in excluded:
-        exclusions[e["reason"]] += int(e.get("count", 1))
-    aggregates = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
-                  "families": families, "variant": "cot", "methods": methods, "controls": controls,
-                  "upper_bounds": [], "exclusions_by_family": exclusions_by_family(excluded, families)}
-    return {"rows": rows, "exclusions": dict(exclusions), "excluded": excluded, "aggregates": aggregates}
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

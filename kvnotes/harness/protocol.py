@@ -47,6 +47,7 @@ from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv import generate as kvgen
+from kvnotes.ops import edit as kvedit
 
 #: ``pair -> {variant name: positions in [0, d)}`` (patched in every layer), in scoring order.
 Variants = Callable[[Any], Mapping[str, Sequence[int]]]
@@ -219,6 +220,80 @@ class PairRows:
     n_screened: int = 0
     variants: list[str] = field(default_factory=list)
     pairs: list[ScreenedPair] = field(default_factory=list)
+
+
+@dataclass
+class Read:
+    """One cache's decision under the run's readout (:func:`read_caches`).
+
+    Attributes:
+        logprobs: fp32 ``[vocab]`` log-probs of the decision's first token: at the decision position
+            (direct) or right after the chain's answer marker (generated; NaN when it missed it).
+        s: score ``log p(new) - log p(old)`` of the candidates' first tokens (nats); None when the
+            chain missed its marker.
+        side: the candidate decided for, ``"old"`` / ``"new"``: direct by the sign of ``s``;
+            generated the owned top-1 after the marker (:func:`kvnotes.kv.generate.owned_side`),
+            None when it is neither candidate or the chain missed its marker.
+        reached: the chain reached its marker (always true under direct).
+        chain: the generated chain (:class:`kvnotes.kv.generate.Chain`), None under direct.
+    """
+
+    logprobs: torch.Tensor
+    s: float | None
+    side: str | None
+    reached: bool = True
+    chain: kvgen.Chain | None = None
+
+
+@torch.no_grad()
+def read_caches(ctx, pair, items: Mapping[str, tuple[Any, int, int]]) -> dict[str, Read]:
+    """The decisions of caches the probe built itself (edited, composed) under the run's readout,
+    batched per (position, fed token): the readout hook of probes whose variants are caches, not
+    patch masks (``edit``; :meth:`ScreenedPair.score` is the one of patch probes).
+
+    Direct: the log-probs after feeding the token at its position
+    (:func:`kvnotes.ops.edit.decision_logprobs_batch`, chunked to ``ctx.budget_bytes``). Generated:
+    the caches of a group stacked (one copy) decode greedily, at most ``ctx.cfg.cot_max_new_tokens``
+    tokens, to the pair's answer marker (:func:`kvnotes.kv.generate.generate`) and the decision is
+    read after it.
+
+    Args:
+        ctx: the probe context.
+        pair: the :class:`kvnotes.harness.pairs.TokenizedPair` whose candidates are scored.
+        items: name -> (batch-1 :class:`kvnotes.kv.cache.AllSlotCache` over ``[0, pos)``, left
+            unchanged; ``pos``; the token id fed at ``pos``).
+
+    Returns:
+        name -> :class:`Read`, in the order of ``items``.
+    """
+    model, generated = ctx.bundle.model, K.is_cot(ctx)
+    groups: dict[tuple[int, int], list[str]] = {}
+    for name, (_, pos, token) in items.items():
+        groups.setdefault((pos, token), []).append(name)
+    out: dict[str, Read] = {}
+    for (pos, token), names in groups.items():
+        caches = [items[n][0] for n in names]
+        if not generated:
+            for n, lp in zip(names, kvedit.decision_logprobs_batch(model, caches, token, pos, ctx.budget_bytes)):
+                s = float(first_token_scores(lp[None], pair)[0])
+                out[n] = Read(lp, s, "new" if s > 0 else "old")
+            continue
+        with ctx.timer("generate"):
+            gen = kvgen.generate(model, kvedit.stack(caches, pos), token, pos, int(ctx.cfg.cot_max_new_tokens),
+                                 K.cot_marker(ctx, pair), K.stop_tokens(ctx.bundle.tokenizer))
+        for n, chain, lp in zip(names, gen.chains, gen.logprobs):
+            ok = chain.reached
+            out[n] = Read(lp, float(first_token_scores(lp[None], pair)[0]) if ok else None,
+                          kvgen.owned_side(lp, pair) if ok else None, ok, chain)
+    return {n: out[n] for n in items}
+
+
+def readout_aggregates(ctx, pr: PairRows) -> dict:
+    """The aggregates every pair probe adds under the generated readout (``readout``,
+    ``max_new_tokens``, ``n_screened``); none under direct."""
+    if pr.readout != "generated":
+        return {}
+    return {"readout": "generated", "max_new_tokens": int(ctx.cfg.cot_max_new_tokens), "n_screened": pr.n_screened}
 
 
 def _screened(ctx, desc: str, pairs: list | None) -> Iterator[tuple[ScreenedPair | None, dict]]:

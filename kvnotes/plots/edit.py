@@ -16,7 +16,7 @@ FLOOR = 1e-3
 
 
 def _agreement(summary: dict, variant: str) -> tuple[float | None, list | None, int]:
-    if variant == "cot":
+    if variant == "cot":                   # every pair: a chain that missed its marker does not agree
         p = summary["agreement"]["all"]
     else:
         p = summary["recovery"]["all"].get("decision_flipped") or {}
@@ -44,7 +44,7 @@ def plot_edit(record: dict, out_dir: Path) -> list[Path]:
         if p is None or x is None:
             continue
         _point(ax, x, p, ci, marker=MARKERS.get(name, "o"), ms=9, ls="none", label=f"{name} (n={n})")
-    sweep = agg.get("sweep") or {k: v for k, v in methods.items() if "@" in k}
+    sweep = agg["sweep"]
     lines: dict[str, list] = {}
     for name, summary in sweep.items():
         ranking = name.split("@")[0].removeprefix("selective_")
