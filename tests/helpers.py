@@ -173,3 +173,21 @@ def cot_tiny_ctx(model, monkeypatch, *modules):
             monkeypatch.setattr(m, "stop_tokens", lambda tok: [])
     return SimpleNamespace(bundle=SimpleNamespace(model=model, tokenizer=None), thinking=False,
                            timer=lambda name: nullcontext())
+
+
+def job_record(bundle, out, *overrides: str) -> dict:
+    """The record ``python run.py <overrides>`` writes, made by the same job path
+    (:func:`kvnotes.harness.jobs.run_job`: typed config, variant check, pairs, probe, record checks)
+    in this process on an already loaded model (``bundle``; the command line around it is tested in
+    tests/test_cli.py), so an end-to-end test does not spend seconds starting a process and loading
+    the model again."""
+    import json
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from kvnotes.harness.jobs import run_job
+
+    with initialize_config_dir(str(Path(__file__).resolve().parent.parent / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides))
+    return json.loads(run_job(cfg, Path(out), {"launcher": "tests"}, log=lambda _: None, bundle=bundle).read_text())

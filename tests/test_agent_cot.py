@@ -22,7 +22,7 @@ from kvnotes.kv.generate import token_marker
 from probes import ProbeContext
 from probes import agent as agent_mod
 from probes.agent import CotReadout, aggregate, run_trajectory, trajectory_values
-from tests.helpers import ARCHS, check_figures, check_schema, tiny_config
+from tests.helpers import job_record, ARCHS, check_figures, check_schema, tiny_config
 
 #: fp32 on CPU. The cot readout with zero new tokens reads the decision after feeding the last token
 #: on a cache over the rest; the direct one reads it from the same forward over all tokens: one more
@@ -209,15 +209,9 @@ def test_run_writes_a_generated_record(llama_ctx, monkeypatch, tmp_path):
 
 
 @pytest.mark.embedded
-def test_run_py_agent_under_cot(tmp_path):
-    from tests.test_cli import run
-
-    out = tmp_path / "runs"
-    proc = run("probe=agent", "scenario=small", "scenario.variant=cot", "scenario.ids=[favourite_colour]",
-               "scenario.n_instances=1", "probe.turns=2", "probe.n_boot=50", "probe.progress=false", "plot=false",
-               f"out_root={out}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rec = json.loads(next(out.rglob("record.json")).read_text())
+def test_run_py_agent_under_cot(smol, tmp_path):
+    rec = job_record(smol, tmp_path, "probe=agent", "scenario=small", "scenario.variant=cot", "scenario.ids=[favourite_colour]",
+               "scenario.n_instances=1", "probe.turns=2", "probe.n_boot=50", "probe.progress=false", "plot=false")
     res = rec["result"]
     agg = res["aggregates"]
     assert agg["readout"] == "generated" and agg["cot_max_new_tokens"] == 40

@@ -5,7 +5,6 @@ exclusions on the embedded model."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -14,7 +13,7 @@ from kvnotes.harness.protocol import screen_generated
 from kvnotes.kv.generate import token_marker
 from probes import injection
 from probes.injection import DIRECTIONS, inject_pair
-from tests.helpers import VOCAB, cot_tiny_ctx
+from tests.helpers import job_record, VOCAB, cot_tiny_ctx
 from tests.test_cache import prompts
 from tests.test_injection import synthetic_pair
 
@@ -55,15 +54,10 @@ def test_clean_chains_without_the_marker_exclude_the_pair(tiny_ctx, monkeypatch)
 
 
 @pytest.mark.embedded
-def test_run_py_writes_a_generated_readout_record(tmp_path):
-    from tests.test_cli import run
-
-    out = tmp_path / "runs"
-    proc = run("probe=injection", "scenario=small", "scenario.variant=cot", "scenario.n_instances=1",
+def test_run_py_writes_a_generated_readout_record(smol, tmp_path):
+    rec = job_record(smol, tmp_path, "probe=injection", "scenario=small", "scenario.variant=cot", "scenario.n_instances=1",
                "scenario.ids=[favourite_colour]", "probe.cot_max_pairs=1", "probe.cot_max_new_tokens=40",
-               "probe.n_boot=50", "plot=false", f"out_root={out}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rec = json.loads(next(out.rglob("record.json")).read_text())
+               "probe.n_boot=50", "plot=false")
     res = rec["result"]
     agg = res["aggregates"]
     assert agg["readout"] == "generated" and agg["n_screened"] == 1

@@ -6,7 +6,6 @@ marker exclude the pair by reason while ``run.py`` writes a generated-readout re
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import pytest
@@ -20,7 +19,7 @@ from kvnotes.kv.knockout import decision_forward, generate_knocked, knockout_mas
 from probes import ProbeContext
 from probes.read_location import CHAIN_GROUPS, GROUPS, chain_spans, group_masses, key_groups
 from probes.read_location import run as run_read_location
-from tests.helpers import ARCHS, VOCAB, build_tiny
+from tests.helpers import job_record, ARCHS, VOCAB, build_tiny
 
 T = 20                    # prefix length [0, T); the decision token is fed at T
 FIELD = (5, 9)
@@ -137,18 +136,12 @@ def test_chains_without_their_marker_exclude_the_pair(smol, recall_pairs):
 
 
 @pytest.mark.embedded
-def test_run_py_writes_a_generated_readout_record(tmp_path):
-    """End to end through ``run.py`` on the embedded model: the record says the decisions were read
+def test_run_py_writes_a_generated_readout_record(smol, tmp_path):
+    """End to end through ``run.py``'s job path on the embedded model: the record says the decisions were read
     after generated chains and keeps the chains and the exclusions."""
-    from tests.test_cli import run
-
-    out = tmp_path / "runs"
-    proc = run("probe=read_location", "scenario=small", "scenario.variant=cot", "scenario.n_instances=1",
+    rec = job_record(smol, tmp_path, "probe=read_location", "scenario=small", "scenario.variant=cot", "scenario.n_instances=1",
         "scenario.ids=[favourite_colour]", "probe.cot_max_pairs=1", "probe.cot_max_new_tokens=40",
-        "probe.bands=[[0.5,1.0]]", "probe.knockout_groups=[[field]]", "probe.n_boot=50", "plot=false",
-        f"out_root={out}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rec = json.loads(next(out.rglob("record.json")).read_text())
+        "probe.bands=[[0.5,1.0]]", "probe.knockout_groups=[[field]]", "probe.n_boot=50", "plot=false")
     res = rec["result"]
     agg = res["aggregates"]
     assert agg["readout"] == "generated" and agg["n_screened"] == 1 and res["groups"] == list(CHAIN_GROUPS)

@@ -5,7 +5,6 @@ the marker exclude the pair, never score it; the direct-only parts are refused i
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from kvnotes.harness.tokens import Prompt, TokenizedPair
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.generate import token_marker
 from scenarios import build_pairs
-from tests.helpers import VOCAB, cot_tiny_ctx
+from tests.helpers import job_record, VOCAB, cot_tiny_ctx
 from tests.test_cache import FIELD, full_logprobs, prompts
 from tests.test_tokens import scenario
 
@@ -96,15 +95,10 @@ def test_direct_only_sets_are_refused_in_one_line():
 
 
 @pytest.mark.embedded
-def test_run_py_writes_a_generated_readout_record(tmp_path):
-    from tests.test_cli import run
-
-    out = tmp_path / "runs"
-    proc = run("probe=suffix_recovery", "scenario=small", "scenario.variant=cot", "scenario.n_instances=1",
+def test_run_py_writes_a_generated_readout_record(smol, tmp_path):
+    rec = job_record(smol, tmp_path, "probe=suffix_recovery", "scenario=small", "scenario.variant=cot", "scenario.n_instances=1",
                "scenario.ids=[favourite_colour]", "probe.cot_max_pairs=2", "probe.cot_fractions=[0.5,1.0]",
-               "probe.layer_bands=2", "probe.n_boot=50", "plot=false", f"out_root={out}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rec = json.loads(next(out.rglob("record.json")).read_text())
+               "probe.layer_bands=2", "probe.n_boot=50", "plot=false")
     res = rec["result"]
     agg = res["aggregates"]
     assert agg["readout"] == "generated" and agg["n_screened"] == 2 and agg["direct_only"] == ["single", "topk", "random"]
