@@ -36,7 +36,7 @@ bookkeeping (``rotate``) or not (``no_rotate``), seam 0. Per prompt ``prompts[*]
 holds KL / top-1 agreement / logit cosine vs that full prefill per variant; ``aggregates.image_chunk``
 says the arm ran (grid, tokens, seed, where) and summarises them.
 
-**Chain of thought** (``scenario.variant=cot``; :func:`run_cot`): the prompt ends with a reasoning
+**Chain of thought** (``scenario.variant=cot``, the generated readout): the prompt ends with a reasoning
 opener, so the decision is not read at the decision position but after a generated chain. For at
 most ``cot_max_pairs`` chunked pairs (round-robin over scenarios; the rest counted
 ``beyond_max_pairs``, no rows), every distinct prompt is cut before its last token ``L - 1``: the
@@ -107,7 +107,7 @@ class Config(ProbeConfig):
 
 
 #: With ``scenario.variant=cot`` the full prefill and every composed variant generate their reasoning and
-#: the decision is read after the answer marker (:func:`run_cot`).
+#: the decision is read after the answer marker (:func:`cot_generate`).
 SUPPORTS_COT = True
 
 
@@ -552,22 +552,62 @@ EDIT_ARMS_COT_NOTE = ("edit arms not run under scenario.variant=cot: they read t
                       "(no generated reasoning)")
 
 
-def run_cot(ctx) -> dict:
-    """:func:`run` under ``scenario.variant=cot`` (see "Chain of thought" in the module docstring).
+def _direct_prompt_row(cols: dict, res: dict, expected: int) -> dict:
+    """One prompt's row from its :func:`compose_prompts` result (the direct readout)."""
+    top1 = int(res["full"].argmax())
+    return cols | {"expected_first_token": expected, "full_top1": top1, "owned": top1 == expected,
+                   "max_abs_logit_diff_full_seam": res["max_abs_logit_diff_full_seam"],
+                   "variants": {n: {k: x for k, x in d.items() if k != "logprobs"} for n, d in res["variants"].items()}}
+
+
+def _direct_pair_row(pair, ro: dict, rn: dict, names: list[str], flips: bool) -> dict:
+    """A pair's row from its prompts' :func:`compose_prompts` results (the direct readout): the full
+    prefills' scores and per variant the composed runs' scores and recovery."""
+    co, cn = pair.cand_old[0], pair.cand_new[0]
+    s_old, s_new = float(ro["full"][cn] - ro["full"][co]), float(rn["full"][cn] - rn["full"][co])
+    row = pair_row(pair) | {"chunks": [list(c) for c in pair.chunks], "chunk_names": list(pair.chunk_names),
+                            "standalone": list(pair.standalone), "flips": flips, "s_full": [s_old, s_new], "variants": {}}
+    for name in names:
+        lo, ln = ro["variants"][name]["logprobs"], rn["variants"][name]["logprobs"]
+        sc_old, sc_new = float(lo[cn] - lo[co]), float(ln[cn] - ln[co])
+        row["variants"][name] = {"s_old": sc_old, "s_new": sc_new,
+                                 "r": (sc_new - s_old) / (s_new - s_old) if s_new != s_old else None}
+    return row
+
+
+def _prompts_to_read(pairs: list, at: int, memo: dict, batch_later: bool) -> dict:
+    """``value -> (prompt, candidate)`` of the prompts of ``pairs[at]`` not read yet and, with
+    ``batch_later``, of the later pairs of its instance that share its chunk spans and length (one
+    batch)."""
+    pair, inst = pairs[at], pairs[at].spec.instance.id
+    todo: dict = {}
+    for q in pairs[at:] if batch_later else [pair]:
+        if q.spec.instance.id != inst:
+            break
+        if q is pair or (q.chunks == pair.chunks and len(q.old.ids) == len(pair.old.ids)):
+            for v, prompt, cand in ((q.spec.old, q.old, q.cand_old), (q.spec.new, q.new, q.cand_new)):
+                if (inst, v) not in memo:
+                    todo.setdefault(v, (prompt, cand))
+    return todo
+
+
+def run(ctx) -> dict:
+    """Composed vs full prefill for every chunked pair and variant under the run's readout; see the
+    module docstring.
 
     Returns:
-        ``rows`` (pairs whose full chains both reached their markers), ``prompts`` (prompts whose
-        full chain did), ``excluded`` (tokenisation exclusions, excluded prompts with their full
-        chains, pairs without both full chains, non-flipping pairs), ``exclusions`` (reason ->
-        count, plus ``beyond_max_pairs``), ``variant_names`` and ``aggregates``
-        (:func:`aggregate_cot` under ``variants``, ``readout = "generated"``).
+        ``rows`` (pairs; generated: those whose full chains both reached their markers), ``prompts``
+        (distinct prompts; generated: those whose full chain did), ``exclusions``, ``excluded``,
+        ``variant_names`` and ``aggregates`` (generated: :func:`aggregate_cot` under ``variants``,
+        ``readout = "generated"``).
 
     Raises:
-        KvnotesError: ``image_chunk: true``, no scenario config, or no chunked
-            token-aligned pairs.
+        KvnotesError: no scenario config, no chunked token-aligned pairs, ``image_chunk: true``
+            under the generated readout.
     """
     cfg = ctx.cfg
-    if cfg.image_chunk:
+    generated = K.is_cot(ctx)
+    if generated and cfg.image_chunk:
         raise KvnotesError("probe.image_chunk=true is not run under scenario.variant=cot (the image arm reads the "
                            "decision position directly); set probe.image_chunk=false")
     if ctx.scenario_cfg is None:
@@ -575,164 +615,100 @@ def run_cot(ctx) -> dict:
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     n_boot = int(cfg.n_boot)
     sinks = [str(s) for s in cfg.sinks]
-    seams = [int(s) for s in cfg.cot_seams]
+    seams = [int(s) for s in (cfg.cot_seams if generated else cfg.seams)]
+    arm_seams = [] if generated else [int(s) for s in cfg.edit_arm_seams]
     variants = [(rot, sink, seam) for rot in (True, False) for sink in sinks for seam in seams]
     names = [variant_name(*v) for v in variants]
-    max_new = int(cfg.cot_max_new_tokens)
-    limit = cfg.cot_max_pairs
-    tk = dict(ctx.template_kwargs)          # the model's, thinking switch applied: the marker test follows it
+    tk = dict(ctx.template_kwargs)          # the model's chat-template arguments, thinking switch applied
+    image = None
+    if cfg.image_chunk:
+        from kvnotes.ops import mrope
+
+        image = mrope.synthetic_image(model, tuple(int(x) for x in cfg.image_grid), ctx.seed)
     with ctx.timer("chunked_pairs"):
         cpairs = chunked_pairs(tok, ctx.scenario_cfg, tk)
     if not cpairs.pairs:
         raise KvnotesError(f"no chunked token-aligned pairs (excluded: {cpairs.exclusion_counts()})")
     cctx = replace(ctx, pairs=cpairs)
-    chosen, beyond = K.cot_selection(cctx, None if limit is None else int(limit))
-    index = {id(p): i for i, p in enumerate(cpairs.pairs)}
-    pairs = sorted(chosen, key=lambda p: index[id(p)])     # suite order: an instance's pairs share prompts
-    stop = stop_tokens(tok)
-    prompt_rows, rows, bad_prompts, bad_pairs, memo = [], [], [], [], {}
-    for pair in tqdm(pairs, desc="compose cot", disable=not K.progress(ctx)):
-        inst = pair.spec.instance.id
-        if any(k[0] != inst for k in memo):
-            memo = {}
-        todo = [(v, p) for v, p in ((pair.spec.old, pair.old), (pair.spec.new, pair.new)) if (inst, v) not in memo]
+    if generated:                           # the full chains are the screen: a prompt's is decoded once
+        limit = cfg.cot_max_pairs
+        chosen, beyond = K.cot_selection(cctx, None if limit is None else int(limit))
+        index = {id(p): i for i, p in enumerate(cpairs.pairs)}
+        pairs, flips = sorted(chosen, key=lambda p: index[id(p)]), set()   # suite order: an instance's pairs share prompts
+        max_new, stop = int(cfg.cot_max_new_tokens), stop_tokens(tok)
+    else:
+        fs = flipping_pairs(cctx, keep_caches=False)
+        pairs, beyond, flips = cpairs.pairs, 0, {r["pair"] for r in fs.rows}
+    prompt_rows, rows, bad_prompts, bad_pairs, memo = [], [], [], [], {"chunks": {}}
+    for at, pair in enumerate(tqdm(pairs, desc="compose", disable=not K.progress(ctx))):
+        inst, sc = pair.spec.instance.id, pair.spec.instance.scenario
+        if any(k[0] != inst for k in memo if isinstance(k, tuple)):
+            memo = {"chunks": {}}                       # pairs of one instance are consecutive
+        todo = _prompts_to_read(pairs, at, memo, batch_later=not generated)
         if todo:
-            with ctx.timer("generate"):
-                res = cot_generate(model, torch.stack([p.ids for _, p in todo]), pair.chunks, variants, max_new,
-                                   K.cot_marker(ctx, pair), stop)
-            for (value, _), r in zip(todo, res):
+            with ctx.timer("generate" if generated else "variants"):
+                res = (cot_generate(model, torch.stack([p.ids for p, _ in todo.values()]), pair.chunks, variants,
+                                    max_new, K.cot_marker(ctx, pair), stop) if generated else
+                       compose_prompts(model, [p for p, _ in todo.values()], pair.chunks, variants, memo["chunks"]))
+            for (value, (prompt, cand)), r in zip(todo.items(), res):
                 memo[(inst, value)] = r
-                cand = pair.cand_old if value == pair.spec.old else pair.cand_new
-                sc = pair.spec.instance.scenario
-                row = cot_prompt_row(ctx, {"prompt": f"{inst}:{value}", "scenario": sc.id, "family": sc.family,
-                                           "instance": inst, "value": value}, r, cand[0])
-                (prompt_rows if row["reason"] is None else bad_prompts).append(row)
+                cols = {"prompt": f"{inst}:{value}", "scenario": sc.id, "family": sc.family, "instance": inst,
+                        "value": value}
+                if generated:
+                    row = cot_prompt_row(ctx, cols, r, cand[0])
+                    (prompt_rows if row["reason"] is None else bad_prompts).append(row)
+                    continue
+                prompt_rows.append(_direct_prompt_row(cols, r, cand[0]))
+                if image is not None:
+                    with ctx.timer("image_chunk"):
+                        prompt_rows[-1]["image_chunk"] = image_arm(model, prompt.ids, pair.chunks, sinks, image)
         ro, rn = memo[(inst, pair.spec.old)], memo[(inst, pair.spec.new)]
+        if not generated:
+            rows.append(_direct_pair_row(pair, ro, rn, names, pair.spec.id in flips))
+            if arm_seams:
+                with ctx.timer("edit_arms"):
+                    rows[-1]["arms"] = edit_arms(model, tok, pair, arm_seams, tk, ctx.scenario.chat_template,
+                                                 memo.setdefault("arms", {}), rn["full"])
+            continue
         missed = [(side, r["full"][0]) for side, r in (("old", ro), ("new", rn)) if not r["full"][0].reached]
         if missed:
             bad_pairs.append({k: x for k, x in pair_row(pair).items() if k in K.EXCLUSION_COLUMNS}
                              | {"reason": K.cot_unreached(ctx, *missed[0])})
         else:
             rows.append(cot_pair_row(pair, ro, rn, names))
-    excluded = [*cpairs.excluded, *bad_prompts, *bad_pairs,
-                *({k: r[k] for k in K.EXCLUSION_COLUMNS} for r in rows if not r["flips"])]
-    exclusions = K.exclusion_counts(excluded)
-    if beyond:
-        exclusions["beyond_max_pairs"] = beyond
+    if generated:
+        excluded = [*cpairs.excluded, *bad_prompts, *bad_pairs,
+                    *({k: r[k] for k in K.EXCLUSION_COLUMNS} for r in rows if not r["flips"])]
+        exclusions = K.exclusion_counts(excluded) | ({"beyond_max_pairs": beyond} if beyond else {})
+    else:
+        excluded, exclusions = fs.excluded, fs.exclusions
     families = families_of(cctx, rows + prompt_rows + bad_prompts)
     with ctx.timer("statistics"):
-        agg = aggregate_cot(prompt_rows, rows, names, families, n_boot, ctx.seed)
-    aggregates = {"readout": "generated", "max_new_tokens": max_new,
-                  "n_pairs": len(cpairs.pairs) + len(cpairs.excluded), "n_aligned": len(cpairs.pairs),
-                  "n_screened": len(pairs), "n_pair_rows": len(rows), "n_flip": sum(r["flips"] for r in rows),
-                  "n_prompts_screened": len(prompt_rows) + len(bad_prompts), "n_prompts": len(prompt_rows),
-                  "n_owned_prompts": sum(r["owned"] for r in prompt_rows),
-                  "prompt_exclusions": K.exclusion_counts(bad_prompts), "families": families, "sinks": sinks,
-                  "seams": seams, "variants": agg, "n_unreached": {v: agg[v]["n_unreached"]["all"] for v in names},
-                  "exclusions_by_family": exclusions_by_family(excluded, families), "edit_arms": None,
-                  "edit_arm_seams": [], "edit_arms_note": EDIT_ARMS_COT_NOTE, "image_chunk": None}
+        if generated:
+            agg = aggregate_cot(prompt_rows, rows, names, families, n_boot, ctx.seed)
+        else:
+            agg = aggregate(prompt_rows, rows, names, families, n_boot, ctx.seed)
+            arms = aggregate_arms(rows, arm_seams, families, n_boot, ctx.seed) if arm_seams else None
+    aggregates = {"n_pairs": len(cpairs.pairs) + len(cpairs.excluded), "n_aligned": len(cpairs.pairs),
+                  "n_flip": sum(r["flips"] for r in rows), "n_prompts": len(prompt_rows),
+                  "n_owned_prompts": sum(r["owned"] for r in prompt_rows), "families": families, "sinks": sinks,
+                  "seams": seams, "variants": agg, "exclusions_by_family": exclusions_by_family(excluded, families),
+                  "edit_arm_seams": arm_seams}
+    if generated:
+        aggregates |= {"readout": "generated", "max_new_tokens": max_new, "n_screened": len(pairs),
+                       "n_pair_rows": len(rows), "n_prompts_screened": len(prompt_rows) + len(bad_prompts),
+                       "prompt_exclusions": K.exclusion_counts(bad_prompts),
+                       "n_unreached": {v: agg[v]["n_unreached"]["all"] for v in names}, "edit_arms": None,
+                       "edit_arms_note": EDIT_ARMS_COT_NOTE, "image_chunk": None}
+    else:
+        aggregates |= {"checks": {"max_abs_logit_diff_full_seam": max(r["max_abs_logit_diff_full_seam"] for r in prompt_rows),
+                                  "pairs_with_chunks_tokenised_standalone": sum(all(r["standalone"]) for r in rows),
+                                  "n_rows": len(rows)},
+                       "edit_arms": arms,
+                       "image_chunk": None if image is None else image_summary(prompt_rows, image, cpairs, families,
+                                                                               n_boot, ctx.seed)}
     return {"rows": rows, "prompts": prompt_rows, "exclusions": exclusions, "excluded": excluded,
             "variant_names": names, "aggregates": aggregates}
-
-
-def run(ctx) -> dict:
-    """Composed vs full prefill for every chunked pair and variant; see the module docstring.
-
-    Returns:
-        ``rows`` (pairs), ``prompts`` (distinct prompts), ``exclusions``, ``excluded``,
-        ``variant_names`` and ``aggregates``; under ``scenario.variant=cot`` those of :func:`run_cot`.
-
-    Raises:
-        KvnotesError: no scenario config, no chunked
-            token-aligned pairs; under cot, those of :func:`run_cot`.
-    """
-    if K.is_cot(ctx):
-        return run_cot(ctx)
-    cfg = ctx.cfg
-    model, tok = ctx.bundle.model, ctx.bundle.tokenizer
-    n_boot = int(cfg.n_boot)
-    sinks = [str(s) for s in cfg.sinks]
-    seams = [int(s) for s in cfg.seams]
-    arm_seams = [int(s) for s in cfg.edit_arm_seams]
-    chat = ctx.scenario.chat_template
-    variants = [(rot, sink, seam) for rot in (True, False) for sink in sinks for seam in seams]
-    names = [variant_name(*v) for v in variants]
-    tk = dict(ctx.template_kwargs)          # the model's chat-template arguments, thinking switch applied
-    if ctx.scenario_cfg is None:
-        raise KvnotesError("probe compose needs the scenario config (it renders its own chunked prompts)")
-    image = None
-    if cfg.image_chunk:
-        from kvnotes.ops import mrope
-
-        grid = tuple(int(x) for x in cfg.image_grid)
-        image = mrope.synthetic_image(model, grid, ctx.seed)
-    with ctx.timer("chunked_pairs"):
-        cpairs = chunked_pairs(tok, ctx.scenario_cfg, tk)
-    if not cpairs.pairs:
-        raise KvnotesError(f"no chunked token-aligned pairs (excluded: {cpairs.exclusion_counts()})")
-    fs = flipping_pairs(replace(ctx, pairs=cpairs), keep_caches=False)
-    flips = {r["pair"] for r in fs.rows}
-    prompt_rows, rows, memo = [], [], {"chunks": {}}
-    for at, pair in enumerate(tqdm(cpairs.pairs, desc="compose", disable=not cfg.progress)):
-        inst = pair.spec.instance.id
-        if any(k[0] != inst for k in memo if isinstance(k, tuple)):
-            memo = {"chunks": {}}                       # pairs of one instance are consecutive
-        todo = {}           # value -> (prompt, candidate): this pair's and its instance's later pairs' new prompts
-        later: list[Any] = cpairs.pairs[at:]           # chunked pairs (they carry .chunks)
-        for q in later:
-            if q.spec.instance.id != inst:
-                break
-            if q is pair or (q.chunks == pair.chunks and len(q.old.ids) == len(pair.old.ids)):   # one batch
-                for v, prompt, cand in ((q.spec.old, q.old, q.cand_old), (q.spec.new, q.new, q.cand_new)):
-                    if (inst, v) not in memo:
-                        todo.setdefault(v, (prompt, cand))
-        if todo:
-            with ctx.timer("variants"):
-                res = compose_prompts(model, [p for p, _ in todo.values()], pair.chunks, variants, memo["chunks"])
-            for (value, (prompt, cand)), r in zip(todo.items(), res):
-                memo[(inst, value)] = r
-                top1 = int(r["full"].argmax())
-                prompt_rows.append({"prompt": f"{inst}:{value}", "scenario": pair.spec.instance.scenario.id,
-                                    "family": pair.spec.instance.scenario.family, "instance": inst, "value": value,
-                                    "expected_first_token": cand[0], "full_top1": top1, "owned": top1 == cand[0],
-                                    "max_abs_logit_diff_full_seam": r["max_abs_logit_diff_full_seam"],
-                                    "variants": {n: {k: x for k, x in d.items() if k != "logprobs"}
-                                                 for n, d in r["variants"].items()}})
-                if image is not None:
-                    with ctx.timer("image_chunk"):
-                        prompt_rows[-1]["image_chunk"] = image_arm(model, prompt.ids, pair.chunks, sinks, image)
-        ro, rn = memo[(inst, pair.spec.old)], memo[(inst, pair.spec.new)]
-        co, cn = pair.cand_old[0], pair.cand_new[0]
-        s_old, s_new = float(ro["full"][cn] - ro["full"][co]), float(rn["full"][cn] - rn["full"][co])
-        row = pair_row(pair) | {"chunks": [list(c) for c in pair.chunks], "chunk_names": list(pair.chunk_names),
-                                "standalone": list(pair.standalone), "flips": pair.spec.id in flips,
-                                "s_full": [s_old, s_new], "variants": {}}
-        for name in names:
-            lo, ln = ro["variants"][name]["logprobs"], rn["variants"][name]["logprobs"]
-            sc_old, sc_new = float(lo[cn] - lo[co]), float(ln[cn] - ln[co])
-            row["variants"][name] = {"s_old": sc_old, "s_new": sc_new,
-                                     "r": (sc_new - s_old) / (s_new - s_old) if s_new != s_old else None}
-        if arm_seams:
-            with ctx.timer("edit_arms"):
-                row["arms"] = edit_arms(model, tok, pair, arm_seams, tk, chat, memo.setdefault("arms", {}),
-                                        rn["full"])
-        rows.append(row)
-    families = families_of(replace(ctx, pairs=cpairs), rows)
-    with ctx.timer("statistics"):
-        agg = aggregate(prompt_rows, rows, names, families, n_boot, ctx.seed)
-        arms = aggregate_arms(rows, arm_seams, families, n_boot, ctx.seed) if arm_seams else None
-    checks = {"max_abs_logit_diff_full_seam": max(r["max_abs_logit_diff_full_seam"] for r in prompt_rows),
-              "pairs_with_chunks_tokenised_standalone": sum(all(r["standalone"]) for r in rows), "n_rows": len(rows)}
-    aggregates = {"n_pairs": len(cpairs.pairs) + len(cpairs.excluded), "n_aligned": len(cpairs.pairs),
-                  "n_flip": len(flips), "n_prompts": len(prompt_rows),
-                  "n_owned_prompts": sum(r["owned"] for r in prompt_rows),
-                  "families": families, "sinks": sinks, "seams": seams, "variants": agg, "checks": checks,
-                  "exclusions_by_family": exclusions_by_family(fs.excluded, families), "edit_arms": arms,
-                  "edit_arm_seams": arm_seams,
-                  "image_chunk": None if image is None else image_summary(prompt_rows, image, cpairs, families,
-                                                                          n_boot, ctx.seed)}
-    return {"rows": rows, "prompts": prompt_rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "variant_names": names,
-            "aggregates": aggregates}
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table
