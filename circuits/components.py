@@ -24,7 +24,7 @@ keeps the worst errors of both as checks).
 
 **Note position.** The top note position is an offset ``d - p`` from the decision position,
 chosen per family on the **selection** split as the downstream position with the highest mean
-single-position KV-patch recovery (all layers, :func:`kvnotes.kv.cache.position_masks`);
+single-position KV-patch recovery (all layers, :func:`kvnotes.kv.patch.position_masks`);
 contributions are aggregated over **held-out** pairs at that offset, and at ``d`` itself (where
 ``û`` is the pre-norm logit-difference direction).
 """

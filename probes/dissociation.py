@@ -40,6 +40,7 @@ import torch
 from kvnotes.records.schema import BaseResult, PairRow
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.kv import cache as kvcache
+from kvnotes.kv import patch as kvpatch
 from kvnotes.harness import kit as K
 from kvnotes.harness.readout import PairRun, variant_scores
 from kvnotes.harness.stats import proportion
@@ -62,7 +63,7 @@ def variant_masks(n_layers: int, pair: PolarityPair) -> torch.Tensor:
     t0, t1 = pair.trigger
     d = pair.decision
     sets = {"trigger": range(t0, t1), "notes": range(t1, d), "both": range(t0, d), "prefix": range(0, t0)}
-    return kvcache.position_masks(n_layers, d, [list(sets[v]) for v in VARIANTS])
+    return kvpatch.position_masks(n_layers, d, [list(sets[v]) for v in VARIANTS])
 
 
 def orientation(pair: PolarityPair) -> float:

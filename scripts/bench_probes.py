@@ -9,7 +9,7 @@ the new run into the old run, all layers, decision score read) is computed two w
 
 - **batched**: the probe's machinery, :func:`kvnotes.harness.kit.single_position_scores` (patch masks;
   one cache-free forward per chunk of variants, each attending to the one shared old prefix cache
-  plus its own substituted K/V, :func:`kvnotes.kv.cache.patched_logits`; only the two candidates'
+  plus its own substituted K/V, :func:`kvnotes.kv.patch.patched_logits`; only the two candidates'
   logits are computed);
 - **naive**: per variant, ``copy.deepcopy`` of the whole old cache, the position's K/V copied from
   the new cache in every layer, one batch-1 decode of the decision token.

@@ -11,6 +11,8 @@ import torch
 from transformers import DynamicCache
 
 from kvnotes.kv import cache as kvcache
+
+from kvnotes.kv import patch as kvpatch
 from tests.helpers import BATCH_TOL, LOGPROB_TOL, VOCAB, WINDOW
 
 T = 3 * WINDOW            # prefix length
@@ -85,8 +87,8 @@ def test_view_leaves_source_cache_unchanged(caches):
 def test_patch_all_none_and_prefix(caches):
     model, old, new, c_old, c_new = caches
     L = len(c_old.layers)
-    masks = kvcache.position_masks(L, T, [list(range(T)), [], list(range(FIELD[0])), list(range(FIELD[0], T))])
-    lp = kvcache.patched_logprobs(model, c_old, c_new, masks, old[T:])[:, 0]
+    masks = kvpatch.position_masks(L, T, [list(range(T)), [], list(range(FIELD[0])), list(range(FIELD[0], T))])
+    lp = kvpatch.patched_logprobs(model, c_old, c_new, masks, old[T:])[:, 0]
     ref_old, ref_new = full_logprobs(model, old), full_logprobs(model, new)
     assert torch.allclose(lp[0], ref_new, atol=TOL)          # everything patched = the new run
     assert torch.allclose(lp[1], ref_old, atol=TOL)          # nothing patched = the old run
@@ -100,8 +102,8 @@ def test_patch_all_none_and_prefix(caches):
 def test_single_positions_match_independent_reference(caches, positions):
     model, old, new, c_old, c_new = caches
     L = len(c_old.layers)
-    masks = kvcache.position_masks(L, T, [positions])
-    lp = kvcache.patched_logprobs(model, c_old, c_new, masks, old[T:])[0, 0]
+    masks = kvpatch.position_masks(L, T, [positions])
+    lp = kvpatch.patched_logprobs(model, c_old, c_new, masks, old[T:])[0, 0]
     assert torch.allclose(lp, reference_patched(model, old, new, masks[0]), atol=TOL)
 
 
@@ -109,8 +111,8 @@ def test_layer_patches_match_reference_and_differ_by_layer(caches):
     model, old, new, c_old, c_new = caches
     L = len(c_old.layers)
     down = list(range(FIELD[0], T))
-    masks = torch.cat([kvcache.position_masks(L, T, [down], layers=[l]) for l in range(L)])
-    lp = kvcache.patched_logprobs(model, c_old, c_new, masks, old[T:])[:, 0]
+    masks = torch.cat([kvpatch.position_masks(L, T, [down], layers=[l]) for l in range(L)])
+    lp = kvpatch.patched_logprobs(model, c_old, c_new, masks, old[T:])[:, 0]
     for l in range(L):
         assert torch.allclose(lp[l], reference_patched(model, old, new, masks[l]), atol=TOL)
     # the reference is sensitive to the layer index: at least two layers' patches give different
@@ -122,11 +124,11 @@ def test_batched_equals_unbatched_and_chunking(caches):
     model, old, new, c_old, c_new = caches
     L = len(c_old.layers)
     sets = [[p] for p in range(T)] + [list(range(FIELD[0], T))]
-    masks = kvcache.position_masks(L, T, sets)
-    big = kvcache.patched_logprobs(model, c_old, c_new, masks, old[T:])
-    one = kvcache.patched_logprobs(model, c_old, c_new, masks, old[T:], budget_bytes=1)  # chunks of 1
+    masks = kvpatch.position_masks(L, T, sets)
+    big = kvpatch.patched_logprobs(model, c_old, c_new, masks, old[T:])
+    one = kvpatch.patched_logprobs(model, c_old, c_new, masks, old[T:], budget_bytes=1)  # chunks of 1
     assert torch.allclose(big, one, atol=BATCH_TOL)
-    singles = torch.cat([kvcache.patched_logprobs(model, c_old, c_new, masks[i:i + 1], old[T:]) for i in range(3)])
+    singles = torch.cat([kvpatch.patched_logprobs(model, c_old, c_new, masks[i:i + 1], old[T:]) for i in range(3)])
     assert torch.allclose(big[:3], singles, atol=BATCH_TOL)
 
 
@@ -147,27 +149,27 @@ def test_mask_shape_mismatch_raises(caches):
 
 
 def test_shared_prefix_decode_matches_materialised_variant_caches(caches):
-    """The cache-free shared-prefix path (sparse patches, :class:`kvnotes.kv.cache.SharedPrefix`)
+    """The cache-free shared-prefix path (sparse patches, :class:`kvnotes.kv.patch.SharedPrefix`)
     gives the logits of the materialised variant caches, for a teacher-forced continuation too
     (sliding windows, soft-capping, GQA); candidate-only logits are those columns of the full ones."""
     model, old, new, c_old, c_new = caches
     L = len(c_old.layers)
-    masks = kvcache.position_masks(L, T, [[p] for p in range(T)] + [[FIELD[0], T - 1], []])
+    masks = kvpatch.position_masks(L, T, [[p] for p in range(T)] + [[FIELD[0], T - 1], []])
     tail = torch.cat([old[T:], new[FIELD[0]:FIELD[0] + 2]])                 # 3 fed tokens
-    got = kvcache.patched_logits(model, c_old, c_new, masks, tail, method="shared")
+    got = kvpatch.patched_logits(model, c_old, c_new, masks, tail, method="shared")
     ref = kvcache.continuation_logprobs(model, kvcache.build_variants(model.config, c_old, c_new, masks), tail, T)
     assert torch.allclose(torch.log_softmax(got, -1), ref, atol=TOL)
     for method in ("shared", "substitute"):
-        cand = kvcache.patched_logits(model, c_old, c_new, masks, tail, vocab_ids=[3, 11], method=method)
+        cand = kvpatch.patched_logits(model, c_old, c_new, masks, tail, vocab_ids=[3, 11], method=method)
         assert torch.allclose(cand, got[..., [3, 11]], atol=TOL)
     # chunked (budget of one variant cache) = one chunk
-    one = kvcache.patched_logits(model, c_old, c_new, masks, tail, budget_bytes=1, method="shared")
+    one = kvpatch.patched_logits(model, c_old, c_new, masks, tail, budget_bytes=1, method="shared")
     assert torch.allclose(one, got, atol=BATCH_TOL)
     # a call mixing sparse variants and a dense one (every position, every layer) routes each to its
     # path and keeps the order of the masks
     dense = torch.cat([masks[:3], torch.ones(1, L, T, dtype=torch.bool), masks[3:5]])
-    mixed = kvcache.patched_logits(model, c_old, c_new, dense, tail)        # auto
-    mixed_shared = kvcache.patched_logits(model, c_old, c_new, dense, tail, method="shared")
+    mixed = kvpatch.patched_logits(model, c_old, c_new, dense, tail)        # auto
+    mixed_shared = kvpatch.patched_logits(model, c_old, c_new, dense, tail, method="shared")
     assert torch.allclose(mixed_shared, mixed, atol=TOL)
     assert torch.allclose(mixed[[0, 1, 2, 4, 5]], got[:5], atol=TOL)
     ref_dense = kvcache.continuation_logprobs(model, kvcache.view(c_new, model.config), tail, T)[0]
@@ -190,35 +192,35 @@ def test_auto_runs_variants_cache_free_on_a_long_prefix(monkeypatch):
     new[5:8] = (old[5:8] + 1) % VOCAB
     c_old, c_new = kvcache.prefill(model, old[:80]), kvcache.prefill(model, new[:80])
     L = len(c_old.layers)
-    masks = torch.cat([kvcache.position_masks(L, 80, [[p] for p in range(40)]), torch.ones(1, L, 80, dtype=torch.bool)])
+    masks = torch.cat([kvpatch.position_masks(L, 80, [[p] for p in range(40)]), torch.ones(1, L, 80, dtype=torch.bool)])
     used = []
-    real = kvcache.SharedPrefix.__init__
-    monkeypatch.setattr(kvcache.SharedPrefix, "__init__", lambda self, *a: used.append(a[2].shape[0]) or real(self, *a))
-    auto = kvcache.patched_logits(model, c_old, c_new, masks, old[80:], vocab_ids=[1, 2])
-    ref = kvcache.patched_logits(model, c_old, c_new, masks, old[80:], vocab_ids=[1, 2], method="substitute")
+    real = kvpatch.SharedPrefix.__init__
+    monkeypatch.setattr(kvpatch.SharedPrefix, "__init__", lambda self, *a: used.append(a[2].shape[0]) or real(self, *a))
+    auto = kvpatch.patched_logits(model, c_old, c_new, masks, old[80:], vocab_ids=[1, 2])
+    ref = kvpatch.patched_logits(model, c_old, c_new, masks, old[80:], vocab_ids=[1, 2], method="substitute")
     assert used == [41]                                      # one cache-free forward, the dense variant too
     assert torch.allclose(auto, ref, atol=TOL)
-    assert kvcache.shared_prefix_chunk(masks, c_old, 1) == 2 * 80 + 3 - 80     # every slot substituted somewhere
+    assert kvpatch.shared_prefix_chunk(masks, c_old, 1) == 2 * 80 + 3 - 80     # every slot substituted somewhere
     used.clear()
     many = torch.cat([old[80:], new[:30]])                   # 31 fed tokens: chunks of (160 + 93 - 80) // 31 = 5
-    kvcache.patched_logits(model, c_old, c_new, masks, many, vocab_ids=[1, 2])
+    kvpatch.patched_logits(model, c_old, c_new, masks, many, vocab_ids=[1, 2])
     assert used == []
 
 
 def test_cache_free_chunks_are_sized_by_what_they_allocate(caches):
     """The shared-prefix path's chunk is the most variants whose forward fits the budget
-    (:func:`kvnotes.kv.cache.shared_prefix_bytes`, which grows with the chunk), not the budget
+    (:func:`kvnotes.kv.patch.shared_prefix_bytes`, which grows with the chunk), not the budget
     divided by a variant cache it never builds; any chunking gives the same scores."""
     model, old, new, c_old, c_new = caches
     L = len(c_old.layers)
-    masks = kvcache.position_masks(L, T, [[p] for p in range(T)])
+    masks = kvpatch.position_masks(L, T, [[p] for p in range(T)])
     e = int(masks.any(0).sum(1).max())
-    need = [kvcache.shared_prefix_bytes(model.config, c_old, v, 1, e) for v in range(1, T + 1)]
+    need = [kvpatch.shared_prefix_bytes(model.config, c_old, v, 1, e) for v in range(1, T + 1)]
     assert need == sorted(need) and need[0] > 0
-    one = kvcache.patched_logits(model, c_old, c_new, masks, old[T:T + 1], budget_bytes=1, method="shared")
+    one = kvpatch.patched_logits(model, c_old, c_new, masks, old[T:T + 1], budget_bytes=1, method="shared")
     for want in (1, 3, T):
         budget = need[want - 1]
-        assert kvcache.shared_prefix_budget_chunk(model.config, c_old, masks, 1, budget, T) == want
-        assert kvcache.shared_prefix_budget_chunk(model.config, c_old, masks, 1, budget - 1, T) == max(1, want - 1)
-        got = kvcache.patched_logits(model, c_old, c_new, masks, old[T:T + 1], budget_bytes=budget, method="shared")
+        assert kvpatch.shared_prefix_budget_chunk(model.config, c_old, masks, 1, budget, T) == want
+        assert kvpatch.shared_prefix_budget_chunk(model.config, c_old, masks, 1, budget - 1, T) == max(1, want - 1)
+        got = kvpatch.patched_logits(model, c_old, c_new, masks, old[T:T + 1], budget_bytes=budget, method="shared")
         assert torch.allclose(got, one, atol=BATCH_TOL)

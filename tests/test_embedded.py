@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvnotes.kv import cache as kvcache
+
+from kvnotes.kv import patch as kvpatch
 from kvnotes.harness.readout import flip_status, run_pair, variant_scores
 from kvnotes.harness.tokens import tokenize_pair
 from probes.blast_radius import deviation_maps, summarize_pair
@@ -48,7 +49,7 @@ def test_recovery_invariants(smol, recall_pair, pair_run):
     d = recall_pair.decision
     L = len(pair_run.old_cache.layers)
     sets = [list(range(d)), [], list(range(a)), list(range(a, d)), list(range(a, b)), list(range(b, d))]
-    masks = kvcache.position_masks(L, d, sets)
+    masks = kvpatch.position_masks(L, d, sets)
     s = variant_scores(smol.model, recall_pair, pair_run.old_cache, pair_run.new_cache, masks)
     r = pair_run.recovery(s)
     assert r[0] == pytest.approx(1.0, abs=1e-4)       # all positions from the new run

@@ -8,6 +8,7 @@ import torch
 
 from kvnotes.kv.engine import KINDS, Intervention, LensEngine, NNsightEngine, Site, kv_patch
 from kvnotes.kv import cache as kvcache
+from kvnotes.kv import patch as kvpatch
 from tests.helpers import ARCHS, BATCH_TOL, VOCAB, build_tiny
 
 TOL = 1e-5
@@ -152,7 +153,7 @@ def test_kv_patch_as_interventions_equals_patched_logprobs(nn_engine):
     masks[0] = False                                         # variant 0 patches nothing
     masks[1, :, 3:5] = True                                  # variant 1: at least the field
     tokens = old[d:d + 1]
-    ref = kvcache.patched_logprobs(model, base, source, masks, tokens)
+    ref = kvpatch.patched_logprobs(model, base, source, masks, tokens)
     out = nn_engine.run(tokens, interventions=kv_patch(masks, source), cache=base, start=d)
     assert out.logprobs.shape == ref.shape
     assert (out.logprobs - ref).abs().max() < BATCH_TOL * 10

@@ -14,6 +14,7 @@ from kvnotes.harness.selection import pair_rng, rank_by_mean, with_split
 from circuits.heads import (clean_residuals, head_outputs, map_pairs, patched_scores, random_head_sets, set_masks,
                             single_head_map)
 from kvnotes.kv import cache as kvcache
+from kvnotes.kv import patch as kvpatch
 from kvnotes.harness.readout import first_token_scores, run_pair, variant_scores
 from tests.helpers import VOCAB, build_tiny, check_schema
 
@@ -62,7 +63,7 @@ def test_write_all_heads_equals_downstream_kv_patch(setup):
     s = patched_scores(engine, run, src, set_masks([[(l, h) for l in range(L) for h in range(H)]], L, H), "write",
                        prefix, 4)
     ref = variant_scores(model, pair, run.old_cache, run.new_cache,
-                         kvcache.position_masks(L, pair.decision, [list(range(B, pair.decision))]))
+                         kvpatch.position_masks(L, pair.decision, [list(range(B, pair.decision))]))
     assert float(s[0]) == pytest.approx(float(ref[0]), abs=1e-4)
     assert abs(float(run.recovery(s)[0])) > 1e-3           # it is a finding, not a trivial 0
 

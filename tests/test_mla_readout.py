@@ -11,6 +11,7 @@ import torch
 
 from kvnotes.errors import KvnotesError
 from kvnotes.kv import cache as kvcache
+from kvnotes.kv import patch as kvpatch
 from tests.helpers import MLA_ARCHS, build_tiny
 
 
@@ -22,7 +23,7 @@ def test_patched_readout_on_mla_is_refused_in_one_line(arch, method):
     new = old.clone()
     new[3:5] = 7
     base, source = kvcache.prefill(model, old[:10]), kvcache.prefill(model, new[:10])
-    masks = kvcache.position_masks(len(base.layers), 10, [[3], [3, 4]])
+    masks = kvpatch.position_masks(len(base.layers), 10, [[3], [3, 4]])
     with pytest.raises(KvnotesError, match="latent") as err:
-        kvcache.patched_logits(model, base, source, masks, old[10:11], method=method)
+        kvpatch.patched_logits(model, base, source, masks, old[10:11], method=method)
     assert "\n" not in str(err.value)

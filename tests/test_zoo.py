@@ -207,7 +207,7 @@ def test_zoo_entry(model, tmp_path):
     if bundle.adapter.rope_slot == "values":
         # MLA: the cache invariants above hold; the probes' batched patched readout substitutes cached
         # K/V inside attention, where MLA sees keys expanded from its latent, not the cache: refused in
-        # one line (kvnotes.kv.cache.check_per_head, #24)
+        # one line (kvnotes.kv.patch.check_per_head, #24)
         from kvnotes.errors import KvnotesError
 
         with pytest.raises(KvnotesError, match="latent") as err:

@@ -1,6 +1,6 @@
 """Griffe extension for the docs build only (``mkdocs.yml``; not part of the package).
 
-The docstrings cross-reference with Sphinx roles (``:class:`Chunk```, ``:func:`~kvnotes.kv.cache.patched_logits```,
+The docstrings cross-reference with Sphinx roles (``:class:`Chunk```, ``:func:`~kvnotes.kv.patch.patched_logits```,
 ``:mod:`.tokens```). Markdown has no roles, so each becomes an *optional* autorefs reference: a link
 where the target is rendered in the API reference, plain code where it is not (neither warns).
 """

@@ -29,6 +29,8 @@ import torch
 from tqdm import tqdm
 
 from kvnotes.kv import cache as kvcache
+
+from kvnotes.kv import patch as kvpatch
 from kvnotes.errors import KvnotesError, ModelFitError
 from kvnotes.harness.constraints import Count, one_of
 from kvnotes.harness.pairs import pair_row
@@ -246,7 +248,7 @@ def single_position_scores(model, run: PairRun, mode: str = "first_token",
         them into recoveries).
     """
     b, d = run.pair.field[1], run.pair.decision
-    masks = kvcache.position_masks(len(run.old_cache.layers), d, [[p] for p in range(b, d)])
+    masks = kvpatch.position_masks(len(run.old_cache.layers), d, [[p] for p in range(b, d)])
     return variant_scores(model, run.pair, run.old_cache, run.new_cache, masks, mode, budget_bytes)
 
 

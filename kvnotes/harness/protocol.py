@@ -46,6 +46,7 @@ from kvnotes.harness.constraints import Count, NonNegative
 from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
 from kvnotes.kv import cache as kvcache
+from kvnotes.kv import patch as kvpatch
 from kvnotes.kv import generate as kvgen
 from kvnotes.ops import edit as kvedit
 
@@ -129,7 +130,7 @@ class ScreenedPair:
     def masks(self, sets: Sequence[Sequence[int]]) -> torch.Tensor:
         """Bool ``[V, n_layers, d]`` patch masks of position sets in ``[0, d)``, every layer."""
         n_layers = self.model.config.get_text_config().num_hidden_layers
-        return kvcache.position_masks(n_layers, self.pair.decision, [list(s) for s in sets])
+        return kvpatch.position_masks(n_layers, self.pair.decision, [list(s) for s in sets])
 
     @torch.no_grad()
     def score(self, masks: torch.Tensor) -> Scored:

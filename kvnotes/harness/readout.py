@@ -26,6 +26,8 @@ import torch
 from transformers import DynamicCache
 
 from kvnotes.kv import cache as kvcache
+
+from kvnotes.kv import patch as kvpatch
 from kvnotes.kv.decision import Decision as Decision, clean_decisions as clean_decisions
 from kvnotes.harness.tokens import TokenizedPair
 
@@ -90,9 +92,9 @@ def variant_scores(model, pair: TokenizedPair, base: DynamicCache, source: Dynam
     """Scores of patch variants of the pair's prefix caches.
 
     ``first_token``: the logit difference of the candidates' first tokens, from their two logits
-    only (:func:`kvnotes.kv.cache.patched_logits` with ``vocab_ids``; the log-softmax normaliser
+    only (:func:`kvnotes.kv.patch.patched_logits` with ``vocab_ids``; the log-softmax normaliser
     cancels in ``log p(a) - log p(b)``, so no vocabulary-wide unembedding is computed). ``full``:
-    :func:`candidate_scores` over :func:`kvnotes.kv.cache.patched_logprobs`.
+    :func:`candidate_scores` over :func:`kvnotes.kv.patch.patched_logprobs`.
 
     Args:
         pair: the token-aligned pair (gives the decision token and candidate ids).
@@ -106,11 +108,11 @@ def variant_scores(model, pair: TokenizedPair, base: DynamicCache, source: Dynam
     _check_mode(mode)
     if mode == "first_token":
         d = pair.decision
-        logits = kvcache.patched_logits(model, base, source, masks, pair.old.ids[d: d + 1], budget_bytes,
+        logits = kvpatch.patched_logits(model, base, source, masks, pair.old.ids[d: d + 1], budget_bytes,
                                         vocab_ids=[pair.cand_old[0], pair.cand_new[0]])[:, 0]
         return logits[:, 1] - logits[:, 0]
     return candidate_scores(
-        lambda tokens, _: (kvcache.patched_logprobs(model, base, source, masks, tokens, budget_bytes), None),
+        lambda tokens, _: (kvpatch.patched_logprobs(model, base, source, masks, tokens, budget_bytes), None),
         pair, mode)[0]
 
 
@@ -190,7 +192,7 @@ def run_pair(model, pair: TokenizedPair, mode: ReadoutMode = "first_token", pref
     new_cache = prefill(model, pair.new.ids[:d])
     masks = torch.zeros(2, len(old_cache.layers), d, dtype=torch.bool)
     masks[1] = True
-    lps = kvcache.patched_logprobs(model, old_cache, new_cache, masks, pair.old.ids[d: d + 1])[:, 0]
+    lps = kvpatch.patched_logprobs(model, old_cache, new_cache, masks, pair.old.ids[d: d + 1])[:, 0]
     if mode == "first_token":
         s = first_token_scores(lps, pair)
     else:

@@ -20,7 +20,7 @@ addressed by absolute cache positions ``< start`` and by KV head. An interventio
 variant caches before the forward (the affected layers are copied once for the whole batch), so
 KV patching is one kind of intervention: :func:`kv_patch` turns a patch mask ``[V, n_layers, T]``
 and a source cache into interventions on these sites, equal to
-:func:`kvnotes.kv.cache.patched_logprobs` (the probes' fast path for that one shape of
+:func:`kvnotes.kv.patch.patched_logprobs` (the probes' fast path for that one shape of
 intervention; ``tests/test_engine.py``).
 
 Names are TransformerLens hook names (``blocks.l.attn.hook_z``, ``hook_attn_out``, ``hook_mlp_out``,

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from kvnotes.kv import cache as kvcache
+
+from kvnotes.kv import patch as kvpatch
 from kvnotes.kv.capture import attention_hook
 from kvnotes.kv.generate import generate
 from kvnotes.errors import KvnotesError
@@ -194,7 +196,7 @@ class DecisionRead:
 
 class SharedDecisionRows:
     """``attention_hook`` function for :func:`decision_forward` on sdpa / eager models: every
-    variant's fed tokens attend to the one batch-1 prefix cache (:class:`kvnotes.kv.cache.SharedPrefix`;
+    variant's fed tokens attend to the one batch-1 prefix cache (:class:`kvnotes.kv.patch.SharedPrefix`;
     no variant cache is built), its decision row without the keys ``knock`` hides; with
     ``capture``, the decision rows' attention probabilities through the model's eager function,
     as :class:`DecisionRowHook` records them.
@@ -214,7 +216,7 @@ class SharedDecisionRows:
         subst = torch.zeros(V, len(cache.layers), d, dtype=torch.bool)
         if from_source is not None:                 # these rows read the second prefix, every slot
             subst[from_source] = True
-        self.shared = kvcache.SharedPrefix(cache, cache if source is None else source, subst, n, d,
+        self.shared = kvpatch.SharedPrefix(cache, cache if source is None else source, subst, n, d,
                                            cache.layers[0].keys.dtype, hide=knock)
         self.positions = [kvcache.slot_positions(l) for l in cache.layers]
         self.d, self.capture = d, capture
@@ -249,7 +251,7 @@ def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | N
     cache, optionally knocking out keys for the decision row and capturing its attention.
 
     Variants run batched: on sdpa / eager models cache-free, every variant attending to the one
-    prefix cache (:class:`SharedDecisionRows`, chunks of :func:`kvnotes.kv.cache.shared_prefix_chunk`);
+    prefix cache (:class:`SharedDecisionRows`, chunks of :func:`kvnotes.kv.patch.shared_prefix_chunk`);
     on others over an expanded view of ``cache``, in chunks whose materialised variant caches fit
     ``budget_bytes`` (:class:`DecisionRowHook`; a knockout then raises).
 
@@ -261,7 +263,7 @@ def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | N
         source: optional second batch-1 prefix cache over the same positions (the other run of a
             pair): the variants then run on ``cache`` (rows ``0 .. V-1``) and on ``source`` (rows
             ``V .. 2V-1``), on sdpa / eager models in the same forwards (the source's slots enter
-            the keys once, :class:`kvnotes.kv.cache.SharedPrefix`).
+            the keys once, :class:`kvnotes.kv.patch.SharedPrefix`).
 
     Returns:
         :class:`DecisionRead` (``2V`` rows with ``source``).
@@ -272,7 +274,7 @@ def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | N
     d = kvcache.seq_length(cache)
     V = 1 if knock is None else knock.shape[0]
     lps, probs, errs = [], [], []
-    shared = model.config._attn_implementation in kvcache.SHARED_PREFIX_ATTENTION
+    shared = model.config._attn_implementation in kvpatch.SHARED_PREFIX_ATTENTION
     if source is not None and not shared:
         reads = [decision_forward(model, c, tokens, knock, capture, budget_bytes) for c in (cache, source)]
         return DecisionRead(torch.cat([r.logprobs for r in reads]),
@@ -285,7 +287,7 @@ def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | N
             knock = torch.zeros(1, len(cache.layers), d, dtype=torch.bool) if knock is None else knock
             knock, V = torch.cat([knock, knock]), 2 * V
         every = torch.ones(1, 1, d, dtype=torch.bool) if source is not None else torch.zeros(1, 1, d, dtype=torch.bool)
-        size = kvcache.shared_prefix_chunk(every, cache, n)
+        size = kvpatch.shared_prefix_chunk(every, cache, n)
         for s in range(0, V, size):
             part = knock[s: s + size] if knock is not None else None
             W = 1 if part is None else part.shape[0]

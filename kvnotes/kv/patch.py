@@ -1,0 +1,357 @@
+"""The batched patched readout: activation patching of K/V over a shared prefix, without a cache per
+variant (docs/design.md §4).
+
+A *patch mask* (:func:`position_masks`) is a bool tensor ``[V, n_layers, T]`` over the prefix
+positions ``[0, T)``: variant ``v`` takes layer ``l``'s key/value at position ``p`` from the source
+("new") cache where the mask is true and from the base ("old") cache elsewhere.
+:func:`patched_logprobs` decodes on a batch view of the base cache and writes the masked source K/V
+into the attention call (:class:`SharedPrefix`: no per-variant clone of a whole cache, chunks sized
+by what this path allocates, :func:`shared_prefix_budget_chunk`);
+:func:`kvnotes.kv.cache.build_variants` materialises the same caches explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from transformers import DynamicCache
+
+from kvnotes.kv.cache import DEFAULT_BUDGET_BYTES, expand_cache, seq_length, slot_positions, variant_bytes
+
+
+def check_per_head(key: torch.Tensor, value: torch.Tensor, cached_keys: torch.Tensor,
+                   cached_values: torch.Tensor) -> None:
+    """Refuse a patched readout whose cache does not hold the per-head K/V attention sees.
+
+    The readout hooks (:class:`_Substitute`, :class:`SharedPrefix`) write cached K/V into the keys
+    and values of the attention call; that needs the same heads and widths. Multi-head latent
+    attention (DeepSeek-V2/V3) caches the kv latent and the shared rotary key (``[B, 1, T,
+    kv_lora_rank]``, ``[B, 1, T, qk_rope_head_dim]``) and expands per-head keys and values from them
+    inside attention, so the hooks cannot place them (issue #24).
+
+    Args:
+        key: the attention call's keys ``[B, kv_heads, T, head_dim]``.
+        value: the attention call's values ``[B, kv_heads, T, head_dim]``.
+        cached_keys: the cache's keys ``[B, heads, T, dim]``.
+        cached_values: the cache's values ``[B, heads, T, dim]``.
+
+    Raises:
+        KvnotesError: heads or widths differ (one line).
+    """
+    got = (key.shape[1], key.shape[-1], value.shape[-1])
+    held = (cached_keys.shape[1], cached_keys.shape[-1], cached_values.shape[-1])
+    if got != held:
+        from kvnotes.errors import KvnotesError
+
+        raise KvnotesError(f"patched readout: the cache holds (heads, key dim, value dim) = {held} but attention sees "
+                           f"per-head K/V {got} (multi-head latent attention caches its latent; the probes' K/V "
+                           f"substitution does not reach it yet, issue #24)")
+
+
+class _Substitute:
+    """Attention hook that writes the source cache's K/V into the batched keys and values of the
+    attention call, where a patch mask is true (:func:`patched_logprobs`).
+
+    The base cache is fed as a batch-``V`` *view* (no copy); the cache update concatenates it with
+    the fed tokens' K/V into fresh ``[V, kv_heads, slots + n, head_dim]`` tensors, and this hook
+    overwrites only the masked (variant, slot) entries in place before attention runs. So no
+    variant cache is materialised besides the one the decode itself writes.
+    """
+
+    def __init__(self, base: DynamicCache, source: DynamicCache, masks: torch.Tensor) -> None:
+        self.entries = []
+        for l, (lb, ls) in enumerate(zip(base.layers, source.layers)):
+            m = masks[:, l, slot_positions(lb).to(masks.device)]                  # [V, slots]
+            v_idx, s_idx = m.nonzero(as_tuple=True)
+            self.entries.append((v_idx.to(lb.keys.device), s_idx.to(lb.keys.device), ls.keys[0], ls.values[0]))
+
+    def __call__(self, base_fn, module, query, key, value, attention_mask, **kwargs):
+        v_idx, s_idx, k_src, v_src = self.entries[module.layer_idx]
+        check_per_head(key, value, k_src[None], v_src[None])
+        if len(v_idx):
+            key[v_idx, :, s_idx] = k_src[:, s_idx].transpose(0, 1).to(key.dtype)
+            value[v_idx, :, s_idx] = v_src[:, s_idx].transpose(0, 1).to(value.dtype)
+        return base_fn(module, query, key, value, attention_mask, **kwargs)
+
+
+class SharedPrefix:
+    """Attention hook for a cache-free forward of ``V`` variants x ``n`` fed tokens on one shared
+    batch-1 prefix (:func:`patched_logits`, :func:`kvnotes.kv.knockout.decision_forward`): no
+    variant cache exists at all.
+
+    The variants' queries become one query block ``[1, heads, V * n, head_dim]`` over the keys
+    ``[prefix slots | substituted source entries | every variant's fed tokens]``, each substituted
+    slot once (its source K/V are the same for every variant that takes it); an additive mask
+    gives each query its own variant's view (the prefix slots it does not substitute, its own
+    substituted entries, its own fed tokens up to itself; on sliding-window layers only positions
+    within the window). The model's own attention implementation (scaling, soft-capping, sinks) runs
+    on that block, so the result is the same attention as on materialised variant caches, up to
+    float rounding.
+
+    Args:
+        base: batch-1 caches over ``[0, start)``.
+        source: batch-1 caches over ``[0, start)``.
+        masks: bool ``[V, n_layers, start]``: positions whose K/V variant ``v`` takes from ``source``.
+        n: fed tokens per variant; start: position of the first.
+        hide: optional bool ``[V, n_layers, start]``: prefix positions variant ``v``'s *first* fed
+            token does not see in layer ``l`` (an attention knockout of the decision row).
+    """
+
+    def __init__(self, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, n: int, start: int,
+                 dtype: torch.dtype, hide: torch.Tensor | None = None) -> None:
+        V = masks.shape[0]
+        dev = base.layers[0].keys.device
+        masks = masks.to(dev)
+        hide = hide.to(dev) if hide is not None else None
+        q_var = torch.arange(V, device=dev).repeat_interleave(n)           # query row -> variant
+        q_tok = torch.arange(n, device=dev).repeat(V)                      # query row -> fed token
+        q_pos = start + q_tok
+        own_new = (q_var[:, None] == q_var[None, :]) & (q_tok[None, :] <= q_tok[:, None])
+        neg = torch.finfo(dtype).min
+        self.layers = []
+        #: per layer, the positions of the substituted source entries, in key order after the prefix slots
+        self.substituted: list[torch.Tensor] = []
+        for l, (lb, ls) in enumerate(zip(base.layers, source.layers, strict=True)):
+            pos = slot_positions(lb)
+            m = masks[:, l, pos]                                           # [V, slots]
+            s_idx = m.any(0).nonzero().flatten()                           # slots any variant substitutes
+            see_base, see_sub, see_new = ~m[q_var], m[q_var][:, s_idx], own_new
+            if hide is not None:                                           # whichever entry stands there
+                hidden = hide[:, l, pos][q_var] & (q_tok == 0)[:, None]
+                see_base, see_sub = see_base & ~hidden, see_sub & ~hidden[:, s_idx]
+            window = getattr(lb, "sliding_window", None) if getattr(lb, "is_sliding", False) else None
+            if window is not None:
+                see_base = see_base & (q_pos[:, None] - pos[None, :] < window)
+                see_sub = see_sub & (q_pos[:, None] - pos[s_idx][None, :] < window)
+                see_new = see_new & (q_tok[:, None] - q_tok[None, :] < window)
+            see = torch.cat([see_base, see_sub, see_new], 1)
+            mask = torch.zeros(see.shape, dtype=dtype, device=dev).masked_fill_(~see, neg)[None, None]
+            self.layers.append((torch.cat([lb.keys, ls.keys[:, :, s_idx]], 2),
+                                torch.cat([lb.values, ls.values[:, :, s_idx]], 2), mask))
+            self.substituted.append(pos[s_idx])
+
+    def block(self, module, query, key, value):
+        """The query block, its keys, values and additive mask for ``module``'s layer:
+        ``[1, heads, V * n, hd]``, ``[1, kv_heads, keys, hd]`` (twice), ``[1, 1, V * n, keys]``."""
+        keys, values, mask = self.layers[module.layer_idx]
+        check_per_head(key, value, keys, values)
+        V, H, n, hd = query.shape
+        kvh = key.shape[1]
+        q = query.transpose(0, 1).reshape(1, H, V * n, hd)
+        k = torch.cat([keys, key.transpose(0, 1).reshape(1, kvh, V * n, -1).to(keys.dtype)], 2)
+        v = torch.cat([values, value.transpose(0, 1).reshape(1, kvh, V * n, -1).to(values.dtype)], 2)
+        return q, k, v, mask
+
+    def __call__(self, base_fn, module, query, key, value, attention_mask, **kwargs):
+        V, H, n, _ = query.shape
+        out, _ = base_fn(module, *self.block(module, query, key, value), **kwargs)   # [1, V * n, heads, hd]
+        return out.reshape(V, n, H, -1), None
+
+
+#: Attention implementations that take the explicit additive mask of :class:`SharedPrefix`.
+SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
+
+
+#: Fewest variants worth a cache-free forward of their own (below it, one batch-view forward for
+#: every variant of the call is faster on a CPU).
+MIN_SHARED_CHUNK = 32
+
+
+def shared_prefix_chunk(masks: torch.Tensor, base: DynamicCache, n: int) -> int:
+    """How many variants of ``masks`` one :class:`SharedPrefix` forward takes.
+
+    Its attention covers ``slots + e + V * n`` keys per query (``e``: the slots any variant
+    substitutes in a layer, each once) where a materialised variant cache covers ``slots + n``;
+    chunks are sized so that the former stays within 3x the latter: ``V <= (2 slots + 3 n - e) / n``,
+    ``e`` the most substituted slots of one layer over all of ``masks``.
+    """
+    slots = base.layers[0].keys.shape[-2]
+    e = int(masks.any(dim=0).sum(dim=1).max()) if masks.shape[0] else 0
+    return max(1, (2 * slots + 3 * n - e) // n)
+
+
+def shared_prefix_bytes(config, base: DynamicCache, V: int, n: int, e: int) -> int:
+    """Bytes a :class:`SharedPrefix` forward of ``V`` variants x ``n`` fed tokens allocates besides
+    the model's weights and the shared prefix: per layer its additive mask and the bool view it is
+    built from (kept for every layer), the prefix and substituted K/V it concatenates, one layer's
+    attention scores (fp32, ``heads x V n x keys``, what sdpa's CPU path materialises), and the
+    block's activations (hidden states and the MLP's three intermediate products). Each layer counts
+    its own slots (a sliding-window layer holds fewer than a global one).
+
+    Args:
+        config: the model config (its text config's heads, hidden and intermediate sizes).
+        e: the most slots one layer substitutes over the chunk (:func:`shared_prefix_chunk`).
+    """
+    text = config.get_text_config(decoder=True)
+    rows, elem = V * n, base.layers[0].keys.element_size()
+    masks, widest = 0, 0
+    for layer in base.layers:                   # a sliding layer holds fewer slots than a global one
+        k = layer.keys
+        keys = k.shape[-2] + e + V * n
+        masks += rows * keys * (elem + 1) + (k.shape[-2] + e) * k.shape[1] * k.shape[-1] * 2 * elem
+        widest = max(widest, keys)
+    scores = text.num_attention_heads * rows * widest * 4
+    inter = getattr(text, "intermediate_size", None) or getattr(text, "moe_intermediate_size", None) or 4 * text.hidden_size
+    acts = rows * (4 * text.hidden_size + 3 * inter) * elem
+    return masks + scores + acts
+
+
+def shared_prefix_budget_chunk(config, base: DynamicCache, masks: torch.Tensor, n: int, budget_bytes: int,
+                               limit: int) -> int:
+    """The most variants (at most ``limit``, at least 1) one :class:`SharedPrefix` forward of
+    ``masks`` may take within ``budget_bytes`` (:func:`shared_prefix_bytes`): sized by what the
+    cache-free path allocates, not by the variant caches it never builds."""
+    e = int(masks.any(dim=0).sum(dim=1).max()) if masks.shape[0] else 0
+    lo, hi = 1, max(1, limit)
+    while lo < hi:                                               # bytes grow with V: the largest that fits
+        mid = (lo + hi + 1) // 2
+        if shared_prefix_bytes(config, base, mid, n, e) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _candidate_logits(model, hidden: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of ``vocab_ids`` only, from final (normed) hidden states ``[V, n, d_model]``: the
+    unembedding rows of those tokens (and Gemma-2/3's final soft-capping), fp32 ``[V, n, k]``."""
+    from kvnotes.models.adapters import Adapter
+
+    ad = Adapter.for_model(model)
+    head = ad.module(model, "unembed")
+    bias = head.bias[vocab_ids] if getattr(head, "bias", None) is not None else None
+    logits = torch.nn.functional.linear(hidden, head.weight[vocab_ids], bias)
+    if ad.final_logit_softcapping:
+        cap = ad.final_logit_softcapping
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float()
+
+
+@torch.no_grad()
+def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, tokens: torch.Tensor,
+                   budget_bytes: int = DEFAULT_BUDGET_BYTES, vocab_ids: Sequence[int] | None = None,
+                   method: Literal["auto", "shared", "substitute"] = "auto") -> torch.Tensor:
+    """Batched activation patching on the KV cache: the fed tokens' logits in every patch variant.
+
+    Each variant's prefix cache is the base cache with layer ``l``'s K/V at position ``p`` taken
+    from ``source`` where ``masks[v, l, p]`` (the caches :func:`build_variants` builds). ``tokens``
+    are fed at positions ``T..``; the first is the decision token ``d = T``, further tokens
+    teacher-force a multi-token continuation. No variant cache is copied:
+
+    - when :func:`shared_prefix_chunk` gives chunks of at least :data:`MIN_SHARED_CHUNK` variants (or
+      all of them), the variants run cache-free: every variant attends to the one batch-1 prefix
+      plus the source K/V of the slots substituted in its chunk (:class:`SharedPrefix`), in chunks
+      whose forward fits ``budget_bytes`` (:func:`shared_prefix_budget_chunk`);
+    - else (many fed tokens per variant) they decode on a batch-``V`` view of ``base`` with the
+      masked K/V written into the attention call (:class:`_Substitute`), in chunks whose variant
+      caches fit ``budget_bytes``.
+
+    Rows come back in the order of ``masks``.
+
+    Args:
+        base: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
+        source: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
+        masks: bool ``[V, n_layers, T]``.
+        tokens: ``[n]`` token ids fed after the prefix.
+        vocab_ids: compute only these tokens' logits (the unembedding rows of ``vocab_ids``; a
+            logit difference needs no normalisation), else the whole vocabulary.
+        method: ``auto`` (the shared prefix when its chunks are large enough, see above),
+            ``shared`` (always, in chunks of at least one variant; sdpa / eager attention only) or
+            ``substitute`` (always the batch view).
+
+    Returns:
+        ``[V, n, len(vocab_ids) | vocab]`` fp32 logits.
+
+    Raises:
+        ValueError: the mask's layer or position count does not match the caches, an unknown
+            ``method``, or ``shared`` with another attention implementation.
+    """
+    if method not in ("auto", "shared", "substitute"):
+        raise ValueError(f"method must be auto, shared or substitute, got {method!r}")
+    impl = model.config._attn_implementation
+    if method == "shared" and impl not in SHARED_PREFIX_ATTENTION:
+        raise ValueError(f"the shared-prefix decode needs one of {SHARED_PREFIX_ATTENTION} attention, not {impl}")
+    T = seq_length(base)
+    if masks.shape[1] != len(base.layers) or masks.shape[2] != T or seq_length(source) != T:
+        raise ValueError(f"mask {tuple(masks.shape)} does not fit caches of {len(base.layers)} layers x {T} positions")
+    dev = model.device
+    tokens = tokens.to(dev)
+    n = tokens.shape[0]
+    ids = torch.as_tensor(list(vocab_ids), dtype=torch.long, device=dev) if vocab_ids is not None else None
+    per_cache = max(1, budget_bytes // max(variant_bytes(base), 1))
+    plan = []                                   # (variant indices, chunk size, shared?)
+    all_idx = torch.arange(masks.shape[0])
+    if method == "shared":
+        plan.append((all_idx, shared_prefix_budget_chunk(model.config, base, masks, n, budget_bytes,
+                                                         masks.shape[0]), True))
+    elif method == "substitute" or impl not in SHARED_PREFIX_ATTENTION:
+        plan.append((all_idx, per_cache, False))
+    else:                                       # auto: cache-free when a forward takes enough variants
+        size = shared_prefix_budget_chunk(model.config, base, masks, n, budget_bytes,
+                                          min(shared_prefix_chunk(masks, base, n), masks.shape[0]))
+        if size >= min(MIN_SHARED_CHUNK, masks.shape[0]):
+            plan.append((all_idx, size, True))
+        else:
+            plan.append((all_idx, per_cache, False))
+    out = None
+    for idx, size, shared in plan:
+        for s in range(0, len(idx), size):
+            sub = idx[s: s + size]
+            logits = _patched_chunk(model, base, source, masks[sub], tokens, T, ids, shared)
+            if out is None:
+                out = logits.new_empty(masks.shape[0], *logits.shape[1:])
+            out[sub.to(out.device)] = logits
+    return out if out is not None else torch.empty(0, n, len(ids) if ids is not None else 0)
+
+
+def _patched_chunk(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, tokens: torch.Tensor,
+                   T: int, vocab_ids: torch.Tensor | None, shared: bool) -> torch.Tensor:
+    """One forward of :func:`patched_logits`: the variants of ``masks`` cache-free on the shared
+    prefix (``shared``) or on a batch view of ``base``."""
+    from kvnotes.kv.capture import attention_hook
+
+    V, n, dev = masks.shape[0], tokens.shape[0], model.device
+    feed = dict(input_ids=tokens[None].expand(V, -1), position_ids=torch.arange(T, T + n, device=dev)[None].expand(V, -1))
+    if shared:
+        hook, kw = SharedPrefix(base, source, masks, n, T, base.layers[0].keys.dtype), dict(use_cache=False)
+    else:
+        hook = _Substitute(base, source, masks)
+        kw = dict(attention_mask=torch.ones(V, T + n, dtype=torch.long, device=dev),
+                  past_key_values=expand_cache(base, model.config, V), use_cache=True)
+    with attention_hook(model, hook):
+        if vocab_ids is None:
+            return model(**feed, **kw).logits.float()
+        return _candidate_logits(model, model.base_model(**feed, **kw).last_hidden_state, vocab_ids)
+
+
+@torch.no_grad()
+def patched_logprobs(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor,
+                     tokens: torch.Tensor, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> torch.Tensor:
+    """Log-probabilities of every patch variant: the log-softmax of :func:`patched_logits` over
+    the whole vocabulary.
+
+    Returns:
+        ``[V, n, vocab]`` fp32 log-probabilities.
+
+    Raises:
+        ValueError: the mask's layer or position count does not match the caches.
+    """
+    return torch.log_softmax(patched_logits(model, base, source, masks, tokens, budget_bytes), dim=-1)
+
+
+def position_masks(n_layers: int, T: int, position_sets: Sequence[Sequence[int]],
+                   layers: Sequence[int] | None = None) -> torch.Tensor:
+    """Patch masks for sets of positions, each patched in ``layers`` (default: every layer).
+
+    Returns:
+        bool ``[len(position_sets), n_layers, T]``.
+    """
+    masks = torch.zeros(len(position_sets), n_layers, T, dtype=torch.bool)
+    layer_idx = torch.arange(n_layers) if layers is None else torch.as_tensor(list(layers), dtype=torch.long)
+    for v, positions in enumerate(position_sets):
+        if len(positions):
+            pos = torch.as_tensor(list(positions), dtype=torch.long)
+            masks[v, layer_idx[:, None], pos[None, :]] = True
+    return masks
