@@ -50,9 +50,10 @@ from transformers import DynamicCache
 from kvnotes.records.schema import BaseResult, PairRow, Summary
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.kv import cache as kvcache
+from kvnotes.kv import patch as kvpatch
 from kvnotes.harness import kit as K
 from kvnotes.harness.kit import exclusions_by_family, families_of, summaries_by_family
-from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, patch_columns, run_patches
+from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, patch_columns, run_patches, readout_aggregates
 from kvnotes.harness.readout import PairRun, variant_scores
 
 #: Position sets patched (all layers) from the new run into the old run, in scoring order.
@@ -186,7 +187,7 @@ def exact_refresh(model, run: PairRun, s_field: float, mode: str = "first_token"
     source, diffs = exact_field_source(model, run)
     field = variant_positions(pair.field, pair.decision)["field"]
     s_ex = variant_scores(model, pair, run.old_cache, source,
-                          kvcache.position_masks(len(run.old_cache.layers), pair.decision, [field]), mode, budget_bytes)
+                          kvpatch.position_masks(len(run.old_cache.layers), pair.decision, [field]), mode, budget_bytes)
     return diffs | {"r_field_exact": float(run.recovery(s_ex)[0]), "s_field_exact": float(s_ex[0]),
                     "flipped_field_exact": bool(run.decision_flipped(s_ex)[0]),
                     "score_abs_diff_exact": abs(float(s_ex[0]) - s_field)}
@@ -273,8 +274,8 @@ def run(ctx) -> dict:
                   "checks_by_construction": list(CHECK_VARIANTS), "recovery": recovery, "checks": checks,
                   "exclusions_by_family": exclusions_by_family(pr.excluded, families)}
     if generated:
-        aggregates |= {"readout": "generated",
-                       "n_unreached": {v: sum(not r[f"reached_{v}"] for r in rows) for v in VARIANTS}}
+        aggregates |= readout_aggregates(ctx, pr) | {
+            "n_unreached": {v: sum(not r[f"reached_{v}"] for r in rows) for v in VARIANTS}}
     return {"rows": rows, "exclusions": dict(pr.exclusions), "excluded": pr.excluded, "variants": list(VARIANTS),
             "aggregates": aggregates}
 

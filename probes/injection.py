@@ -49,8 +49,9 @@ import torch
 from kvnotes.records.schema import BaseResult, PairRow
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.kv import cache as kvcache
+from kvnotes.kv import patch as kvpatch
 from kvnotes.harness import kit as K
-from kvnotes.harness.protocol import GeneratedPair, GeneratedReadout, ScreenedPair, pair_loop
+from kvnotes.harness.protocol import GeneratedPair, GeneratedReadout, ScreenedPair, pair_loop, readout_aggregates
 from kvnotes.harness.readout import PairRun, run_pair
 from kvnotes.harness.stats import proportion
 
@@ -84,7 +85,7 @@ def injection_masks(n_layers: int, field: tuple[int, int], decision: int) -> dic
     a, b = field
     d = decision
     sets = {"new_notes_into_old": [range(b, d), range(a, d)], "old_notes_into_new": [range(0, b), range(0, a)]}
-    return {name: kvcache.position_masks(n_layers, d, [list(r) for r in rs]) for name, rs in sets.items()}
+    return {name: kvpatch.position_masks(n_layers, d, [list(r) for r in rs]) for name, rs in sets.items()}
 
 
 def inject_run(model, run: PairRun, mode: str = "first_token",
@@ -211,9 +212,8 @@ def run(ctx) -> dict:
             "checks": {"max_field_and_notes_score_err": max(score_err, default=None)},
         }
     if generated:
-        aggregates |= {"readout": "generated", "max_new_tokens": int(ctx.cfg.cot_max_new_tokens),
-                       "n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_screened": pr.n_screened,
-                       "n_reached": len(rows)}
+        aggregates |= readout_aggregates(ctx, pr) | {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded),
+                                                     "n_reached": len(rows)}
         aggregates["checks"]["n_field_and_notes_chain_mismatch"] = sum(
             not r[f"{n}_chain_all_matches_source"] for r in rows for n in DIRECTIONS)
     else:

@@ -82,7 +82,7 @@ from kvnotes.harness.kit import ProbeConfig
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness import kit as K
 from kvnotes.kv.knockout import DecisionRead, decision_forward, generate_knocked, knockout_masks
-from kvnotes.harness.protocol import GeneratedReadout, pair_loop
+from kvnotes.harness.protocol import GeneratedReadout, pair_loop, readout_aggregates
 from kvnotes.kv.generate import owned_side
 from kvnotes.harness.readout import first_token_scores
 from kvnotes.records.schema import NotRequired
@@ -566,8 +566,8 @@ def run(ctx) -> dict:
             "knockout": knockout,
         }
         if generated:
-            aggregates |= {"readout": "generated", "max_new_tokens": int(cfg.cot_max_new_tokens),
-                           "n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_screened": pr.n_screened,
+            aggregates |= readout_aggregates(ctx, pr) | {
+                           "n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded),
                            "n_reached": len(rows), "n_knocked_unreached": len(unreached),
                            "chain_attention": _chain_attention(rows, n_boot, ctx.seed)}
             aggregates["checks"]["n_clean_chain_mismatch"] = sum(not r["clean_chain_matches"] for r in rows)

@@ -84,8 +84,8 @@ from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.kit import RandomControl
 from kvnotes.harness import kit as K
 from kvnotes.harness.kit import exclusions_by_family, families_of, summaries_by_family
-from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, pair_loop
-from kvnotes.harness.selection import pair_rng, split_instances
+from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, pair_loop, readout_aggregates
+from kvnotes.harness.selection import ANCHORS, offset_profiles, offsets, pair_rng, profile_for, rank_positions, split_instances
 
 SET_FAMILIES = ("suffix", "prefix", "topk", "random")
 #: Set families of the chain-of-thought curves (the others need the direct single-position map).
@@ -93,7 +93,6 @@ COT_FAMILIES = ("suffix", "prefix")
 #: With ``scenario.variant=cot`` the coarse curves are read after generated reasoning.
 SUPPORTS_COT = True
 REFERENCES = ("none", "field", "downstream", "field_downstream")
-ANCHORS = ("decision", "field_end")
 NO_DOWNSTREAM = "no_downstream"
 
 
@@ -186,78 +185,6 @@ def random_sets(rng: np.random.Generator, downstream: tuple[int, int], k: int, n
     if not 0 <= k <= d - b:
         raise ValueError(f"cannot draw {k} distinct positions from [{b}, {d})")
     return [sorted(int(p) for p in rng.choice(np.arange(b, d), size=k, replace=False)) for _ in range(n_draws)]
-
-
-def offsets(downstream: tuple[int, int], anchor: str) -> np.ndarray:
-    """Offset of each downstream position ``b .. d-1`` from the anchor, ``[n]`` ints.
-
-    ``decision``: ``d - p`` (``n .. 1``); ``field_end``: ``p - b`` (``0 .. n-1``).
-
-    Raises:
-        ValueError: unknown anchor.
-    """
-    b, d = downstream
-    pos = np.arange(b, d)
-    if anchor == "decision":
-        return d - pos
-    if anchor == "field_end":
-        return pos - b
-    raise ValueError(f"topk_anchor must be one of {ANCHORS}, got {anchor!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# top-k selection on the selection split
-
-
-def offset_profiles(selection_rows: list[dict], anchor: str) -> dict:
-    """Mean single-position recovery per anchor offset, per scenario and per family.
-
-    Args:
-        selection_rows: rows of **selection** pairs with ``single`` (recovery of each downstream
-            position alone, ``[n]``), ``downstream``, ``scenario``, ``family`` and ``pair``.
-
-    Returns:
-        ``{"scenario": {id: profile}, "family": {name: profile}}``; a profile is
-        ``{"offset": {offset: mean recovery}, "pairs": [pair ids used]}``.
-    """
-    out: dict = {"scenario": {}, "family": {}}
-    acc: dict = {}
-    for r in selection_rows:
-        offs = offsets(tuple(r["downstream"]), anchor)
-        for level in ("scenario", "family"):
-            sums, counts, pairs = acc.setdefault((level, r[level]), ({}, {}, []))
-            pairs.append(r["pair"])
-            for o, v in zip(offs.tolist(), r["single"], strict=True):
-                sums[o] = sums.get(o, 0.0) + v
-                counts[o] = counts.get(o, 0) + 1
-    for (level, key), (sums, counts, pairs) in acc.items():
-        out[level][key] = {"offset": {o: sums[o] / counts[o] for o in sums}, "pairs": pairs}
-    return out
-
-
-def profile_for(profiles: dict, scenario: str, family: str) -> tuple[dict | None, str | None]:
-    """The profile a held-out pair is ranked by: its scenario's, else its family's, else None.
-
-    Returns:
-        (profile, ``"scenario"`` / ``"family"`` / None).
-    """
-    if scenario in profiles["scenario"]:
-        return profiles["scenario"][scenario], "scenario"
-    if family in profiles["family"]:
-        return profiles["family"][family], "family"
-    return None, None
-
-
-def rank_positions(profile: dict, downstream: tuple[int, int], anchor: str) -> list[int]:
-    """Downstream positions ordered by the profile value of their offsets, highest first.
-
-    Offsets absent from the profile rank last; ties (and absent offsets) go to the smaller offset.
-    """
-    b, _ = downstream
-    offs = offsets(downstream, anchor)
-    vals = np.array([profile["offset"].get(int(o), -np.inf) for o in offs])
-    order = sorted(range(len(offs)), key=lambda i: (-vals[i], offs[i]))
-    return [b + i for i in order]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -611,8 +538,7 @@ def run(ctx) -> dict:
     if generated:
         with ctx.timer("statistics"):
             aggregates = _cot_aggregates(rows, grid, bands, fams, families, n_boot, ctx.seed)
-        return out | {"aggregates": {"readout": "generated", "max_new_tokens": int(cfg.cot_max_new_tokens),
-                                     "n_screened": pr.n_screened} | common | aggregates,
+        return out | {"aggregates": readout_aggregates(ctx, pr) | common | aggregates,
                       "set_families": fams, "split": {}, "selection_pairs": [], "examples": {}}
     held_rows = [r for r in rows if r["split"] == "heldout" and "topk_sets" in r]
     examples = {}

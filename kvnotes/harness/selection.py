@@ -5,7 +5,9 @@ Every probe that chooses something from data — top-k positions (``suffix_recov
 (``heads``), the note offset (``components``), the layer (``direction``) — splits the instances of
 each scenario into a **selection** set and a **held-out** set (:func:`split_instances`), ranks on
 selection rows only (:func:`rank_by_mean`, :func:`selection_source`) and reports numbers on held-out
-rows. Capped sweeps draw whole instances across scenarios (:func:`sample_instances`).
+rows. Capped sweeps draw whole instances across scenarios (:func:`sample_instances`). Positions are
+ranked by their offset from an anchor (:func:`offsets`) with profiles learned on selection rows
+(:func:`offset_profiles`, :func:`profile_for`, :func:`rank_positions`).
 """
 
 from __future__ import annotations
@@ -137,3 +139,78 @@ def round_robin(rows: list[dict]) -> list[int]:
         rank.append((seen[r["scenario"]], i))
         seen[r["scenario"]] += 1
     return [i for _, i in sorted(rank)]
+
+
+# ---------------------------------------------------------------------------------------------
+# position rankings learned on the selection split (suffix_recovery's top-k positions)
+
+#: Where a downstream position's offset is counted from: the decision (``d - p``) or the field's end (``p - b``).
+ANCHORS = ("decision", "field_end")
+
+
+def offsets(downstream: tuple[int, int], anchor: str) -> np.ndarray:
+    """Offset of each downstream position ``b .. d-1`` from the anchor, ``[n]`` ints.
+
+    ``decision``: ``d - p`` (``n .. 1``); ``field_end``: ``p - b`` (``0 .. n-1``).
+
+    Raises:
+        ValueError: unknown anchor.
+    """
+    b, d = downstream
+    pos = np.arange(b, d)
+    if anchor == "decision":
+        return d - pos
+    if anchor == "field_end":
+        return pos - b
+    raise ValueError(f"topk_anchor must be one of {ANCHORS}, got {anchor!r}")
+
+
+def offset_profiles(selection_rows: list[dict], anchor: str) -> dict:
+    """Mean single-position recovery per anchor offset, per scenario and per family.
+
+    Args:
+        selection_rows: rows of **selection** pairs with ``single`` (recovery of each downstream
+            position alone, ``[n]``), ``downstream``, ``scenario``, ``family`` and ``pair``.
+
+    Returns:
+        ``{"scenario": {id: profile}, "family": {name: profile}}``; a profile is
+        ``{"offset": {offset: mean recovery}, "pairs": [pair ids used]}``.
+    """
+    out: dict = {"scenario": {}, "family": {}}
+    acc: dict = {}
+    for r in selection_rows:
+        offs = offsets(tuple(r["downstream"]), anchor)
+        for level in ("scenario", "family"):
+            sums, counts, pairs = acc.setdefault((level, r[level]), ({}, {}, []))
+            pairs.append(r["pair"])
+            for o, v in zip(offs.tolist(), r["single"], strict=True):
+                sums[o] = sums.get(o, 0.0) + v
+                counts[o] = counts.get(o, 0) + 1
+    for (level, key), (sums, counts, pairs) in acc.items():
+        out[level][key] = {"offset": {o: sums[o] / counts[o] for o in sums}, "pairs": pairs}
+    return out
+
+
+def profile_for(profiles: dict, scenario: str, family: str) -> tuple[dict | None, str | None]:
+    """The profile a held-out pair is ranked by: its scenario's, else its family's, else None.
+
+    Returns:
+        (profile, ``"scenario"`` / ``"family"`` / None).
+    """
+    if scenario in profiles["scenario"]:
+        return profiles["scenario"][scenario], "scenario"
+    if family in profiles["family"]:
+        return profiles["family"][family], "family"
+    return None, None
+
+
+def rank_positions(profile: dict, downstream: tuple[int, int], anchor: str) -> list[int]:
+    """Downstream positions ordered by the profile value of their offsets, highest first.
+
+    Offsets absent from the profile rank last; ties (and absent offsets) go to the smaller offset.
+    """
+    b, _ = downstream
+    offs = offsets(downstream, anchor)
+    vals = np.array([profile["offset"].get(int(o), -np.inf) for o in offs])
+    order = sorted(range(len(offs)), key=lambda i: (-vals[i], offs[i]))
+    return [b + i for i in order]
