@@ -14,7 +14,7 @@ from tests.helpers import ARCHS, build_tiny, fruit_scenario  # noqa: E402
 
 #: Fixtures that load the embedded model (directly or through another fixture): their tests are
 #: marked ``embedded`` automatically, so ``pytest -m "not embedded"`` is the fast lane.
-EMBEDDED_FIXTURES = {"smol", "sweep"}
+EMBEDDED_FIXTURES = {"smol", "gemma", "sweep"}
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -46,6 +46,17 @@ def smol():
     from kvnotes.models.loading import load_model
 
     cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "model", "smollm2-135m.yaml"))
+    return load_model(cfg, "cpu")
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    """The embedded Gemma-3-270M bundle (assembled and materialised once into the kvnotes cache)."""
+    from omegaconf import OmegaConf
+
+    from kvnotes.models.loading import load_model
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "model", "gemma-3-270m.yaml"))
     return load_model(cfg, "cpu")
 
 

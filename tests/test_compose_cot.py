@@ -7,7 +7,6 @@ record on the embedded model."""
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -114,20 +113,17 @@ def test_image_chunk_is_refused_under_cot():
 
 
 @pytest.mark.embedded
-def test_run_py_writes_a_generated_compose_record(tmp_path):
+def test_run_py_writes_a_generated_compose_record(gemma, tmp_path):
     """On Gemma-3-270M: its favourite_colour chains reach "colour is", so the record has kept
     prompts and pairs (on SmolLM2-135M no full chain of the chunked layout reaches its marker,
     measured: its record would hold only exclusions, the branch the tiny tests above check)."""
     from kvnotes.plots import plot_record
     from kvnotes.records.tables import record_table
-    from tests.test_cli import run
+    from tests.helpers import job_record
 
-    out = tmp_path / "runs"
-    proc = run("model=gemma-3-270m", "probe=compose", "scenario=small", "scenario.variant=cot", "scenario.n_instances=1",
-               "scenario.ids=[favourite_colour]", "probe.cot_max_pairs=1", "probe.cot_seams=[0]", "probe.sinks=[bos]",
-               "probe.n_boot=50", "plot=false", f"out_root={out}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rec = json.loads(next(out.rglob("record.json")).read_text())
+    rec = job_record(gemma, tmp_path, "model=gemma-3-270m", "probe=compose", "scenario=small", "scenario.variant=cot",
+                     "scenario.n_instances=1", "scenario.ids=[favourite_colour]", "probe.cot_max_pairs=1",
+                     "probe.cot_seams=[0]", "probe.sinks=[bos]", "probe.n_boot=50", "plot=false")
     res = rec["result"]
     agg, ex = res["aggregates"], res["exclusions"]
     names = res["variant_names"]

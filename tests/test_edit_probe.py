@@ -94,7 +94,8 @@ def test_edit_probe_end_to_end(smol, tmp_path, variant):
     pairs = PairSet(full_set.pairs[:1], [], full_set.scenarios)          # one pair keeps the test short
     cfg = OmegaConf.load("conf/probe/edit.yaml")
     cfg.update({"ks": [0, 4], "cot_ks": [0, 4], "rankings": ["last"], "oracle_ranking": "last", "max_pairs": 1,
-                "sweep_max_pairs": 1, "max_control_pairs": 1, "n_boot": 100, "progress": False})
+                "sweep_max_pairs": 1, "max_control_pairs": 1, "n_boot": 100, "progress": False,
+                "cot_max_new_tokens": 12})               # its clean chains reach the marker in 7 tokens
     sc = OmegaConf.create({"variant": variant, "chat_template": True})
     res = probes.get("edit")(probes.ProbeContext(bundle=smol, pairs=pairs, cfg=cfg, scenario_cfg=sc))
     agg = res["aggregates"]

@@ -132,14 +132,6 @@ def long_scenario(tmp_path) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def gemma():
-    """The embedded Gemma-3-270M bundle (assembled and materialised once into the kvnotes cache)."""
-    from kvnotes.models.loading import load_model
-
-    return load_model(OmegaConf.load(os.path.join(CONF, "model", "gemma-3-270m.yaml")), "cpu")
-
-
 def scenario_cfg(paths, n_instances=1):
     sc = OmegaConf.load(os.path.join(CONF, "scenario", "default.yaml"))
     sc.paths, sc.n_instances = list(paths), n_instances
