@@ -172,6 +172,29 @@ def test_read_location_knockouts_move_the_planted_shares(cache, monkeypatch, fam
             assert moved == pytest.approx(part * beta, abs=BAR * 2 * beta), (run, group)
 
 
+@pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.3), ("mixed", 0.7), ("direct", 1.0)])
+def test_edit_refresh_fails_where_the_notes_decide_and_selective_recompute_recovers(cache, monkeypatch, family,
+                                                                                     alpha):
+    """The in-place field refresh moves exactly the share the model reads from the field (recovery
+    ``alpha``) and so decides like the full re-prefill exactly where ``alpha > 0.5``; recomputing
+    one downstream position, ranked by attention or by first-layer K/V deviation, recomputes the
+    planted note and recovers the decision. The erratum (the new value restated before the request)
+    recovers ``alpha / 2``: the direct read head splits its attention between the two field tokens
+    and the notes keep the old value."""
+    ctx = _context(cache, monkeypatch, family, "edit", {"planted": {"alpha": alpha}},
+                   {"ks": [0, 1], "rankings": ["attention", "kv_deviation"], "oracle_ranking": None,
+                    "max_control_pairs": 0, "sweep_max_pairs": None}, n_instances=1)
+    res = probes.get(ctx.cfg)(ctx)
+    assert res["rows"] and _truth(ctx)["notes"]["weights"] == [1.0]          # one note position
+    for r in res["rows"]:
+        m = r["methods"]
+        assert m["refresh_field"]["r"] == pytest.approx(alpha, abs=EXACT) and m["refresh_field"]["agree"] == (alpha > 0.5)
+        assert m["erratum"]["r"] == pytest.approx(alpha / 2, abs=EXACT)
+        for ranking in ("attention", "kv_deviation"):
+            assert r["sweep"][f"selective_{ranking}@0"]["r"] == pytest.approx(alpha, abs=EXACT)
+            assert r["sweep"][f"selective_{ranking}@1"]["r"] == pytest.approx(1.0, abs=EXACT)
+
+
 def test_direction_is_the_planted_value_direction(cache, monkeypatch):
     """The difference-of-means direction fitted at the write layer's output has cosine at least 0.95
     with the planted one (``note_<new> - note_<old>`` in the residual stream), for every held-out
