@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface
 
 #: implementation name -> the function it ran before kvnotes registered its dispatcher (None:
 #: "eager", which each modeling file defines itself).
@@ -41,6 +40,8 @@ def _install(name: str) -> None:
     the innermost active hook, or the implementation that was there before when none is active."""
     if name in _ORIGINALS:
         return
+    from transformers import AttentionInterface     # here, not at import: it loads transformers' modeling code,
+                                                    # which a run refused before its model loads never needs
     _ORIGINALS[name] = AttentionInterface().get(name)
 
     def dispatcher(module, query, key, value, attention_mask, **kwargs):
