@@ -275,8 +275,8 @@ def read_caches(ctx, pair, items: Mapping[str, tuple[Any, int, int]]) -> dict[st
     for (pos, token), names in groups.items():
         caches = [items[n][0] for n in names]
         if not generated:
-            for n, lp in zip(names, kvedit.decision_logprobs_batch(model, caches, token, pos, ctx.budget_bytes)):
-                s = float(first_token_scores(lp[None], pair)[0])
+            lps = kvedit.decision_logprobs_batch(model, caches, token, pos, ctx.budget_bytes)
+            for n, lp, s in zip(names, lps, first_token_scores(lps, pair).tolist()):
                 out[n] = Read(lp, s, "new" if s > 0 else "old")
             continue
         with ctx.timer("generate"):

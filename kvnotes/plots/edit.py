@@ -37,8 +37,6 @@ def plot_edit(record: dict, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 5))
     methods = agg["methods"]
     for name, summary in methods.items():
-        if "@" in name:
-            continue
         p, ci, n = _agreement(summary, variant)
         x = summary["frac"]["all"]["mean"]
         if p is None or x is None:
