@@ -9,7 +9,7 @@ With the run's final RMS scale ``σ_p = 1 / sqrt(mean(x_p²) + eps)`` frozen (as
 TransformerLens' ``apply_ln_to_stack``), the logit difference at ``p`` is exactly
 ``σ_p · v · x_p``, and it splits over the residual additions. ``v`` is defined per pair without
 fitting, so it cannot leak between selection and held-out instances; the fitted alternative is
-:mod:`circuits.direction`. On Gemma-2 the attribution is of the logits before the final
+:mod:`kvnotes.circuits.direction`. On Gemma-2 the attribution is of the logits before the final
 soft-capping ``c · tanh(z / c)``.
 
 **Contributions.** For every flipping pair the old and new prompts are run once each, capturing
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from circuits import start_circuit
+from kvnotes.circuits import start_circuit
 from kvnotes.kv.engine import BACKENDS, Engine, Site
 from kvnotes.records.schema import CircuitResult, SplitRow
 from kvnotes.harness.constraints import OpenFraction, one_of

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from circuits import start_circuit
+from kvnotes.circuits import start_circuit
 from kvnotes.kv.engine import BACKENDS, Engine, Intervention, Site
 from kvnotes.errors import KvnotesError
 from kvnotes.records.schema import CircuitResult

@@ -16,14 +16,18 @@ Packages by role, each importing only from the ones above it in this list (``tes
 - :mod:`kvnotes.plots`, :mod:`kvnotes.serving`: figures from records; the vLLM experiment.
 - :mod:`kvnotes.cli`: the ``kvnotes`` command.
 
-Probes live in ``probes/`` and ``circuits/``, scenarios in ``scenarios/``, configs in ``conf/``.
+The probes, circuits and scenarios install as :mod:`kvnotes.probes`, :mod:`kvnotes.circuits` and
+:mod:`kvnotes.scenarios`, the configs as ``kvnotes/conf`` (package data Hydra reads): in the repository
+they are the top-level folders ``probes/``, ``circuits/``, ``scenarios/`` and ``conf/``, linked into the
+package, and a wheel holds them as ordinary files (``docs/guide/own-project.md``).
 """
 
 from pathlib import Path
 
 from kvnotes.errors import KvnotesError
 
-#: The checkout kvnotes runs from (``conf/``, ``scenarios/``, ``runs/``): kvnotes is installed editable.
-CHECKOUT = Path(__file__).resolve().parent.parent
+#: The config groups (``model``, ``probe``, ``scenario``, ...) that ship with kvnotes: the primary
+#: config directory of ``kvnotes run``; a user's own configs join it with ``--config-dir``.
+CONF_DIR = Path(__file__).parent / "conf"
 
-__all__ = ["CHECKOUT", "KvnotesError"]
+__all__ = ["CONF_DIR", "KvnotesError"]

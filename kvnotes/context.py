@@ -43,7 +43,7 @@ running its method's steps on this prompt (costs in tokens forwarded through eve
   :func:`verdict`) and applies ``in_place``, or else a re-prefill (``fallback="full"``, the default)
   or the corrected arm (``fallback="corrected"``).
 
-Imports nothing from scenarios, probes or the harness.
+Imports nothing from kvnotes.scenarios, probes or the harness.
 """
 
 from __future__ import annotations

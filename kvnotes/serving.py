@@ -4,7 +4,7 @@ rewrite invalidates every block after the field).
 
 This module builds the multi-turn request traces from the scenario files, the harness's own
 full-prefill reference decisions (transformers, same weights) and the aggregates. It never imports
-an engine: ``scripts/serve_bench.py`` serves the traces on vLLM and hands the served results back.
+an engine: ``kvnotes serve-bench`` (:mod:`kvnotes.cli.serve_bench`) serves the traces on vLLM and hands the served results back.
 
 Trace layout. Every prompt of a session shares a long *shared document*: the filler sentences of
 the suite's scenario files, shuffled by a seeded generator and repeated to ``doc_tokens`` tokens.
@@ -37,7 +37,7 @@ from kvnotes.harness.tokens import Prompt, build_prompt, continuation_ids
 from kvnotes.harness.edit_prompts import DEFAULT_ORDER, HOISTED_ORDER, erratum_text, render_layout
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.tables import serving_table
-from scenarios.instances import Instance, draw_instances
+from kvnotes.scenarios.instances import Instance, draw_instances
 
 ARMS = ("in_place", "erratum", "hoist", "cold")
 #: Fraction of the shared document placed before the field.

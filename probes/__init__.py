@@ -1,7 +1,7 @@
 """Causal probes on the KV cache: one module per probe, ``run(ctx: ProbeContext) -> dict``.
 
 The registry and :class:`ProbeContext` live in :mod:`kvnotes.harness.registry` and are re-exported
-here, so ``probes.get(name)`` and ``from probes import ProbeContext`` keep working. See
+here, so ``kvnotes.probes.get(name)`` and ``from kvnotes.probes import ProbeContext`` keep working. See
 ``docs/adding_a_probe.md``.
 """
 

@@ -90,7 +90,7 @@ from kvnotes.records.schema import BaseResult, ExclusionRow, NotRequired, TypedD
 from kvnotes.harness.selection import pair_rng
 from kvnotes.harness.timing import elapsed_ms
 from kvnotes.harness.tokens import CANDIDATE_MERGES, Prompt, build_conversation, continuation_ids, tokenize
-from scenarios.instances import Instance, draw_instances
+from kvnotes.scenarios.instances import Instance, draw_instances
 
 #: Exclusion reason: a later conversation re-tokenises earlier turns differently and the model
 #: has sliding-window layers, whose cache cannot be cropped back to the common prefix.

@@ -45,7 +45,7 @@ from kvnotes.harness import kit as K
 from kvnotes.harness.readout import PairRun, variant_scores
 from kvnotes.harness.stats import proportion
 from kvnotes.harness.tokens import PolarityPair
-from scenarios.instances import PolaritySpec
+from kvnotes.scenarios.instances import PolaritySpec
 
 VARIANTS = ("trigger", "notes", "both", "prefix")
 REPORTED = ("trigger", "notes", "both")

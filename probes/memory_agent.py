@@ -46,7 +46,7 @@ from tqdm import tqdm
 from kvnotes.context import EditableContext
 from kvnotes.harness.constraints import Count, one_of
 from kvnotes.harness import memory as mem
-from scenarios.memory import filler_lines, memory_lines
+from kvnotes.scenarios.memory import filler_lines, memory_lines
 
 #: Session arms (edit modes of :class:`kvnotes.context.EditableContext`).
 ARMS = ("in_place", "erratum", "auto")

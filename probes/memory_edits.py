@@ -1,7 +1,7 @@
 """``memory_edits`` (E3): a fact of the user memory changes mid-session; how well does each way of
 updating the cache match a re-prefill? (issue #21 part 2; paper §editing, external validity.)
 
-Per persona, memory length and edit of the suite (:mod:`scenarios.memory`; at most
+Per persona, memory length and edit of the suite (:mod:`kvnotes.scenarios.memory`; at most
 ``max_edits_per_persona``), the session is an :class:`kvnotes.context.EditableContext` whose user
 message is ``header, memory before the value, the fact's value (a field), the rest of the memory,
 the query`` — the memory lines and filler of :func:`kvnotes.harness.memory.build_prompt` at that
@@ -40,7 +40,7 @@ from tqdm import tqdm
 from kvnotes.context import EditableContext
 from kvnotes.harness.constraints import Count, Counts, NonNegative
 from kvnotes.harness import memory as mem
-from scenarios.memory import filler_lines, memory_lines
+from kvnotes.scenarios.memory import filler_lines, memory_lines
 
 #: The arms besides ``selective@K``, in report order (``full`` last: the reference).
 BASE_ARMS = ("stale", "in_place", "erratum", "recompile_chunk")

@@ -45,7 +45,7 @@ from kvnotes.harness.constraints import Count
 from kvnotes.harness import memory as mem
 from kvnotes.harness.stats import proportion, summarize
 from kvnotes.ops.edit import stack
-from scenarios.memory import MemorySuite, Persona, filler_lines
+from kvnotes.scenarios.memory import MemorySuite, Persona, filler_lines
 
 #: The two placements, in the order of the batch read.
 PLACEMENTS = ("early", "late")

@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from scenarios.errors import ScenarioError
-from scenarios.schema import Scenario
+from kvnotes.scenarios.errors import ScenarioError
+from kvnotes.scenarios.schema import Scenario
 
 
 @dataclass(frozen=True)

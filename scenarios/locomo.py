@@ -14,7 +14,7 @@ samples, each
 Other keys (``event_summary``, ``observation``, ``session_summary``, ...) are ignored. The dataset is
 not shipped; :func:`load_locomo` reads a copy the user has. This module is data code of the
 ``scenarios`` package, so a malformed file raises the package's one-line
-:class:`scenarios.errors.ScenarioError` (reported like :class:`kvnotes.errors.KvnotesError`).
+:class:`kvnotes.scenarios.errors.ScenarioError` (reported like :class:`kvnotes.errors.KvnotesError`).
 
 Metrics (:func:`normalize_answer`, :func:`token_f1`, :func:`contains`) follow the SQuAD v1.1
 evaluation script (Rajpurkar et al. 2016): lower case, punctuation and the articles a/an/the removed,
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_validator
 
-from scenarios.errors import ScenarioError
+from kvnotes.scenarios.errors import ScenarioError
 
 _SESSION = re.compile(r"^session_(\d+)$")
 

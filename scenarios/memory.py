@@ -28,7 +28,7 @@ facts spread evenly among them (a fact with ``after`` directly follows its ancho
 *cross-referential* when it uses two or more facts. Rendering to tokens and lengths is the
 harness's job (:mod:`kvnotes.harness.memory`); this module only validates and writes text.
 
-Every problem raises a one-line :class:`scenarios.errors.ScenarioError` naming the file and key.
+Every problem raises a one-line :class:`kvnotes.scenarios.errors.ScenarioError` naming the file and key.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from scenarios.errors import ScenarioError
-from scenarios.schema import read_yaml, resolve_path
+from kvnotes.scenarios.errors import ScenarioError
+from kvnotes.scenarios.schema import read_yaml, resolve_path
 
 #: The filler slot that numbers the lines (filled by :func:`filler_lines`, never declared).
 DAY_SLOT = "day"

@@ -41,9 +41,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic import Field as PydField
 
-from scenarios.errors import ScenarioError
+from kvnotes.scenarios.errors import ScenarioError
 
-ROOT = Path(__file__).resolve().parent
+#: The scenarios package (``kvnotes/scenarios``); a relative suite path not found from the working
+#: directory is looked up beside it, in the ``kvnotes`` package (``scenarios/suites``).
+ROOT = Path(__file__).parent
+#: The suites that ship with kvnotes (``scenario=default`` reads them all).
+SUITES_DIR = ROOT / "suites"
 
 
 @dataclass(frozen=True)
@@ -328,7 +332,8 @@ def read_yaml(path: Path, what: str = "scenario") -> Any:
 
 
 def resolve_path(path: str | Path) -> Path:
-    """A suite path: absolute, relative to the working directory, or relative to the project root."""
+    """A suite path: absolute, relative to the working directory, or relative to the installed
+    ``kvnotes`` package (``scenarios/suites``: the suites that ship with it)."""
     p = Path(path).expanduser()
     if p.is_absolute() or p.exists():
         return p

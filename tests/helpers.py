@@ -107,9 +107,9 @@ def recall_pairs(bundle, ids, n_instances=2, per_instance=None, variant="direct"
 def record_of(name: str, res: dict) -> dict:
     """The parts of a record of probe ``name`` that its table and figures read: the result, and the
     config naming the probe's module (its presentation, :mod:`kvnotes.records.presentation`)."""
-    import probes
+    import kvnotes.probes
 
-    return {"probe": name, "config": {"probe": {"_target_": f"{probes.module(name).__name__}.run"}},
+    return {"probe": name, "config": {"probe": {"_target_": f"{kvnotes.probes.module(name).__name__}.run"}},
             "model": {"name": "smollm2-135m"}, "scenario": {"name": "test"}, "result": res}
 
 
@@ -118,13 +118,13 @@ def check_figures(name: str, res: dict, tmp_path) -> None:
     JSON round-trip (as in a record), and its figures render from it (figures come from records)."""
     import json
 
-    import probes
+    import kvnotes.probes
     from kvnotes.plots import plot_record
     from kvnotes.records.store import to_jsonable
     from kvnotes.records.schema import check_result, result_schema
 
     record = json.loads(json.dumps(to_jsonable(record_of(name, res))))
-    check_result(record["result"], result_schema(probes.module(name)))
+    check_result(record["result"], result_schema(kvnotes.probes.module(name)))
     paths = plot_record(record, tmp_path)
     assert paths and all(p.is_file() and p.stat().st_size > 10_000 for p in paths)
 
@@ -134,11 +134,11 @@ def check_schema(name: str, res: dict) -> None:
     JSON round-trip (as in a record; ``kvnotes.records.schema``)."""
     import json
 
-    import probes
+    import kvnotes.probes
     from kvnotes.records.store import to_jsonable
     from kvnotes.records.schema import check_result, result_schema
 
-    check_result(json.loads(json.dumps(to_jsonable(res))), result_schema(probes.module(name)))
+    check_result(json.loads(json.dumps(to_jsonable(res))), result_schema(kvnotes.probes.module(name)))
 
 
 def fruit_scenario(path):

@@ -7,7 +7,7 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from probes import ProbeContext
+from kvnotes.probes import ProbeContext
 from tests.helpers import check_figures, check_schema
 
 #: fp32 on CPU: with whole chunks recomputed (seam >= chunk length) the agent's composed-then-
@@ -23,7 +23,7 @@ def scenario_cfg(families=("recall",), ids=("home_city",)):
 
 def run_agent(smol, seam: int, turns: int = 3, **scenario):
     from kvnotes.harness.pairs import prepare_pairs
-    from probes.agent import run
+    from kvnotes.probes.agent import run
 
     cfg = OmegaConf.load("conf/probe/agent.yaml")
     cfg.progress, cfg.n_boot, cfg.turns, cfg.seam = False, 200, turns, seam
@@ -51,9 +51,9 @@ def test_conversation_rendering_extends_the_single_turn_prompt(smol):
 
 
 def test_trajectory_values_change_every_turn_and_are_seeded(smol):
-    from probes.agent import trajectory_values
-    from scenarios.instances import draw_instances
-    from scenarios.schema import load_suite
+    from kvnotes.probes.agent import trajectory_values
+    from kvnotes.scenarios.instances import draw_instances
+    from kvnotes.scenarios.schema import load_suite
 
     sc = load_suite(list(scenario_cfg().paths), ["recall"], ["home_city"])[0]
     inst = draw_instances(sc, 1, 0)[0]

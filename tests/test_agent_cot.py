@@ -19,9 +19,9 @@ import torch
 import transformers as T
 
 from kvnotes.kv.generate import token_marker
-from probes import ProbeContext
-from probes import agent as agent_mod
-from probes.agent import CotReadout, aggregate, run_trajectory, trajectory_values
+from kvnotes.probes import ProbeContext
+from kvnotes.probes import agent as agent_mod
+from kvnotes.probes.agent import CotReadout, aggregate, run_trajectory, trajectory_values
 from tests.helpers import job_record, ARCHS, check_figures, check_schema, tiny_config
 
 #: fp32 on CPU. The cot readout with zero new tokens reads the decision after feeding the last token
@@ -85,8 +85,8 @@ def model(request, tok):
 
 @pytest.fixture(scope="module")
 def instance():
-    from scenarios.instances import draw_instances
-    from scenarios.schema import load_suite
+    from kvnotes.scenarios.instances import draw_instances
+    from kvnotes.scenarios.schema import load_suite
 
     sc = load_suite(["scenarios/suites"], ["recall"], ["favourite_colour"])[0]
     return draw_instances(sc, 1, 0)[0]
@@ -193,7 +193,7 @@ def test_run_writes_a_generated_record(llama_ctx, monkeypatch, tmp_path):
     t = agg["by_family"]["all"]["all"]["time"]
     assert t["agent_generate_ms_total"] == pytest.approx(sum(r["agent_generate_ms"] for r in res["rows"]))
     check_figures("agent", res, tmp_path)
-    record = json.loads(json.dumps({"probe": "agent", "config": {"probe": {"_target_": "probes.agent.run"}},
+    record = json.loads(json.dumps({"probe": "agent", "config": {"probe": {"_target_": "kvnotes.probes.agent.run"}},
                                     "model": {"name": "tiny"}, "scenario": {"name": "t"},
                                     "result": res}))
     assert "| recall | turn 1 |" in record_table(record)
@@ -203,7 +203,7 @@ def test_run_writes_a_generated_record(llama_ctx, monkeypatch, tmp_path):
     check_schema("agent", res)
     assert res["rows"] == [] and res["exclusions"] == {"agent_no_marker": 1}
     assert res["excluded"][0]["turn"] == 1 and res["aggregates"]["n_unreached"]["agent"] == 1
-    record_table(json.loads(json.dumps({"probe": "agent", "config": {"probe": {"_target_": "probes.agent.run"}},
+    record_table(json.loads(json.dumps({"probe": "agent", "config": {"probe": {"_target_": "kvnotes.probes.agent.run"}},
                                     "model": {"name": "tiny"}, "scenario": {"name": "t"},
                                         "result": res})))
 

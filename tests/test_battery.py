@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvnotes.harness.roofline import machine_rates
-from scripts.battery import Roofline
+from kvnotes.cli.battery import Roofline
 from tests.helpers import build_tiny
 
 T = 11
@@ -42,7 +42,7 @@ def test_roofline_counts_every_linear_call():
 def test_plain_forward_floors_one_forward_of_each_shape():
     """Each shape's floor is one forward's linear calls: a prefill of B x tokens rows, a decode of B
     rows (its cache prefill and the warm-up not counted), one unembedded row per prompt."""
-    from scripts.battery import plain_forward
+    from kvnotes.cli.battery import plain_forward
 
     model = build_tiny("llama")
     cfg = model.config

@@ -7,7 +7,7 @@ import torch
 
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.generate import generate, token_marker
-from scripts.bench_generate import TIE_NATS, parting
+from kvnotes.bench.generate import TIE_NATS, parting
 from tests.helpers import VOCAB, build_tiny
 
 

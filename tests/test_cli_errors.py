@@ -63,7 +63,7 @@ def write_record(path: Path, result: dict | None = None, **changes) -> Path:
     """A ``record.json`` at ``path`` (a directory) with the envelope, ``changes`` and ``result`` (none: no key);
     its config names the probe's module, as a run's does (which its presentation is read from)."""
     rec = ENVELOPE | changes | ({"result": result} if result is not None else {})
-    rec["config"] = {"probe": {"_target_": f"probes.{rec['probe']}.run"}} | rec["config"]
+    rec["config"] = {"probe": {"_target_": f"kvnotes.probes.{rec['probe']}.run"}} | rec["config"]
     path.mkdir(parents=True, exist_ok=True)
     (path / "record.json").write_text(json.dumps(rec))
     return path / "record.json"
@@ -227,9 +227,9 @@ def test_script_rejects_bad_arguments_in_one_line(args, needles, work, monkeypat
 
 
 def test_every_script_runs_its_main_inside_the_boundary():
-    """Run alone (``python -m scripts.X``), every script and reader uses the same boundary."""
-    mains = [p for p in [*sorted((ROOT / "scripts").glob("*.py")), ROOT / "kvnotes/cli/table.py",
-                         ROOT / "kvnotes/cli/plot.py"] if 'if __name__ == "__main__":' in p.read_text()]
+    """Run alone (``python -m kvnotes.bench.X``), every command and reader uses the same boundary."""
+    mains = [p for p in [*sorted((ROOT / "kvnotes/bench").glob("*.py")), *sorted((ROOT / "kvnotes/cli").glob("*.py"))]
+             if 'if __name__ == "__main__":' in p.read_text() and p.name != "run.py"]
     assert len(mains) >= 14
     unguarded = [p.name for p in mains if "guarded(main)" not in p.read_text().split('if __name__ == "__main__":')[1]]
     assert not unguarded, unguarded

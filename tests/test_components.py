@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from circuits.components import (contributions, decomposition_error, direct_logit_attribution, logit_diff_direction,
+from kvnotes.circuits.components import (contributions, decomposition_error, direct_logit_attribution, logit_diff_direction,
                                   residual_parts, top_offset)
 from kvnotes.kv.engine import NNsightEngine
 from kvnotes.models.adapters import Adapter
@@ -111,8 +111,8 @@ def test_top_offset_counts_from_the_decision():
 def test_probe_run_on_embedded_model_matches_its_schema(smol):
     """A small components run on the embedded model: its result matches the declared schema and
     the direct logit attribution adds up to the logit difference of every pair."""
-    from circuits.components import run as run_components
-    from probes import ProbeContext, load_config
+    from kvnotes.circuits.components import run as run_components
+    from kvnotes.probes import ProbeContext, load_config
 
     cfg = load_config("components", {"progress": False, "n_boot": 200})
     res = run_components(ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], per_instance=2), cfg=cfg, seed=0))

@@ -1,6 +1,6 @@
 """``compose`` under chain of thought (``scenario.variant=cot``): with zero new tokens the generated
 readout of the full prefill and of every composed variant is the direct readout of
-:func:`probes.compose.compose_prompts`; a composed variant whose seam recomputes whole chunks
+:func:`kvnotes.probes.compose.compose_prompts`; a composed variant whose seam recomputes whole chunks
 generates the full prefill's chain token for token; a chain without its marker is excluded (full
 chain) or counted unreached (composed chain), never scored; ``run.py`` writes a generated-readout
 record on the embedded model."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvnotes.kv.generate import Chain, token_marker
-from probes.compose import aggregate_cot, compose_prompts, cot_generate, cot_prompt_row, variant_name
+from kvnotes.probes.compose import aggregate_cot, compose_prompts, cot_generate, cot_prompt_row, variant_name
 from tests.helpers import VOCAB, build_tiny
 
 #: fp32 on CPU: the cut prompt composed on a dynamic cache and the last token fed by the decoder vs
@@ -105,7 +105,7 @@ def test_image_chunk_is_refused_under_cot():
     from omegaconf import OmegaConf
 
     from kvnotes.errors import KvnotesError
-    from probes.compose import run
+    from kvnotes.probes.compose import run
 
     ctx = SimpleNamespace(cfg=OmegaConf.create({"image_chunk": True}), scenario_cfg=OmegaConf.create({"variant": "cot"}))
     with pytest.raises(KvnotesError, match="image_chunk=true is not run under scenario.variant=cot"):

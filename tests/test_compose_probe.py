@@ -7,7 +7,7 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from probes import ProbeContext
+from kvnotes.probes import ProbeContext
 from tests.helpers import check_figures
 
 # fp32 on CPU: recomputing whole chunks (seam >= chunk length) is the full prefill done in three
@@ -26,7 +26,7 @@ def scenario_cfg():
 @pytest.fixture(scope="module")
 def result(smol):
     from kvnotes.harness.pairs import prepare_pairs
-    from probes.compose import run
+    from kvnotes.probes.compose import run
 
     cfg = OmegaConf.load("conf/probe/compose.yaml")
     cfg.progress, cfg.n_boot, cfg.seams, cfg.sinks, cfg.edit_arm_seams = False, 200, [0, 4], ["bos"], [0]
@@ -79,7 +79,7 @@ def test_edit_arms_shared_work_equals_each_pair_alone(smol, result):
     the composed prompts' full prefill, one stale cache per old value); each pair's arms must equal
     the arms computed for that pair alone, from scratch."""
     from kvnotes.harness.chunks import chunked_pairs
-    from probes.compose import edit_arms
+    from kvnotes.probes.compose import edit_arms
 
     ps = chunked_pairs(smol.tokenizer, scenario_cfg())
     for pair, row in zip(ps.pairs, result["rows"]):

@@ -5,7 +5,7 @@ status 2, exactly one line on stderr starting ``kvnotes: error:``, and nothing w
 ``out_root`` (no record, no directory, no lock file).
 
 1. Scenario files (valid mutations of a known-valid file, invalid ones of every kind, raw YAML and
-   raw bytes): :func:`scenarios.schema.load_suite` returns scenarios that the scenario pipeline
+   raw bytes): :func:`kvnotes.scenarios.schema.load_suite` returns scenarios that the scenario pipeline
    (instances, pairs, rendering) can use, or raises a one-line :class:`ScenarioError` naming the
    file; never another exception.
 2. Config values (run-level, scenario and probe keys, set, added, force-added or deleted; ints,
@@ -40,9 +40,9 @@ import yaml
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from scenarios.errors import ScenarioError
-from scenarios.instances import build_pairs, build_polarity_pairs, render_user_text
-from scenarios.schema import ScenarioFile, load_suite
+from kvnotes.scenarios.errors import ScenarioError
+from kvnotes.scenarios.instances import build_pairs, build_polarity_pairs, render_user_text
+from kvnotes.scenarios.schema import ScenarioFile, load_suite
 from tests.helpers import fruit_scenario
 from tests.test_cli import run
 
@@ -350,7 +350,7 @@ def test_negative_scenario_seed_is_a_scenario_error(seed):
 
 
 def test_memory_suite_of_garbage_bytes_is_one_line():
-    from scenarios.memory import load_memory
+    from kvnotes.scenarios.memory import load_memory
 
     with tempfile.TemporaryDirectory() as d:
         path = _write(Path(d), "mem", b"\xff\xfe\x80garbage")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import circuits.direction as D
+import kvnotes.circuits.direction as D
 from kvnotes.kv.engine import Intervention, NNsightEngine, Site
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness.readout import first_token_scores, run_pair
@@ -215,7 +215,7 @@ def _cfg(**over):
 @pytest.mark.embedded
 def test_run_on_embedded_model_is_finite_and_clean(smol):
     from kvnotes.harness.pairs import PairSet, prepare_pairs
-    from probes import ProbeContext
+    from kvnotes.probes import ProbeContext
 
     sc = OmegaConf.load("conf/scenario/default.yaml")
     # 3 instances: 2 selection instances per scenario, so a within-scenario fit exists for the

@@ -12,11 +12,11 @@ from omegaconf import OmegaConf
 
 from kvnotes.harness.pairs import prepare_polarity_pairs
 from kvnotes.harness.tokens import UNEQUAL_TRIGGER_LENGTH, PolarityPair, tokenize_pair, tokenize_polarity_pair
-from probes import ProbeContext
-from probes.dissociation import VARIANTS, orientation, variant_masks
-from probes.dissociation import run as run_dissociation
-from scenarios import build_pairs, draw_instances, load_suite, render_user_text
-from scenarios.instances import NO_POLARITY_BLOCK, build_polarity_pairs, render_user_text_spans, slot_char_spans
+from kvnotes.probes import ProbeContext
+from kvnotes.probes.dissociation import VARIANTS, orientation, variant_masks
+from kvnotes.probes.dissociation import run as run_dissociation
+from kvnotes.scenarios import build_pairs, draw_instances, load_suite, render_user_text
+from kvnotes.scenarios.instances import NO_POLARITY_BLOCK, build_polarity_pairs, render_user_text_spans, slot_char_spans
 from tests.helpers import check_figures
 from tests.test_tokens import scenario
 

@@ -126,9 +126,9 @@ def test_the_registry_declares_each_method_once():
 
 
 def test_context_modes_and_the_probe_read_the_registry():
-    import probes.edit as probe
+    import kvnotes.probes.edit as probe
     from kvnotes import context
-    from scripts import bench_edit
+    from kvnotes.bench import edit as bench_edit
 
     assert context.MODES == ("stale", "in_place", "erratum", "field_plus_erratum", "selective", "full", "auto")
     assert context.CHECKS == ("field_plus_erratum", "selective@K", "selective@P%")

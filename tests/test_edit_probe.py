@@ -85,7 +85,7 @@ def test_edit_probe_end_to_end(smol, tmp_path, variant):
     """One probe, both readouts: every method's cache read at the decision position, or after its
     generated chain's answer marker (``scenario.variant=cot``); full agrees with itself, stale does
     not, a chain that missed its marker is neither scored nor agreeing, and the figures render."""
-    import probes
+    import kvnotes.probes
 
     from kvnotes.harness.pairs import PairSet
 
@@ -97,7 +97,7 @@ def test_edit_probe_end_to_end(smol, tmp_path, variant):
                 "sweep_max_pairs": 1, "max_control_pairs": 1, "n_boot": 100, "progress": False,
                 "cot_max_new_tokens": 12})               # its clean chains reach the marker in 7 tokens
     sc = OmegaConf.create({"variant": variant, "chat_template": True})
-    res = probes.get("edit")(probes.ProbeContext(bundle=smol, pairs=pairs, cfg=cfg, scenario_cfg=sc))
+    res = kvnotes.probes.get("edit")(kvnotes.probes.ProbeContext(bundle=smol, pairs=pairs, cfg=cfg, scenario_cfg=sc))
     agg = res["aggregates"]
     assert agg["n_flip"] == len(res["rows"]) == 1 and not res["exclusions"]
     for r in res["rows"]:

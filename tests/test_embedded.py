@@ -9,8 +9,8 @@ import torch
 from kvnotes.kv import patch as kvpatch
 from kvnotes.harness.readout import flip_status, run_pair, variant_scores
 from kvnotes.harness.tokens import tokenize_pair
-from probes.blast_radius import deviation_maps, summarize_pair
-from scenarios import build_pairs, load_suite
+from kvnotes.probes.blast_radius import deviation_maps, summarize_pair
+from kvnotes.scenarios import build_pairs, load_suite
 from tests.helpers import BATCH_TOL
 
 

@@ -13,9 +13,9 @@ from kvnotes.kv import cache as kvcache
 from kvnotes.harness.pairs import PairSet
 from kvnotes.plots import plot_record
 from kvnotes.harness.readout import PairRun, variant_scores
-from probes import ProbeContext
-from probes.field_refresh import VARIANTS, exact_field_source, refresh_pair, variant_positions
-from probes.field_refresh import run as run_probe
+from kvnotes.probes import ProbeContext
+from kvnotes.probes.field_refresh import VARIANTS, exact_field_source, refresh_pair, variant_positions
+from kvnotes.probes.field_refresh import run as run_probe
 from tests.helpers import VOCAB, WINDOW, check_schema, recall_pairs, record_of
 
 T = 3 * WINDOW            # prefix length: longer than the sliding window, so windows fill

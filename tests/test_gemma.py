@@ -19,9 +19,9 @@ from kvnotes.errors import KvnotesError
 from kvnotes.models.loading import assemble_parts, embedded_source
 from kvnotes.harness.pairs import prepare_pairs
 from kvnotes.harness.tokens import rendering
-from probes import ProbeContext
-from probes.field_refresh import run as run_field_refresh
-from probes.screen import run as run_screen
+from kvnotes.probes import ProbeContext
+from kvnotes.probes.field_refresh import run as run_field_refresh
+from kvnotes.probes.screen import run as run_screen
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONF = os.path.join(ROOT, "conf")

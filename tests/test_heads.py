@@ -11,7 +11,7 @@ import torch
 
 from kvnotes.kv.engine import Intervention, NNsightEngine, Site
 from kvnotes.harness.selection import pair_rng, rank_by_mean, with_split
-from circuits.heads import (clean_residuals, head_outputs, map_pairs, patched_scores, random_head_sets, set_masks,
+from kvnotes.circuits.heads import (clean_residuals, head_outputs, map_pairs, patched_scores, random_head_sets, set_masks,
                             single_head_map)
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv import patch as kvpatch
@@ -140,8 +140,8 @@ def test_probe_run_on_embedded_model_with_capped_maps(smol):
     cap), so aggregates must only use the pairs that were mapped."""
     from omegaconf import OmegaConf
 
-    from circuits.heads import run as run_heads
-    from probes import ProbeContext
+    from kvnotes.circuits.heads import run as run_heads
+    from kvnotes.probes import ProbeContext
     from tests.helpers import recall_pairs
 
     cfg = OmegaConf.load("conf/probe/heads.yaml")

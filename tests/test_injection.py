@@ -12,10 +12,10 @@ from omegaconf import OmegaConf
 
 from kvnotes.harness.pairs import prepare_pairs
 from kvnotes.harness.tokens import Prompt, TokenizedPair
-from probes import ProbeContext
-from probes.injection import DIRECTIONS, inject_pair, injection_masks
-from probes.injection import run as run_injection
-from scenarios import build_pairs
+from kvnotes.probes import ProbeContext
+from kvnotes.probes.injection import DIRECTIONS, inject_pair, injection_masks
+from kvnotes.probes.injection import run as run_injection
+from kvnotes.scenarios import build_pairs
 from tests.helpers import check_figures
 from tests.test_cache import FIELD, T, full_logprobs, prompts, reference_patched
 from tests.test_tokens import scenario

@@ -11,8 +11,8 @@ import pytest
 from kvnotes.harness import kit
 from kvnotes.harness.protocol import screen_generated
 from kvnotes.kv.generate import token_marker
-from probes import injection
-from probes.injection import DIRECTIONS, inject_pair
+from kvnotes.probes import injection
+from kvnotes.probes.injection import DIRECTIONS, inject_pair
 from tests.helpers import job_record, VOCAB, cot_tiny_ctx
 from tests.test_cache import prompts
 from tests.test_injection import synthetic_pair

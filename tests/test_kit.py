@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-import probes
+import kvnotes.probes
 from kvnotes.harness import kit as K
 from kvnotes.errors import KvnotesError
 from kvnotes.records.schema import BaseResult, SchemaError, check_result, result_schema
@@ -20,23 +20,23 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "adding_a_probe.md"
 
 
 def test_every_probe_is_found_from_its_config_and_declares_config_and_result():
-    assert {"field_refresh", "suffix_recovery", "heads", "dissociation"} <= set(probes.names())
-    for name in probes.names():
-        cfg = probes.load_config(name)
-        mod = probes.module(cfg)
-        assert cfg.name == name and mod.run is probes.get(name)
+    assert {"field_refresh", "suffix_recovery", "heads", "dissociation"} <= set(kvnotes.probes.names())
+    for name in kvnotes.probes.names():
+        cfg = kvnotes.probes.load_config(name)
+        mod = kvnotes.probes.module(cfg)
+        assert cfg.name == name and mod.run is kvnotes.probes.get(name)
         assert hasattr(mod, "Config") and result_schema(mod) is not BaseResult, name
         assert cfg.progress is True and cfg.n_boot == 2000                     # shared base defaults
-    assert probes.load_config("dissociation").pairs == "polarity"
+    assert kvnotes.probes.load_config("dissociation").pairs == "polarity"
 
 
 def test_misspelt_or_mistyped_key_is_one_clear_error():
     with pytest.raises(KvnotesError, match=r"probe 'heads': Key 'n_bot' not in 'Config'"):
-        probes.load_config("heads", {"n_bot": 10})
+        kvnotes.probes.load_config("heads", {"n_bot": 10})
     with pytest.raises(KvnotesError, match="chunk_heads"):
-        probes.load_config("heads", {"chunk_heads": "many"})
+        kvnotes.probes.load_config("heads", {"chunk_heads": "many"})
     with pytest.raises(KvnotesError, match="unknown probe 'nope'"):
-        probes.load_config("nope")
+        kvnotes.probes.load_config("nope")
 
 
 def test_schema_check_finds_missing_keys_and_wrong_types():
@@ -79,13 +79,13 @@ def test_worked_example_runs_as_documented(smol, tmp_path, monkeypatch):
     code, yaml = _doc_blocks()
     (tmp_path / "doc_field_only.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
-    raw = OmegaConf.create(yaml.replace("probes.field_only.run", "doc_field_only.run"))
-    cfg = OmegaConf.merge(OmegaConf.load(probes.CONF_DIR / "_base.yaml"), raw, {"progress": False, "n_boot": 200})
+    raw = OmegaConf.create(yaml.replace("kvnotes.probes.field_only.run", "doc_field_only.run"))
+    cfg = OmegaConf.merge(OmegaConf.load(kvnotes.probes.CONF_DIR / "_base.yaml"), raw, {"progress": False, "n_boot": 200})
     with pytest.raises(KvnotesError, match="cot_max_new_token"):
-        probes.typed_config(OmegaConf.merge(cfg, {"cot_max_new_token": 20}))
-    ctx = probes.ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], n_instances=1, per_instance=2), cfg=cfg)
-    res = probes.get(ctx.cfg)(ctx)
-    check_result(res, result_schema(probes.module(ctx.cfg)))
+        kvnotes.probes.typed_config(OmegaConf.merge(cfg, {"cot_max_new_token": 20}))
+    ctx = kvnotes.probes.ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], n_instances=1, per_instance=2), cfg=cfg)
+    res = kvnotes.probes.get(ctx.cfg)(ctx)
+    check_result(res, result_schema(kvnotes.probes.module(ctx.cfg)))
     assert res["aggregates"]["readout"] == "direct"
     assert res["rows"] and all(math.isfinite(r["r_field"]) for r in res["rows"])
     assert res["aggregates"]["recovery"]["all"]["n"] == len(res["rows"])
@@ -99,11 +99,11 @@ def test_worked_example_runs_as_documented(smol, tmp_path, monkeypatch):
     assert [f.id for f in presentation(rec).figures] == ["family-recovery", "family-flipped"]
     assert headline(rec)[0] == "recovery/all" and record_table(rec) == aggregates_table(rec)
     # the same module under the generated readout: a parameter of the run, no second code path
-    cot = probes.ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], n_instances=1, variant="cot"),
+    cot = kvnotes.probes.ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], n_instances=1, variant="cot"),
                               cfg=OmegaConf.merge(cfg, {"cot_max_pairs": 2}),
                               scenario_cfg=OmegaConf.create({"variant": "cot"}))
-    res = probes.get(cot.cfg)(cot)
-    check_result(res, result_schema(probes.module(cot.cfg)))
+    res = kvnotes.probes.get(cot.cfg)(cot)
+    check_result(res, result_schema(kvnotes.probes.module(cot.cfg)))
     assert res["aggregates"]["readout"] == "generated"
     assert set(res["exclusions"]) <= {"old_no_marker", "new_no_marker", "no_cot_flip", "beyond_max_pairs"}
     assert len(res["rows"]) + sum(res["exclusions"].values()) == len(cot.pairs.pairs)
@@ -125,16 +125,16 @@ def test_clean_runs_shared_across_probes_give_the_same_results(smol):
     prompt (an instance's value in two pairs) share one prefill."""
     pairs = recall_pairs(smol, ["favourite_colour"], n_instances=1, per_instance=2)
     overrides = {"progress": False, "n_boot": 200}
-    cfgs = {"injection": probes.load_config("injection", overrides),
-            "field_refresh": probes.load_config("field_refresh", overrides),
-            "heads": probes.load_config("heads", overrides | {"modes": ["read"], "ks": [1, 4],
+    cfgs = {"injection": kvnotes.probes.load_config("injection", overrides),
+            "field_refresh": kvnotes.probes.load_config("field_refresh", overrides),
+            "heads": kvnotes.probes.load_config("heads", overrides | {"modes": ["read"], "ks": [1, 4],
                                                              "random": {"n_draws": 2}})}
-    alone = {n: _without_timing(probes.get(c)(probes.ProbeContext(bundle=smol, pairs=pairs, cfg=c)))
+    alone = {n: _without_timing(kvnotes.probes.get(c)(kvnotes.probes.ProbeContext(bundle=smol, pairs=pairs, cfg=c)))
              for n, c in cfgs.items()}
     for budget in (8 << 30, 1):                       # everything kept / nothing but scores kept
         store = K.CleanRuns(budget)
         for n, c in cfgs.items():
-            res = probes.get(c)(probes.ProbeContext(bundle=smol, pairs=pairs, cfg=c, clean_runs=store))
+            res = kvnotes.probes.get(c)(kvnotes.probes.ProbeContext(bundle=smol, pairs=pairs, cfg=c, clean_runs=store))
             assert _without_timing(res) == alone[n], (n, budget)
         prompts = {tuple(x.ids[:p.decision].tolist()) for p in pairs.pairs for x in (p.old, p.new)}
         assert store.reused == 2 * len(pairs.pairs)                      # 3 probes: 1 prefill, 2 reuses

@@ -107,3 +107,15 @@ def test_serving_table_renders_every_run():
     assert len(lines) == 2 and "| early | erratum |" in lines[0] and "| 2.50 |" in lines[0]
     assert "0.75 [0.30, 0.95] (n=4)" in lines[0] and "| n/a |" in lines[0]
     assert "cold start: every run reset the prefix cache and its first request had 0 cached tokens: True" in text
+
+
+def test_records_of_the_old_top_level_probes_keep_their_presentation():
+    """A record written when probes were the top-level ``probes``/``circuits`` packages names
+    ``probes.screen.run``: it finds the module at its place in ``kvnotes`` and keeps its table."""
+    from kvnotes.records.presentation import source_module
+
+    old = {"config": {"probe": {"_target_": "probes.screen.run"}}}
+    assert source_module(old) == "kvnotes.probes.screen"
+    assert source_module({"config": {"probe": {"_target_": "circuits.heads.run"}}}) == "kvnotes.circuits.heads"
+    assert source_module({"config": {"probe": {"_target_": "mypackage.probe.run"}}}) == "mypackage.probe"
+    assert presentation(old).table is screen_table

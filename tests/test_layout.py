@@ -4,6 +4,7 @@ editing/composition library (:mod:`kvnotes.ops`) loads without scenarios, probes
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,22 +23,25 @@ ALLOWED: dict[str, set[str]] = {
     "kvnotes.ops": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops"},
     "kvnotes.context": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops"},
     "kvnotes.records": {"kvnotes", "kvnotes.errors", "kvnotes.records"},
-    "scenarios": {"scenarios"},
+    "kvnotes.scenarios": {"kvnotes.scenarios"},
     "kvnotes.plots": {"kvnotes", "kvnotes.errors", "kvnotes.records", "kvnotes.plots"},
     "kvnotes.harness": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops", "kvnotes.context",
-                        "kvnotes.records", "kvnotes.plots", "kvnotes.harness", "scenarios"},
+                        "kvnotes.records", "kvnotes.plots", "kvnotes.harness", "kvnotes.scenarios"},
     "kvnotes.serving": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops", "kvnotes.context",
-                        "kvnotes.records", "kvnotes.plots", "kvnotes.harness", "scenarios"},
-    "circuits": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops", "kvnotes.context",
-                 "kvnotes.records",
-                 "kvnotes.plots", "kvnotes.harness", "scenarios", "circuits"},
-    "probes": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops", "kvnotes.context",
-               "kvnotes.records",
-               "kvnotes.plots", "kvnotes.harness", "scenarios", "circuits", "probes"},
+                        "kvnotes.records", "kvnotes.plots", "kvnotes.harness", "kvnotes.scenarios"},
+    "kvnotes.circuits": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops", "kvnotes.context",
+                         "kvnotes.records", "kvnotes.plots", "kvnotes.harness", "kvnotes.scenarios", "kvnotes.circuits"},
+    "kvnotes.probes": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops", "kvnotes.context",
+                       "kvnotes.records", "kvnotes.plots", "kvnotes.harness", "kvnotes.scenarios", "kvnotes.circuits",
+                       "kvnotes.probes"},
 }
-PROJECT = ("kvnotes", "scenarios", "probes", "circuits", "scripts")
-#: Top-level packages nothing in the library may import (the command line and scripts sit on top).
-TOP = {"kvnotes.cli", "scripts"}
+#: The repository's folders that install inside the package (linked: kvnotes/probes -> ../probes).
+LINKED = ("probes", "circuits", "scenarios")
+#: Top-level names code may import from the project: kvnotes only (the linked folders' own
+#: top-level names, and the old ``scripts`` package, would load a second copy of each module).
+PROJECT = ("kvnotes", *LINKED, "scripts")
+#: Packages nothing in the library may import (the command line and the benchmarks sit on top).
+TOP = {"kvnotes.cli", "kvnotes.bench"}
 
 
 def _package(module: str) -> str | None:
@@ -67,8 +71,10 @@ def _imports(path: Path, module: str) -> set[str]:
 
 
 def _modules():
-    for top in ("kvnotes", "scenarios", "probes", "circuits"):
-        for path in sorted((ROOT / top).rglob("*.py")):
+    """``(path, dotted name)`` of every module of the package, the linked folders included."""
+    for folder, _, files in sorted(os.walk(ROOT / "kvnotes", followlinks=True)):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = Path(folder) / name
             rel = path.relative_to(ROOT).with_suffix("")
             parts = list(rel.parts[:-1]) if rel.name == "__init__" else list(rel.parts)
             yield path, ".".join(parts)
@@ -84,7 +90,7 @@ def _resolves(name: str) -> bool:
 def test_import_direction():
     bad = []
     for path, module in _modules():
-        if module.startswith("kvnotes.cli"):
+        if any(module == t or module.startswith(t + ".") for t in TOP):
             continue
         own = _package(module)
         assert own is not None, f"{module} belongs to no package of the layout: add it to ALLOWED"
@@ -106,13 +112,27 @@ def test_layout_check_can_fail():
     deps = _imports(src, "kvnotes.harness.jobs")
     assert "kvnotes.harness.pairs" in deps
     assert _package("kvnotes.harness.pairs") == "kvnotes.harness"
-    assert "probes" not in ALLOWED["kvnotes.harness"] and _package("probes.screen") == "probes"
+    assert "kvnotes.probes" not in ALLOWED["kvnotes.harness"] and _package("kvnotes.probes.screen") == "kvnotes.probes"
+
+
+def test_one_import_namespace():
+    """Every module imports the project as ``kvnotes.*``: ``import probes`` (possible from the
+    repository root only) would load a second copy of a probe module beside ``kvnotes.probes``'s, and
+    a wheel has no such top-level package. The linked folders are the package's own."""
+    for top in LINKED:
+        assert (ROOT / "kvnotes" / top).resolve() == (ROOT / top).resolve()
+    assert (ROOT / "kvnotes" / "conf").resolve() == (ROOT / "conf").resolve()
+    files = [(p, m) for p, m in _modules()] + [(p, p.stem) for p in sorted((ROOT / "tests").rglob("*.py"))]
+    bad = [f"{m} imports {dep}" for p, m in files for dep in _imports(p, m) if dep.split(".")[0] != "kvnotes"]
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("module", ["kvnotes.ops", "kvnotes.context", "kvnotes.kv", "kvnotes.models.loading", "kvnotes.records.store"])
 def test_library_imports_alone(module):
     """Importing the library loads neither scenarios, probes, circuits nor the harness."""
     code = (f"import sys, {module}; print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
-            f"('scenarios', 'probes', 'circuits', 'scripts') or m.startswith('kvnotes.harness'))))")
+            f"('scenarios', 'probes', 'circuits', 'scripts') or m.split('.')[:2] in "
+            f"(['kvnotes', 'scenarios'], ['kvnotes', 'probes'], ['kvnotes', 'circuits']) "
+            f"or m.startswith('kvnotes.harness'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"import {module} loaded: {out.stdout.strip()}"

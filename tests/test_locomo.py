@@ -1,4 +1,4 @@
-"""LoCoMo (scenarios.locomo, scripts/locomo_qa.py): the loader on a small file in the published
+"""LoCoMo (kvnotes.scenarios.locomo, kvnotes.cli.locomo): the loader on a small file in the published
 format that the tests write, one-line rejection of malformed files, the answer metrics on known
 strings, and the composed-vs-full QA runner on tiny random models."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from scenarios.errors import ScenarioError
-from scenarios.locomo import contains, load_locomo, normalize_answer, render_session, token_f1
+from kvnotes.scenarios.errors import ScenarioError
+from kvnotes.scenarios.locomo import contains, load_locomo, normalize_answer, render_session, token_f1
 from tests.helpers import LOGPROB_TOL, VOCAB, build_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,7 +177,7 @@ def test_runner_one_session_equals_full_prefill(arch, tiny_samples):
     """With one session the chunk sits where it was precompiled (behind the header as its sink), so the
     composed arm's first-step log-probs equal the full prefill's; with two, the second session's chunk
     was precompiled without the first and differs."""
-    from scripts.locomo_qa import format_summary, run_locomo_qa
+    from kvnotes.cli.locomo import format_summary, run_locomo_qa
 
     model = build_tiny(arch)
     res = run_locomo_qa(model, CharTokenizer(), tiny_samples, max_new_tokens=4, rotate=True, seam=0)
@@ -203,7 +203,7 @@ def test_runner_one_session_equals_full_prefill(arch, tiny_samples):
 def test_runner_full_seam_and_truncation(tiny_samples):
     """A seam covering the whole chunk recomputes it, which is the full prefill (two sessions too);
     a context that holds only the last session keeps it and says so."""
-    from scripts.locomo_qa import run_locomo_qa
+    from kvnotes.cli.locomo import run_locomo_qa
 
     model = build_tiny("llama")
     res = run_locomo_qa(model, CharTokenizer(), tiny_samples[1:], max_questions=1, max_new_tokens=2, seam=10_000)

@@ -14,11 +14,11 @@ import torch
 import transformers as T
 import yaml
 
-import probes
+import kvnotes.probes
 from kvnotes.harness import memory as mem
 from kvnotes.records.store import Timer
-from scenarios.errors import ScenarioError
-from scenarios.memory import load_memory
+from kvnotes.scenarios.errors import ScenarioError
+from kvnotes.scenarios.memory import load_memory
 from tests.helpers import check_figures, check_schema, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +100,7 @@ def test_malformed_suite_is_one_line(tmp_path):
 
 
 def test_partition_covers_the_lines_in_equal_blocks():
-    from probes.memory_granularity import cross_variants, partition
+    from kvnotes.probes.memory_granularity import cross_variants, partition
 
     offsets = list(range(0, 101, 5))                 # 20 lines of 5 tokens
     for S in (1, 2, 4, 8, 16, 20):
@@ -117,7 +117,7 @@ def test_partition_covers_the_lines_in_equal_blocks():
 def test_one_block_equals_the_one_chunk_transplant(llama, tok, suite):
     """S = 1 (E4) composes exactly E2's one precompiled chunk."""
     from kvnotes.ops import compose as kvcompose
-    from probes.memory_granularity import Blocks, partition
+    from kvnotes.probes.memory_granularity import Blocks, partition
 
     p = prompt_of(tok, suite)
     pos = p.start + p.memory.shape[0]
@@ -132,7 +132,7 @@ def test_one_block_equals_the_one_chunk_transplant(llama, tok, suite):
 
 
 def test_recompile_chunk_with_a_covering_seam_equals_the_full_prefill(llama, tok, suite):
-    from probes.memory_edits import edit_session
+    from kvnotes.probes.memory_edits import edit_session
 
     persona = suite.personas[0]
     p = prompt_of(tok, suite)
@@ -153,7 +153,7 @@ def test_recompile_chunk_with_a_covering_seam_equals_the_full_prefill(llama, tok
 # ------------------------------------------------------------------------------------------- records
 
 def fake_ctx(name: str, bundle, **over):
-    cfg = probes.load_config(name, {"progress": False, "n_boot": 50, "personas": ["maria", "tom"], **over})
+    cfg = kvnotes.probes.load_config(name, {"progress": False, "n_boot": 50, "personas": ["maria", "tom"], **over})
     return SimpleNamespace(cfg=cfg, bundle=bundle, timer=Timer(), seed=0, template_kwargs={})
 
 
@@ -176,14 +176,14 @@ def check_record_fields(name: str, res: dict, arms: list[str], tmp_path=None) ->
 
 def test_probe_records_on_a_tiny_model(llama, tok):
     bundle = SimpleNamespace(model=llama, tokenizer=tok)
-    res = probes.get("memory_transplant")(fake_ctx("memory_transplant", bundle, lengths=[96, 160]))
+    res = kvnotes.probes.get("memory_transplant")(fake_ctx("memory_transplant", bundle, lengths=[96, 160]))
     check_record_fields("memory_transplant", res, res["arm_names"])
     assert len(res["rows"]) == 2 * 2 * 7 and set(res["aggregates"]) == {"96", "160"}
-    res = probes.get("memory_edits")(fake_ctx("memory_edits", bundle, lengths=[96]))
+    res = kvnotes.probes.get("memory_edits")(fake_ctx("memory_edits", bundle, lengths=[96]))
     check_record_fields("memory_edits", res, res["arm_names"])
     assert res["checks"]["recompile_same_tokens"] == res["checks"]["n_rows"] == 2
     assert all(r["arms"]["stale"]["tokens"] == 0 for r in res["rows"])
-    res = probes.get("memory_granularity")(fake_ctx("memory_granularity", bundle, lengths=[128], blocks=[1, 2, 4]))
+    res = kvnotes.probes.get("memory_granularity")(fake_ctx("memory_granularity", bundle, lengths=[128], blocks=[1, 2, 4]))
     check_record_fields("memory_granularity", res, ["S=1", "S=2", "S=4"])
     assert res["edit_rows"] and res["cross_rows"]
     assert all(r["arms"]["S=4"]["edit_tokens"] < r["full_tokens"] for r in res["edit_rows"])
@@ -193,7 +193,7 @@ def test_smollm2_end_to_end(smol, tmp_path):
     """The three probes on the embedded model at a short memory (figures rendered from the result)."""
     names = {"memory_transplant": {"seams": [0]}, "memory_edits": {"ks": [4]}, "memory_granularity": {"blocks": [1, 2]}}
     for name, over in names.items():
-        res = probes.get(name)(fake_ctx(name, smol, lengths=[96], **over))
+        res = kvnotes.probes.get(name)(fake_ctx(name, smol, lengths=[96], **over))
         arms = res.get("arm_names") or [f"S={s}" for s in over["blocks"]]
         check_record_fields(name, res, arms, tmp_path / name)
     assert sum(r["owned"] for r in res["rows"]) > 0          # E4's rows: every query of both personas

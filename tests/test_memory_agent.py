@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import probes
-from probes.memory_agent import drift, schedule
-from scenarios.memory import load_memory
+import kvnotes.probes
+from kvnotes.probes.memory_agent import drift, schedule
+from kvnotes.scenarios.memory import load_memory
 from tests.test_memory import SUITE, check_record_fields, fake_ctx, llama, threads, tok  # noqa: F401
 
 #: KL of a re-prefill against itself (identical forwards): float noise only.
@@ -34,7 +34,7 @@ def test_sessions_and_long_horizon_on_a_tiny_model(llama, tok):  # noqa: F811
     bundle = SimpleNamespace(model=llama, tokenizer=tok)
     ctx = fake_ctx("memory_agent", bundle, lengths=[96], turns=3, long_turns=5, long_length=96,
                    personas=["maria", "tom"], arms=["in_place", "erratum", "auto"])
-    res = probes.get("memory_agent")(ctx)
+    res = kvnotes.probes.get("memory_agent")(ctx)
     check_record_fields("memory_agent", res, ["in_place", "erratum", "auto"])
     assert set(res["aggregates"]) == {"session/96", "long/96"}
     session = [r for r in res["rows"] if r["run"] == "session"]

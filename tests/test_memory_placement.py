@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import torch
 
-import probes
+import kvnotes.probes
 from kvnotes.harness import memory as mem
 from kvnotes.ops.edit import stack
-from probes.memory_placement import PLACEMENTS, document_entries, fit, placements
+from kvnotes.probes.memory_placement import PLACEMENTS, document_entries, fit, placements
 from tests.test_memory import check_record_fields, fake_ctx, llama, prompt_of, suite, threads, tok  # noqa: F401
 
 #: fp32 decision log-probs of a prefill plus a suffix forward on a batch-2 cache vs one plain forward
@@ -66,7 +66,7 @@ def test_reading_equals_a_plain_forward_of_the_whole_prompt(llama, tok, suite): 
 
 def test_probe_record_on_a_tiny_model(llama, tok, tmp_path):  # noqa: F811
     bundle = SimpleNamespace(model=llama, tokenizer=tok)
-    res = probes.get("memory_placement")(fake_ctx("memory_placement", bundle, lengths=[96]))
+    res = kvnotes.probes.get("memory_placement")(fake_ctx("memory_placement", bundle, lengths=[96]))
     check_record_fields("memory_placement", res, ["late"], tmp_path)
     assert res["placements"] == ["early", "late"]
     assert len(res["rows"]) == 2 * 7 and set(res["aggregates"]) == {"96"}

@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import probes
+import kvnotes.probes
 from kvnotes.harness.pairs import prepare_pairs
 from kvnotes.models import planted, zoo
 from kvnotes.models.loading import load_model
@@ -21,7 +21,7 @@ from kvnotes.models.loading import load_model
 BAR = 0.05
 #: recovery units: how close the construction itself is to linear (RMSNorm over a dominant constant)
 EXACT = 2e-3
-CONF = probes.CONF_DIR.parent
+CONF = kvnotes.probes.CONF_DIR.parent
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,8 @@ def _context(cache, monkeypatch, family: str, probe: str, model_overrides: dict 
                            OmegaConf.load(CONF / "scenario" / "planted.yaml"),
                            {"n_instances": n_instances, "ids": scenario_ids, "paths": [str(CONF.parent / "scenarios" / "planted")]})
     scen.pop("defaults", None)
-    cfg = probes.load_config(probe, {"progress": False, "n_boot": 100} | (probe_overrides or {}))
-    return probes.ProbeContext(bundle=bundle, pairs=prepare_pairs(bundle.tokenizer, scen), cfg=cfg, scenario_cfg=scen)
+    cfg = kvnotes.probes.load_config(probe, {"progress": False, "n_boot": 100} | (probe_overrides or {}))
+    return kvnotes.probes.ProbeContext(bundle=bundle, pairs=prepare_pairs(bundle.tokenizer, scen), cfg=cfg, scenario_cfg=scen)
 
 
 def _truth(ctx) -> dict:
@@ -77,7 +77,7 @@ def test_the_architecture_block_is_the_construction():
 def test_field_refresh_recovers_the_planted_field_share(cache, monkeypatch, family, alpha):
     ctx = _context(cache, monkeypatch, family, "field_refresh", {"planted": {"alpha": alpha}}, n_instances=1)
     assert _truth(ctx)["alpha"] == alpha
-    res = probes.get(ctx.cfg)(ctx)
+    res = kvnotes.probes.get(ctx.cfg)(ctx)
     rec = res["aggregates"]["recovery"]
     assert res["aggregates"]["n_flip"] == len(ctx.pairs.pairs) > 0
     assert rec["field"]["all"]["mean"] == pytest.approx(alpha, abs=BAR)
@@ -103,7 +103,7 @@ def test_suffix_recovery_finds_the_planted_notes(cache, monkeypatch, family):
                    scenario_ids=["delimited"] if family == "delimiter" else None)
     truth = _truth(ctx)
     weights = dict(zip(truth["notes"]["tokens"], truth["notes"]["weights"]))
-    res = probes.get(ctx.cfg)(ctx)
+    res = kvnotes.probes.get(ctx.cfg)(ctx)
     by_id = {p.spec.id: p for p in ctx.pairs.pairs}
     held = [r for r in res["rows"] if r["split"] == "heldout" and r.get("topk_sets")]
     assert held
@@ -127,12 +127,12 @@ def test_heads_ranks_the_planted_read_and_write_heads_first(cache, monkeypatch):
     second; the write head (0, 0) leads the write side; on the delimiter family the distractor
     (1, 2), which reads the field and writes nothing used, ranks below every head the decision uses."""
     ctx = _context(cache, monkeypatch, "mixed", "heads", {"planted": {"alpha": 0.3}})
-    ranks = probes.get(ctx.cfg)(ctx)["aggregates"]["rankings"]
+    ranks = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]["rankings"]
     truth = _truth(ctx)
     assert ranks["read"]["planted"]["top"][:2] == truth["read_heads"]["notes"] + truth["read_heads"]["field"]
     assert ranks["write"]["planted"]["top"][:1] == truth["write_heads"]
     ctx = _context(cache, monkeypatch, "delimiter", "heads")
-    ranks = probes.get(ctx.cfg)(ctx)["aggregates"]["rankings"]["read"]["planted"]["top"]
+    ranks = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]["rankings"]["read"]["planted"]["top"]
     truth = _truth(ctx)
     used = truth["read_heads"]["notes"]                               # alpha 0: the field read head writes nothing
     assert ranks[0] == used[0] and ranks.index(truth["distractor_heads"][0]) > ranks.index(used[0])
@@ -141,7 +141,7 @@ def test_heads_ranks_the_planted_read_and_write_heads_first(cache, monkeypatch):
 @pytest.mark.parametrize("family,follows", [("notes", 1.0), ("direct", 0.0)])
 def test_injection_follows_the_planted_source(cache, monkeypatch, family, follows):
     ctx = _context(cache, monkeypatch, family, "injection", n_instances=1)
-    flipping = probes.get(ctx.cfg)(ctx)["aggregates"]["flipping"]["all"]
+    flipping = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]["flipping"]["all"]
     for cell in flipping.values():
         assert cell["follow_notes"]["p"] == follows
 
@@ -151,7 +151,7 @@ def test_direction_is_found_where_the_notes_are_written(cache, monkeypatch):
     after which the markers hold the notes), and adding the held-out pairs' difference along the
     direction there recovers the decision (sufficiency 1 by construction)."""
     ctx = _context(cache, monkeypatch, "notes", "direction")
-    agg = probes.get(ctx.cfg)(ctx)["aggregates"]
+    agg = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]
     assert agg["chosen_layers"]["planted"]["layer"] == _truth(ctx)["write_heads"][0][0]
     assert agg["at_chosen"]["suff"]["direction"]["all"]["mean"] == pytest.approx(1.0, abs=BAR)
 
@@ -162,7 +162,7 @@ def test_read_location_knockouts_move_the_planted_shares(cache, monkeypatch, fam
     there: the downstream notes carry ``(1 - alpha) * beta`` nats of each clean score, the field
     ``alpha * beta`` (the score moves that far towards the other run's), the sinks nothing."""
     ctx = _context(cache, monkeypatch, family, "read_location", {"planted": {"alpha": alpha}}, n_instances=1)
-    res = probes.get(ctx.cfg)(ctx)
+    res = kvnotes.probes.get(ctx.cfg)(ctx)
     beta = _truth(ctx)["beta"]
     every = next(b["name"] for b in res["bands"] if b["layers"] == [0, planted.N_LAYERS])
     share = {"downstream": 1 - alpha, "field": alpha, "sinks": 0.0}
@@ -184,7 +184,7 @@ def test_edit_refresh_fails_where_the_notes_decide_and_selective_recompute_recov
     ctx = _context(cache, monkeypatch, family, "edit", {"planted": {"alpha": alpha}},
                    {"ks": [0, 1], "rankings": ["attention", "kv_deviation"], "oracle_ranking": None,
                     "max_control_pairs": 0, "sweep_max_pairs": None}, n_instances=1)
-    res = probes.get(ctx.cfg)(ctx)
+    res = kvnotes.probes.get(ctx.cfg)(ctx)
     assert res["rows"] and _truth(ctx)["notes"]["weights"] == [1.0]          # one note position
     for r in res["rows"]:
         m = r["methods"]
@@ -199,7 +199,7 @@ def test_direction_is_the_planted_value_direction(cache, monkeypatch):
     """The difference-of-means direction fitted at the write layer's output has cosine at least 0.95
     with the planted one (``note_<new> - note_<old>`` in the residual stream), for every held-out
     pair it is fitted for (the fits are read as the probe makes them)."""
-    import circuits.direction as direction
+    import kvnotes.circuits.direction as direction
 
     fits = []
     real = direction.fit_direction
@@ -211,7 +211,7 @@ def test_direction_is_the_planted_value_direction(cache, monkeypatch):
 
     monkeypatch.setattr(direction, "fit_direction", spy)
     ctx = _context(cache, monkeypatch, "notes", "direction")
-    agg = probes.get(ctx.cfg)(ctx)["aggregates"]
+    agg = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]
     truth = _truth(ctx)
     li = agg["layers"].index(truth["write_heads"][0][0])
     assert fits and all(f is not None for _, f in fits)

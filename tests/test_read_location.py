@@ -16,16 +16,16 @@ from kvnotes.kv import cache as kvcache
 from kvnotes.models.adapters import Adapter
 from kvnotes.kv.capture import attention_hook
 from kvnotes.harness.pairs import prepare_pairs
-from probes import ProbeContext
+from kvnotes.probes import ProbeContext
 from kvnotes.harness.kit import layer_bands
 from kvnotes.kv.knockout import DecisionRowHook, decision_forward, knockout_masks
-from probes.read_location import (
+from kvnotes.probes.read_location import (
     GROUPS,
     collapse_flags,
     group_masses,
     key_groups,
 )
-from probes.read_location import run as run_read_location
+from kvnotes.probes.read_location import run as run_read_location
 from tests.helpers import ARCHS, VOCAB, WINDOW, build_tiny, check_figures
 
 T = 3 * WINDOW            # prefix length (longer than the sliding window)

@@ -16,9 +16,9 @@ from kvnotes.harness.pairs import prepare_pairs
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.generate import token_marker
 from kvnotes.kv.knockout import decision_forward, generate_knocked, knockout_masks
-from probes import ProbeContext
-from probes.read_location import CHAIN_GROUPS, GROUPS, chain_spans, group_masses, key_groups
-from probes.read_location import run as run_read_location
+from kvnotes.probes import ProbeContext
+from kvnotes.probes.read_location import CHAIN_GROUPS, GROUPS, chain_spans, group_masses, key_groups
+from kvnotes.probes.read_location import run as run_read_location
 from tests.helpers import job_record, ARCHS, VOCAB, build_tiny
 
 T = 20                    # prefix length [0, T); the decision token is fed at T

@@ -86,14 +86,14 @@ def test_architecture_without_adapter_is_one_line(tmp_path):
 def test_typed_config_accepts_the_shipped_configs():
     from hydra import compose, initialize_config_dir
 
-    import probes
+    import kvnotes.probes
     from kvnotes.harness.runconfig import check_run_config
     from kvnotes.models.zoo import zoo_names
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         for model in zoo_names():
             check_run_config(compose("config", overrides=[f"model={model}", "device=cpu", "out_root=/tmp/kvnotes-x"]))
-        for probe in probes.names():
+        for probe in kvnotes.probes.names():
             check_run_config(compose("config", overrides=[f"probe={probe}", "out_root=/tmp/kvnotes-x"]))
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from scenarios.errors import ScenarioError
-from scenarios import load_scenario, load_suite
+from kvnotes.scenarios.errors import ScenarioError
+from kvnotes.scenarios import load_scenario, load_suite
 from tests.test_tokens import BASE
 
 

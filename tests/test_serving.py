@@ -1,4 +1,4 @@
-"""Serving traces (kvnotes.serving) and the vLLM prefix-cache experiment (scripts/serve_bench.py).
+"""Serving traces (kvnotes.serving) and the vLLM prefix-cache experiment (kvnotes.cli.serve_bench).
 
 The trace test needs only the embedded model's tokenizer. The engine test is marked ``serving``: it
 needs the serving environment (``bash scripts/install.sh --serving``) and runs only there::
@@ -36,7 +36,7 @@ def test_trace_layouts(tokenizer):
     """In-place turns differ from turn 0 from the field on; erratum turns extend turn 0's tokens up to
     the appended notice; the hoisted field stands after the shared document; positions move the field."""
     from kvnotes.serving import build_trace
-    from scenarios import load_suite
+    from kvnotes.scenarios import load_suite
     from kvnotes.harness.edit_prompts import common_prefix_length
 
     scs = load_suite([str(ROOT / "scenarios/suites")], ids=["home_city"])
@@ -64,7 +64,7 @@ def test_reused_reference_equals_the_full_prefill(tokenizer, smol, monkeypatch):
     """``reference_decisions(method="reuse")`` continues each session's previous prompt from the common
     prefix (the erratum turns from turn 0) and gives the full prefill's decisions to float rounding."""
     import kvnotes.serving as serving
-    from scenarios import load_suite
+    from kvnotes.scenarios import load_suite
 
     scs = load_suite([str(ROOT / "scenarios/suites")], ids=["home_city"])
     reqs, _ = serving.build_trace(tokenizer, scs, 1, 3, 200, ["early"], ["in_place", "erratum"])
@@ -97,7 +97,7 @@ def test_engine_erratum_keeps_prefix_cache(tmp_path):
     cache is cold at each run's start, every sent answer is scored, and the engine's candidate
     log-probs match the harness's full prefill."""
     pytest.importorskip("vllm")
-    cmd = [sys.executable, "-m", "scripts.serve_bench", "--sessions", "2", "--turns", "2",
+    cmd = [sys.executable, "-m", "kvnotes.cli.serve_bench", "--sessions", "2", "--turns", "2",
            "--doc-tokens", "192", "--positions", "early", "--arms", "in_place,erratum", "--rates", "2",
            "--cross-check", "2", "--out-root", str(tmp_path), "--name", "test", "--no-plot"]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
@@ -124,7 +124,7 @@ def test_missing_engine_is_one_line(tmp_path):
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here; the serving test covers this environment")
-    proc = subprocess.run([sys.executable, "-m", "scripts.serve_bench", "--out-root", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "kvnotes.cli.serve_bench", "--out-root", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -135,7 +135,7 @@ def test_missing_engine_is_one_line(tmp_path):
 def test_engine_start_failure_is_one_line(tmp_path):
     """An engine that cannot start (a context longer than the model allows) gives one error line."""
     pytest.importorskip("vllm")
-    cmd = [sys.executable, "-m", "scripts.serve_bench", "--sessions", "1", "--turns", "1",
+    cmd = [sys.executable, "-m", "kvnotes.cli.serve_bench", "--sessions", "1", "--turns", "1",
            "--doc-tokens", "32", "--positions", "late", "--arms", "in_place", "--rates", "1",
            "--cross-check", "1", "--max-model-len", "1000000", "--out-root", str(tmp_path), "--no-plot"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-import probes.suffix_recovery as sr
+import kvnotes.probes.suffix_recovery as sr
 from kvnotes.harness.kit import layer_bands
 from kvnotes.harness.pairs import PairSet
 from kvnotes.plots import plot_record
-from probes import ProbeContext
+from kvnotes.probes import ProbeContext
 from tests.helpers import check_schema, recall_pairs, record_of
 
 GRID = {"fractions": [0.1, 0.5, 1.0], "counts": [1, 4, 1000]}     # 1000 exceeds every downstream

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import probes.suffix_recovery as sr
+import kvnotes.probes.suffix_recovery as sr
 from kvnotes.errors import KvnotesError
 from kvnotes.harness import kit
 from kvnotes.harness.protocol import ScreenedPair, screen_generated
@@ -18,7 +18,7 @@ from kvnotes.harness.readout import PairRun
 from kvnotes.harness.tokens import Prompt, TokenizedPair
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.generate import token_marker
-from scenarios import build_pairs
+from kvnotes.scenarios import build_pairs
 from tests.helpers import job_record, VOCAB, cot_tiny_ctx
 from tests.test_cache import FIELD, full_logprobs, prompts
 from tests.test_tokens import scenario

@@ -7,8 +7,8 @@ import torch
 
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.tokens import UNEQUAL_FIELD_LENGTH, char_span_to_tokens, tokenize, tokenize_pair
-from scenarios import build_pairs
-from scenarios.schema import validate
+from kvnotes.scenarios import build_pairs
+from kvnotes.scenarios.schema import validate
 
 BASE = {
     "family": "recall", "domain": "test", "field": {"slot": "colour", "values": ["red", "blue"]},
@@ -64,7 +64,7 @@ def test_char_span_to_tokens_overlap_rule():
 
 
 def test_instances_vary_surface_content_and_are_seeded():
-    from scenarios import draw_instances
+    from kvnotes.scenarios import draw_instances
 
     sc = scenario()
     a, b = draw_instances(sc, 3, seed=0), draw_instances(sc, 3, seed=0)

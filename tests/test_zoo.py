@@ -88,9 +88,9 @@ MROPE_BOUNDS = {"compose": ["probe.seams=[0]", "probe.edit_arm_seams=[]"]}
 
 def lane_probes(model: str, bundle) -> list[str]:
     """The probes the lane runs on one entry (:data:`MEMORY_LANE`, :data:`MROPE_PROBES`)."""
-    import probes
+    import kvnotes.probes
 
-    names = [n for n in probes.names() if not n.startswith("memory_") or model in MEMORY_LANE]
+    names = [n for n in kvnotes.probes.names() if not n.startswith("memory_") or model in MEMORY_LANE]
     if bundle.adapter.paths.get("rope_index"):
         names = [n for n in names if n in MROPE_PROBES]
     return names

@@ -31,22 +31,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "table": ("kvnotes.cli.table", "a record's table, by its probe; --results DIR for a model's results table"),
     "plot": ("kvnotes.cli.plot", "draw a record's figures"),
     "report": ("kvnotes.records.report", "the offline HTML report of a records tree"),
-    "battery": ("scripts.battery", "every probe in one process; --floor for the roofline floor"),
-    "serve-bench": ("scripts.serve_bench", "the vLLM prefix-caching experiment (bash scripts/install.sh --serving)"),
-    "ownership-scan": ("scripts.ownership_scan", "which scenario values the model owns"),
-    "locomo": ("scripts.locomo_qa", "LoCoMo QA: transplanted session memory against a full prefill (--data FILE)"),
+    "battery": ("kvnotes.cli.battery", "every probe in one process; --floor for the roofline floor"),
+    "serve-bench": ("kvnotes.cli.serve_bench", "the vLLM prefix-caching experiment (bash scripts/install.sh --serving)"),
+    "ownership-scan": ("kvnotes.cli.ownership_scan", "which scenario values the model owns"),
+    "locomo": ("kvnotes.cli.locomo", "LoCoMo QA: transplanted session memory against a full prefill (--data FILE)"),
 }
 #: ``kvnotes bench NAME`` -> module with ``main()``
 BENCHES: dict[str, str] = {
-    "probes": "scripts.bench_probes",
-    "circuits": "scripts.bench_circuits",
-    "edit": "scripts.bench_edit",
-    "compose": "scripts.bench_compose",
-    "compose-plot": "scripts.plot_bench_compose",
-    "compose-gpu": "scripts.profile_compose_gpu",
-    "generate": "scripts.bench_generate",
-    "linear": "scripts.bench_linear",
-    "auto": "scripts.eval_context",
+    "probes": "kvnotes.bench.probes",
+    "circuits": "kvnotes.bench.circuits",
+    "edit": "kvnotes.bench.edit",
+    "compose": "kvnotes.bench.compose",
+    "compose-plot": "kvnotes.bench.compose_plot",
+    "compose-gpu": "kvnotes.bench.compose_gpu",
+    "generate": "kvnotes.bench.generate",
+    "linear": "kvnotes.bench.linear",
+    "auto": "kvnotes.bench.auto",
 }
 
 

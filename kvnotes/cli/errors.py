@@ -6,7 +6,7 @@ exit status 2; never a traceback, never a half-written output. Ctrl-C is one lin
 every subcommand through it, and each module's ``__main__`` block does the same when run alone.
 
 Commands raise :class:`kvnotes.errors.KvnotesError` (or a scenario file's
-:class:`scenarios.errors.ScenarioError`; together :data:`USER_ERRORS`) for bad input, BEFORE doing
+:class:`kvnotes.scenarios.errors.ScenarioError`; together :data:`USER_ERRORS`) for bad input, BEFORE doing
 any work or printing anything. The argparse ``type=`` functions here (:func:`int_at_least`,
 :func:`float_at_least`, :func:`one_of`, :func:`conf_name`, :func:`existing_path`,
 :func:`output_file`, :func:`device_name`) raise it while the arguments are parsed, so a bad flag never reaches a model
@@ -22,16 +22,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from kvnotes import CHECKOUT
+from kvnotes import CONF_DIR
 from kvnotes.errors import KvnotesError
-from scenarios.errors import ScenarioError
+from kvnotes.scenarios.errors import ScenarioError
 
 #: Exceptions reported as ``kvnotes: error: <message>`` with exit status 2: the same tuple as
 #: :data:`kvnotes.harness.runconfig.USER_ERRORS` (kept here so the dispatcher imports no torch).
 USER_ERRORS: tuple[type[Exception], ...] = (KvnotesError, ScenarioError)
 #: Exit status of bad input; of an interrupted command (128 + SIGINT).
 STATUS_ERROR, STATUS_INTERRUPTED = 2, 130
-CONF = CHECKOUT / "conf"
+CONF = CONF_DIR
 
 
 def fail(msg: str, status: int = STATUS_ERROR) -> NoReturn:

@@ -23,14 +23,16 @@ record is written. Ctrl-C leaves no record behind (exit status 130).
 from __future__ import annotations
 
 import itertools
+import os
 import sys
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvnotes import CHECKOUT
+from kvnotes import CONF_DIR
 from kvnotes.cli.errors import fail
 
-CONF = CHECKOUT / "conf"
+CONF = CONF_DIR
 GROUPS = ("model", "probe", "scenario")
 #: Sweep points composed and checked up front (a larger sweep checks its first ones).
 MAX_CHECKED = 64
@@ -44,14 +46,51 @@ def remove_empty_dirs(path: Path, stop: Path) -> None:
         path = path.parent
 
 
-def check_choices(argv: list[str]) -> None:
-    """Reject unknown config-group choices with one line before Hydra prints its own page."""
+def user_config_dirs(argv: list[str]) -> tuple[list[str], list[Path]]:
+    """``argv`` without its ``--config-dir DIR`` / ``-cd DIR`` options (Hydra's flag; repeatable here),
+    and those directories: a user's own config groups (``model/``, ``probe/``, ``scenario/``) beside
+    the ones kvnotes ships. They join Hydra's search path as ``hydra.searchpath`` (after kvnotes'
+    own configs, so a user's file adds choices and its ``defaults`` may name kvnotes' entries), the
+    same for the up-front check and for the job.
+
+    Raises:
+        SystemExit: (exit 2) a missing directory, a flag without one, or ``hydra.searchpath`` given too.
+    """
+    rest: list[str] = []
+    dirs: list[Path] = []
+    it = iter(argv)
+    for arg in it:
+        flag, eq, value = arg.partition("=")
+        if flag in ("--config-dir", "-cd"):
+            value = value if eq else next(it, "")
+            if not value:
+                fail(f"{flag} needs a directory")
+            path = Path(value).expanduser().resolve()
+            if not path.is_dir():
+                fail(f"{flag} {value}: no such directory")
+            dirs.append(path)
+        else:
+            rest.append(arg)
+    if dirs and any(a.partition("=")[0].lstrip("+") == "hydra.searchpath" for a in rest):
+        fail("give your config folders either as --config-dir or as hydra.searchpath, not both")
+    return rest, dirs
+
+
+def searchpath_override(dirs: list[Path]) -> list[str]:
+    """The ``hydra.searchpath=[file://...]`` override naming ``dirs`` (none when there are none)."""
+    return [f"hydra.searchpath=[{','.join(repr(f'file://{d}') for d in dirs)}]"] if dirs else []
+
+
+def check_choices(argv: list[str], dirs: Sequence[Path] = ()) -> None:
+    """Reject unknown config-group choices with one line before Hydra prints its own page: a choice
+    is known when ``conf/<group>/<choice>.yaml`` is in kvnotes' configs or in a user's ``dirs``."""
     for arg in argv:
         key, sep, value = arg.partition("=")
         key = key.lstrip("+~")
         if not sep or key not in GROUPS:
             continue
-        known = sorted(p.stem for p in (CONF / key).glob("*.yaml") if not p.stem.startswith("_"))
+        known = sorted({p.stem for d in (CONF, *dirs) for p in (d / key).glob("*.yaml")
+                        if not p.stem.startswith("_")})
         for choice in value.split(","):
             if choice and choice not in known:
                 fail(f"unknown {key} '{choice}' (known: {', '.join(known)})")
@@ -98,6 +137,7 @@ def precheck(argv: list[str]) -> None:
             sweeps.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
         else:
             fixed.append(o.input_line)
+    fixed += [a for a in args if a.startswith("hydra.searchpath=")]
     with initialize_config_dir(str(CONF), version_base="1.3"):
         for point in itertools.islice(itertools.product(*sweeps), MAX_CHECKED):
             try:
@@ -135,10 +175,16 @@ def main() -> None:
 
 
 def _main() -> None:
-    argv = sys.argv[1:]
-    check_choices(argv)
+    argv, dirs = user_config_dirs(sys.argv[1:])
+    argv += searchpath_override(dirs)
+    # A probe's _target_ may name a module of the user's project: the working directory is importable,
+    # as under `python -m` (appended, so it never shadows an installed package).
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    check_choices(argv, dirs)
     if "--help" not in argv and "-h" not in argv:
         precheck(argv)
+    sys.argv[1:] = argv
     import hydra
     from omegaconf import OmegaConf
 

@@ -11,7 +11,7 @@ Layout of the user message (one piece per line)::
 
 The full-prefill reference uses exactly this layout and these tokens, so the composed and the full
 runs differ only in how the chunks' K/V were computed. The pieces come from the standard rendering
-(:func:`scenarios.instances.render_user_text_spans`, one piece per line), so slot filling and the
+(:func:`kvnotes.scenarios.instances.render_user_text_spans`, one piece per line), so slot filling and the
 field's character span are those of every other probe; the prompt is rendered, tokenised and its
 spans located from character offsets by :mod:`kvnotes.harness.tokens`.
 """
@@ -26,8 +26,8 @@ import torch
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.pairs import PairSet, _tokenized
 from kvnotes.harness.tokens import UNEQUAL_FIELD_LENGTH, TokenizedPair, align, build_prompt, char_span_to_tokens
-from scenarios.instances import Instance, build_pairs, render_user_text_spans
-from scenarios.schema import load_suite
+from kvnotes.scenarios.instances import Instance, build_pairs, render_user_text_spans
+from kvnotes.scenarios.schema import load_suite
 
 #: Exclusion reason: a token straddles a chunk's first or last character, so the chunk has no
 #: token span of its own.

@@ -3,7 +3,7 @@ layout (field just before the decision block), and the token alignment of an edi
 cached one (longest common token prefix).
 
 The user message of an instance is the lines ``context, filler, rule, request, decision``
-(:func:`scenarios.instances.render_user_text`). An edit changes the text, so the reusable part of
+(:func:`kvnotes.scenarios.instances.render_user_text`). An edit changes the text, so the reusable part of
 the old prompt's KV cache is its longest common *token* prefix with the edited prompt
 (:func:`common_prefix_length`); everything after it must be forwarded.
 
@@ -28,7 +28,7 @@ import torch
 from kvnotes.context import ERRATUM_TEMPLATE, EditableContext
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.tokens import Prompt, build_prompt
-from scenarios.instances import Instance, render_user_text
+from kvnotes.scenarios.instances import Instance, render_user_text
 #: Source text of the length-matched irrelevant notice (trimmed word by word to the erratum's length).
 IRRELEVANT_TEXT = ("[NOTICE] The office printer on the second floor has been serviced and the kitchen "
                    "will be cleaned on Friday afternoon; visitors should sign in at the front desk and "

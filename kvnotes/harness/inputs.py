@@ -6,7 +6,7 @@ same model name (a checkpoint directory rewritten, a new embedded package), or t
 :func:`record_inputs` names those inputs, cheaply and before any model loads:
 
 - ``scenario``: the sha256 over every scenario file the config reads (``scenario.paths`` as
-  :func:`scenarios.schema.load_suite` finds them, and the memory suite ``scenario.memory``), each
+  :func:`kvnotes.scenarios.schema.load_suite` finds them, and the memory suite ``scenario.memory``), each
   file's content with its name relative to the path entry, and the number of files;
 - ``weights``: for a checkpoint directory (``model.path``), its absolute path and the sha256 over
   every file's name and content (each file's digest is cached by path, size and modification time
@@ -85,9 +85,9 @@ def tree_sha256(files: list[tuple[str, Path]]) -> str:
 
 def scenario_files(scenario_cfg: Any) -> list[tuple[str, Path]]:
     """``(name, path)`` of every file a scenario config reads: the YAML files under ``paths`` (as
-    :func:`scenarios.schema.load_suite` lists them; a missing path is left to the loader's error)
-    and the memory suite file ``memory`` (as :func:`scenarios.memory.load_memory` resolves it)."""
-    from scenarios.schema import resolve_path
+    :func:`kvnotes.scenarios.schema.load_suite` lists them; a missing path is left to the loader's error)
+    and the memory suite file ``memory`` (as :func:`kvnotes.scenarios.memory.load_memory` resolves it)."""
+    from kvnotes.scenarios.schema import resolve_path
 
     out: list[tuple[str, Path]] = []
     for entry in scenario_cfg.get("paths") or ():

@@ -2,7 +2,7 @@
 
 - **Clean runs and the flip filter.** :func:`each_pair` prefills every token-aligned pair once and
   describes its clean decision under the run's flip rule (``docs/design.md``, "Flip rules"); a
-  :class:`CleanRuns` store on the context (``scripts.battery``) keeps them across the probes of one
+  :class:`CleanRuns` store on the context (``kvnotes battery``) keeps them across the probes of one
   job, so each pair is prefilled once per job, not once per probe;
   :func:`flipping_pairs` keeps the flipping ones and counts the rest by reason;
   :func:`excluded_rows` gives the exclusion rows of a probe that reports on every pair.

@@ -4,7 +4,7 @@ target length, decisions read from a cache, per-query rows against the full pref
 statistics of an arm against the full prefill.
 
 **Layout.** One prompt is ``[prefix | memory | suffix]``: the chat template up to and including
-the header line (live), the memory lines (:func:`scenarios.memory.memory_lines`; each line ``+
+the header line (live), the memory lines (:func:`kvnotes.scenarios.memory.memory_lines`; each line ``+
 "\\n"`` tokenised on its own, so any split at line boundaries has the same tokens as the whole), and
 the query with the end of the user turn and the answer prefix (live). The full prefill of exactly
 these tokens is the reference of every arm: ``[prefix | memory]`` is prefilled once per persona and
@@ -42,7 +42,7 @@ from kvnotes.records.figures import Bars
 from kvnotes.kv.cache import AllSlotCache
 from kvnotes.models.text import render_text, tokenize
 from kvnotes.records.schema import TypedDict
-from scenarios.memory import MemorySuite, Persona, filler_lines, load_memory, memory_lines
+from kvnotes.scenarios.memory import MemorySuite, Persona, filler_lines, load_memory, memory_lines
 
 
 #: The memory probes' KL figure (their presentations): KL(full || arm) per memory length and arm.
@@ -55,7 +55,7 @@ class MemoryConfig(ProbeConfig):
     """Keys shared by the memory probes (``conf/probe/memory_*.yaml``).
 
     Attributes:
-        suite: the memory suite file (:mod:`scenarios.memory`); ``scenario=memory`` sets it.
+        suite: the memory suite file (:mod:`kvnotes.scenarios.memory`); ``scenario=memory`` sets it.
         personas: persona ids to keep (None: all).
         lengths: target memory lengths in tokens (the memory chunk; the prompt adds prefix and query).
         seed: filler seed.
@@ -163,7 +163,7 @@ def build_prompt(tokenizer, suite: MemorySuite, persona: Persona, target: int, s
                  template_kwargs: dict | None = None) -> MemoryPrompt:
     """Render and tokenise ``persona``'s prompt with a memory of at least ``target`` tokens.
 
-    Filler lines (:func:`scenarios.memory.filler_lines`) are added until facts and filler reach
+    Filler lines (:func:`kvnotes.scenarios.memory.filler_lines`) are added until facts and filler reach
     ``target`` tokens, unless ``n_filler`` fixes their number (an edited memory keeps its base's
     filler so only the edited fact's tokens differ).
 

@@ -13,8 +13,8 @@ from typing import Any
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.tokens import TokenizedPair, tokenize_pair, tokenize_polarity_pair
 from kvnotes.models.text import thinking_kwargs
-from scenarios import build_pairs, load_suite
-from scenarios.instances import build_polarity_pairs
+from kvnotes.scenarios import build_pairs, load_suite
+from kvnotes.scenarios.instances import build_polarity_pairs
 
 
 @dataclass
@@ -45,7 +45,7 @@ def prepare_pairs(tokenizer, scenario_cfg: Any, polarity: str = "normal",
     Args:
         scenario_cfg: mapping with ``paths``, ``families``, ``ids``, ``n_instances``, ``seed``,
             ``variant`` and ``chat_template``.
-        polarity: ``"normal"`` or ``"inverted"`` rule trigger (see :mod:`scenarios.schema`).
+        polarity: ``"normal"`` or ``"inverted"`` rule trigger (see :mod:`kvnotes.scenarios.schema`).
         template_kwargs: extra chat-template arguments from the model config.
 
     Raises:
@@ -127,7 +127,7 @@ def template_kwargs(model_cfg: Any) -> dict:
 def prepare_for_probe(tokenizer, kind: str, scenario_cfg: Any, model_cfg: Any) -> PairSet:
     """The pairs a probe asks for (``pairs`` of its config: ``field`` -> :func:`prepare_pairs`,
     ``polarity`` -> :func:`prepare_polarity_pairs`, ``none`` -> an empty set), rendered with the model
-    config's ``chat_template_kwargs``; what ``run.py`` and ``scripts.battery`` hand a probe."""
+    config's ``chat_template_kwargs``; what ``run.py`` and ``kvnotes battery`` hand a probe."""
     if kind == "none":
         return PairSet([])
     kwargs = template_kwargs(model_cfg)

@@ -20,7 +20,7 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from kvnotes import CHECKOUT
+from kvnotes import CONF_DIR as _CONF
 from kvnotes.kv.cache import DEFAULT_BUDGET_BYTES
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.constraints import check_values
@@ -32,7 +32,7 @@ from kvnotes.harness.runconfig import ScenarioSettings
 from kvnotes.records.store import Timer
 
 #: The probe config group.
-CONF_DIR = CHECKOUT / "conf" / "probe"
+CONF_DIR = _CONF / "probe"
 
 
 def names() -> list[str]:
@@ -106,7 +106,7 @@ class ProbeContext:
     rule ``owned``/``relative`` and its ``min_effect`` margin; ``docs/design.md``), a seed, a stage
     timer and the memory budget (bytes) for one chunk of batched variant caches (``budget_mb`` of
     the run config). ``clean_runs`` is a :class:`kvnotes.harness.kit.CleanRuns` store shared by the
-    probes of one job (``scripts.battery``), or None: every probe prefills its pairs itself."""
+    probes of one job (``kvnotes battery``), or None: every probe prefills its pairs itself."""
 
     bundle: ModelBundle
     pairs: PairSet
@@ -145,7 +145,7 @@ class ProbeContext:
     @classmethod
     def from_run_config(cls, cfg, probe_cfg, bundle: ModelBundle, pairs: PairSet, timer: Timer,
                         clean_runs: CleanRuns | None = None) -> ProbeContext:
-        """The context ``run.py`` (and ``scripts.battery``) hand a probe: readout, flip rule,
+        """The context ``run.py`` (and ``kvnotes battery``) hand a probe: readout, flip rule,
         ``min_effect``, seed, scenario config and memory budget from the composed run config
         ``cfg`` (``conf/config.yaml``); ``probe_cfg`` is the typed probe config; ``clean_runs``
         the job's shared clean-run store, if any."""

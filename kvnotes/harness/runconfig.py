@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvnotes.errors import KvnotesError
 from kvnotes.records.store import NON_RESULT_KEYS
-from scenarios.errors import ScenarioError
+from kvnotes.scenarios.errors import ScenarioError
 
 #: Exceptions reported as ``kvnotes: error: <message>`` with exit status 2.
 USER_ERRORS = (KvnotesError, ScenarioError)
@@ -190,7 +190,7 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
     from kvnotes.harness import registry
     from kvnotes.models.loading import placement_kwargs, resolve_device, resolve_dtype
     from kvnotes.harness.readout import check_flip_rule
-    from scenarios.schema import resolve_path
+    from kvnotes.scenarios.schema import resolve_path
 
     settings = typed(cfg)
     check_flip_rule(settings.flip_rule, settings.model.random_init.enabled, settings.model.name)
@@ -216,8 +216,8 @@ def check_scenario_files(scenario: ScenarioSettings) -> None:
     Raises:
         ScenarioError: the first invalid file, naming file and key (or an empty selection).
     """
-    from scenarios.memory import load_memory
-    from scenarios.schema import load_suite
+    from kvnotes.scenarios.memory import load_memory
+    from kvnotes.scenarios.schema import load_suite
 
     from kvnotes.harness.inputs import scenario_files
 

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from typing import TypeVar
 from dataclasses import dataclass, field
 
 from torch.utils.benchmark.utils.timer import timer as clock
+
+T = TypeVar("T")
 
 
 def elapsed_ms(fn: Callable[[], object]) -> float:
@@ -44,16 +47,21 @@ class Timing:
         return {"median_ms": self.median_ms, "min_ms": self.min_ms, "trials_ms": self.trials_ms}
 
 
-def time_calls(fn: Callable[[], object], warmup: int = 1, trials: int = 5,
-               min_time: float = 0.0) -> tuple[Timing, object]:
+def time_calls(fn: Callable[[], T], warmup: int = 1, trials: int = 5,
+               min_time: float = 0.0) -> tuple[Timing, T]:
     """Timed calls of ``fn`` after ``warmup`` untimed ones: at least ``trials`` and until they add
     up to ``min_time`` seconds (as ``timeit`` does, so a fast function is sampled over as long a
     stretch of the machine's state as a slow one). Each call timed once; the last call's result is
-    returned with the timing."""
+    returned with the timing.
+
+    Raises:
+        ValueError: ``trials`` below 1 (no call to return the result of)."""
+    if trials < 1:
+        raise ValueError(f"time_calls: trials must be at least 1, got {trials}")
     for _ in range(warmup):
         fn()
     box: list = []
     ms: list[float] = []
     while len(ms) < trials or sum(ms) < min_time * 1e3:
         ms.append(elapsed_ms(lambda: box.__setitem__(slice(None), [fn()])))
-    return Timing(ms), box[0] if box else None
+    return Timing(ms), box[0]

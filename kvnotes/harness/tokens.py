@@ -18,7 +18,7 @@ from kvnotes.errors import KvnotesError
 # Rendering and tokenisation live with the tokenizer-level machinery; re-exported for the probes.
 from kvnotes.models.text import (char_span_to_tokens, render_conversation, render_text, rendering,  # noqa: F401
                                  tokenize)
-from scenarios.instances import PairSpec, PolaritySpec, render_user_text, render_user_text_spans
+from kvnotes.scenarios.instances import PairSpec, PolaritySpec, render_user_text, render_user_text_spans
 
 # Exclusion reasons for pairs that cannot be compared token by token.
 UNEQUAL_FIELD_LENGTH = "unequal_field_length"
@@ -183,7 +183,7 @@ def tokenize_polarity_pair(tokenizer, spec: PolaritySpec, chat_template: bool = 
                            template_kwargs: dict | None = None) -> PolarityPair | str:
     """Tokenise a polarity pair (normal vs inverted trigger, same field value) and check alignment.
 
-    Spans come from character offsets of the rendered slots (:func:`scenarios.instances.render_user_text_spans`),
+    Spans come from character offsets of the rendered slots (:func:`kvnotes.scenarios.instances.render_user_text_spans`),
     never from searching token sub-lists.
 
     Returns:

@@ -4,4 +4,4 @@ patched readout (:mod:`.patch`: activation patching of K/V without a cache per v
 (:mod:`.rope`), the generated readout (:mod:`.generate`: batched decoding of variants up to an
 answer marker), the decision at the decision position and whether the model owns it
 (:mod:`.decision`) and the activation engine (:mod:`.engine`: sites and interventions on nnsight or
-TransformerLens). Imports nothing from scenarios or the harness."""
+TransformerLens). Imports nothing from kvnotes.scenarios or the harness."""

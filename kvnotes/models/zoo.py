@@ -26,11 +26,11 @@ from typing import Any, cast
 
 import torch
 
-from kvnotes import CHECKOUT
+from kvnotes import CONF_DIR
 from kvnotes.errors import KvnotesError
 
 #: ``conf/model`` of the checkout.
-MODEL_CONF = CHECKOUT / "conf" / "model"
+MODEL_CONF = CONF_DIR / "model"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Figures of the serving experiment (``scripts/serve_bench.py``): TTFT distribution per arm and
+"""Figures of the serving experiment (``kvnotes serve-bench`` (:mod:`kvnotes.cli.serve_bench`)): TTFT distribution per arm and
 prefix-cache hit rate per arm and field position, read from the record only."""
 
 from __future__ import annotations

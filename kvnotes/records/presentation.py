@@ -71,15 +71,24 @@ class Presentation:
 DEFAULT = Presentation()
 
 
+#: Where the modules named by records written before the probes installed inside the package live now
+#: (``probes.edit.run`` -> ``kvnotes.probes.edit``): such records keep their tables and figures.
+MOVED = {"probes": "kvnotes.probes", "circuits": "kvnotes.circuits"}
+
+
 def source_module(rec: dict) -> str | None:
     """The module that wrote a record: that of ``config.probe._target_``, else the record's
-    ``presentation`` key; None when the record names neither."""
+    ``presentation`` key; None when the record names neither. A module of an older record's
+    top-level ``probes``/``circuits`` package is named by its place in ``kvnotes`` (:data:`MOVED`)."""
     probe = (rec.get("config") or {}).get("probe")
     target = probe.get("_target_") if isinstance(probe, dict) else None
-    if isinstance(target, str) and "." in target:
-        return target.rsplit(".", 1)[0]
     named = rec.get("presentation")
-    return named if isinstance(named, str) and named else None
+    module = (target.rsplit(".", 1)[0] if isinstance(target, str) and "." in target
+              else named if isinstance(named, str) and named else None)
+    if module is None:
+        return None
+    top, dot, rest = module.partition(".")
+    return f"{MOVED[top]}{dot}{rest}" if top in MOVED else module
 
 
 @functools.cache

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvnotes import CHECKOUT
 
 SCHEMA = "kvnotes.record"
 #: 2: results checked against each probe's declared ``Result`` schema (:mod:`kvnotes.records.schema`),
@@ -51,9 +50,18 @@ def package_versions() -> dict[str, str | None]:
 
 
 def git_state(root: Path | None = None) -> dict[str, Any]:
-    """``{commit, dirty}`` of the project checkout (None values outside a git checkout)."""
-    root = root or CHECKOUT
+    """``{commit, dirty}`` of the kvnotes source the record was written with: the git checkout whose
+    top level holds the ``kvnotes`` package (an editable install of the repository), else ``root``'s
+    checkout when given. None values for an installed wheel, even one inside a user's own git
+    repository (a virtualenv in a project folder): that repository's commit says nothing of kvnotes."""
+    package = Path(__file__).resolve().parents[1]
     try:
+        if root is None:
+            top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=package, capture_output=True,
+                                 text=True, check=True).stdout.strip()
+            if Path(top).resolve() != package.parent:
+                return {"commit": None, "dirty": None}
+            root = package.parent
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                                 check=True).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
@@ -167,7 +175,7 @@ _NOT_DISTINGUISHING = ("model", "probe", "scenario") + NON_RESULT_KEYS
 def record_overrides(rec: dict) -> str:
     """The command-line overrides that distinguish a record from others of the same model, probe and
     suite (``key=value`` joined by commas, sorted; ``""`` for a run with the defaults). Records
-    written without Hydra (``scripts.battery``) have none."""
+    written without Hydra (``kvnotes battery``) have none."""
     task = (rec.get("hydra") or {}).get("overrides") or []
     keep = [o for o in task if o.split("=", 1)[0].lstrip("+~") not in _NOT_DISTINGUISHING]
     return ",".join(sorted(keep))

@@ -260,7 +260,7 @@ def record_table(rec: dict, **options) -> str:
 
 
 def serving_table(rec: dict) -> str:
-    """The measured serving table of a ``scripts/serve_bench.py`` record (per rate, field position
+    """The measured serving table of a ``kvnotes serve-bench`` (:mod:`kvnotes.cli.serve_bench`) record (per rate, field position
     and arm: hit rates, time to first token on update turns, correctness against the harness)."""
     w = _Lines()
     res = rec["result"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where the composed time-to-first-token goes, stage by stage, on the GPU bench model.
 
-    python -m scripts.profile_compose_gpu --lengths 2048 32768 [--seam 4] [--profiler]
+    kvnotes bench compose-gpu --lengths 2048 32768 [--seam 4] [--profiler]
 
 Same model and prompt as ``kvnotes bench compose --device cuda`` (random Qwen3-8B-shaped, bf16; prefix
 ``--prefix`` + one chunk + suffix ``--suffix`` tokens). Per length, medians over ``--trials`` after
@@ -35,9 +35,8 @@ import torch
 from transformers import StaticCache
 
 from kvnotes.ops import compose as kc
-from scripts.bench_compose import add_layout_flags
+from kvnotes.bench.compose import add_layout_flags, gpu_model
 from kvnotes.harness.timing import elapsed_ms
-from scripts.bench_compose import gpu_model
 from kvnotes.cli.helptext import PlainHelpFormatter
 
 

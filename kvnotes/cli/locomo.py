@@ -4,7 +4,7 @@
     kvnotes locomo --data locomo10.json [--model smollm2-135m] [--max-questions 50] [--json out.json]
 
 The dataset is not shipped: pass a copy of LoCoMo's ``data/locomo10.json``
-(https://github.com/snap-research/locomo; format in :mod:`scenarios.locomo`). Everything runs offline.
+(https://github.com/snap-research/locomo; format in :mod:`kvnotes.scenarios.locomo`). Everything runs offline.
 
 Per conversation, each session's text is precompiled once as a chunk behind the conversation's
 header (the sink: the chunk's keys are at the positions they take after the header). For each
@@ -16,7 +16,7 @@ question, two arms answer the same token sequence ``[header, session_1 .. sessio
 
 Both decode greedily (:func:`kvnotes.kv.generate.generate`) until a newline, an end token or
 ``--max-new-tokens``. Answers are scored against the gold answer by SQuAD token F1 and normalised
-containment (:mod:`scenarios.locomo`); the arms are compared on the first-step next-token
+containment (:mod:`kvnotes.scenarios.locomo`); the arms are compared on the first-step next-token
 log-probs (KL(full || composed) in nats), on whether they give the same answer, by an exact McNemar
 test on containment-correctness and by a TOST on F1 over conversation clusters
 (:mod:`kvnotes.harness.paired`). The first session's chunk sits where it was precompiled, so with
@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
+from kvnotes import CONF_DIR
 from kvnotes.cli import add_machine_flags
 from kvnotes.cli.helptext import PlainHelpFormatter
 
-ROOT = Path(__file__).resolve().parent.parent
 
 #: The conversation header (the live prefix every session chunk is precompiled behind).
 HEADER = "A conversation between {a} and {b} over several sessions.\n\n"
@@ -74,7 +74,7 @@ def _kept_sessions(lengths: Sequence[int], budget: int) -> int:
 
 
 def _arm(tokenizer, gold: str, chain) -> dict:
-    from scenarios.locomo import contains, token_f1
+    from kvnotes.scenarios.locomo import contains, token_f1
 
     answer = _answer_text(tokenizer, chain.ids)
     return {"answer": answer, "f1": token_f1(answer, gold), "contains": contains(answer, gold),
@@ -92,7 +92,7 @@ def run_locomo_qa(model, tokenizer, samples, max_questions: int | None = None, m
         model: a causal LM (``eval()``; any architecture :func:`kvnotes.ops.compose.compose` takes).
         tokenizer: its tokenizer (``encode(text, add_special_tokens=)``, ``decode(ids,
             skip_special_tokens=)``).
-        samples: :class:`scenarios.locomo.LocomoSample` list (:func:`scenarios.locomo.load_locomo`).
+        samples: :class:`kvnotes.scenarios.locomo.LocomoSample` list (:func:`kvnotes.scenarios.locomo.load_locomo`).
         max_questions: most questions in all (in file order); None for every question.
         max_new_tokens: most answer tokens per arm.
         categories: question categories kept.
@@ -118,7 +118,7 @@ def run_locomo_qa(model, tokenizer, samples, max_questions: int | None = None, m
     from kvnotes.kv.generate import generate, stop_tokens, text_marker
     from kvnotes.ops.chunk import precompile
     from kvnotes.ops.compose import compose, decision_metrics
-    from scenarios.locomo import render_session
+    from kvnotes.scenarios.locomo import render_session
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     config = model.config.get_text_config(decoder=True)
@@ -278,7 +278,7 @@ def main() -> None:
 
     from kvnotes.harness.runconfig import USER_ERRORS
     from kvnotes.models.loading import load_model
-    from scenarios.locomo import load_locomo
+    from kvnotes.scenarios.locomo import load_locomo
 
     try:
         categories = tuple(int(c) for c in args.categories.split(","))
@@ -286,7 +286,7 @@ def main() -> None:
         raise KvnotesError(f"--categories: expected comma-separated integers, got '{args.categories}'") from None
     try:
         samples = load_locomo(args.data)
-        conf = ROOT / "conf/model" / f"{args.model}.yaml"
+        conf = CONF_DIR / "model" / f"{args.model}.yaml"
         if not conf.is_file():
             raise FileNotFoundError(f"no model config {conf}")
         bundle = load_model(OmegaConf.load(conf), args.device)

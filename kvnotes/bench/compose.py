@@ -63,11 +63,12 @@ import json
 import platform
 import sys
 from pathlib import Path
+from typing import Any
 
+from kvnotes import CONF_DIR
 from kvnotes.cli import add_machine_flags
 from kvnotes.cli.helptext import PlainHelpFormatter
 
-ROOT = Path(__file__).resolve().parent.parent
 
 import numpy as np
 import torch
@@ -91,7 +92,7 @@ def embedded_model(name: str):
 
     from kvnotes.models.loading import load_model
 
-    return load_model(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"), "cpu").model
+    return load_model(OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml"), "cpu").model
 
 
 def floors_ms(model, rates: tuple[float, float], L: int, n_prefix: int, n_suffix: int, seam: int) -> dict:
@@ -109,7 +110,7 @@ def floors_ms(model, rates: tuple[float, float], L: int, n_prefix: int, n_suffix
     return {"full_floor_ms": 1e3 * full, "composed_floor_ms": 1e3 * composed}
 
 
-def timed(fn, warmup: int, trials: int) -> tuple[dict, object]:
+def timed(fn, warmup: int, trials: int) -> tuple[dict, Any]:
     """Median/min of ``trials`` timed calls after ``warmup`` untimed ones (:func:`time_calls`); also
     the last result."""
     timing, res = time_calls(fn, warmup, trials)

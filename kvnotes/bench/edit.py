@@ -49,10 +49,11 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kvnotes import CONF_DIR
+from kvnotes.scenarios.schema import SUITES_DIR
 from kvnotes.cli import add_machine_flags
 from kvnotes.cli.helptext import PlainHelpFormatter
 
-ROOT = Path(__file__).resolve().parent.parent
 
 import torch
 
@@ -97,10 +98,10 @@ def scenario_layout(bundle, n_tokens: int) -> Layout:
     """A filler-extended ``home_city`` pair (Paris -> London) of about ``n_tokens`` tokens."""
     from kvnotes.harness.tokens import tokenize_pair
     from kvnotes.harness import edit_prompts as sedits
-    from scenarios.instances import PairSpec, draw_instances
-    from scenarios.schema import load_scenario
+    from kvnotes.scenarios.instances import PairSpec, draw_instances
+    from kvnotes.scenarios.schema import load_scenario
 
-    sc = load_scenario(ROOT / "scenarios/suites/recall/home_city.yaml")
+    sc = load_scenario(SUITES_DIR / "recall/home_city.yaml")
     base = draw_instances(sc, 1, 0)[0]
     tok = bundle.tokenizer
 
@@ -251,7 +252,7 @@ def main() -> None:
         from kvnotes.models.loading import load_model
 
         lengths = args.lengths or [512, 2048, 8192]
-        bundle = load_model(OmegaConf.load(ROOT / "conf/model/smollm2-135m.yaml"), "cpu")
+        bundle = load_model(OmegaConf.load(CONF_DIR / "model/smollm2-135m.yaml"), "cpu")
         model = bundle.model
         layouts = lambda n: scenario_layout(bundle, n)                        # noqa: E731
         device = f"CPU ({platform.processor() or platform.machine()}, {args.threads} thread(s))"

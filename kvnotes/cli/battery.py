@@ -35,10 +35,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from kvnotes import CONF_DIR
 from kvnotes.cli import add_machine_flags
 from kvnotes.cli.helptext import PlainHelpFormatter
 
-ROOT = Path(__file__).resolve().parent.parent   # the checkout (conf/)
 
 
 def main() -> None:
@@ -81,7 +81,7 @@ def main() -> None:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    import probes
+    import kvnotes.probes
     from kvnotes.harness.kit import CleanRuns
     from kvnotes.models.loading import load_model
     from kvnotes.harness.pairs import prepare_for_probe
@@ -92,8 +92,8 @@ def main() -> None:
     from kvnotes.harness.roofline import machine_rates
 
     torch.set_num_threads(args.threads)
-    names = args.probes or probes.names()
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+    names = args.probes or kvnotes.probes.names()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfgs = {}
         for n in names:
             try:
@@ -102,7 +102,7 @@ def main() -> None:
             except (HydraException, OmegaConfBaseException) as exc:
                 raise KvnotesError(f"probe '{n}': the config does not compose: {str(exc).strip().splitlines()[0]}") from None
     if args.probes is None:     # the scenario suite's probes; the memory probes (pairs: none) bring their own data
-        names = [n for n in names if probes.typed_config(cfgs[n].probe).pairs != "none"]
+        names = [n for n in names if kvnotes.probes.typed_config(cfgs[n].probe).pairs != "none"]
     t0 = time.perf_counter()
     first = cfgs[names[0]]
     bundle = load_model(first.model, args.device)
@@ -117,7 +117,7 @@ def main() -> None:
     rates = [machine_rates(bundle.model)] if roof else []
     for name in names:
         cfg = cfgs[name]
-        probe_cfg = probes.typed_config(cfg.probe)
+        probe_cfg = kvnotes.probes.typed_config(cfg.probe)
         if probe_cfg.pairs not in pairs:
             try:
                 pairs[probe_cfg.pairs] = prepare_for_probe(bundle.tokenizer, probe_cfg.pairs, cfg.scenario, cfg.model)
@@ -127,18 +127,18 @@ def main() -> None:
             print(f"  {name:16s}  skipped: {pairs[probe_cfg.pairs]}", flush=True)
             continue
         timer = Timer()
-        ctx = probes.ProbeContext.from_run_config(cfg, probe_cfg, bundle, pairs[probe_cfg.pairs], timer, store)
+        ctx = kvnotes.probes.ProbeContext.from_run_config(cfg, probe_cfg, bundle, pairs[probe_cfg.pairs], timer, store)
         t = time.perf_counter()
         done = roof.calls.copy() if roof else None
         with timer("probe"):
-            result = probes.get(probe_cfg)(ctx)
+            result = kvnotes.probes.get(probe_cfg)(ctx)
         times[name] = time.perf_counter() - t
-        if roof:
+        if roof and done is not None:
             seen[name] = roof.calls - done
         print(f"  {name:16s} {times[name]:8.1f} s   (load average {os.getloadavg()[0]:.1f})", flush=True)
         if args.records:
             result = to_jsonable(result)
-            check_result(result, result_schema(probes.module(probe_cfg)))
+            check_result(result, result_schema(kvnotes.probes.module(probe_cfg)))
             cfg_dict = OmegaConf.to_container(cfg, resolve=False)
             cfg_dict["out_root"] = args.records
             path = Path(args.records) / cfg.model.name / cfg.probe.name / cfg.scenario.name / RECORD_NAME

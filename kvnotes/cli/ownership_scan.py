@@ -18,9 +18,9 @@ import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
+from kvnotes import CONF_DIR
 from kvnotes.cli.helptext import PlainHelpFormatter
 
-ROOT = Path(__file__).resolve().parent.parent
 
 import torch
 from omegaconf import OmegaConf
@@ -101,7 +101,7 @@ def main() -> None:
     from kvnotes.cli import add_machine_flags
     from kvnotes.cli.errors import conf_name, float_at_least, int_at_least, one_of
     from kvnotes.errors import KvnotesError
-    from scenarios import load_suite
+    from kvnotes.scenarios import load_suite
 
     ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, description=__doc__)
     ap.add_argument("paths", nargs="+", help="scenario files or directories")
@@ -119,7 +119,7 @@ def main() -> None:
     if not any(args.variant in sc.variants for sc in scenarios):
         known = sorted({v for sc in scenarios for v in sc.variants})
         raise KvnotesError(f"--variant: no selected scenario has variant '{args.variant}' (theirs: {', '.join(known)})")
-    bundle = load_model(OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml"), args.device)
+    bundle = load_model(OmegaConf.load(CONF_DIR / "model" / f"{args.model}.yaml"), args.device)
     counts = scan(bundle, args.paths, args.n_instances, args.seed, args.variant, args.min_effect, args.quiet)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "scenarios": counts}, indent=1, default=str))

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
+from kvnotes import CONF_DIR
 from kvnotes.cli import add_machine_flags
 from kvnotes.cli.helptext import PlainHelpFormatter
 
-ROOT = Path(__file__).resolve().parent.parent
 
 #: Largest log-prob margin (nats) at a chains' parting step that counts as a near-tie, per dtype.
 #: fp32: batched and batch-1 decodes agree to ~1e-5 (tests/helpers.py BATCH_TOL). bf16: a logit of
@@ -103,9 +103,9 @@ def main() -> None:
         from kvnotes.harness.pairs import prepare_pairs
         from kvnotes.models.loading import load_model
 
-        bundle = load_model(OmegaConf.load(ROOT / "conf/model" / f"{args.model}.yaml"), args.device)
+        bundle = load_model(OmegaConf.load(CONF_DIR / "model" / f"{args.model}.yaml"), args.device)
         model = bundle.model
-        sc = OmegaConf.load(ROOT / "conf/scenario/default.yaml")
+        sc = OmegaConf.load(CONF_DIR / "scenario/default.yaml")
         ids = prepare_pairs(bundle.tokenizer, sc).pairs[0].old.ids
         name = f"{args.model} ({next(model.parameters()).dtype})"
     d = len(ids) - 1

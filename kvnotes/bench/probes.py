@@ -47,11 +47,12 @@ import threading
 import time
 from pathlib import Path
 
+from kvnotes import CONF_DIR
+from kvnotes.scenarios.schema import SUITES_DIR
 from kvnotes.cli import add_machine_flags
 from kvnotes.harness.timing import time_calls
 from kvnotes.cli.helptext import PlainHelpFormatter
 
-ROOT = Path(__file__).resolve().parent.parent   # the checkout (conf/, scenarios/suites)
 
 import torch
 
@@ -71,6 +72,7 @@ class PeakMemory:
     def __init__(self, device: torch.device, interval_s: float = 0.002) -> None:
         self.device, self.interval = device, interval_s
         self.peak = 0
+        self._base = self._max = 0
 
     @staticmethod
     def rss() -> int:
@@ -134,9 +136,9 @@ def flipping_recall_pairs(bundle, n_pairs: int, scenario_ids: list[str] | None):
     """The first ``n_pairs`` flipping recall pairs (one instance per scenario), with their runs."""
     from kvnotes.harness.readout import screen_pair
     from kvnotes.harness.tokens import tokenize_pair
-    from scenarios import build_pairs, load_suite
+    from kvnotes.scenarios import build_pairs, load_suite
 
-    specs = build_pairs(load_suite([str(ROOT / "scenarios/suites")], ["recall"], scenario_ids), 1, 0)
+    specs = build_pairs(load_suite([str(SUITES_DIR)], ["recall"], scenario_ids), 1, 0)
     runs = []
     for spec in specs:
         tp = tokenize_pair(bundle.tokenizer, spec)
@@ -234,9 +236,9 @@ def main() -> None:
                     help=f"--random-init: torch dtype ({', '.join(DTYPES)}; default: float32)")
     args = ap.parse_args()
     if args.scenarios:                  # the recall scenario ids, checked before the model loads
-        from scenarios import load_suite
+        from kvnotes.scenarios import load_suite
 
-        load_suite([str(ROOT / "scenarios/suites")], ["recall"], args.scenarios)
+        load_suite([str(SUITES_DIR)], ["recall"], args.scenarios)
     torch.set_num_threads(args.threads)
 
     from kvnotes.harness.kit import single_position_scores
@@ -250,7 +252,7 @@ def main() -> None:
 
         from kvnotes.models.loading import load_model
 
-        bundle = load_model(OmegaConf.load(ROOT / "conf/model" / f"{args.model}.yaml"), args.device)
+        bundle = load_model(OmegaConf.load(CONF_DIR / "model" / f"{args.model}.yaml"), args.device)
         model, name = bundle.model, args.model
         runs = flipping_recall_pairs(bundle, args.n_pairs, args.scenarios)
     device = model.device

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
+from kvnotes import CONF_DIR
+from kvnotes.scenarios.schema import SUITES_DIR
 from kvnotes.cli.helptext import PlainHelpFormatter
 
-ROOT = Path(__file__).resolve().parents[1]   # the checkout (conf/, scenarios/suites)
 
 
 def main() -> None:
@@ -35,21 +35,21 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"), help="conf/model/<name>.yaml")
     add_machine_flags(ap)
     args = ap.parse_args()
-    from scenarios import build_pairs, load_suite
+    from kvnotes.scenarios import build_pairs, load_suite
 
-    scenarios = load_suite([str(ROOT / "scenarios/suites")], ids=[args.scenario_id])   # before the model loads
+    scenarios = load_suite([str(SUITES_DIR)], ids=[args.scenario_id])   # before the model loads
     import torch
     from omegaconf import OmegaConf
 
     from kvnotes.kv import cache as kvcache
-    from circuits.heads import head_outputs, patched_scores, set_masks
+    from kvnotes.circuits.heads import head_outputs, patched_scores, set_masks
     from kvnotes.kv.engine import make_engine
     from kvnotes.models.loading import load_model
     from kvnotes.harness.readout import run_pair
     from kvnotes.harness.tokens import tokenize_pair
 
     torch.set_num_threads(args.threads)
-    bundle = load_model(OmegaConf.load(ROOT / "conf/model" / f"{args.model}.yaml"), args.device)
+    bundle = load_model(OmegaConf.load(CONF_DIR / "model" / f"{args.model}.yaml"), args.device)
     model = bundle.model
     spec = build_pairs(scenarios, 1, 0)[0]
     pair = tokenize_pair(bundle.tokenizer, spec)

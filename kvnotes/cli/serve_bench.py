@@ -31,9 +31,9 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from kvnotes import CONF_DIR
 from kvnotes.cli.helptext import PlainHelpFormatter
 
-ROOT = Path(__file__).resolve().parent.parent
 
 #: Largest |log p_vLLM - log p_harness| (nats) accepted for the candidates' first tokens: both run
 #: fp32 on the same weights; only the attention kernels and reduction orders differ (vLLM's CPU
@@ -112,7 +112,7 @@ def harness_stage(args, model_cfg):
 
     from kvnotes.models.loading import load_model
     from kvnotes.serving import build_trace
-    from scenarios import load_suite
+    from kvnotes.scenarios import load_suite
 
     torch.set_num_threads(args.threads)
     bundle = load_model(model_cfg, "cpu")
@@ -352,11 +352,11 @@ def main(argv=None) -> None:
     from kvnotes.errors import KvnotesError
     from kvnotes.records.store import RECORD_NAME, is_complete, new_record, write_atomic
 
-    cfg_path = ROOT / "conf" / "model" / f"{args.model}.yaml"
+    cfg_path = CONF_DIR / "model" / f"{args.model}.yaml"
     if not cfg_path.is_file():
-        fail(f"unknown model '{args.model}' (no {cfg_path.relative_to(ROOT)})")
+        fail(f"unknown model '{args.model}' (no conf/model/{args.model}.yaml)")
     model_cfg = OmegaConf.load(cfg_path)
-    out_dir = ROOT / args.out_root / args.model / args.name
+    out_dir = Path(args.out_root) / args.model / args.name
     if is_complete(out_dir / RECORD_NAME) and not args.force:
         print(f"kvnotes: {out_dir / RECORD_NAME} is complete; skipping (--force to re-run)")
         return

@@ -32,10 +32,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvnotes import CONF_DIR
 from kvnotes.cli import add_machine_flags
 from kvnotes.cli.helptext import PlainHelpFormatter
 
-ROOT = Path(__file__).resolve().parent.parent
 #: The paper's margin for its ``needs_erratum`` rule (probability units; anchors: editkv).
 PAPER_MARGIN = 0.2
 
@@ -155,11 +155,11 @@ def measure(args) -> dict:
     from kvnotes.harness.pairs import prepare_pairs, template_kwargs
     from kvnotes.models.loading import load_model
 
-    mcfg = OmegaConf.load(ROOT / "conf/model" / f"{args.model}.yaml")
+    mcfg = OmegaConf.load(CONF_DIR / "model" / f"{args.model}.yaml")
     bundle = load_model(mcfg, args.device)
-    sc = OmegaConf.merge(OmegaConf.load(ROOT / "conf/scenario/default.yaml"),
-                         OmegaConf.load(ROOT / "conf/scenario" / f"{args.scenario}.yaml"))
-    sc.pop("defaults", None)
+    sc = OmegaConf.merge(OmegaConf.load(CONF_DIR / "scenario/default.yaml"),
+                         OmegaConf.load(CONF_DIR / "scenario" / f"{args.scenario}.yaml"))
+    sc.pop("defaults", None)  # type: ignore[call-arg]   # a DictConfig (the merge of two mappings)
     if args.n_instances:
         sc.n_instances = args.n_instances
     tk = template_kwargs(mcfg)

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
+from kvnotes import CONF_DIR
 from kvnotes.cli import add_machine_flags
 from kvnotes.cli.helptext import PlainHelpFormatter
 
-ROOT = Path(__file__).resolve().parent.parent
 
 #: Largest |logit| difference between the two kernels' forwards (fp32 summation order).
 AGREE_TOL = 1e-4
@@ -68,7 +68,7 @@ def main() -> None:
     if args.device != "cpu" or not cpu_linear.available():
         raise KvnotesError("bench linear: the oneDNN kernel runs on the CPU only (--device cpu, a torch "
                            "build with oneDNN)")
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"model={args.model}", "probe=screen", "scenario=default", "device=cpu"])
     arms = {k: load_model(OmegaConf.merge(cfg.model, {"cpu_linear": k}), "cpu") for k in ("torch", "onednn")}
     if not cpu_linear.packed_layers(arms["onednn"].model):
@@ -94,7 +94,7 @@ def main() -> None:
             x = torch.randn(R, text.hidden_size)
             ids = torch.full((R, 1), int(pair.old.ids[d]))
             pos = torch.full((R, 1), d)
-            calls = {
+            calls: dict[str, dict] = {
                 "gemm": {"torch": lambda: torch.nn.functional.linear(x, w), "onednn": lambda: cpu_linear.packed_linear(x, packed)},
                 "decode": {k: (lambda b=b, c=caches[k]: b.model(input_ids=ids, position_ids=pos, use_cache=False,
                                                                 past_key_values=kvcache.expand_cache(c, b.model.config, R)).logits)
