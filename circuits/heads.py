@@ -11,7 +11,7 @@ from the clean **new** run into the corrupt **old** run of every flipping pair; 
 - **write** heads: head outputs at the note positions ``[b, d)`` during the prefill. The prefill
   resumes at ``b`` on a copy (view) of the old run's clean prefix cache ``[0, b)`` (docs/design.md §4)
   and feeds ``[b, d]``. Patching every head there equals patching the downstream KV of every
-  layer (``r_write_all``; tests/test_heads.py checks it against :mod:`kvnotes.kv.cache` patching).
+  layer (``r_write_all``; tests/circuits/test_heads.py checks it against :mod:`kvnotes.kv.cache` patching).
 
 Single-head sweeps batch ``chunk_heads`` head variants per forward (a per-variant ``where`` mask
 of one intervention per layer). Selection (docs/design.md §10): instances are split per scenario

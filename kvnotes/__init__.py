@@ -1,6 +1,6 @@
 """kvnotes: activation patching on the transformers KV cache.
 
-Packages by role, each importing only from the ones above it in this list (``tests/test_layout.py``):
+Packages by role, each importing only from the ones above it in this list (``tests/lanes/test_layout.py``):
 
 - :mod:`kvnotes.errors`: the one user-facing error type.
 - :mod:`kvnotes.models`: loading (local, embedded, random-weight), prompt rendering and tokenisation,

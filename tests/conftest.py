@@ -18,10 +18,10 @@ EMBEDDED_FIXTURES = {"smol", "gemma", "sweep"}
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The zoo conformance lane's one line per zoo entry (tests/test_zoo.py)."""
+    """The zoo conformance lane's one line per zoo entry (tests/lanes/test_zoo.py)."""
     import sys
 
-    lane = sys.modules.get("test_zoo") or sys.modules.get("tests.test_zoo")
+    lane = sys.modules.get("test_zoo") or sys.modules.get("tests.lanes.test_zoo")
     for line in getattr(lane, "LANE_LINES", []):
         terminalreporter.write_line(line)
 
@@ -64,7 +64,7 @@ def gemma():
 def sweep(tmp_path_factory):
     """A new scenario file (new domain, same schema) swept through two probes in one ``run.py -m`` run on the
     embedded SmolLM2 (shared by the command-line tests and the report's browser test)."""
-    from tests.test_cli import run
+    from tests.cli.test_cli import run
 
     tmp = tmp_path_factory.mktemp("sweep")
     new = fruit_scenario(tmp / "fruit.yaml")

@@ -43,7 +43,7 @@ def tiny_config(arch: str):
 ARCHS = ["llama", "qwen3", "mistral", "gemma2", "gemma3"]
 
 #: MLA (DeepSeek) and M-RoPE (Qwen-VL) tiny models: not in ARCHS (the ``tiny`` fixture), since not every
-#: circuit covers them; tests/test_reposition_arch.py runs re-positioning, editing and composition on them.
+#: circuit covers them; tests/ops/test_reposition_arch.py runs re-positioning, editing and composition on them.
 MLA_ARCHS = ["deepseek_v2", "deepseek_v3", "deepseek_v3_half"]
 MROPE_ARCHS = ["qwen2_5_vl", "qwen3_vl"]
 #: Special tokens of the tiny VLMs (inside the vocabulary).
@@ -146,7 +146,7 @@ def fruit_scenario(path):
     return its path."""
     import yaml
 
-    from tests.test_tokens import BASE
+    from tests.harness.test_tokens import BASE
 
     path.write_text(yaml.safe_dump({**BASE, "domain": "favourite fruit", "id": "favourite_fruit",
                                     "field": {"slot": "colour", "values": ["apple", "grape"]},
@@ -179,7 +179,7 @@ def job_record(bundle, out, *overrides: str) -> dict:
     """The record ``python run.py <overrides>`` writes, made by the same job path
     (:func:`kvnotes.harness.jobs.run_job`: typed config, variant check, pairs, probe, record checks)
     in this process on an already loaded model (``bundle``; the command line around it is tested in
-    tests/test_cli.py), so an end-to-end test does not spend seconds starting a process and loading
+    tests/cli/test_cli.py), so an end-to-end test does not spend seconds starting a process and loading
     the model again."""
     import json
     from pathlib import Path

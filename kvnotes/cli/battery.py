@@ -8,10 +8,11 @@ suite prepared once per kind (field pairs; polarity pairs for ``dissociation``),
 clean runs (prefix caches, clean scores, decisions) are computed once for the whole battery and
 shared by every probe that screens it (:class:`kvnotes.harness.kit.CleanRuns`, up to ``--clean-runs-mb``
 of caches; ``--clean-runs-mb 0`` makes every probe prefill its pairs itself, as ``run.py`` does,
-for a before/after comparison). Then each probe's
-``run(ctx)`` runs with the config ``run.py`` would compose for it (``conf/config.yaml`` with
-``model=``, ``probe=``, ``scenario=``; progress bars off), and its wall time is printed as it
-finishes, with the total at the end (a probe whose pairs the suite cannot give, such as
+for a before/after comparison). Then each probe runs through ``run.py``'s own job path
+(:func:`kvnotes.cli.run.compose_jobs`, :func:`kvnotes.harness.jobs.run_job`): the config ``run.py``
+composes for ``model=``, ``probe=``, ``scenario=`` (and ``device=`` when not ``auto``), checked
+before the model loads, the probe's result checked against its schema, the record's envelope
+checked; its probe time is printed as it finishes, with the total at the end (a probe whose pairs the suite cannot give, such as
 ``dissociation`` without polarity scenarios, is skipped with one line). ``--floor`` also prints each probe's roofline floor: every
 call of a linear layer (a forward hook on each ``nn.Linear``) costs at least its FLOPs at this
 machine's best GEMM rate or its weight's bytes at its best weight-read rate, whichever is larger
@@ -19,9 +20,9 @@ machine's best GEMM rate or its weight's bytes at its best weight-read rate, whi
 elementwise work are not counted). The rates (:func:`kvnotes.harness.roofline.machine_rates`) are measured before and after
 the probes and the higher of each is used: a shared machine's speed drifts. It also times the model's plain forward
 (:func:`plain_forward`: a prefill and a decode at the suite's median prompt length) against the same floor: how
-close a probe can come to its floor without a faster forward. ``--records DIR`` also
-writes each probe's record where ``python run.py out_root=DIR`` would (``DIR/<model>/<probe>/<scenario>/record.json``), checked
-against the probe's schema; ``--compare EARLIER`` then prints, per probe, how its result differs from the record under
+close a probe can come to its floor without a faster forward. ``--records DIR`` keeps
+each probe's record where ``python run.py out_root=DIR`` would write it, the same record (without
+``--records`` they go to a temporary folder); ``--compare EARLIER`` then prints, per probe, how its result differs from the record under
 ``EARLIER`` (:mod:`kvnotes.records.diff`: numbers beyond float tolerance, any other changed value; wall times skipped). Timings depend on the machine's load: report them with it
 (``os.getloadavg`` is printed). ``--json PATH`` also writes the numbers.
 """
@@ -35,7 +36,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from kvnotes import CONF_DIR
 from kvnotes.cli import add_machine_flags
 from kvnotes.cli.helptext import PlainHelpFormatter
 
@@ -57,7 +57,7 @@ def main() -> None:
                     help="zoo config name under conf/model")
     ap.add_argument("--scenario", default="default", type=conf_name("scenario", "--scenario"),
                     help="scenario config name under conf/scenario")
-    add_machine_flags(ap)
+    add_machine_flags(ap, device="auto")
     ap.add_argument("--probes", nargs="*", default=None, type=conf_name("probe", "--probes"),
                     help="probe names (default: every registered probe that runs on the scenario suite; the memory "
                          "probes, which bring their own suite, only when named)")
@@ -75,82 +75,67 @@ def main() -> None:
     if args.records:
         check_writable(args.records, "--records", directory=True)
 
+    import tempfile
+
     import torch
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     import kvnotes.probes
+    from kvnotes.cli.run import compose_jobs
+    from kvnotes.harness.jobs import load_bundle, run_job
     from kvnotes.harness.kit import CleanRuns
-    from kvnotes.models.loading import load_model
     from kvnotes.harness.pairs import prepare_for_probe
-    from kvnotes.harness.jobs import complete_record
-    from kvnotes.records.store import RECORD_NAME, Timer, to_jsonable, write_atomic
     from kvnotes.records.diff import result_diff
-    from kvnotes.records.schema import check_result, result_schema
+    from kvnotes.records.store import load_record
     from kvnotes.harness.roofline import machine_rates
 
     torch.set_num_threads(args.threads)
     names = args.probes or kvnotes.probes.names()
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfgs = {}
-        for n in names:
-            try:
-                cfgs[n] = compose("config", overrides=[f"model={args.model}", f"probe={n}", f"scenario={args.scenario}",
-                                                       f"device={args.device}", "probe.progress=false"])
-            except (HydraException, OmegaConfBaseException) as exc:
-                raise KvnotesError(f"probe '{n}': the config does not compose: {str(exc).strip().splitlines()[0]}") from None
+    scratch = None if args.records else tempfile.TemporaryDirectory(prefix="kvnotes-battery-")
+    out_root = args.records or scratch.name                          # type: ignore[union-attr]
+    # run.py's own overrides for each probe, so each record is the one `kvnotes run` writes; the keys that
+    # cannot change a result (plot, progress, out_root) name no record directory
+    common = [f"model={args.model}", f"scenario={args.scenario}", "probe.progress=false", "plot=false",
+              f"out_root={out_root}"] + ([f"device={args.device}"] if args.device != "auto" else [])
+    jobs = dict(zip(names, compose_jobs([[f"probe={n}", *common] for n in names])))  # checked before the model loads
     if args.probes is None:     # the scenario suite's probes; the memory probes (pairs: none) bring their own data
-        names = [n for n in names if kvnotes.probes.typed_config(cfgs[n].probe).pairs != "none"]
+        names = [n for n in names if kvnotes.probes.typed_config(jobs[n].cfg.probe).pairs != "none"]
     t0 = time.perf_counter()
-    first = cfgs[names[0]]
-    bundle = load_model(first.model, args.device)
-    pairs = {"field": prepare_for_probe(bundle.tokenizer, "field", first.scenario, first.model)}
+    first = jobs[names[0]].cfg
+    bundle = load_bundle(first)
+    pair_sets = {"field": prepare_for_probe(bundle.tokenizer, "field", first.scenario, first.model)}
     setup = time.perf_counter() - t0
-    print(f"battery: {args.model} on {args.device}, {torch.get_num_threads()} thread(s), scenario {args.scenario} "
-          f"({len(pairs['field'].pairs)} aligned pairs); load average {os.getloadavg()[0]:.1f}; setup {setup:.1f} s",
+    print(f"battery: {args.model} on {next(bundle.model.parameters()).device}, {torch.get_num_threads()} thread(s), scenario {args.scenario} "
+          f"({len(pair_sets['field'].pairs)} aligned pairs); load average {os.getloadavg()[0]:.1f}; setup {setup:.1f} s",
           flush=True)
     store = CleanRuns(int(args.clean_runs_mb * (1 << 20))) if args.clean_runs_mb > 0 else None
     times, seen, diffs = {}, {}, {}
     roof = Roofline(bundle.model) if args.floor else None
     rates = [machine_rates(bundle.model)] if roof else []
     for name in names:
-        cfg = cfgs[name]
-        probe_cfg = kvnotes.probes.typed_config(cfg.probe)
-        if probe_cfg.pairs not in pairs:
+        job = jobs[name]
+        kind = kvnotes.probes.typed_config(job.cfg.probe).pairs
+        if kind not in pair_sets:
             try:
-                pairs[probe_cfg.pairs] = prepare_for_probe(bundle.tokenizer, probe_cfg.pairs, cfg.scenario, cfg.model)
+                pair_sets[kind] = prepare_for_probe(bundle.tokenizer, kind, job.cfg.scenario, job.cfg.model)
             except KvnotesError as exc:          # e.g. a suite without polarity scenarios for dissociation
-                pairs[probe_cfg.pairs] = exc
-        if isinstance(pairs[probe_cfg.pairs], KvnotesError):
-            print(f"  {name:16s}  skipped: {pairs[probe_cfg.pairs]}", flush=True)
-            continue
-        timer = Timer()
-        ctx = kvnotes.probes.ProbeContext.from_run_config(cfg, probe_cfg, bundle, pairs[probe_cfg.pairs], timer, store)
-        t = time.perf_counter()
+                print(f"  {name:16s}  skipped: {exc}", flush=True)
+                continue
         done = roof.calls.copy() if roof else None
-        with timer("probe"):
-            result = kvnotes.probes.get(probe_cfg)(ctx)
-        times[name] = time.perf_counter() - t
+        # the job path of run.py: the probe, its result checked against its schema, the record's envelope
+        path = run_job(job.cfg, job.out_dir, job.hydra_info, log=lambda _: None, bundle=bundle, clean_runs=store,
+                       pair_sets=pair_sets)
+        record = load_record(path)
+        times[name] = record["timing"]["probe"]
         if roof and done is not None:
             seen[name] = roof.calls - done
         print(f"  {name:16s} {times[name]:8.1f} s   (load average {os.getloadavg()[0]:.1f})", flush=True)
-        if args.records:
-            result = to_jsonable(result)
-            check_result(result, result_schema(kvnotes.probes.module(probe_cfg)))
-            cfg_dict = OmegaConf.to_container(cfg, resolve=False)
-            cfg_dict["out_root"] = args.records
-            path = Path(args.records) / cfg.model.name / cfg.probe.name / cfg.scenario.name / RECORD_NAME
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, complete_record(OmegaConf.to_container(OmegaConf.create(cfg_dict), resolve=True),
-                                               {"launcher": "scripts.battery"}, bundle, pairs[probe_cfg.pairs],
-                                               cfg.scenario, result, timer.stages))
-            if args.compare:
-                ref = Path(args.compare) / cfg.model.name / cfg.probe.name / cfg.scenario.name / RECORD_NAME
-                diffs[name] = (result_diff(result, json.loads(ref.read_text())["result"]).summary()
-                               if ref.is_file() else f"no earlier record at {ref}")
-                print(f"  {'':16s} vs {args.compare}: {diffs[name]}", flush=True)
+        if args.compare:
+            ref = Path(args.compare) / path.relative_to(out_root)
+            diffs[name] = (result_diff(record["result"], load_record(ref)["result"]).summary()
+                           if ref.is_file() else f"no earlier record at {ref}")
+            print(f"  {'':16s} vs {args.compare}: {diffs[name]}", flush=True)
+    if scratch is not None:
+        scratch.cleanup()
     total = sum(times.values())
     print(f"  {'total':16s} {total:8.1f} s = {total / 60:.1f} min (+ setup {setup:.1f} s)")
     floors, plain = {}, None
@@ -166,7 +151,8 @@ def main() -> None:
                   f"{floors[name]['weight_bytes'] / 1e12:5.2f} TB of weights read; measured {times[name]:.1f} s)")
         f = sum(v["floor_s"] for v in floors.values())
         print(f"  {'floor total':16s} {f:8.1f} s = {f / 60:.1f} min")
-        tokens = sorted(len(p.old.ids) for p in pairs["field"].pairs)[len(pairs["field"].pairs) // 2]
+        field_pairs = pair_sets["field"].pairs
+        tokens = sorted(len(p.old.ids) for p in field_pairs)[len(field_pairs) // 2]
         plain = plain_forward(bundle.model, roof, (flop_rate, byte_rate), tokens)
         print(f"  the model's plain forward (transformers, no hooks; median prompt {tokens} tokens) against the same floor: "
               + ", ".join(f"{r['what']} {r['ratio']:.2f}x" for r in plain))

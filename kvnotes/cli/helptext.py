@@ -1,7 +1,7 @@
 """Command-line help in plain text: the commands' descriptions are their module docstrings, written
 for the API docs in reStructuredText (``:func:`kvnotes.x.y```, ````literal````, ``**bold**``);
 :class:`PlainHelpFormatter` shows them without that markup, keeping the docstring's own line
-layout, and every ``kvnotes`` parser uses it (``tests/test_cli_help.py``)."""
+layout, and every ``kvnotes`` parser uses it (``tests/cli/test_cli_help.py``)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Which expected-flip pairs of some scenario files the model OWNS: a quick scan for prompt work.
+"""Which expected-flip pairs of some scenario files the model OWNS: a quick view for prompt work.
 
 A pair is owned when it flips under the ``owned`` rule of :func:`kvnotes.harness.readout.pair_status` (the
 candidate decision differs, ``|s_new - s_old| >= min_effect`` nats, and each clean run's top-1 token
 over the whole vocabulary is its expected candidate's first token; ``flips_owned`` of ``probe=screen``).
-Prints, per scenario, owned / expected-flip pairs, and for every prompt whose top-1 is not its
-candidate the top-1 token and the candidates' probabilities. One model load, one forward per
-distinct prompt (full prompt, no cache surgery), so it is a screening aid, not a record.
+The scan is ``probe=screen`` on the given files, run through ``kvnotes run``'s own job path (its record
+under ``--out-root``, reused while the files, model and settings are unchanged), shown per scenario:
+owned / expected-flip pairs, and for every clean run whose top-1 is not its candidate the top-1
+token, its probability and the candidates' probability mass
+(:func:`kvnotes.probes.screen.ownership_lines`).
 
     OMP_NUM_THREADS=1 kvnotes ownership-scan scenarios/suites/lookup scenarios/suites/language
     kvnotes ownership-scan scenarios/suites/lookup --n-instances 4 --seed 0 --quiet
@@ -16,78 +18,20 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
 from pathlib import Path
-from kvnotes import CONF_DIR
+
 from kvnotes.cli.helptext import PlainHelpFormatter
 
 
-import torch
-from omegaconf import OmegaConf
-
-from kvnotes.models.loading import load_model
-from kvnotes.harness.pairs import prepare_pairs
-from kvnotes.harness.readout import clean_decisions, pair_status
-
-
-@torch.no_grad()
-def decision_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
-    """Log-probs ``[vocab]`` (fp32) of the next token after the whole prompt ``ids`` ``[T]``."""
-    logits = model(ids[None].to(model.device)).logits[0, -1].float()
-    return torch.log_softmax(logits, dim=-1).cpu()
-
-
-def scan(bundle, paths: list[str], n_instances: int, seed: int, variant: str, min_effect: float,
-         quiet: bool = False) -> dict[str, dict]:
-    """Scan the scenario files/directories ``paths``; print and return per-scenario counts."""
-    tok = bundle.tokenizer
-    cfg = OmegaConf.create({"paths": paths, "families": None, "ids": None, "n_instances": n_instances,
-                            "seed": seed, "variant": variant, "chat_template": True})
-    pset = prepare_pairs(tok, cfg, template_kwargs=None)
-    memo: dict[str, torch.Tensor] = {}
-
-    def lp_of(prompt):
-        if prompt.text not in memo:
-            memo[prompt.text] = decision_logprobs(bundle.model, prompt.ids)
-        return memo[prompt.text]
-
-    out: dict[str, dict] = defaultdict(lambda: {"family": None, "expected": 0, "flip": 0, "owned": 0,
-                                                "excluded": 0, "misses": []})
-    for ex in pset.excluded:
-        out[ex["scenario"]]["excluded"] += 1
-        out[ex["scenario"]]["family"] = ex["family"]
-    for pair in pset.pairs:
-        sc = pair.spec.instance.scenario
-        row = out[sc.id]
-        row["family"] = sc.family
-        if not pair.spec.expect_flip:
-            continue
-        row["expected"] += 1
-        lo, ln = lp_of(pair.old), lp_of(pair.new)
-        co, cn = pair.cand_old[0], pair.cand_new[0]
-        st = pair_status(float(lo[cn] - lo[co]), float(ln[cn] - ln[co]), min_effect, "owned",
-                         clean_decisions(torch.stack([lo, ln]), pair))
-        row["flip"] += st["flips_relative"]
-        row["owned"] += st["flips_owned"]
-        for value, lp, c in ((pair.spec.old, lo, co), (pair.spec.new, ln, cn)):
-            top = int(lp.argmax())
-            if top != c:
-                row["misses"].append(f"{pair.spec.instance.id} {value}: top1 {tok.convert_ids_to_tokens(top)!r} "
-                                     f"p={lp[top].exp():.3f}; want {tok.convert_ids_to_tokens(c)!r} p={lp[c].exp():.4f}")
-    fam: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
-    for sid, r in sorted(out.items(), key=lambda kv: (kv[1]["family"], kv[0])):
-        f = fam[r["family"]]
-        f[0] += r["owned"]
-        f[1] += r["flip"]
-        f[2] += r["expected"]
-        print(f"{r['family']:10s} {sid:22s} owned {r['owned']:2d}/{r['expected']:2d}  flip {r['flip']:2d}  "
-              f"excluded {r['excluded']}")
-        if not quiet:
-            for m in sorted(set(r["misses"])):
-                print("    " + m)
-    for name, (o, fl, e) in fam.items():
-        print(f"FAMILY {name}: owned {o}/{e} ({o / max(e, 1):.0%}), flipping {fl}/{e}")
-    return dict(out)
+def overrides(paths: list[str], model: str, n_instances: int, seed: int, variant: str, min_effect: float,
+              device: str, out_root: str) -> list[str]:
+    """The ``kvnotes run`` overrides of the scan: ``probe=screen`` on ``paths`` (the default suite's
+    settings otherwise), the ``owned`` flip rule, no figures."""
+    quoted = ",".join("'" + str(p).replace("\\", "\\\\").replace("'", "\\'") + "'" for p in paths)
+    return [f"model={model}", "probe=screen", "scenario=default", f"scenario.paths=[{quoted}]",
+            f"scenario.n_instances={n_instances}", f"scenario.seed={seed}", f"scenario.variant={variant}",
+            f"min_effect={min_effect}", "flip_rule=owned", "plot=false", "probe.progress=false",
+            f"out_root={out_root}"] + ([f"device={device}"] if device != "auto" else [])
 
 
 def main() -> None:
@@ -112,17 +56,28 @@ def main() -> None:
                     help="prompt variant of the scenarios: direct or cot")
     ap.add_argument("--min-effect", type=float_at_least("--min-effect", 0.0), default=1.0, help="flip margin in nats")
     ap.add_argument("--quiet", action="store_true", help="counts only, no per-prompt misses")
-    add_machine_flags(ap)
+    ap.add_argument("--out-root", default="runs", help="where the screen record goes (as kvnotes run out_root=...)")
+    add_machine_flags(ap, device="auto")
     args = ap.parse_args()
+
+    import torch
+
+    from kvnotes.cli.run import compose_jobs, run_or_reuse
+    from kvnotes.probes.screen import ownership, ownership_lines
+    from kvnotes.records.store import load_record
+
     torch.set_num_threads(args.threads)
     scenarios = load_suite(args.paths)           # every file checked before the model loads
     if not any(args.variant in sc.variants for sc in scenarios):
         known = sorted({v for sc in scenarios for v in sc.variants})
         raise KvnotesError(f"--variant: no selected scenario has variant '{args.variant}' (theirs: {', '.join(known)})")
-    bundle = load_model(OmegaConf.load(CONF_DIR / "model" / f"{args.model}.yaml"), args.device)
-    counts = scan(bundle, args.paths, args.n_instances, args.seed, args.variant, args.min_effect, args.quiet)
+    (job,) = compose_jobs([overrides(args.paths, args.model, args.n_instances, args.seed, args.variant,
+                                     args.min_effect, args.device, args.out_root)])
+    record = load_record(run_or_reuse(job.cfg, job.out_dir, job.hydra_info))
+    print("\n".join(ownership_lines(record, args.quiet)))
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "scenarios": counts}, indent=1, default=str))
+        Path(args.json).write_text(json.dumps({"model": args.model, "record": str(job.out_dir),
+                                               "scenarios": ownership(record)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ import os
 import sys
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvnotes import CONF_DIR
 from kvnotes.cli.errors import fail
@@ -167,6 +169,54 @@ def variant_dir(override_dirname: str) -> str:
     return f"{name[:MAX_VARIANT_CHARS - 13]}~{hashlib.sha1(name.encode()).hexdigest()[:12]}"
 
 
+@dataclass
+class Job:
+    """One job of ``kvnotes run`` composed in this process: what Hydra would hand :func:`job`."""
+
+    #: the composed run config (``conf/config.yaml`` with the overrides; no ``hydra`` node)
+    cfg: Any
+    #: the record's directory: ``<out_root>/<model>/<probe>/<scenario>/<overrides>`` as ``run.py`` names it
+    out_dir: Path
+    #: ``{choices, overrides, output_dir, mode}``: the record's ``hydra`` entry
+    hydra_info: dict
+
+
+def compose_jobs(points: Sequence[Sequence[str]], dirs: Sequence[Path] = ()) -> list[Job]:
+    """The jobs ``kvnotes run`` would run for each list of overrides in ``points`` (one job each; no
+    sweep syntax), composed and checked (:func:`kvnotes.harness.runconfig.check_run_config`) in this
+    process, with the record directory and ``hydra`` entry ``run.py`` would give them: a command that
+    runs jobs itself (``kvnotes battery``, ``kvnotes ownership-scan``) writes the records ``run.py``
+    would. ``dirs``: a user's config folders (:func:`user_config_dirs`).
+
+    Raises:
+        KvnotesError, ScenarioError: a point that does not compose or fails its checks (one line).
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf, open_dict
+
+    from kvnotes.errors import KvnotesError
+    from kvnotes.harness.runconfig import check_run_config
+
+    jobs = []
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        for point in points:
+            try:
+                cfg = compose("config", overrides=[*point, *searchpath_override(list(dirs))], return_hydra_config=True)
+            except Exception as exc:  # ConfigCompositionException, OmegaConf errors
+                raise KvnotesError(_hydra_message(exc)) from None
+            hc = cfg.hydra
+            out_dir = (Path(cfg.out_root) / cfg.model.name / cfg.probe.name / cfg.scenario.name
+                       / variant_dir(str(hc.job.override_dirname)))
+            info = {"choices": OmegaConf.to_container(hc.runtime.choices), "overrides": list(hc.overrides.task),
+                    "output_dir": str(out_dir), "mode": str(RunMode.RUN)}
+            with open_dict(cfg):
+                del cfg["hydra"]
+            check_run_config(cfg)
+            jobs.append(Job(cfg, out_dir, info))
+    return jobs
+
+
 def main() -> None:
     try:
         _main()
@@ -194,8 +244,25 @@ def _main() -> None:
 
 
 def job(cfg) -> None:
-    from filelock import FileLock
+    """Hydra's task function: :func:`run_or_reuse` in the directory Hydra chose."""
     from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    run_or_reuse(cfg, out_dir, {"choices": dict(hc.runtime.choices), "overrides": list(hc.overrides.task),
+                                "output_dir": str(out_dir), "mode": str(hc.mode)})
+
+
+def run_or_reuse(cfg, out_dir: Path, hydra_info: dict) -> Path:
+    """What one ``kvnotes run`` job does in ``out_dir``: reuse a complete record of the same config
+    computed from the current inputs, else run the job (:func:`kvnotes.harness.jobs.run_job`), one
+    process at a time (a lock file beside the record). Returns the record's path.
+
+    Raises:
+        SystemExit: (one line; exit 2) bad input or a record of another config there; (130) Ctrl-C.
+            Nothing of the job is left behind.
+    """
+    from filelock import FileLock
     from omegaconf import OmegaConf
 
     from kvnotes.harness.runconfig import USER_ERRORS
@@ -204,11 +271,7 @@ def job(cfg) -> None:
     from kvnotes.records.store import RECORD_NAME, is_complete, load_record
     from kvnotes.harness.runconfig import check_run_config, identity, identity_diff
 
-    hc = HydraConfig.get()
-    out_dir = Path(hc.runtime.output_dir)
     record_path = out_dir / RECORD_NAME
-    hydra_info = {"choices": dict(hc.runtime.choices), "overrides": list(hc.overrides.task),
-                  "output_dir": str(out_dir), "mode": str(hc.mode)}
     try:
         check_run_config(cfg)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -224,10 +287,11 @@ def job(cfg) -> None:
                 changed = inputs_diff(old.get("inputs"), record_inputs(cfg))
                 if not changed:
                     print(f"kvnotes: {record_path} is complete; skipping (force=true to re-run)")
-                    return
+                    return record_path
                 print(f"kvnotes: {record_path} was computed from other inputs ({', '.join(changed)} changed); "
                       f"running again")
             run_job(cfg, out_dir, hydra_info)
+        return record_path
     except USER_ERRORS as exc:
         _clean(out_dir, record_path, Path(cfg.out_root))
         fail(str(exc))

@@ -6,7 +6,8 @@ same model name (a checkpoint directory rewritten, a new embedded package), or t
 :func:`record_inputs` names those inputs, cheaply and before any model loads:
 
 - ``scenario``: the sha256 over every scenario file the config reads (``scenario.paths`` as
-  :func:`kvnotes.scenarios.schema.load_suite` finds them, and the memory suite ``scenario.memory``), each
+  :func:`kvnotes.scenarios.schema.load_suite` finds them, the memory suite ``scenario.memory`` and the
+  LoCoMo file ``scenario.locomo``), each
   file's content with its name relative to the path entry, and the number of files;
 - ``weights``: for a checkpoint directory (``model.path``), its absolute path and the sha256 over
   every file's name and content (each file's digest is cached by path, size and modification time
@@ -86,7 +87,8 @@ def tree_sha256(files: list[tuple[str, Path]]) -> str:
 def scenario_files(scenario_cfg: Any) -> list[tuple[str, Path]]:
     """``(name, path)`` of every file a scenario config reads: the YAML files under ``paths`` (as
     :func:`kvnotes.scenarios.schema.load_suite` lists them; a missing path is left to the loader's error)
-    and the memory suite file ``memory`` (as :func:`kvnotes.scenarios.memory.load_memory` resolves it)."""
+    the memory suite file ``memory`` (as :func:`kvnotes.scenarios.memory.load_memory` resolves it) and
+    the LoCoMo file ``locomo`` of ``probe=locomo``."""
     from kvnotes.scenarios.schema import resolve_path
 
     out: list[tuple[str, Path]] = []
@@ -101,6 +103,9 @@ def scenario_files(scenario_cfg: Any) -> list[tuple[str, Path]]:
         p = resolve_path(str(memory))
         files = sorted(p.glob("*.yaml")) if p.is_dir() else [p] if p.is_file() else []
         out += [(f"{memory}:{f.name}", f) for f in files]
+    locomo = scenario_cfg.get("locomo")
+    if locomo and resolve_path(str(locomo)).is_file():
+        out.append((f"locomo:{locomo}", resolve_path(str(locomo))))
     return out
 
 

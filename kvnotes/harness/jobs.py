@@ -1,5 +1,5 @@
 """One job: composed run config -> model -> pairs -> probe -> record. ``run.py`` (Hydra's entry
-point) and the zoo conformance lane (``tests/test_zoo.py``) call :func:`run_job`, so the lane
+point) and the zoo conformance lane (``tests/lanes/test_zoo.py``) call :func:`run_job`, so the lane
 exercises the command line's own path.
 
 User errors (:data:`kvnotes.harness.runconfig.USER_ERRORS`) propagate as exceptions; ``run.py`` turns them
@@ -26,7 +26,7 @@ def load_bundle(cfg: Any):
 
 
 def run_job(cfg: Any, out_dir: Path, hydra_info: dict, log: Callable[[str], None] = print,
-            bundle: Any = None, clean_runs: Any = None) -> Path:
+            bundle: Any = None, clean_runs: Any = None, pair_sets: dict | None = None) -> Path:
     """Run the probe of a composed run config and write its record under ``out_dir``.
 
     Args:
@@ -38,6 +38,9 @@ def run_job(cfg: Any, out_dir: Path, hydra_info: dict, log: Callable[[str], None
             entry); None loads it.
         clean_runs: a :class:`kvnotes.harness.kit.CleanRuns` store shared by the jobs of one model
             (prompts prefilled once for all of them; the numbers are the same without it), or None.
+        pair_sets: pair sets already prepared for this model and scenario, by kind (``field``,
+            ``polarity``): read, and filled with the ones this job prepares (``kvnotes battery``
+            prepares each kind once for all its probes), or None.
 
     Returns:
         the record path.
@@ -66,7 +69,10 @@ def run_job(cfg: Any, out_dir: Path, hydra_info: dict, log: Callable[[str], None
         bundle = bundle if bundle is not None else load_bundle(cfg)
     inputs = record_inputs(cfg)                                         # after the load: a hub snapshot is local now
     with timer("pairs"):
-        pairs = prepare_for_probe(bundle.tokenizer, probe_cfg.pairs, cfg.scenario, cfg.model)
+        pair_sets = {} if pair_sets is None else pair_sets
+        if probe_cfg.pairs not in pair_sets:
+            pair_sets[probe_cfg.pairs] = prepare_for_probe(bundle.tokenizer, probe_cfg.pairs, cfg.scenario, cfg.model)
+        pairs = pair_sets[probe_cfg.pairs]
     if not pairs.pairs and probe_cfg.pairs != "none":
         raise KvnotesError(f"no token-aligned pairs in scenario '{cfg.scenario.name}' "
                            f"(excluded: {pairs.exclusion_counts()})")

@@ -101,7 +101,7 @@ class CleanRuns:
     probes screen it, and a prompt that several pairs share (the same instance and value in two
     pairs, a polarity pair's normal prompt and a field pair's) once for all of them. Probes treat
     the prefix caches as read-only (every forward on them extends a view), which is what makes
-    sharing them exact: a probe gets the same numbers with or without the store (tests/test_kit.py).
+    sharing them exact: a probe gets the same numbers with or without the store (tests/harness/test_kit.py).
 
     Attributes:
         budget_bytes: bytes of prefix caches (:func:`kvnotes.kv.cache.variant_bytes`) the store keeps;

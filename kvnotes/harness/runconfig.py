@@ -80,6 +80,7 @@ class ScenarioSettings(BaseModel):
     variant: Literal["direct", "cot"] = "direct"
     chat_template: bool = True
     memory: str | None = None
+    locomo: str | None = None
 
 
 class RunSettings(BaseModel):
@@ -210,8 +211,8 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
 
 def check_scenario_files(scenario: ScenarioSettings) -> None:
     """Every scenario file the run reads is valid, before any model loads: the suite under
-    ``scenario.paths`` (with its ``families`` / ``ids`` selection) and the memory suite
-    ``scenario.memory``.
+    ``scenario.paths`` (with its ``families`` / ``ids`` selection), the memory suite
+    ``scenario.memory`` and the LoCoMo file ``scenario.locomo``.
 
     Raises:
         ScenarioError: the first invalid file, naming file and key (or an empty selection).
@@ -222,13 +223,19 @@ def check_scenario_files(scenario: ScenarioSettings) -> None:
     from kvnotes.harness.inputs import scenario_files
 
     files = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for _, p in scenario_files(scenario.model_dump()))
-    key = (files, tuple(scenario.paths), tuple(scenario.families or ()), tuple(scenario.ids or ()), scenario.memory)
+    key = (files, tuple(scenario.paths), tuple(scenario.families or ()), tuple(scenario.ids or ()), scenario.memory,
+           scenario.locomo)
     if key in _CHECKED_SCENARIOS:            # a sweep's points share their files: each set is read once
         return
     if scenario.paths:
         load_suite(scenario.paths, scenario.families, scenario.ids)
     if scenario.memory:
         load_memory(scenario.memory)
+    if scenario.locomo:
+        from kvnotes.scenarios.locomo import load_locomo
+        from kvnotes.scenarios.schema import resolve_path
+
+        load_locomo(resolve_path(scenario.locomo))
     _CHECKED_SCENARIOS.add(key)
 
 

@@ -21,12 +21,12 @@ variant caches before the forward (the affected layers are copied once for the w
 KV patching is one kind of intervention: :func:`kv_patch` turns a patch mask ``[V, n_layers, T]``
 and a source cache into interventions on these sites, equal to
 :func:`kvnotes.kv.patch.patched_logprobs` (the probes' fast path for that one shape of
-intervention; ``tests/test_engine.py``).
+intervention; ``tests/kv/test_engine.py``).
 
 Names are TransformerLens hook names (``blocks.l.attn.hook_z``, ``hook_attn_out``, ``hook_mlp_out``,
 ``hook_resid_pre``, ``hook_resid_post``). ``resid_pre[l] + attn_out[l] + mlp_out[l] == resid_post[l]``
 on every adapter architecture
-(tests/test_components.py).
+(tests/circuits/test_components.py).
 
 An :class:`Intervention` writes ``value`` at absolute positions (``position_ids``) of one site:
 ``mode="set"`` replaces, ``mode="add"`` adds; an optional bool ``where`` (per variant, position
@@ -40,7 +40,7 @@ the largest batch among ids, cache and intervention values (batch-1 pieces broad
 
 Backends: :class:`NNsightEngine` (``nnsight.NNsight`` wrapping the loaded HF model, the default)
 and :class:`LensEngine` (``TransformerBridge.boot_transformers(hf_model=...)``); both apply the
-same :func:`apply_intervention` to the same tensors, and tests/test_engine.py checks they agree.
+same :func:`apply_intervention` to the same tensors, and tests/kv/test_engine.py checks they agree.
 """
 
 from __future__ import annotations

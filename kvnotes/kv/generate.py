@@ -10,7 +10,7 @@ an expanded *view* of it (no per-variant copy; each step's forward appends the f
 that does not reach its marker within ``max_new_tokens`` (or stops on an end token first) is
 marked ``reached=False``: callers exclude it and count it (``no_answer_marker``), never score it.
 With ``max_new_tokens=0`` nothing is generated and the decision is read after the fed token, which
-is the direct readout (``tests/test_generate.py`` checks both equal).
+is the direct readout (``tests/kv/test_generate.py`` checks both equal).
 """
 
 from __future__ import annotations

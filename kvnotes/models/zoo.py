@@ -15,7 +15,7 @@ Every zoo config carries its model's published ``config.json`` values under ``ar
 - :func:`random_model` instantiates either with random weights (seeded); no shrinking gives the
   full-size shape (GPU timing, ``device="meta"`` for shapes only);
 - :func:`signature` names the structural signature: zoo entries that share it share one run of the
-  conformance lane (``tests/test_zoo.py``).
+  conformance lane (``tests/lanes/test_zoo.py``).
 """
 
 from __future__ import annotations

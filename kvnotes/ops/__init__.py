@@ -5,7 +5,7 @@ pool, CUDA graphs on GPU), :mod:`kvnotes.ops.chunk` (precompiled chunks), :mod:`
 (splicing precompiled chunks after a prefix), :mod:`kvnotes.ops.slots` (the slot pool, its one-forward
 attention and CUDA graphs, shared by the two runners) and :mod:`kvnotes.ops.mrope` (the 3-D positions
 of M-RoPE models). Usable alone: it imports nothing from ``scenarios``, ``probes`` or
-:mod:`kvnotes.harness` (``tests/test_layout.py``)."""
+:mod:`kvnotes.harness` (``tests/lanes/test_layout.py``)."""
 
 from kvnotes.ops import chunk, compose, edit, edit_runner, methods, mrope, slots
 

@@ -1,0 +1,123 @@
+"""The battery script's roofline floor: the linear-layer counter counts what a forward multiplies
+and reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvnotes.harness.roofline import machine_rates
+from kvnotes.cli.battery import Roofline
+from tests.helpers import build_tiny
+
+T = 11
+
+
+def test_roofline_counts_every_linear_call():
+    model = build_tiny("llama")
+    cfg = model.config
+    h, i, n, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size
+    kv = cfg.num_key_value_heads * (h // n)
+    sizes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]      # q, k, v, o; gate, up, down
+    per_layer = sum(o * k for o, k in sizes)
+    L = cfg.num_hidden_layers
+    roof = Roofline(model)
+    ids = torch.arange(T)[None]
+    with torch.no_grad():
+        model(ids, logits_to_keep=1)                                       # one row unembedded
+        before = roof.calls.copy()
+        model(ids.expand(3, -1))                                           # 3 variants, every row unembedded
+    flop_rate, byte_rate = 1e9, 1e8
+    got = Roofline.floor(roof.calls, flop_rate, byte_rate)
+    rows = (T, 3 * T)
+    assert got["flops"] == sum(2 * r * L * per_layer for r in rows) + 2 * h * V * (1 + 3 * T)
+    assert got["weight_bytes"] == 2 * 4 * (L * per_layer + h * V)          # fp32, each weight read per call
+    floor = sum(max(2 * r * o * k / flop_rate, 4 * o * k / byte_rate) for r in rows for o, k in sizes) * L
+    floor += max(2 * h * V / flop_rate, 4 * h * V / byte_rate) + max(2 * 3 * T * h * V / flop_rate, 4 * h * V / byte_rate)
+    assert got["floor_s"] == pytest.approx(floor, rel=1e-9)
+    second = Roofline.floor(roof.calls - before, flop_rate, byte_rate)     # the second forward alone
+    assert second["flops"] == 2 * 3 * T * (L * per_layer + h * V)
+
+
+def test_plain_forward_floors_one_forward_of_each_shape():
+    """Each shape's floor is one forward's linear calls: a prefill of B x tokens rows, a decode of B
+    rows (its cache prefill and the warm-up not counted), one unembedded row per prompt."""
+    from kvnotes.cli.battery import plain_forward
+
+    model = build_tiny("llama")
+    cfg = model.config
+    h, i, n, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size
+    kv = cfg.num_key_value_heads * (h // n)
+    per_layer = sum(o * k for o, k in [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)])
+    roof = Roofline(model)
+    rates = (1e9, 1e15)                                   # FLOP-bound: the floor is the FLOPs over 1e9
+    rows = plain_forward(model, roof, rates, T, shapes=((2, "prefill"), (3, "decode")), repeats=2)
+    assert [r["what"] for r in rows] == [f"prefill 2x{T}", "decode 3x1"]
+    L = cfg.num_hidden_layers
+    for r, tokens in zip(rows, (2 * T, 3)):
+        prompts = r["rows"]
+        assert r["floor_s"] == pytest.approx((2 * tokens * L * per_layer + 2 * prompts * h * V) / 1e9, rel=1e-9)
+        assert r["ratio"] == pytest.approx(r["measured_s"] / r["floor_s"]) and r["measured_s"] > 0
+
+
+def test_machine_rates_are_positive():
+    flop_rate, byte_rate = machine_rates(build_tiny("llama"), rows=64, repeats=2)
+    assert flop_rate > 1e6 and byte_rate > 1e6
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_forward_floor_counts_what_a_forward_reads(arch):
+    """The analytic floor's weight bytes are the bytes the model's linear layers really hold (GQA
+    included), its KV bytes the cache's, and it takes the larger of the two times."""
+    from kvnotes.harness.roofline import forward_floor_s, kv_bytes
+    from kvnotes.ops.edit import forward_flops, params_per_token
+
+    model = build_tiny(arch)
+    cfg = model.config
+    roof = Roofline(model)
+    with torch.no_grad():
+        out = model(torch.arange(T)[None], logits_to_keep=1, use_cache=True)
+    counted = Roofline.floor(roof.calls, 1.0, 1.0)["weight_bytes"]
+    head = cfg.vocab_size * cfg.hidden_size
+    assert counted == 4 * (params_per_token(cfg) + head)                   # fp32 linear weights, one call each
+    cache = out.past_key_values
+    held = sum(l.keys.numel() * 4 + l.values.numel() * 4 for l in cache.layers)
+    assert kv_bytes(cfg, T, 4) == held
+    slow_flops, slow_bytes = (1e3, 1e15), (1e15, 1e3)
+    assert forward_floor_s(cfg, slow_flops, 4, 5, 40, T) == pytest.approx(forward_flops(cfg, 5, 40) / 1e3)
+    moved = 4 * (params_per_token(cfg) + head) + kv_bytes(cfg, T, 4) + 7
+    assert forward_floor_s(cfg, slow_bytes, 4, 5, 40, T, logit_rows=1, extra_bytes=7) == pytest.approx(moved / 1e3)
+
+
+@pytest.mark.embedded
+def test_battery_writes_the_records_run_py_writes(tmp_path, monkeypatch, capsys):
+    """``kvnotes battery --records DIR`` runs each probe through ``run.py``'s job path: ``run.py`` then
+    finds the record complete (the same config and inputs) and skips the job, and a record ``run.py``
+    writes elsewhere holds the same result (timing aside), config and prompts."""
+    import json
+
+    from kvnotes.cli import main
+    from kvnotes.records.diff import result_diff
+    from tests.cli.test_cli import run_main
+
+    battery, alone = tmp_path / "battery", tmp_path / "alone"
+    monkeypatch.chdir(tmp_path)
+    try:
+        main(["battery", "--probes", "screen", "--scenario", "small", "--records", str(battery), "--threads", "2"])
+    except SystemExit as stop:
+        assert stop.code in (0, None), capsys.readouterr().err
+    assert "screen" in capsys.readouterr().out
+    path = battery / "smollm2-135m" / "screen" / "small" / "record.json"
+    proc = run_main(monkeypatch, capsys, "probe=screen", "scenario=small", f"out_root={battery}")
+    assert proc.returncode == 0 and f"{path} is complete; skipping" in proc.stdout, proc.stdout + proc.stderr
+    proc = run_main(monkeypatch, capsys, "probe=screen", "scenario=small", f"out_root={alone}", "plot=false")
+    assert proc.returncode == 0, proc.stderr
+    a, b = (json.loads(p.read_text()) for p in (path, alone / path.relative_to(battery)))
+    diff = result_diff(a, b)
+    assert diff.n_numbers > 100 and not diff.mismatches, diff.summary()
+    for key in ("scenario", "prompts", "vocab", "inputs", "model"):
+        assert a[key] == b[key], key
+    from kvnotes.harness.runconfig import identity, identity_diff
+
+    assert not identity_diff(identity(a["config"]), identity(b["config"]))    # what run.py compares before reusing
+    assert a["hydra"]["choices"] == b["hydra"]["choices"]

@@ -1,0 +1,95 @@
+"""The typed probe configs are the one source of keys, defaults and allowed values: each YAML file
+mirrors its probe's ``Config`` dataclass, and values outside the declared constraints are one line
+naming the key, for every sweep point, before any model loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from kvnotes.errors import KvnotesError
+from kvnotes.harness import registry
+from tests.cli.test_cli import one_line_error
+
+
+def _yaml_values(name: str) -> dict:
+    raw = OmegaConf.merge(OmegaConf.load(registry.CONF_DIR / "_base.yaml"),
+                          OmegaConf.load(registry.CONF_DIR / f"{name}.yaml"))
+    return {k: v for k, v in OmegaConf.to_container(raw, resolve=False).items()
+            if k not in ("defaults", "name", "_target_")}
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_yaml_mirrors_the_config_dataclass(name):
+    """Every key a probe's YAML sets is declared on its ``Config`` with the same default (an
+    interpolation such as ``${oc.select:scenario.memory,...}`` binds another group and is exempt)."""
+    schema = registry.module(registry.load_config(name)).Config
+    defaults = OmegaConf.to_container(OmegaConf.structured(schema))
+    for key, value in _yaml_values(name).items():
+        assert key in defaults, f"{name}: {key} is not declared on {schema.__module__}.Config"
+        if isinstance(value, str) and value.startswith("${"):
+            continue
+        assert value == defaults[key], f"{name}.{key}: YAML {value!r} != Config default {defaults[key]!r}"
+
+
+@pytest.mark.parametrize("name, override, needles", [
+    ("field_refresh", {"n_boot": -5}, ("probe.n_boot", "greater than or equal to 1", "-5")),
+    ("field_refresh", {"cot_max_pairs": 0}, ("probe.cot_max_pairs", "greater than or equal to 1")),
+    ("edit", {"selection_fraction": -0.5}, ("probe.selection_fraction", "greater than 0", "-0.5")),
+    ("edit", {"selection_fraction": 1.0}, ("probe.selection_fraction", "less than 1")),
+    ("edit", {"rankings": ["attention", "bogus"]}, ("probe.rankings.1", "'kv_deviation'", "'bogus'")),
+    ("edit", {"placement": "nowhere"}, ("probe.placement", "'before_request'")),
+    ("suffix_recovery", {"grid": {"counts": [0, -2]}}, ("probe.grid.counts.0", "greater than or equal to 1", "(and 1 more)")),
+    ("suffix_recovery", {"topk_anchor": "middle"}, ("probe.topk_anchor", "'field_end'")),
+    ("compose", {"sinks": ["bos", "eos"]}, ("probe.sinks.1", "'prefix'")),
+    ("compose", {"image_grid": [1, 4]}, ("probe.image_grid", "at least 3")),
+    ("agent", {"turns": 0}, ("probe.turns", "greater than or equal to 1")),
+    ("read_location", {"knockout_groups": [["field", "elsewhere"]]}, ("probe.knockout_groups", "'downstream'",
+                                                                         "got ['field', 'elsewhere']")),
+    ("heads", {"modes": []}, ("probe.modes", "at least 1")),
+    ("direction", {"fit_scope": "galaxy"}, ("probe.fit_scope", "'scenario'")),
+    ("memory_edits", {"lengths": [1024, 0]}, ("probe.lengths.1", "greater than or equal to 1")),
+    ("memory_placement", {"alpha": 1.5}, ("probe.alpha", "less than 1")),
+])
+def test_values_outside_their_constraints_are_one_line(name, override, needles):
+    with pytest.raises(KvnotesError) as err:
+        registry.load_config(name, override)
+    msg = str(err.value)
+    assert "\n" not in msg and all(n in msg for n in needles), msg
+
+
+def test_defaults_meet_their_own_constraints():
+    for name in registry.names():
+        registry.load_config(name)                      # raises on a default outside its constraints
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["probe=suffix_recovery", "probe.grid.counts=[0,-2]"], ("probe.grid.counts.0", "greater than or equal to 1")),
+    (["probe=edit", "probe.selection_fraction=-0.5"], ("probe.selection_fraction", "greater than 0")),
+    (["scenario.n_instances=0"], ("scenario.n_instances", "greater than or equal to 1", "got 0")),
+    (["scenario.n_instances=-3"], ("scenario.n_instances", "greater than or equal to 1", "got -3")),
+    (["scenario.variant=bogus"], ("scenario.variant", "'direct' or 'cot'", "'bogus'")),
+    (["-m", "probe=field_refresh", "probe.n_boot=100,-5"], ("probe.n_boot", "-5")),
+])
+def test_run_py_refuses_bad_values_before_loading(args, needles, tmp_path, monkeypatch, capsys):
+    """Through ``run.py``'s own checks: exit 2, one line, no directory written (the model never loads)."""
+    from kvnotes.cli import run as cli
+
+    monkeypatch.setattr(sys, "argv", ["run.py", *args, f"out_root={tmp_path / 'runs'}"])
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    one_line_error(subprocess.CompletedProcess(args, stop.value.code, "", capsys.readouterr().err), *needles)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*"))
+
+
+def test_probe_interpolations_resolve_against_the_run_config():
+    """``scenario.memory`` reaches a memory probe's ``suite`` (it fell back to the default suite
+    when the probe node was typed apart from the run config)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(registry.CONF_DIR.parent), version_base="1.3"):
+        cfg = compose("config", overrides=["probe=memory_edits", "scenario=memory", "scenario.memory=/tmp/other.yaml"])
+    assert registry.typed_config(cfg.probe).suite == "/tmp/other.yaml"

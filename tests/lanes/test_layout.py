@@ -1,0 +1,152 @@
+"""The package layout as a contract: each package imports only from the layers below it, and the
+editing/composition library (:mod:`kvnotes.ops`) loads without scenarios, probes or the harness."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Each package (longest prefix wins) and the project packages it may import. Third-party imports
+#: are free. ``kvnotes`` alone is the package's face (``CONF_DIR``, ``KvnotesError``).
+ALLOWED: dict[str, set[str]] = {
+    "kvnotes.errors": set(),
+    "kvnotes": {"kvnotes.errors"},
+    "kvnotes.models": {"kvnotes", "kvnotes.errors", "kvnotes.models"},
+    "kvnotes.kv": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv"},
+    "kvnotes.ops": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops"},
+    "kvnotes.context": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops"},
+    "kvnotes.records": {"kvnotes", "kvnotes.errors", "kvnotes.records"},
+    "kvnotes.scenarios": {"kvnotes.scenarios"},
+    "kvnotes.plots": {"kvnotes", "kvnotes.errors", "kvnotes.records", "kvnotes.plots"},
+    "kvnotes.harness": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops", "kvnotes.context",
+                        "kvnotes.records", "kvnotes.plots", "kvnotes.harness", "kvnotes.scenarios"},
+    "kvnotes.serving": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops", "kvnotes.context",
+                        "kvnotes.records", "kvnotes.plots", "kvnotes.harness", "kvnotes.scenarios"},
+    "kvnotes.circuits": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops", "kvnotes.context",
+                         "kvnotes.records", "kvnotes.plots", "kvnotes.harness", "kvnotes.scenarios", "kvnotes.circuits"},
+    "kvnotes.probes": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops", "kvnotes.context",
+                       "kvnotes.records", "kvnotes.plots", "kvnotes.harness", "kvnotes.scenarios", "kvnotes.circuits",
+                       "kvnotes.probes"},
+}
+#: The repository's folders that install inside the package (linked: kvnotes/probes -> ../probes).
+LINKED = ("probes", "circuits", "scenarios")
+#: Top-level names code may import from the project: kvnotes only (the linked folders' own
+#: top-level names, and the old ``scripts`` package, would load a second copy of each module).
+PROJECT = ("kvnotes", *LINKED, "scripts")
+#: Packages nothing in the library may import (the command line and the benchmarks sit on top).
+TOP = {"kvnotes.cli", "kvnotes.bench"}
+
+
+def _package(module: str) -> str | None:
+    """The entry of :data:`ALLOWED` a dotted module name belongs to (longest prefix)."""
+    best = None
+    for name in ALLOWED:
+        if (module == name or module.startswith(name + ".")) and (best is None or len(name) > len(best)):
+            best = name
+    return best
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Every project module ``path`` imports, at module level or inside functions."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:                                     # relative: resolve against the package
+                base = module.split(".")[: -node.level] if not path.name == "__init__.py" else \
+                    module.split(".")[: len(module.split(".")) - node.level + 1]
+                out.add(".".join(base + ([node.module] if node.module else [])))
+            elif node.module:
+                out.add(node.module)
+                out |= {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in out if m.split(".")[0] in PROJECT}
+
+
+def _modules():
+    """``(path, dotted name)`` of every module of the package, the linked folders included."""
+    for folder, _, files in sorted(os.walk(ROOT / "kvnotes", followlinks=True)):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = Path(folder) / name
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = list(rel.parts[:-1]) if rel.name == "__init__" else list(rel.parts)
+            yield path, ".".join(parts)
+
+
+def _resolves(name: str) -> bool:
+    """Whether a dotted name is a module or package of the checkout (``from a import b`` may name an
+    attribute rather than a module)."""
+    p = ROOT.joinpath(*name.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def test_import_direction():
+    bad = []
+    for path, module in _modules():
+        if any(module == t or module.startswith(t + ".") for t in TOP):
+            continue
+        own = _package(module)
+        assert own is not None, f"{module} belongs to no package of the layout: add it to ALLOWED"
+        for dep in _imports(path, module):
+            if not _resolves(dep):
+                continue
+            if any(dep == t or dep.startswith(t + ".") for t in TOP):
+                bad.append(f"{module} -> {dep}")
+                continue
+            target = _package(dep)
+            if target is not None and target not in ALLOWED[own]:
+                bad.append(f"{module} -> {dep} ({own} may import {sorted(ALLOWED[own])})")
+    assert not bad, "imports against the layout:\n" + "\n".join(bad)
+
+
+def test_layout_check_can_fail():
+    """The checker sees a violation: the harness importing a probe is one."""
+    src = ROOT / "kvnotes" / "harness" / "jobs.py"
+    deps = _imports(src, "kvnotes.harness.jobs")
+    assert "kvnotes.harness.pairs" in deps
+    assert _package("kvnotes.harness.pairs") == "kvnotes.harness"
+    assert "kvnotes.probes" not in ALLOWED["kvnotes.harness"] and _package("kvnotes.probes.screen") == "kvnotes.probes"
+
+
+def test_one_import_namespace():
+    """Every module imports the project as ``kvnotes.*``: ``import probes`` (possible from the
+    repository root only) would load a second copy of a probe module beside ``kvnotes.probes``'s, and
+    a wheel has no such top-level package. The linked folders are the package's own."""
+    for top in LINKED:
+        assert (ROOT / "kvnotes" / top).resolve() == (ROOT / top).resolve()
+    assert (ROOT / "kvnotes" / "conf").resolve() == (ROOT / "conf").resolve()
+    files = [(p, m) for p, m in _modules()] + [(p, p.stem) for p in sorted((ROOT / "tests").rglob("*.py"))]
+    bad = [f"{m} imports {dep}" for p, m in files for dep in _imports(p, m) if dep.split(".")[0] != "kvnotes"]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("module", ["kvnotes.ops", "kvnotes.context", "kvnotes.kv", "kvnotes.models.loading", "kvnotes.records.store"])
+def test_library_imports_alone(module):
+    """Importing the library loads neither scenarios, probes, circuits nor the harness."""
+    code = (f"import sys, {module}; print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+            f"('scenarios', 'probes', 'circuits', 'scripts') or m.split('.')[:2] in "
+            f"(['kvnotes', 'scenarios'], ['kvnotes', 'probes'], ['kvnotes', 'circuits']) "
+            f"or m.startswith('kvnotes.harness'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"import {module} loaded: {out.stdout.strip()}"
+
+
+def test_the_library_names_no_checkout():
+    """The library finds its configs and suites inside the package (``kvnotes.CONF_DIR``,
+    ``kvnotes.scenarios.schema.SUITES_DIR``), never through the repository around it: it runs from a wheel."""
+    import kvnotes
+    from kvnotes.scenarios.schema import SUITES_DIR
+
+    assert not hasattr(kvnotes, "CHECKOUT")
+    assert kvnotes.CONF_DIR == Path(kvnotes.__file__).parent / "conf" and (kvnotes.CONF_DIR / "config.yaml").is_file()
+    assert SUITES_DIR.parent.parent == Path(kvnotes.__file__).parent and any(SUITES_DIR.rglob("*.yaml"))
+    offenders = [str(p.relative_to(ROOT)) for p, _ in _modules()
+                 if "CHECKOUT" in p.read_text() or "parent.parent" in p.read_text()]
+    assert not offenders, offenders

@@ -1,0 +1,127 @@
+"""The ``edit`` probe end to end on the embedded model, the prompt edits of kvnotes.harness.edit_prompts, and the
+CoT decision reader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from kvnotes.harness.selection import round_robin
+from tests.helpers import check_figures, recall_pairs
+
+# fp32 CPU: K=0 selective and the field refresh are the same cache; the KL of the same
+# distribution computed twice is rounding only.
+KL_TOL = 1e-5
+#: A recall scenario whose cot pair SmolLM2 flips by generation (both chains reach the marker).
+COT_SCENARIO = "favourite_colour"
+
+
+def test_generated_readout_at_zero_new_tokens_is_the_direct_readout(tiny, monkeypatch):
+    """The readout hook of cache probes (:func:`kvnotes.harness.protocol.read_caches`): with no
+    token generated, the generated readout reads each cache's decision where the direct one does
+    (same log-probs and scores, caches grouped by position and token); its side is the owned top-1
+    (None when the top-1 is neither candidate), the direct one's the score's sign."""
+    from types import SimpleNamespace
+
+    from kvnotes.harness import kit
+    from kvnotes.harness.protocol import read_caches
+    from kvnotes.kv.cache import AllSlotCache
+    from tests.helpers import cot_tiny_ctx
+    from tests.kv.test_cache import prompts
+    from tests.probes.test_injection import synthetic_pair
+
+    monkeypatch.setattr(kit, "cot_marker", lambda ctx, pair: None)
+    old, new = prompts()
+    pair = synthetic_pair(old, new)
+    d = pair.decision
+    items = {name: (AllSlotCache.prefill(tiny, ids[:pos]), pos, int(ids[pos]))
+             for name, ids, pos in (("old", old, d), ("new", new, d), ("short", old, d - 1), ("new_short", new, d - 1))}
+    reads = {}
+    for variant in ("direct", "cot"):
+        ctx = cot_tiny_ctx(tiny, monkeypatch)
+        ctx.scenario_cfg, ctx.cfg, ctx.budget_bytes = {"variant": variant}, SimpleNamespace(cot_max_new_tokens=0), 1 << 30
+        reads[variant] = read_caches(ctx, pair, items)
+    owned = {pair.cand_old[0]: "old", pair.cand_new[0]: "new"}
+    for name in items:
+        direct, gen = reads["direct"][name], reads["cot"][name]
+        assert torch.allclose(gen.logprobs, direct.logprobs, atol=KL_TOL) and gen.s == pytest.approx(direct.s, abs=KL_TOL)
+        assert direct.side == ("new" if direct.s > 0 else "old") and direct.chain is None and direct.reached
+        assert gen.side == owned.get(int(gen.logprobs.argmax())) and gen.reached and gen.chain.length == 0
+    assert list(reads["cot"]) == list(items)
+    with torch.no_grad():                       # and each is the cache's own next-token distribution
+        lp = torch.log_softmax(tiny(input_ids=old[None, : d + 1]).logits[0, -1].float(), -1)
+    assert torch.allclose(reads["direct"]["old"].logprobs, lp, atol=KL_TOL)
+
+
+def test_round_robin_keeps_every_scenario():
+    rows = [{"scenario": s} for s in "aaabbc"]
+    assert [rows[i]["scenario"] for i in round_robin(rows)][:3] == ["a", "b", "c"]
+
+
+@pytest.mark.embedded
+def test_prompt_edits_align_with_the_cached_prompt(smol):
+    from kvnotes.harness import edit_prompts as edits
+
+    pair = recall_pairs(smol, ["home_city"], 1).pairs[0]
+    inst, tok = pair.spec.instance, smol.tokenizer
+    same = edits.edited_prompt(tok, inst, pair.spec.old, pair.old)
+    assert torch.equal(same.prompt.ids, pair.old.ids)
+    notice = edits.erratum_text(inst, pair.spec.new)
+    err = edits.edited_prompt(tok, inst, pair.spec.old, pair.old, notice=notice)
+    assert notice in err.prompt.text and err.prompt.text.index(notice) < err.prompt.text.index(inst.scenario.request)
+    assert pair.field[1] <= err.reuse < pair.old.decision
+    assert torch.equal(err.prompt.ids[: err.reuse], pair.old.ids[: err.reuse])
+    old_h, new_h = edits.hoisted_pair(tok, inst, pair.spec.old, pair.spec.new)
+    assert new_h.reuse == old_h.field[0]                          # reuse ends where the field starts
+    assert len(old_h.ids) - new_h.reuse < len(pair.old.ids) - pair.field[0]
+    irr = edits.length_matched_notice(tok, edits.notice_tokens(tok, notice))
+    assert abs(edits.notice_tokens(tok, irr) - edits.notice_tokens(tok, notice)) <= 2
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("variant", ["direct", "cot"])
+def test_edit_probe_end_to_end(smol, tmp_path, variant):
+    """One probe, both readouts: every method's cache read at the decision position, or after its
+    generated chain's answer marker (``scenario.variant=cot``); full agrees with itself, stale does
+    not, a chain that missed its marker is neither scored nor agreeing, and the figures render."""
+    import kvnotes.probes
+
+    from kvnotes.harness.pairs import PairSet
+
+    cot = variant == "cot"
+    full_set = recall_pairs(smol, [COT_SCENARIO if cot else "home_city"], 1, variant=variant)
+    pairs = PairSet(full_set.pairs[:1], [], full_set.scenarios)          # one pair keeps the test short
+    cfg = OmegaConf.load("conf/probe/edit.yaml")
+    cfg.update({"ks": [0, 4], "cot_ks": [0, 4], "rankings": ["last"], "oracle_ranking": "last", "max_pairs": 1,
+                "sweep_max_pairs": 1, "max_control_pairs": 1, "n_boot": 100, "progress": False,
+                "cot_max_new_tokens": 12})               # its clean chains reach the marker in 7 tokens
+    sc = OmegaConf.create({"variant": variant, "chat_template": True})
+    res = kvnotes.probes.get("edit")(kvnotes.probes.ProbeContext(bundle=smol, pairs=pairs, cfg=cfg, scenario_cfg=sc))
+    agg = res["aggregates"]
+    assert agg["n_flip"] == len(res["rows"]) == 1 and not res["exclusions"]
+    for r in res["rows"]:
+        m = r["methods"]
+        assert m["full"]["agree"] and m["full"]["kl"] == 0.0 and m["full"]["frac"] == 1.0 and m["full"]["top1"]
+        assert not m["stale"]["agree"] and m["stale"]["tokens"] == 0
+        assert m["refresh_field"]["tokens"] == r["field"][1] - r["field"][0]
+        assert 0 < m["erratum"]["tokens"] < m["full"]["tokens"]
+        for got in [*m.values(), *r["sweep"].values()]:
+            assert (got["s"] is None) == (got["r"] is None) == (got["kl"] is None) == (not got.get("reached", True))
+            assert got["reached"] or not got["agree"] if cot else "reached" not in got
+    swept = [r for r in res["rows"] if r["swept"]]
+    assert len(swept) == 1
+    s = swept[0]
+    assert set(s["sweep"]) == {"selective_last@0", "selective_last@4"} | (set() if cot else {"oracle_copy@0", "oracle_copy@4"})
+    if s["sweep"]["selective_last@0"]["reached"] if cot else True:
+        assert s["sweep"]["selective_last@0"]["s"] == pytest.approx(s["methods"]["refresh_field"]["s"], abs=KL_TOL)
+    assert agg["upper_bounds"] == ([] if cot else ["oracle_copy"])
+    assert set(agg["controls"]) == {"wrong_erratum", "irrelevant_notice", "overcorrection"}
+    if cot:
+        assert agg["readout"] == "generated" and agg["n_screened"] == 1 and not res["control_rows"]
+        assert r["chain_old"]["reached"] and r["chain_new"]["reached"]
+        assert agg["methods"]["full"]["agreement"]["all"]["p"] == 1.0 and agg["methods"]["full"]["reached_marker"]["p"] == 1.0
+    else:
+        assert s["sweep"]["oracle_copy@4"]["flops_frac"] is None                    # upper bound: no cost
+        assert abs(s["sweep"]["selective_last@0"]["kl"] - s["methods"]["refresh_field"]["kl"]) < KL_TOL
+    check_figures("edit", res, tmp_path)
