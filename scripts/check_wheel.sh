@@ -24,8 +24,7 @@ vpy="$work/venv/bin/python"
 
 cp -r examples/own-project "$work/project"
 cd "$work/project"
-"$work/venv/bin/kvnotes" run --config-dir conf model=smollm2-torch-linear probe=field_or_notes scenario=parcels \
-    device=cpu
+"$work/venv/bin/kvnotes" run --config-dir conf model=smollm2-torch-linear probe=field_or_notes scenario=parcels
 record=runs/smollm2-torch-linear/field_or_notes/parcels/record.json
 "$vpy" - "$record" "$repo" <<'PY'
 import json, sys
@@ -39,14 +38,19 @@ assert set(rec["result"]["aggregates"]) == {"field", "notes"}, rec["result"]["ag
 assert rec["git"] == {"commit": None, "dirty": None}      # a wheel: no checkout's commit
 import kvnotes
 assert Path(sys.argv[2]) not in Path(kvnotes.__file__).resolve().parents, kvnotes.__file__   # the wheel, not the clone
-for top in ("scripts", "probes", "scenarios", "circuits"):
-    try:
-        __import__(top)
-    except ModuleNotFoundError:
-        continue
-    raise SystemExit(f"import {top} works from the wheel's virtualenv: it must not")
 flips = {k: v["all"]["n"] for k, v in rec["result"]["aggregates"].items()}
 print(f"wheel check: {Path(kvnotes.__file__).parent}; record {sys.argv[1]}: {rec['scenario']['n_pairs_aligned']} "
       f"aligned pairs, flipping pairs measured {flips}")
 PY
 "$work/venv/bin/kvnotes" table "$record" | head -5
+# Only kvnotes at the top level of site-packages (from a neutral folder: the project's own scenarios/
+# folder is importable from its own directory, beside kvnotes.scenarios, as it should be).
+cd /
+"$vpy" - <<'PY'
+import importlib.util
+
+found = {top: importlib.util.find_spec(top) for top in ("scripts", "probes", "scenarios", "circuits")}
+assert all(spec is None for spec in found.values()), {k: v.origin or list(v.submodule_search_locations) for k, v in found.items() if v}
+import kvnotes.probes, kvnotes.scenarios, kvnotes.circuits  # noqa: E401,F401 -- the package's own
+print("wheel check: import scripts / probes / scenarios / circuits fail; kvnotes.probes, kvnotes.scenarios, kvnotes.circuits import")
+PY
