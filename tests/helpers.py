@@ -191,3 +191,21 @@ def job_record(bundle, out, *overrides: str) -> dict:
     with initialize_config_dir(str(Path(__file__).resolve().parent.parent / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=list(overrides))
     return json.loads(run_job(cfg, Path(out), {"launcher": "tests"}, log=lambda _: None, bundle=bundle).read_text())
+
+
+def kvnotes_here(*args) -> None:
+    """``kvnotes ARGS`` in this process (no interpreter start, torch import or model load beyond the
+    first: a command's end-to-end test costs its work, not seconds of start-up); the torch thread
+    count is restored after it. Fails the test on a non-zero exit.
+    """
+    import torch
+
+    from kvnotes.cli import main
+
+    threads = torch.get_num_threads()
+    try:
+        main([str(a) for a in args])
+    except SystemExit as stop:
+        assert stop.code in (0, None), f"kvnotes {' '.join(map(str, args))} exited with {stop.code}"
+    finally:
+        torch.set_num_threads(threads)

@@ -15,6 +15,7 @@ from kvnotes.records.envelope import check_record, json_schema
 from kvnotes.records.store import find_records, load_record
 from kvnotes.records.presentation import presentation
 from kvnotes.records.tables import record_table, screen_table
+from tests.helpers import kvnotes_here
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,16 +122,6 @@ def test_records_of_the_old_top_level_probes_keep_their_presentation():
     assert presentation(old).table is screen_table
 
 
-def _kvnotes_here(*args) -> None:
-    """``kvnotes ARGS`` in this process (the model loads once per session's cache)."""
-    from kvnotes.cli import main
-
-    try:
-        main(list(args))
-    except SystemExit as stop:
-        assert stop.code in (0, None)
-
-
 @pytest.mark.embedded
 def test_ownership_scan_is_a_view_of_a_screen_record(tmp_path, monkeypatch, capsys):
     """``kvnotes ownership-scan`` runs ``probe=screen`` on its files through the job path and prints
@@ -141,7 +132,7 @@ def test_ownership_scan_is_a_view_of_a_screen_record(tmp_path, monkeypatch, caps
     suite = ROOT / "scenarios" / "suites" / "recall" / "home_city.yaml"
     args = ["ownership-scan", str(suite), "--n-instances", "1", "--threads", "2", "--json", str(tmp_path / "scan.json")]
     monkeypatch.chdir(tmp_path)
-    _kvnotes_here(*args)
+    kvnotes_here(*args)
     out = capsys.readouterr().out
     (path,) = (tmp_path / "runs" / "smollm2-135m" / "screen" / "default").rglob("record.json")
     rec = load_record(path)
@@ -154,5 +145,5 @@ def test_ownership_scan_is_a_view_of_a_screen_record(tmp_path, monkeypatch, caps
     assert (f"recall     home_city              owned {counts['home_city']['owned']:2d}/{len(expected):2d}" in out
             and "FAMILY recall: owned" in out), out
     assert json.loads((tmp_path / "scan.json").read_text())["scenarios"] == counts
-    _kvnotes_here(*args)
+    kvnotes_here(*args)
     assert f"{path.relative_to(tmp_path)} is complete; skipping" in capsys.readouterr().out

@@ -13,7 +13,7 @@ import pytest
 
 from kvnotes.scenarios.errors import ScenarioError
 from kvnotes.scenarios.locomo import contains, load_locomo, normalize_answer, render_session, token_f1
-from tests.helpers import LOGPROB_TOL, VOCAB, build_tiny
+from tests.helpers import LOGPROB_TOL, VOCAB, build_tiny, kvnotes_here
 
 ROOT = Path(__file__).resolve().parents[2]
 #: F1 values computed by hand from token counts.
@@ -221,26 +221,27 @@ def test_runner_full_seam_and_truncation(tiny_samples):
 
 
 @pytest.mark.embedded
-def test_command_on_embedded_model(tmp_path):
+def test_command_on_embedded_model(tmp_path, monkeypatch, capsys):
     """``kvnotes locomo`` end to end on the embedded SmolLM2-135M: ``probe=locomo`` through the job path
     writes its record (the LoCoMo file among its inputs), prints the summary and writes the JSON; a
     second call reuses the record, and an edited file runs the job again."""
     data = write(tmp_path / "locomo.json", [sample("one", 1), sample("two", 2)])
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, "-c", "from kvnotes.cli import main; main()", "locomo", "--data",
-                           str(data), "--max-questions", "3", "--max-new-tokens", "8", "--threads", "1",
-                           "--json", str(out), "--out-root", str(tmp_path / "runs"), "--device", "cpu"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "\n# locomo QA: smollm2-135m; 3 question(s) from 2 conversation(s)" in proc.stdout, proc.stdout
+    args = ["locomo", "--data", data, "--max-questions", "3", "--max-new-tokens", "8", "--json", out,
+            "--out-root", tmp_path / "runs", "--device", "cpu"]
+    monkeypatch.chdir(tmp_path)
+    kvnotes_here(*args)
+    stdout = capsys.readouterr().out
+    assert "\n# locomo QA: smollm2-135m; 3 question(s) from 2 conversation(s)" in stdout, stdout
     rec = json.loads(out.read_text())
     assert len(rec["records"]) == 3 and rec["records"][0]["first_step"]["max_abs_diff"] <= EMBEDDED_TOL
     (path,) = (tmp_path / "runs" / "smollm2-135m" / "locomo" / "locomo").rglob("record.json")
     record = json.loads(path.read_text())
     assert record["result"]["rows"] == rec["records"] and record["config"]["probe"]["data"] == str(data)
-    again = subprocess.run(proc.args, capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert again.returncode == 0 and "is complete; skipping" in again.stdout, again.stderr[-2000:]
+    kvnotes_here(*args)
+    assert "is complete; skipping" in capsys.readouterr().out
     write(data, [sample("one", 1)])
-    edited = subprocess.run(proc.args, capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert edited.returncode == 0 and "computed from other inputs (scenario files changed)" in edited.stdout, edited.stdout
-    assert "# locomo QA: smollm2-135m; 2 question(s) from 1 conversation(s)" in edited.stdout
+    kvnotes_here(*args)
+    edited = capsys.readouterr().out
+    assert "computed from other inputs (scenario files changed)" in edited, edited
+    assert "# locomo QA: smollm2-135m; 2 question(s) from 1 conversation(s)" in edited
