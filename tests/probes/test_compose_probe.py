@@ -10,6 +10,11 @@ from omegaconf import OmegaConf
 from kvnotes import CONF_DIR
 from kvnotes.probes import ProbeContext
 from tests.helpers import check_figures
+from types import SimpleNamespace
+import torch
+from kvnotes.kv.generate import Chain, token_marker
+from kvnotes.probes.compose import aggregate_cot, compose_prompts, cot_generate, cot_prompt_row, variant_name
+from tests.helpers import VOCAB, build_tiny
 
 # fp32 on CPU: recomputing whole chunks (seam >= chunk length) is the full prefill done in three
 # forwards instead of one; measured differences are ~3e-5 in logits of magnitude ~20.
@@ -92,3 +97,149 @@ def test_edit_arms_shared_work_equals_each_pair_alone(smol, result):
             for m in methods:
                 assert got[m]["top1_agree"] == want[m]["top1_agree"]
                 assert got[m]["kl"] == pytest.approx(want[m]["kl"], abs=FULL_SEAM_ATOL)
+
+
+# -------------------- the generated readout (scenario.variant=cot)
+# ``compose`` under chain of thought (``scenario.variant=cot``): with zero new tokens the generated
+# readout of the full prefill and of every composed variant is the direct readout of
+# :func:`kvnotes.probes.compose.compose_prompts`; a composed variant whose seam recomputes whole chunks
+# generates the full prefill's chain token for token; a chain without its marker is excluded (full
+# chain) or counted unreached (composed chain), never scored; ``run.py`` writes a generated-readout
+# record on the embedded model.
+
+#: fp32 on CPU: the cut prompt composed on a dynamic cache and the last token fed by the decoder vs
+#: the whole prompt composed in one call (static cache on full-attention models): the same
+#: computation in other forwards and batch shapes, ~1e-6 measured; a wrong position, seam or fed
+#: token moves log-probs by far more than this.
+TOL = 1e-4
+L = 30
+CHUNKS = ((3, 10), (11, 19))          # longer than the sliding window (8): windows fill inside a chunk
+FIELD = (21, 24)
+VARIANTS = [(rot, sink, seam) for rot in (True, False) for sink in ("none", "bos", "prefix") for seam in (0, 3)]
+WHOLE = [(True, "bos", 99), (False, "none", 99)]       # seam >= every chunk: whole chunks recomputed
+CTX = SimpleNamespace(bundle=SimpleNamespace(tokenizer=None), thinking=False)
+COLS = {"prompt": "i:v", "scenario": "s", "family": "f", "instance": "i", "value": "v"}
+
+
+def _ids(seed: int = 5) -> torch.Tensor:
+    """Two prompts ``[2, L]`` that differ only inside FIELD (after the chunks)."""
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randint(0, VOCAB, (L,), generator=g)
+    new = old.clone()
+    new[FIELD[0]:FIELD[1]] = (old[FIELD[0]:FIELD[1]] + 1 + torch.randint(0, VOCAB - 1, (3,), generator=g)) % VOCAB
+    return torch.stack([old, new])
+
+
+def test_zero_new_tokens_is_the_direct_readout(tiny):
+    ids = _ids()
+    gen = cot_generate(tiny, ids, CHUNKS, VARIANTS, 0, None, [])
+    direct = compose_prompts(tiny, [SimpleNamespace(ids=x) for x in ids], CHUNKS, VARIANTS)
+    for res, ref in zip(gen, direct):
+        chain, lp = res["full"]
+        assert chain.reached and chain.length == 0
+        assert float((lp - ref["full"]).abs().max()) < TOL
+        row = cot_prompt_row(CTX, COLS, res, int(ref["full"].argmax()))
+        assert row["reason"] is None and row["owned"]
+        for v in VARIANTS:
+            name = variant_name(*v)
+            c, clp = res["variants"][name]
+            assert c.reached and c.length == 0
+            assert float((clp - ref["variants"][name]["logprobs"]).abs().max()) < TOL, name
+            got = row["variants"][name]
+            assert got["top1_agree"] == ref["variants"][name]["top1_agree"] and got["same_chain"]
+            assert got["kl"] == pytest.approx(ref["variants"][name]["kl"], abs=TOL)
+
+
+def test_whole_chunk_seam_generates_the_full_chain(tiny):
+    ids = _ids(7)
+    n = 6
+    gen = cot_generate(tiny, ids, CHUNKS, WHOLE + [(False, "none", 0)], 10, lambda t: len(t) >= n, [])
+    for res in gen:
+        row = cot_prompt_row(CTX, COLS, res, 0)
+        assert row["full_chain"]["reached"] and row["full_chain"]["marker_at"] == n - 1
+        full_lp = res["full"][1]
+        for v in WHOLE:
+            name = variant_name(*v)
+            assert row["variants"][name]["same_chain"], name
+            assert row["variants"][name]["kl"] < TOL
+            assert float((res["variants"][name][1] - full_lp).abs().max()) < TOL
+        ctrl = row["variants"]["no_rotate/sink=none/seam=0"]       # decoded and read like any other variant
+        assert ctrl["reached"] and ctrl["chain"]["length"] == n and ctrl["kl"] is not None
+
+
+def test_a_chain_without_its_marker_is_never_scored():
+    model = build_tiny("llama")
+    ids = _ids()
+    never = token_marker([VOCAB + 5])
+    gen = cot_generate(model, ids, CHUNKS, VARIANTS[:2], 3, never, [])
+    for res in gen:
+        assert res["variants"] == {}                               # the prompt is not composed
+        row = cot_prompt_row(CTX, COLS, res, 0)
+        assert row["reason"] == "full_no_marker" and row["full_chain"]["length"] == 3
+        assert "owned" not in row and "variants" not in row
+    # a composed chain that misses its marker: counted per variant, out of that variant's metrics
+    lp = torch.log_softmax(torch.randn(VOCAB), -1)
+    full = Chain([1, 2], True, "marker")
+    res = {"full": (full, lp), "variants": {"a": (Chain([1, 2], True, "marker"), lp),
+                                            "b": (Chain([1, 3, 4], False, "max_new_tokens"), torch.full_like(lp, float("nan")))}}
+    row = cot_prompt_row(CTX, COLS, res, int(lp.argmax()))
+    b = row["variants"]["b"]
+    assert not b["reached"] and b["kl"] is None and b["top1_agree"] is None and b["top1"] is None
+    assert b["unreached_reason"] == "composed_no_marker" and not b["same_chain"]
+    agg = aggregate_cot([row], [], ["a", "b"], ["f"], 50, 0)
+    assert agg["b"]["n_unreached"]["all"] == 1 and agg["b"]["decision_agreement"]["all"]["n"] == 0
+    assert agg["b"]["kl"]["all"]["n"] == 0 and (agg["b"]["same_chain"]["all"]["k"], agg["b"]["same_chain"]["all"]["n"]) == (0, 1)
+    assert agg["a"]["decision_agreement"]["all"]["k"] == 1 and agg["a"]["kl"]["all"]["mean"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_image_chunk_is_refused_under_cot():
+    from omegaconf import OmegaConf
+
+    from kvnotes.errors import KvnotesError
+    from kvnotes.probes.compose import run
+
+    ctx = SimpleNamespace(cfg=OmegaConf.create({"image_chunk": True}), scenario_cfg=OmegaConf.create({"variant": "cot"}))
+    with pytest.raises(KvnotesError, match="image_chunk=true is not run under scenario.variant=cot"):
+        run(ctx)
+
+
+@pytest.mark.embedded
+def test_run_py_writes_a_generated_compose_record(gemma, tmp_path):
+    """On Gemma-3-270M: its favourite_colour chains reach "colour is", so the record has kept
+    prompts and pairs (on SmolLM2-135M no full chain of the chunked layout reaches its marker,
+    measured: its record would hold only exclusions, the branch the tiny tests above check)."""
+    from kvnotes.plots import plot_record
+    from kvnotes.records.tables import record_table
+    from tests.helpers import job_record
+
+    rec = job_record(gemma, tmp_path, "model=gemma-3-270m", "probe=compose", "scenario=small", "scenario.variant=cot",
+                     "scenario.n_instances=1", "scenario.ids=[favourite_colour]", "probe.cot_max_pairs=1",
+                     "probe.cot_seams=[0]", "probe.sinks=[bos]", "probe.n_boot=50", "plot=false")
+    res = rec["result"]
+    agg, ex = res["aggregates"], res["exclusions"]
+    names = res["variant_names"]
+    assert agg["readout"] == "generated" and agg["edit_arms"] is None and agg["edit_arms_note"]
+    assert names == ["rotate/sink=bos/seam=0", "no_rotate/sink=bos/seam=0"]
+    assert agg["n_screened"] == 1 and ex.get("beyond_max_pairs", 0) == agg["n_aligned"] - 1
+    # the pair's two prompts: kept or excluded by their full chains; the pair kept only with both
+    assert agg["n_prompts_screened"] == 2 == agg["n_prompts"] + sum(agg["prompt_exclusions"].values())
+    assert agg["n_pair_rows"] + ex.get("old_no_marker", 0) + ex.get("new_no_marker", 0) == 1
+    assert (agg["n_pair_rows"] == 1) == (agg["n_prompts"] == 2)
+    assert res["prompts"] and res["rows"]              # the kept branch is exercised, not only exclusions
+    for r in res["excluded"]:
+        if r["reason"].startswith("full_"):
+            assert not r["full_chain"]["reached"] and r["full_chain"]["length"] == len(r["full_chain"]["ids"])
+    for p in res["prompts"]:
+        assert p["full_chain"]["reached"] and p["full_chain"]["marker_at"] == p["full_chain"]["length"] - 1
+        assert p["full_text"].rstrip(" ").endswith("colour is")
+        for v in names:
+            d = p["variants"][v]
+            assert len(d["chain"]["ids"]) == d["chain"]["length"] and (d["kl"] is None) != d["reached"]
+    for v in names:
+        a = agg["variants"][v]
+        done = [p for p in res["prompts"] if p["variants"][v]["reached"]]
+        assert a["n_unreached"]["all"] == len(res["prompts"]) - len(done) == agg["n_unreached"][v]
+        assert a["decision_agreement"]["all"]["n"] == sum(p["owned"] for p in done)
+        assert a["same_chain"]["all"]["n"] == agg["n_prompts"]
+    assert agg["n_flip"] == sum(r["flips"] for r in res["rows"]) and ex.get("no_cot_flip", 0) == agg["n_pair_rows"] - agg["n_flip"]
+    assert "generated" in record_table(rec) and plot_record(rec, tmp_path)     # table and figure from the record
