@@ -20,11 +20,6 @@ from kvnotes.cli import add_machine_flags
 from kvnotes.cli.helptext import PlainHelpFormatter
 
 
-def _quoted(value: str) -> str:
-    """A Hydra override value quoted (any path)."""
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def main() -> None:
     """Run ``probe=locomo`` on the flags' settings and print its report.
 
@@ -61,13 +56,13 @@ def main() -> None:
 
     import torch
 
-    from kvnotes.cli.run import compose_jobs, run_or_reuse
+    from kvnotes.cli.run import compose_jobs, quoted, run_or_reuse
     from kvnotes.probes.locomo import locomo_table
     from kvnotes.records.store import load_record
 
     torch.set_num_threads(args.threads)
     null = "null"
-    overrides = [f"model={args.model}", "probe=locomo", "scenario=locomo", f"scenario.locomo={_quoted(args.data)}",
+    overrides = [f"model={args.model}", "probe=locomo", "scenario=locomo", f"scenario.locomo={quoted(args.data)}",
                  f"probe.max_questions={args.max_questions or null}", f"probe.max_new_tokens={args.max_new_tokens}",
                  f"probe.categories=[{','.join(map(str, categories))}]", f"probe.max_context={args.max_context or null}",
                  f"probe.seam={args.seam}", f"probe.rotate={str(not args.no_rotate).lower()}",

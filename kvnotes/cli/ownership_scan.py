@@ -27,8 +27,9 @@ def overrides(paths: list[str], model: str, n_instances: int, seed: int, variant
               device: str, out_root: str) -> list[str]:
     """The ``kvnotes run`` overrides of the scan: ``probe=screen`` on ``paths`` (the default suite's
     settings otherwise), the ``owned`` flip rule, no figures."""
-    quoted = ",".join("'" + str(p).replace("\\", "\\\\").replace("'", "\\'") + "'" for p in paths)
-    return [f"model={model}", "probe=screen", "scenario=default", f"scenario.paths=[{quoted}]",
+    from kvnotes.cli.run import quoted
+
+    return [f"model={model}", "probe=screen", "scenario=default", f"scenario.paths=[{','.join(map(quoted, paths))}]",
             f"scenario.n_instances={n_instances}", f"scenario.seed={seed}", f"scenario.variant={variant}",
             f"min_effect={min_effect}", "flip_rule=owned", "plot=false", "probe.progress=false",
             f"out_root={out_root}"] + ([f"device={device}"] if device != "auto" else [])

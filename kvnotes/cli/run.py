@@ -78,6 +78,16 @@ def user_config_dirs(argv: list[str]) -> tuple[list[str], list[Path]]:
     return rest, dirs
 
 
+def quoted(value: str) -> str:
+    """A Hydra override value quoted, so that any path (``/``, ``,``, ``=``, quotes, backslashes) is
+    one string: quotes are escaped, and so are backslashes before a quote or the closing one (Hydra's
+    rule for quoted values)."""
+    import re
+
+    escaped = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, str(value)).replace("'", "\\'")
+    return f"'{escaped}'"
+
+
 def searchpath_override(dirs: list[Path]) -> list[str]:
     """The ``hydra.searchpath=[file://...]`` override naming ``dirs`` (none when there are none)."""
     return [f"hydra.searchpath=[{','.join(repr(f'file://{d}') for d in dirs)}]"] if dirs else []

@@ -163,3 +163,23 @@ def test_results_table_joins_the_columns_records_declare(sweep):
                     "all": f"{agg['n_flip']}/{agg['n_pairs']}"}
     with pytest.raises(ValueError, match="no record"):
         results_table({"blast_radius": json.loads((model_dir / "blast_radius" / suite / "record.json").read_text())})
+
+
+def test_quoted_override_values_round_trip():
+    """``kvnotes.cli.run.quoted``: any path a command passes on (``scenario.paths``, ``scenario.locomo``)
+    reaches the config as the same string, whatever quotes, commas or backslashes it holds."""
+    from hypothesis import given, settings, strategies as st
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from kvnotes.cli.run import quoted
+
+    parser = OverridesParser.create()
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=30))
+    def round_trip(value):
+        assert parser.parse_overrides([f"key={quoted(value)}"])[0].value() == value
+
+    round_trip()
+    for value in ("/a/b c.json", "it's,=x", "C:\\runs\\", "a\\'b", "[x]"):
+        assert parser.parse_overrides([f"key={quoted(value)}"])[0].value() == value
