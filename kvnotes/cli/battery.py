@@ -52,13 +52,18 @@ def main() -> None:
     from kvnotes.cli.errors import check_writable, conf_name, existing_path, float_at_least
     from kvnotes.errors import KvnotesError
 
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config-dir", action="append", default=[], type=existing_path("--config-dir", "dir"))
+    dirs = [Path(d).resolve() for d in pre.parse_known_args()[0].config_dir]
     ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, description=__doc__)
-    ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model"),
+    ap.add_argument("--config-dir", action="append", default=[], metavar="DIR",
+                    help="a folder of your own config groups (model/, probe/, scenario/), as kvnotes run --config-dir")
+    ap.add_argument("--model", default="smollm2-135m", type=conf_name("model", "--model", dirs),
                     help="zoo config name under conf/model")
-    ap.add_argument("--scenario", default="default", type=conf_name("scenario", "--scenario"),
+    ap.add_argument("--scenario", default="default", type=conf_name("scenario", "--scenario", dirs),
                     help="scenario config name under conf/scenario")
     add_machine_flags(ap, device="auto")
-    ap.add_argument("--probes", nargs="*", default=None, type=conf_name("probe", "--probes"),
+    ap.add_argument("--probes", nargs="*", default=None, type=conf_name("probe", "--probes", dirs),
                     help="probe names (default: every registered probe that runs on the scenario suite; the memory "
                          "probes, which bring their own suite, only when named)")
     ap.add_argument("--clean-runs-mb", type=float_at_least("--clean-runs-mb", 0.0), default=8192,
@@ -96,7 +101,7 @@ def main() -> None:
     # cannot change a result (plot, progress, out_root) name no record directory
     common = [f"model={args.model}", f"scenario={args.scenario}", "probe.progress=false", "plot=false",
               f"out_root={out_root}"] + ([f"device={args.device}"] if args.device != "auto" else [])
-    jobs = dict(zip(names, compose_jobs([[f"probe={n}", *common] for n in names])))  # checked before the model loads
+    jobs = dict(zip(names, compose_jobs([[f"probe={n}", *common] for n in names], dirs)))  # checked before the model loads
     if args.probes is None:     # the scenario suite's probes; the memory probes (pairs: none) bring their own data
         names = [n for n in names if kvnotes.probes.typed_config(jobs[n].cfg.probe).pairs != "none"]
     t0 = time.perf_counter()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -134,21 +134,24 @@ def one_of(flag: str, choices: tuple[str, ...]) -> Callable[[str], str]:
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
-def conf_names(group: str) -> list[str]:
-    """The entries of ``conf/<group>`` (``model``, ``probe``, ``scenario``), ``_`` files excluded, sorted."""
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml") if not p.stem.startswith("_"))
+def conf_names(group: str, dirs: Sequence[Path] = ()) -> list[str]:
+    """The entries of ``conf/<group>`` (``model``, ``probe``, ``scenario``) and of ``<dir>/<group>``
+    for a user's config folders ``dirs`` (``--config-dir``), ``_`` files excluded, sorted."""
+    return sorted({p.stem for d in (CONF, *map(Path, dirs)) for p in (d / group).glob("*.yaml")
+                   if not p.stem.startswith("_")})
 
 
-def conf_name(group: str, flag: str | None = None) -> Callable[[str], str]:
-    """An argparse ``type``: the name of a ``conf/<group>/<name>.yaml`` entry.
+def conf_name(group: str, flag: str | None = None, dirs: Sequence[Path] = ()) -> Callable[[str], str]:
+    """An argparse ``type``: the name of a ``conf/<group>/<name>.yaml`` entry (kvnotes' own, or one in
+    a user's config folders ``dirs``).
 
     Raises:
         KvnotesError: (from the returned function) no such entry; the message lists the known ones.
     """
     def parse(text: str) -> str:
-        if text not in conf_names(group):
+        if text not in conf_names(group, dirs):
             where = f"{flag}: " if flag else ""
-            raise KvnotesError(f"{where}unknown {group} '{text}' (known: {', '.join(conf_names(group))})")
+            raise KvnotesError(f"{where}unknown {group} '{text}' (known: {', '.join(conf_names(group, dirs))})")
         return text
     parse.__name__ = group
     return parse
