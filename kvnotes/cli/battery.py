@@ -52,8 +52,9 @@ def main() -> None:
     from kvnotes.cli.errors import check_writable, conf_name, existing_path, float_at_least
     from kvnotes.errors import KvnotesError
 
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config-dir", action="append", default=[], type=existing_path("--config-dir", "dir"))
+    pre = argparse.ArgumentParser(add_help=False)      # the config folders first: the names below may come from them
+    pre.add_argument("--config-dir", action="append", default=[], type=existing_path("--config-dir", "dir"),
+                     help="a folder of your own config groups")
     dirs = [Path(d).resolve() for d in pre.parse_known_args()[0].config_dir]
     ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, description=__doc__)
     ap.add_argument("--config-dir", action="append", default=[], metavar="DIR",
