@@ -40,7 +40,6 @@ from kvnotes.cli import add_machine_flags
 from kvnotes.cli.helptext import PlainHelpFormatter
 
 
-
 def main() -> None:
     """Run the battery (see the module docstring).
 
