@@ -4,6 +4,8 @@ live in ``conftest.py``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import os
 
 import torch
@@ -193,19 +195,34 @@ def job_record(bundle, out, *overrides: str) -> dict:
     return json.loads(run_job(cfg, Path(out), {"launcher": "tests"}, log=lambda _: None, bundle=bundle).read_text())
 
 
-def kvnotes_here(*args) -> None:
-    """``kvnotes ARGS`` in this process (no interpreter start, torch import or model load beyond the
-    first: a command's end-to-end test costs its work, not seconds of start-up); the torch thread
-    count is restored after it. Fails the test on a non-zero exit.
-    """
-    import torch
+
+@dataclass
+class Ran:
+    """What a command did: its exit status and what it printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_kvnotes(monkeypatch, capsys, *args) -> Ran:
+    """Run ``kvnotes ARGS`` in this process (the dispatcher, as the console script calls it): no
+    interpreter start, torch import or model load beyond the session's first. A command's
+    ``--threads`` does not outlive it: torch's thread count is restored when torch was loaded."""
+    import sys
 
     from kvnotes.cli import main
 
-    threads = torch.get_num_threads()
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    monkeypatch.setattr(sys, "argv", ["kvnotes", *map(str, args)])
+    code = 0
     try:
-        main([str(a) for a in args])
+        main()
     except SystemExit as stop:
-        assert stop.code in (0, None), f"kvnotes {' '.join(map(str, args))} exited with {stop.code}"
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     finally:
-        torch.set_num_threads(threads)
+        if threads is not None:
+            torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    return Ran(code, out, err)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -51,10 +52,9 @@ def main() -> None:
     from kvnotes.cli.errors import check_writable, conf_name, existing_path, float_at_least
     from kvnotes.errors import KvnotesError
 
-    pre = argparse.ArgumentParser(add_help=False)      # the config folders first: the names below may come from them
-    pre.add_argument("--config-dir", action="append", default=[], type=existing_path("--config-dir", "dir"),
-                     help="a folder of your own config groups")
-    dirs = [Path(d).resolve() for d in pre.parse_known_args()[0].config_dir]
+    from kvnotes.cli.run import user_config_dirs
+
+    _, dirs = user_config_dirs(sys.argv[1:])          # first: the names below may come from them
     ap = argparse.ArgumentParser(formatter_class=PlainHelpFormatter, description=__doc__)
     ap.add_argument("--config-dir", action="append", default=[], metavar="DIR",
                     help="a folder of your own config groups (model/, probe/, scenario/), as kvnotes run --config-dir")
@@ -85,7 +85,7 @@ def main() -> None:
     import torch
 
     import kvnotes.probes
-    from kvnotes.cli.run import compose_jobs
+    from kvnotes.cli.run import compose_jobs, quiet_job
     from kvnotes.harness.jobs import load_bundle, run_job
     from kvnotes.harness.kit import CleanRuns
     from kvnotes.harness.pairs import prepare_for_probe
@@ -99,8 +99,7 @@ def main() -> None:
     out_root = args.records or scratch.name                          # type: ignore[union-attr]
     # run.py's own overrides for each probe, so each record is the one `kvnotes run` writes; the keys that
     # cannot change a result (plot, progress, out_root) name no record directory
-    common = [f"model={args.model}", f"scenario={args.scenario}", "probe.progress=false", "plot=false",
-              f"out_root={out_root}"] + ([f"device={args.device}"] if args.device != "auto" else [])
+    common = [f"model={args.model}", f"scenario={args.scenario}", *quiet_job(out_root, args.device)]
     jobs = dict(zip(names, compose_jobs([[f"probe={n}", *common] for n in names], dirs)))  # checked before the model loads
     if args.probes is None:     # the scenario suite's probes; the memory probes (pairs: none) bring their own data
         names = [n for n in names if kvnotes.probes.typed_config(jobs[n].cfg.probe).pairs != "none"]

@@ -56,7 +56,7 @@ def main() -> None:
 
     import torch
 
-    from kvnotes.cli.run import compose_jobs, quoted, run_or_reuse
+    from kvnotes.cli.run import compose_jobs, quiet_job, quoted, run_or_reuse
     from kvnotes.probes.locomo import locomo_table
     from kvnotes.records.store import load_record
 
@@ -66,8 +66,7 @@ def main() -> None:
                  f"probe.max_questions={args.max_questions or null}", f"probe.max_new_tokens={args.max_new_tokens}",
                  f"probe.categories=[{','.join(map(str, categories))}]", f"probe.max_context={args.max_context or null}",
                  f"probe.seam={args.seam}", f"probe.rotate={str(not args.no_rotate).lower()}",
-                 f"probe.margin={args.margin}", "plot=false", "probe.progress=false", f"out_root={args.out_root}"]
-    overrides += [f"device={args.device}"] if args.device != "auto" else []
+                 f"probe.margin={args.margin}", *quiet_job(args.out_root, args.device)]
     (job,) = compose_jobs([overrides])                  # the LoCoMo file is read and checked before the model loads
     record = load_record(run_or_reuse(job.cfg, job.out_dir, job.hydra_info))
     print(locomo_table(record))

@@ -27,12 +27,11 @@ def overrides(paths: list[str], model: str, n_instances: int, seed: int, variant
               device: str, out_root: str) -> list[str]:
     """The ``kvnotes run`` overrides of the scan: ``probe=screen`` on ``paths`` (the default suite's
     settings otherwise), the ``owned`` flip rule, no figures."""
-    from kvnotes.cli.run import quoted
+    from kvnotes.cli.run import quiet_job, quoted
 
     return [f"model={model}", "probe=screen", "scenario=default", f"scenario.paths=[{','.join(map(quoted, paths))}]",
             f"scenario.n_instances={n_instances}", f"scenario.seed={seed}", f"scenario.variant={variant}",
-            f"min_effect={min_effect}", "flip_rule=owned", "plot=false", "probe.progress=false",
-            f"out_root={out_root}"] + ([f"device={device}"] if device != "auto" else [])
+            f"min_effect={min_effect}", "flip_rule=owned", *quiet_job(out_root, device)]
 
 
 def main() -> None:

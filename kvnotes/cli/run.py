@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvnotes import CONF_DIR
-from kvnotes.cli.errors import fail
+from kvnotes.cli.errors import conf_names, fail
 
 CONF = CONF_DIR
 GROUPS = ("model", "probe", "scenario")
@@ -101,8 +101,7 @@ def check_choices(argv: list[str], dirs: Sequence[Path] = ()) -> None:
         key = key.lstrip("+~")
         if not sep or key not in GROUPS:
             continue
-        known = sorted({p.stem for d in (CONF, *dirs) for p in (d / key).glob("*.yaml")
-                        if not p.stem.startswith("_")})
+        known = conf_names(key, dirs)
         for choice in value.split(","):
             if choice and choice not in known:
                 fail(f"unknown {key} '{choice}' (known: {', '.join(known)})")
@@ -177,6 +176,14 @@ def variant_dir(override_dirname: str) -> str:
     if len(name) <= MAX_VARIANT_CHARS:
         return name
     return f"{name[:MAX_VARIANT_CHARS - 13]}~{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+
+
+def quiet_job(out_root: str, device: str) -> list[str]:
+    """The overrides of a job a command runs for its numbers (``kvnotes battery``, ``ownership-scan``,
+    ``locomo``): no progress bars or figures (keys that name no record directory), records under
+    ``out_root``, and ``device`` unless ``auto`` (``run.py``'s default: the record is the one
+    ``kvnotes run`` writes)."""
+    return ["probe.progress=false", "plot=false", f"out_root={out_root}"] + ([f"device={device}"] if device != "auto" else [])
 
 
 @dataclass

@@ -97,8 +97,8 @@ def test_battery_writes_the_records_run_py_writes(tmp_path, monkeypatch, capsys)
     own scenario config (``--config-dir``, for both commands): one scenario, one instance."""
     import json
 
-    from kvnotes.cli import main
     from kvnotes.records.diff import result_diff
+    from tests.helpers import run_kvnotes
     from tests.cli.test_cli import run_main
 
     battery, alone, conf = tmp_path / "battery", tmp_path / "alone", tmp_path / "conf"
@@ -106,12 +106,10 @@ def test_battery_writes_the_records_run_py_writes(tmp_path, monkeypatch, capsys)
     (conf / "scenario" / "one.yaml").write_text("defaults:\n  - default\n  - _self_\nname: one\nids: [home_city]\n"
                                                 "n_instances: 1\n")
     monkeypatch.chdir(tmp_path)
-    try:
-        main(["battery", "--config-dir", str(conf), "--probes", "screen", "--scenario", "one", "--records", str(battery),
-              "--threads", "2"])
-    except SystemExit as stop:
-        assert stop.code in (0, None), capsys.readouterr().err
-    assert "screen" in capsys.readouterr().out
+    ran = run_kvnotes(monkeypatch, capsys, "battery", "--config-dir", conf, "--probes", "screen", "--scenario", "one",
+                      "--records", battery, "--threads", "2")
+    assert ran.returncode == 0, ran.stderr
+    assert "screen" in ran.stdout
     path = battery / "smollm2-135m" / "screen" / "one" / "record.json"
     user = ["--config-dir", str(conf), "probe=screen", "scenario=one"]
     proc = run_main(monkeypatch, capsys, *user, f"out_root={battery}")

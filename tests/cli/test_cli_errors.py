@@ -12,12 +12,12 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.cli.test_cli import ROOT, one_line_error
+from tests.helpers import run_kvnotes
 
 SUITE = str(ROOT / "scenarios" / "suites" / "recall")
 
@@ -34,29 +34,6 @@ BLAST = {"rows": [], "aggregates": {"all": {"k_rel_p95": {"all": SUMMARY}}}, "ex
          "examples": {}}
 SCREEN = {"rows": [], "exclusions": {}, "excluded": [],
           "aggregates": {"by_family": {"recall": {"n_pairs": 3, "n_flip": 1, "excluded": {}}}}}
-
-
-@dataclass
-class Ran:
-    """What a command did: its exit status and what it printed."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def run_kvnotes(monkeypatch, capsys, *args) -> Ran:
-    """Run ``kvnotes ARGS`` in this process (the dispatcher, as the console script calls it)."""
-    from kvnotes.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["kvnotes", *map(str, args)])
-    code = 0
-    try:
-        main()
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-    out, err = capsys.readouterr()
-    return Ran(code, out, err)
 
 
 def write_record(path: Path, result: dict | None = None, **changes) -> Path:

@@ -15,7 +15,7 @@ from kvnotes.records.envelope import check_record, json_schema
 from kvnotes.records.store import find_records, load_record
 from kvnotes.records.presentation import presentation
 from kvnotes.records.tables import record_table, screen_table
-from tests.helpers import kvnotes_here
+from tests.helpers import run_kvnotes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -132,8 +132,9 @@ def test_ownership_scan_is_a_view_of_a_screen_record(tmp_path, monkeypatch, caps
     suite = ROOT / "scenarios" / "suites" / "recall" / "home_city.yaml"
     args = ["ownership-scan", str(suite), "--n-instances", "1", "--threads", "2", "--json", str(tmp_path / "scan.json")]
     monkeypatch.chdir(tmp_path)
-    kvnotes_here(*args)
-    out = capsys.readouterr().out
+    ran = run_kvnotes(monkeypatch, capsys, *args)
+    assert ran.returncode == 0, ran.stderr
+    out = ran.stdout
     (path,) = (tmp_path / "runs" / "smollm2-135m" / "screen" / "default").rglob("record.json")
     rec = load_record(path)
     rows = rec["result"]["rows"]
@@ -145,5 +146,4 @@ def test_ownership_scan_is_a_view_of_a_screen_record(tmp_path, monkeypatch, caps
     assert (f"recall     home_city              owned {counts['home_city']['owned']:2d}/{len(expected):2d}" in out
             and "FAMILY recall: owned" in out), out
     assert json.loads((tmp_path / "scan.json").read_text())["scenarios"] == counts
-    kvnotes_here(*args)
-    assert f"{path.relative_to(tmp_path)} is complete; skipping" in capsys.readouterr().out
+    assert f"{path.relative_to(tmp_path)} is complete; skipping" in run_kvnotes(monkeypatch, capsys, *args).stdout

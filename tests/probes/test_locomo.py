@@ -13,7 +13,7 @@ import pytest
 
 from kvnotes.scenarios.errors import ScenarioError
 from kvnotes.scenarios.locomo import contains, load_locomo, normalize_answer, render_session, token_f1
-from tests.helpers import LOGPROB_TOL, VOCAB, build_tiny, kvnotes_here
+from tests.helpers import LOGPROB_TOL, VOCAB, build_tiny, run_kvnotes
 
 ROOT = Path(__file__).resolve().parents[2]
 #: F1 values computed by hand from token counts.
@@ -230,18 +230,17 @@ def test_command_on_embedded_model(tmp_path, monkeypatch, capsys):
     args = ["locomo", "--data", data, "--max-questions", "3", "--max-new-tokens", "8", "--json", out,
             "--out-root", tmp_path / "runs", "--device", "cpu"]
     monkeypatch.chdir(tmp_path)
-    kvnotes_here(*args)
-    stdout = capsys.readouterr().out
+    ran = run_kvnotes(monkeypatch, capsys, *args)
+    assert ran.returncode == 0, ran.stderr
+    stdout = ran.stdout
     assert "\n# locomo QA: smollm2-135m; 3 question(s) from 2 conversation(s)" in stdout, stdout
     rec = json.loads(out.read_text())
     assert len(rec["records"]) == 3 and rec["records"][0]["first_step"]["max_abs_diff"] <= EMBEDDED_TOL
     (path,) = (tmp_path / "runs" / "smollm2-135m" / "locomo" / "locomo").rglob("record.json")
     record = json.loads(path.read_text())
     assert record["result"]["rows"] == rec["records"] and record["config"]["probe"]["data"] == str(data)
-    kvnotes_here(*args)
-    assert "is complete; skipping" in capsys.readouterr().out
+    assert "is complete; skipping" in run_kvnotes(monkeypatch, capsys, *args).stdout
     write(data, [sample("one", 1)])
-    kvnotes_here(*args)
-    edited = capsys.readouterr().out
+    edited = run_kvnotes(monkeypatch, capsys, *args).stdout
     assert "computed from other inputs (scenario files changed)" in edited, edited
     assert "# locomo QA: smollm2-135m; 2 question(s) from 1 conversation(s)" in edited
