@@ -165,9 +165,11 @@ def shared_prefix_chunk(masks: torch.Tensor, base: DynamicCache, n: int) -> int:
     Its attention covers ``slots + e + V * n`` keys per query (``e``: the slots any variant
     substitutes in a layer, each once) where a materialised variant cache covers ``slots + n``;
     chunks are sized so that the former stays within 3x the latter: ``V <= (2 slots + 3 n - e) / n``,
-    ``e`` the most substituted slots of one layer over all of ``masks``.
+    ``e`` the most substituted slots of one layer over all of ``masks``, ``slots`` the widest
+    layer's (a sliding-window layer holds fewer slots than a global one: sizing by it would cut
+    the chunks of a long prompt to the window's).
     """
-    slots = base.layers[0].keys.shape[-2]
+    slots = max(layer.keys.shape[-2] for layer in base.layers)
     e = int(masks.any(dim=0).sum(dim=1).max()) if masks.shape[0] else 0
     return max(1, (2 * slots + 3 * n - e) // n)
 
