@@ -42,6 +42,9 @@ from kvnotes.harness.stats import summarize_rows
 
 METRICS = ("k_cos", "k_rel", "v_cos", "v_rel", "attn_rel")
 EPS = 1e-12
+#: A K/V vector whose norm is at most this share of its layer's RMS vector norm, in both runs, is
+#: empty: it deviates by 0 (:func:`_kv_deviation`).
+EMPTY = 1e-4
 
 
 @dataclass
@@ -55,6 +58,11 @@ class Config(ProbeConfig):
 def _kv_deviation(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine distance and relative L2 per position, averaged over heads.
 
+    Both are undefined on a zero vector, so a head's vector that is *empty* in both runs (its norm
+    at most :data:`EMPTY` times the layer's RMS vector norm in the old run, e.g. a head a planted
+    model leaves unused) deviates by 0; cosine distance would otherwise call two identical zero
+    keys maximally apart, and a relative L2 of two vanishing vectors reads rounding as change.
+
     Args:
         a, b: ``[kv_heads, T, head_dim]`` (old, new).
 
@@ -62,8 +70,11 @@ def _kv_deviation(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
         two ``[T]`` tensors.
     """
     a, b = a.float(), b.float()
-    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=EPS)
-    rel = (b - a).norm(dim=-1) / a.norm(dim=-1).clamp_min(EPS)
+    na, nb = a.norm(dim=-1), b.norm(dim=-1)
+    floor = EMPTY * na.pow(2).mean().sqrt()
+    empty = (na <= floor) & (nb <= floor)
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=EPS).masked_fill(empty, 1.0)
+    rel = ((b - a).norm(dim=-1) / na.clamp_min(EPS)).masked_fill(empty, 0.0)
     return (1 - cos).mean(0), rel.mean(0)
 
 
