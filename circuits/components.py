@@ -22,10 +22,12 @@ residual (``resid_post`` of the last layer). The contribution of a component ``c
 == s_new - s_old`` at the decision position (first-token scores are logit differences; the record
 keeps the worst errors of both as checks).
 
-**Note position.** The top note position is an offset ``d - p`` from the decision position,
-chosen per family on the **selection** split as the downstream position with the highest mean
-single-position KV-patch recovery (all layers, :func:`kvnotes.kv.patch.position_masks`);
-contributions are aggregated over **held-out** pairs at that offset, and at ``d`` itself (where
+**Note position.** The top note position is an offset from an anchor (``topk_anchor``:
+``decision``, ``d - p``, or ``field_end``, ``p - b``; :func:`kvnotes.harness.selection.offsets`),
+chosen on the **selection** split per scenario (else per family, as suffix_recovery ranks its
+top-k positions: :func:`kvnotes.harness.selection.profile_for`) as the downstream offset with the
+highest mean single-position KV-patch recovery (all layers, :func:`kvnotes.kv.patch.position_masks`);
+contributions are aggregated over **held-out** pairs at that position, and at ``d`` itself (where
 ``û`` is the pre-norm logit-difference direction).
 """
 
@@ -38,7 +40,6 @@ from typing import Annotated, Any
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -48,6 +49,7 @@ from kvnotes.records.schema import CircuitResult, SplitRow
 from kvnotes.harness.constraints import OpenFraction, one_of
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness import kit as K
+from kvnotes.harness.selection import ANCHORS, offset_profiles, profile_for, rank_positions
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Config(ProbeConfig):
 
     backend: Annotated[str, one_of(*BACKENDS)] = "nnsight"
     selection_fraction: OpenFraction = 0.5
+    topk_anchor: Annotated[str, one_of(*ANCHORS)] = "decision"
 
 
 def residual_parts(engine: Engine, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -113,17 +116,11 @@ def contributions(old: dict, new: dict, v: torch.Tensor, p: int, eps: float) -> 
     return out | {"sum_error": abs(out["embed"] + sum(out["attn"]) + sum(out["mlp"]) - out["final"])}
 
 
-def top_offset(maps: list[np.ndarray]) -> int | None:
-    """Offset ``d - p`` (1 = last downstream position) with the highest mean recovery over the
-    given position maps (each aligned so index ``i`` is position ``b + i``); None without maps."""
-    if not maps:
-        return None
-    n = max(len(m) for m in maps)
-    acc = np.full((len(maps), n), np.nan)
-    for i, m in enumerate(maps):
-        acc[i, : len(m)] = m[::-1]                 # column j = offset j + 1
-    mean = np.nanmean(acc, axis=0)
-    return int(np.nanargmax(mean)) + 1
+def top_offset(profile: dict) -> int | None:
+    """The offset with the highest mean recovery in an offset profile
+    (:func:`kvnotes.harness.selection.offset_profiles`; ties: the smaller offset), None when empty."""
+    offs = profile["offset"]
+    return min(offs, key=lambda o: (-offs[o], o)) if offs else None
 
 
 class ComponentsRow(SplitRow):
@@ -154,12 +151,11 @@ def run(ctx) -> dict:
                 row["position_map"] = run_.recovery(
                     K.single_position_scores(model, run_, "first_token", ctx.budget_bytes)).tolist()
     families = K.families_of(ctx, rows + fs.excluded)
-    offsets: dict[str, Any] = {}
-    for f in families:
-        src = [r for r in rows if r["split"] == "selection" and r["family"] == f]
-        off = top_offset([np.asarray(r["position_map"]) for r in src])
-        if off is not None:
-            offsets[f] = {"offset": off, "pairs": [r["pair"] for r in src]}
+    anchor = str(cfg.topk_anchor)
+    profiles = offset_profiles([{**r, "single": r["position_map"], "downstream": (r["field"][1], r["decision"])}
+                                for r in rows if r["split"] == "selection"], anchor)
+    offsets = {level: {key: {"offset": top_offset(prof), "pairs": prof["pairs"]} for key, prof in by_key.items()}
+               for level, by_key in profiles.items()} | {"anchor": anchor}
     # 2. decomposition of every pair at the decision position and the family's note offset; a prompt
     # two pairs share (an instance's value is the new side of one and the old side of the next) once
     parts = K.per_prompt(lambda ids: residual_parts(engine, ids))
@@ -171,10 +167,11 @@ def run(ctx) -> dict:
         row["decomposition_error"] = max(decomposition_error(old), decomposition_error(new))
         row["at_decision"] = contributions(old, new, v, run_.pair.decision, eps)
         row["logit_diff_error"] = abs(row["at_decision"]["final"] - (run_.s_new - run_.s_old))
-        o = offsets.get(row["family"])
+        profile, level = profile_for(profiles, row["scenario"], row["family"])
         b, d = row["field"][1], row["decision"]
-        if o is not None and b <= d - o["offset"] < d:
-            row["note_position"] = d - o["offset"]
+        if profile is not None and b < d:
+            row["note_position"] = rank_positions(profile, (b, d), anchor)[0]
+            row["note_profile"] = level
             row["at_note"] = contributions(old, new, v, row["note_position"], eps)
         fs.runs[i] = run_.released()
     held_rows = [r for r in rows if r["split"] == "heldout"]
@@ -200,7 +197,8 @@ def run(ctx) -> dict:
               "max_projection_sum_error": max((r[w]["sum_error"] for r in rows for w in ("at_note", "at_decision")
                                                if w in r), default=None),
               "offset_pairs_in_heldout": sum(p in {r["pair"] for r in held_rows}
-                                             for o in offsets.values() for p in o["pairs"])}
+                                             for level in ("scenario", "family") for o in offsets[level].values()
+                                             for p in o["pairs"])}
     aggregates = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
                   "n_selection": len(rows) - len(held_rows), "n_heldout": len(held_rows), "families": families,
                   "n_layers": L, "direction": "logit difference: final-norm gain * (W_U[cand_new] - W_U[cand_old]), "

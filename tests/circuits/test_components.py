@@ -4,7 +4,6 @@ projections onto the conclusion direction add up."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from kvnotes.circuits.components import (contributions, decomposition_error, direct_logit_attribution, logit_diff_direction,
@@ -101,11 +100,21 @@ def test_contributions_add_up_to_the_change_of_the_logit_difference(tiny):
     assert len(c["attn"]) == tiny.config.num_hidden_layers
 
 
-def test_top_offset_counts_from_the_decision():
-    maps = [np.array([0.0, 0.1, 0.9, 0.2]), np.array([0.5, 0.8, 0.1])]   # positions b..d-1
-    # offsets (d - p): first map [0.2, 0.9, 0.1, 0.0], second [0.1, 0.8, 0.5] -> offset 2 wins
-    assert top_offset(maps) == 2
-    assert top_offset([]) is None
+def test_the_note_position_is_learned_per_scenario_from_its_anchor():
+    """Offsets count from the decision (``d - p``) or the field's end (``p - b``); the profile is the
+    selection rows' mean per offset; its top offset is the note position (ties: the smaller offset)."""
+    from kvnotes.harness.selection import offset_profiles, rank_positions
+
+    rows = [{"pair": "a", "scenario": "s", "family": "f", "downstream": (10, 14), "single": [0.0, 0.1, 0.9, 0.2]},
+            {"pair": "b", "scenario": "s", "family": "f", "downstream": (10, 13), "single": [0.5, 0.8, 0.1]}]
+    # offsets d - p: first [4, 3, 2, 1] -> [0.0, 0.1, 0.9, 0.2], second [3, 2, 1] -> [0.5, 0.8, 0.1]
+    prof = offset_profiles(rows, "decision")["scenario"]["s"]
+    assert top_offset(prof) == 2 and rank_positions(prof, (20, 26), "decision")[0] == 24
+    # offsets p - b: [0, 1, 2, 3] and [0, 1, 2] -> means [0.25, 0.45, 0.5, 0.2]
+    prof = offset_profiles(rows, "field_end")["scenario"]["s"]
+    assert top_offset(prof) == 2 and rank_positions(prof, (20, 26), "field_end")[0] == 22
+    assert top_offset({"offset": {3: 0.5, 1: 0.5}, "pairs": []}) == 1
+    assert top_offset({"offset": {}, "pairs": []}) is None
 
 
 def test_probe_run_on_embedded_model_matches_its_schema(smol):
