@@ -7,9 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import os
+from pathlib import Path
 
 import torch
 import transformers as T
+
+#: The repository's top level (its docs, examples and configs).
+ROOT = Path(__file__).resolve().parents[1]
 
 VOCAB = 96
 WINDOW = 8  # sliding window smaller than the test prompts, so windows fill

@@ -8,12 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import ROOT
+
 import pytest
 import yaml
 
 from tests.harness.test_tokens import BASE
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*args, env=None, timeout=600):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,9 +14,8 @@ from kvnotes.records.envelope import check_record, json_schema
 from kvnotes.records.store import find_records, load_record
 from kvnotes.records.presentation import presentation
 from kvnotes.records.tables import record_table, screen_table
-from tests.helpers import run_kvnotes
+from tests.helpers import ROOT, run_kvnotes
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def kvnotes(*args):

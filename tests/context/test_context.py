@@ -5,7 +5,6 @@ on both embedded models."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +12,8 @@ import transformers as T
 
 from kvnotes.context import EditableContext, parse_mode
 from kvnotes.errors import KvnotesError
-from tests.helpers import ARCHS, LOGPROB_TOL, tiny_config
+from tests.helpers import ROOT, ARCHS, LOGPROB_TOL, tiny_config
 
-ROOT = Path(__file__).resolve().parents[2]
 #: K/V of a recomputed span vs a full prefill (different forward shapes: BLAS blocking differs).
 KV_TOL = 1e-5
 #: decision log-probs of a spliced/composed cache vs a full prefill (a longer chain of kernels).

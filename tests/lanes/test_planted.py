@@ -13,6 +13,8 @@ import torch
 from omegaconf import OmegaConf
 
 import kvnotes.probes
+from kvnotes.cli.errors import conf_names
+from tests.helpers import ROOT
 from kvnotes.harness.pairs import prepare_pairs
 from kvnotes.models import planted, zoo
 from kvnotes.models.loading import load_model
@@ -21,6 +23,10 @@ from kvnotes.models.loading import load_model
 BAR = 0.05
 #: recovery units: how close the construction itself is to linear (RMSNorm over a dominant constant)
 EXACT = 2e-3
+#: fp32 rounding of a cosine of two identical vectors
+ROUNDING = 1e-6
+#: relative: how close a clean run's score is to +-beta (the final norm also sees the output features)
+SCALE = 1e-2
 CONF = kvnotes.probes.CONF_DIR.parent
 
 
@@ -29,11 +35,29 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("kvnotes-cache")
 
 
+@pytest.fixture(params=planted.ARCHITECTURES)
+def arch(request) -> str:
+    """Each probe is scored on both constructions: Llama, and Gemma-3 (one KV head, a sliding-window
+    write layer, Gemma's norms; ``conf/model/planted-gemma.yaml``)."""
+    return request.param
+
+
+def model_config(family: str, arch: str = "llama"):
+    """The model config of planted ``family`` (``conf/model/planted-<family>.yaml``), in ``arch``
+    (gemma3: ``planted-gemma`` with the family's ``planted`` block)."""
+    cfg = zoo.zoo_config(f"planted-{family}")
+    if arch == "gemma3":
+        cfg = OmegaConf.merge(zoo.zoo_config("planted-gemma"), {"planted": cfg.planted})
+    return cfg
+
+
 def _context(cache, monkeypatch, family: str, probe: str, model_overrides: dict | None = None,
-             probe_overrides: dict | None = None, scenario_ids: list[str] | None = None, n_instances: int = 2):
-    """A probe context on planted model ``family`` and the planted suite (``n_instances`` per scenario)."""
+             probe_overrides: dict | None = None, scenario_ids: list[str] | None = None, n_instances: int = 2,
+             arch: str = "llama"):
+    """A probe context on planted model ``family`` in ``arch`` and the planted suite (``n_instances``
+    per scenario)."""
     monkeypatch.setenv("KVNOTES_CACHE", str(cache))
-    bundle = load_model(OmegaConf.merge(zoo.zoo_config(f"planted-{family}"), model_overrides or {}), "cpu")
+    bundle = load_model(OmegaConf.merge(model_config(family, arch), model_overrides or {}), "cpu")
     scen = OmegaConf.merge(OmegaConf.load(CONF / "scenario" / "default.yaml"),
                            OmegaConf.load(CONF / "scenario" / "planted.yaml"),
                            {"n_instances": n_instances, "ids": scenario_ids, "paths": [str(CONF.parent / "scenarios" / "planted")]})
@@ -61,21 +85,26 @@ def test_the_checkpoint_carries_its_truth(cache, monkeypatch):
         planted.PlantedSpec.of({"family": "distributed", "weights": [0, 1]})
 
 
-def test_the_architecture_block_is_the_construction():
-    """``conf/model/_planted.yaml``'s architecture block (the zoo lane builds from it) is the
-    construction's own config."""
-    built = planted.build(planted.PlantedSpec())[0].config
-    data = zoo.architecture_config(zoo.zoo_config("planted-notes"))
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-            "intermediate_size", "tie_word_embeddings", "rms_norm_eps")
+@pytest.mark.parametrize("name", ["planted-notes", "planted-gemma"])
+def test_the_architecture_block_is_the_construction(name):
+    """``conf/model/_planted.yaml``'s and ``_planted_gemma.yaml``'s architecture blocks (the zoo lane
+    builds from them) are the constructions' own configs."""
+    cfg = zoo.zoo_config(name)
+    built = planted.build(planted.PlantedSpec.of(cfg.planted))[0].config
+    data = zoo.architecture_config(cfg)
+    keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+            "intermediate_size", "tie_word_embeddings", "rms_norm_eps", "model_type"]
+    if name == "planted-gemma":
+        keys += ["sliding_window", "layer_types", "query_pre_attn_scalar", "final_logit_softcapping",
+                 "attn_logit_softcapping"]
     assert {k: getattr(data, k) for k in keys} == {k: getattr(built, k) for k in keys}
-    assert data.rope_parameters["rope_theta"] == built.rope_parameters["rope_theta"] == planted.ROPE_THETA
+    assert data.rope_parameters == built.rope_parameters
 
 
 @pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.1), ("mixed", 0.5), ("mixed", 0.9),
                                           ("direct", 1.0)])
-def test_field_refresh_recovers_the_planted_field_share(cache, monkeypatch, family, alpha):
-    ctx = _context(cache, monkeypatch, family, "field_refresh", {"planted": {"alpha": alpha}}, n_instances=1)
+def test_field_refresh_recovers_the_planted_field_share(arch, cache, monkeypatch, family, alpha):
+    ctx = _context(cache, monkeypatch, family, "field_refresh", {"planted": {"alpha": alpha}}, n_instances=1, arch=arch)
     assert _truth(ctx)["alpha"] == alpha
     res = kvnotes.probes.get(ctx.cfg)(ctx)
     rec = res["aggregates"]["recovery"]
@@ -92,15 +121,17 @@ def _marker_positions(ctx, pair) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("family", ["distributed", "delimiter"])
-def test_suffix_recovery_finds_the_planted_notes(cache, monkeypatch, family):
+def test_suffix_recovery_finds_the_planted_notes(arch, cache, monkeypatch, family):
     """The top-1 held-out position is a planted note position on every pair, and the single-position
     map follows the planted weights (delimiter: the marker several tokens after the field, not the
-    token after it). Positions transfer by their offset from the field's end: the planted scenarios'
+    token after it; on Gemma-3 no marker as far from the field as the write layer's sliding window,
+    which the distributed family's last marker is in the delimited scenario). Positions transfer by
+    their offset from the field's end: the planted scenarios'
     filler sentences differ in length between instances, so an offset from the decision does not
     name the same token in two instances (the default anchor, ``decision``, is for suites whose
     tail is shared text)."""
     ctx = _context(cache, monkeypatch, family, "suffix_recovery", probe_overrides={"topk_anchor": "field_end"},
-                   scenario_ids=["delimited"] if family == "delimiter" else None)
+                   scenario_ids=["delimited"] if family == "delimiter" else None, arch=arch)
     truth = _truth(ctx)
     weights = dict(zip(truth["notes"]["tokens"], truth["notes"]["weights"]))
     res = kvnotes.probes.get(ctx.cfg)(ctx)
@@ -112,8 +143,13 @@ def test_suffix_recovery_finds_the_planted_notes(cache, monkeypatch, family):
         markers = _marker_positions(ctx, pair)
         b, _ = row["downstream"]
         single = np.asarray(row["single"])
+        # Gemma-3: the write layer slides, so a marker as far from the field as the window holds no note
+        window = truth.get("sliding_window", len(single) + b)
+        written = {m: w for m, w in weights.items() if markers[m] - (row["field"][1] - 1) < window}
+        read = (1 - truth["alpha"]) * sum(written.values()) + truth["alpha"]   # the clean effect's share left
         for word, w in weights.items():
-            assert single[markers[word] - b] == pytest.approx((1 - truth["alpha"]) * w, abs=BAR)
+            assert single[markers[word] - b] == pytest.approx((1 - truth["alpha"]) * written.get(word, 0.0) / read,
+                                                              abs=BAR)
         others = [v for i, v in enumerate(single) if b + i not in {markers[m] for m in weights}]
         assert max(others) < BAR
         if row in held:
@@ -122,46 +158,46 @@ def test_suffix_recovery_finds_the_planted_notes(cache, monkeypatch, family):
         assert all(_marker_positions(ctx, by_id[r["pair"]])["note"] > r["field"][1] + 3 for r in res["rows"])
 
 
-def test_heads_ranks_the_planted_read_and_write_heads_first(cache, monkeypatch):
+def test_heads_ranks_the_planted_read_and_write_heads_first(arch, cache, monkeypatch):
     """Mixed family (alpha 0.3): the notes read head (1, 0) ranks first, the field read head (1, 1)
     second; the write head (0, 0) leads the write side; on the delimiter family the distractor
     (1, 2), which reads the field and writes nothing used, ranks below every head the decision uses."""
-    ctx = _context(cache, monkeypatch, "mixed", "heads", {"planted": {"alpha": 0.3}})
+    ctx = _context(cache, monkeypatch, "mixed", "heads", {"planted": {"alpha": 0.3}}, arch=arch)
     ranks = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]["rankings"]
     truth = _truth(ctx)
     assert ranks["read"]["planted"]["top"][:2] == truth["read_heads"]["notes"] + truth["read_heads"]["field"]
     assert ranks["write"]["planted"]["top"][:1] == truth["write_heads"]
-    ctx = _context(cache, monkeypatch, "delimiter", "heads")
+    ctx = _context(cache, monkeypatch, "delimiter", "heads", arch=arch)
     ranks = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]["rankings"]["read"]["planted"]["top"]
     truth = _truth(ctx)
     used = truth["read_heads"]["notes"]                               # alpha 0: the field read head writes nothing
-    assert ranks[0] == used[0] and ranks.index(truth["distractor_heads"][0]) > ranks.index(used[0])
+    assert ranks[0] == used[0] and truth["distractor_heads"][0] not in ranks[:ranks.index(used[0]) + 1]
 
 
 @pytest.mark.parametrize("family,follows", [("notes", 1.0), ("direct", 0.0)])
-def test_injection_follows_the_planted_source(cache, monkeypatch, family, follows):
-    ctx = _context(cache, monkeypatch, family, "injection", n_instances=1)
+def test_injection_follows_the_planted_source(arch, cache, monkeypatch, family, follows):
+    ctx = _context(cache, monkeypatch, family, "injection", n_instances=1, arch=arch)
     flipping = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]["flipping"]["all"]
     for cell in flipping.values():
         assert cell["follow_notes"]["p"] == follows
 
 
-def test_direction_is_found_where_the_notes_are_written(cache, monkeypatch):
+def test_direction_is_found_where_the_notes_are_written(arch, cache, monkeypatch):
     """Notes family: the layer chosen on the selection split is the write layer's output (layer 0,
     after which the markers hold the notes), and adding the held-out pairs' difference along the
     direction there recovers the decision (sufficiency 1 by construction)."""
-    ctx = _context(cache, monkeypatch, "notes", "direction")
+    ctx = _context(cache, monkeypatch, "notes", "direction", arch=arch)
     agg = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]
     assert agg["chosen_layers"]["planted"]["layer"] == _truth(ctx)["write_heads"][0][0]
     assert agg["at_chosen"]["suff"]["direction"]["all"]["mean"] == pytest.approx(1.0, abs=BAR)
 
 
 @pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.3), ("direct", 1.0)])
-def test_read_location_knockouts_move_the_planted_shares(cache, monkeypatch, family, alpha):
+def test_read_location_knockouts_move_the_planted_shares(arch, cache, monkeypatch, family, alpha):
     """Hiding a key group from the decision query in every layer removes exactly what the model reads
     there: the downstream notes carry ``(1 - alpha) * beta`` nats of each clean score, the field
     ``alpha * beta`` (the score moves that far towards the other run's), the sinks nothing."""
-    ctx = _context(cache, monkeypatch, family, "read_location", {"planted": {"alpha": alpha}}, n_instances=1)
+    ctx = _context(cache, monkeypatch, family, "read_location", {"planted": {"alpha": alpha}}, n_instances=1, arch=arch)
     res = kvnotes.probes.get(ctx.cfg)(ctx)
     beta = _truth(ctx)["beta"]
     every = next(b["name"] for b in res["bands"] if b["layers"] == [0, planted.N_LAYERS])
@@ -173,29 +209,39 @@ def test_read_location_knockouts_move_the_planted_shares(cache, monkeypatch, fam
 
 
 @pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.3), ("mixed", 0.7), ("direct", 1.0)])
-def test_edit_refresh_fails_where_the_notes_decide_and_selective_recompute_recovers(cache, monkeypatch, family,
+def test_edit_refresh_fails_where_the_notes_decide_and_selective_recompute_recovers(arch, cache, monkeypatch, family,
                                                                                      alpha):
     """The in-place field refresh moves exactly the share the model reads from the field (recovery
     ``alpha``) and so decides like the full re-prefill exactly where ``alpha > 0.5``; recomputing
     one downstream position, ranked by attention or by first-layer K/V deviation, recomputes the
     planted note and recovers the decision. The erratum (the new value restated before the request)
     recovers ``alpha / 2``: the direct read head splits its attention between the two field tokens
-    and the notes keep the old value."""
+    and the notes keep the old value.
+
+    What the attention ranking cannot see, on Gemma-3: it averages the decision's attention over
+    every layer and head, and the heads that read nothing in the sliding-window layers spread theirs
+    over the window, so the ``W - 1`` positions before the decision outrank the one note, which
+    ranks ``W``-th (``W`` the window): recomputing ``W - 1`` positions leaves the edit at ``alpha``,
+    ``W`` recover it. The K/V-deviation ranking finds the note first on both."""
+    window = planted.SLIDING_WINDOW
     ctx = _context(cache, monkeypatch, family, "edit", {"planted": {"alpha": alpha}},
-                   {"ks": [0, 1], "rankings": ["attention", "kv_deviation"], "oracle_ranking": None,
-                    "max_control_pairs": 0, "sweep_max_pairs": None}, n_instances=1)
+                   {"ks": [0, 1, window - 1, window], "rankings": ["attention", "kv_deviation"], "oracle_ranking": None,
+                    "max_control_pairs": 0, "sweep_max_pairs": None}, n_instances=1, arch=arch)
     res = kvnotes.probes.get(ctx.cfg)(ctx)
-    assert res["rows"] and _truth(ctx)["notes"]["weights"] == [1.0]          # one note position
+    truth = _truth(ctx)
+    assert res["rows"] and truth["notes"]["weights"] == [1.0]          # one note position
+    note_rank = {"attention": truth.get("sliding_window", 1), "kv_deviation": 1}
     for r in res["rows"]:
         m = r["methods"]
         assert m["refresh_field"]["r"] == pytest.approx(alpha, abs=EXACT) and m["refresh_field"]["agree"] == (alpha > 0.5)
         assert m["erratum"]["r"] == pytest.approx(alpha / 2, abs=EXACT)
-        for ranking in ("attention", "kv_deviation"):
-            assert r["sweep"][f"selective_{ranking}@0"]["r"] == pytest.approx(alpha, abs=EXACT)
-            assert r["sweep"][f"selective_{ranking}@1"]["r"] == pytest.approx(1.0, abs=EXACT)
+        for ranking, rank in note_rank.items():
+            for k in (0, 1, window - 1, window):
+                want = 1.0 if k >= rank else alpha
+                assert r["sweep"][f"selective_{ranking}@{k}"]["r"] == pytest.approx(want, abs=EXACT), (ranking, k)
 
 
-def test_direction_is_the_planted_value_direction(cache, monkeypatch):
+def test_direction_is_the_planted_value_direction(arch, cache, monkeypatch):
     """The difference-of-means direction fitted at the write layer's output has cosine at least 0.95
     with the planted one (``note_<new> - note_<old>`` in the residual stream), for every held-out
     pair it is fitted for (the fits are read as the probe makes them)."""
@@ -210,7 +256,7 @@ def test_direction_is_the_planted_value_direction(cache, monkeypatch):
         return fit
 
     monkeypatch.setattr(direction, "fit_direction", spy)
-    ctx = _context(cache, monkeypatch, "notes", "direction")
+    ctx = _context(cache, monkeypatch, "notes", "direction", arch=arch)
     agg = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]
     truth = _truth(ctx)
     li = agg["layers"].index(truth["write_heads"][0][0])
@@ -219,3 +265,112 @@ def test_direction_is_the_planted_value_direction(cache, monkeypatch):
         want = torch.zeros(planted.HIDDEN)
         want[truth["dims"][f"note_{new}"]], want[truth["dims"][f"note_{old}"]] = 1.0, -1.0
         assert float(fit.u[li] @ (want / want.norm())) >= 0.95, (old, new, float(fit.u[li] @ (want / want.norm())))
+
+
+def test_bench_auto_scores_the_diagnostic_against_the_planted_truth(cache, monkeypatch, capsys, tmp_path):
+    """``kvnotes bench auto --alphas`` over the mixed family: the full re-prefill's truth is the
+    planted one (the in-place refresh fails exactly where the notes carry the majority); a true
+    partial recompute (``selective@50%``) flags every such pair and nothing else (precision and
+    recall 1, the issue's bar 0.9); the erratum check finds none, because the planted notes are
+    written by markers before the erratum and nothing downstream re-reads it (a limitation of
+    the check, documented in docs/results/planted.md)."""
+    from tests.helpers import run_kvnotes
+
+    monkeypatch.setenv("KVNOTES_CACHE", str(cache))
+    out = tmp_path / "auto.json"
+    ran = run_kvnotes(monkeypatch, capsys, "bench", "auto", "--model", "planted-mixed", "--scenario", "planted",
+                      "--alphas", "0.3", "0.7", "--n-instances", "2", "--checks", "field_plus_erratum",
+                      "selective@50%", "--json", out)
+    assert ran.returncode == 0, ran.stderr
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["planted_disagrees_with_full"] == 0 and summary["planted_needed"] == summary["pairs"] // 2
+    sel = summary["rules"]["selective@50%/flip/pl"]["all_margin0"]
+    assert sel["precision"]["p"] == sel["recall"]["p"] == 1.0 and sel["positives"] == summary["planted_needed"]
+    erratum = summary["rules"]["field_plus_erratum/flip/pl"]["all_margin0"]
+    assert erratum["tp"] == 0 and erratum["fp"] == 0
+    for bad, says in ((["--alphas", "0.5"], "alpha 0.5"), (["--alphas", "2"], "model.planted.alpha"),
+                      (["--model", "planted-notes", "--alphas", "0.3"], "not a planted mixed-family")):
+        args = ["--model", "planted-mixed", *bad] if bad[0] != "--model" else bad
+        ran = run_kvnotes(monkeypatch, capsys, "bench", "auto", "--scenario", "planted", *args)
+        assert ran.returncode == 2 and says in ran.stderr and "Traceback" not in ran.stderr, ran.stderr
+
+
+def test_components_attribute_the_decision_to_the_read_layer_and_cannot_see_the_notes(arch, cache, monkeypatch):
+    """Mixed family (alpha 0.3): at the decision position the whole change of the logit difference is
+    the attention of the read heads' layer (1): embedding, the other layers and every MLP add
+    nothing. The note offset chosen on the selection split is the planted marker; there direct
+    logit attribution is 0 in every component, the write layer's included: the notes sit in a
+    direction the unembedding does not read and act only through the read heads' attention (what
+    the attribution cannot see, documented in docs/results/planted.md)."""
+    ctx = _context(cache, monkeypatch, "mixed", "components", {"planted": {"alpha": 0.3}}, {"topk_anchor": "field_end"},
+                   arch=arch)
+    res = kvnotes.probes.get(ctx.cfg)(ctx)
+    truth = _truth(ctx)
+    read_layer = truth["read_heads"]["notes"][0][0]
+    assert read_layer == truth["read_heads"]["field"][0][0]
+    by_id = {p.spec.id: p for p in ctx.pairs.pairs}
+    held = [r for r in res["rows"] if r["split"] == "heldout"]
+    assert held
+    for r in held:
+        at = r["at_decision"]
+        assert at["final"] == pytest.approx(2 * truth["beta"], rel=SCALE)       # -beta -> +beta
+        assert at["attn"][read_layer] == pytest.approx(at["final"], rel=EXACT)
+        others = [abs(x) for i, x in enumerate(at["attn"]) if i != read_layer] + [abs(x) for x in at["mlp"]]
+        assert max(others) < EXACT * truth["beta"] and abs(at["embed"]) < EXACT * truth["beta"]
+        assert r["note_position"] == _marker_positions(ctx, by_id[r["pair"]])["note"]
+        assert max(abs(x) for x in [*r["at_note"]["attn"], *r["at_note"]["mlp"], r["at_note"]["final"]]) < EXACT
+
+
+def test_screen_finds_every_planted_pair_flipping_and_owned(arch, cache, monkeypatch):
+    """Every aligned pair of the planted suite flips under both rules: the clean scores are about
+    +-beta and each clean run's top-1 token is its own value (the model owns the decision)."""
+    ctx = _context(cache, monkeypatch, "mixed", "screen", n_instances=1, arch=arch)
+    res = kvnotes.probes.get(ctx.cfg)(ctx)
+    beta = _truth(ctx)["beta"]
+    assert res["rows"] and all(r["flips_relative"] and r["flips_owned"] for r in res["rows"])
+    assert all(abs(r["s_new"] - beta) < SCALE * beta and abs(r["s_old"] + beta) < SCALE * beta for r in res["rows"])
+
+
+@pytest.mark.parametrize("family", ["notes", "distributed"])
+def test_blast_radius_moves_the_values_of_the_note_positions_only(arch, cache, monkeypatch, family):
+    """A field change moves no key downstream (keys read role flags only) and the values of exactly
+    the planted note positions the write head reached (every layer: the notes are written at layer
+    0 and read from layer 1's values); nothing before the field moves."""
+    ctx = _context(cache, monkeypatch, family, "blast_radius", n_instances=1, scenario_ids=["adjacent"], arch=arch)
+    res = kvnotes.probes.get(ctx.cfg)(ctx)
+    truth = _truth(ctx)
+    assert res["aggregates"]["prefix_max_dev"] < ROUNDING
+    ex = res["examples"]["planted"]
+    b, d = ex["field"][1], ex["decision"]
+    moved = {p for p in range(b, d) if max(layer[p] for layer in ex["maps"]["v_rel"]) > EXACT}
+    assert {ex["tokens"][p] for p in moved} == set(truth["notes"]["tokens"]) and len(moved) == len(truth["notes"]["tokens"])
+    assert max(max(layer[b:d]) for layer in ex["maps"]["k_rel"]) < EXACT
+
+
+#: Every probe of conf/probe, scored here against the planted truth (its test) or not, with why.
+SCORED = {"field_refresh": "test_field_refresh_recovers_the_planted_field_share",
+          "suffix_recovery": "test_suffix_recovery_finds_the_planted_notes",
+          "heads": "test_heads_ranks_the_planted_read_and_write_heads_first",
+          "injection": "test_injection_follows_the_planted_source",
+          "direction": "test_direction_is_the_planted_value_direction",
+          "read_location": "test_read_location_knockouts_move_the_planted_shares",
+          "edit": "test_edit_refresh_fails_where_the_notes_decide_and_selective_recompute_recovers",
+          "components": "test_components_attribute_the_decision_to_the_read_layer_and_cannot_see_the_notes",
+          "screen": "test_screen_finds_every_planted_pair_flipping_and_owned",
+          "blast_radius": "test_blast_radius_moves_the_values_of_the_note_positions_only"}
+NOT_SCORED = {
+    "dissociation": "its pairs flip a rule's trigger word; the construction has no rule that gates the decision",
+    "compose": "the construction is position-independent (rotary frequencies ~0), so re-rotated chunks cannot err",
+    "agent": "multi-turn tool transcripts; the planted tokenizer reads every non-role word as <unk>",
+    "locomo": "LoCoMo conversations; every non-role word is <unk> to the planted tokenizer",
+    **{f"memory_{m}": "user-memory personas; every non-role word is <unk> to the planted tokenizer"
+       for m in ("agent", "edits", "granularity", "placement", "transplant")}}
+
+
+def test_the_lane_names_every_probe():
+    """docs/results/planted.md lists the same probes: each scored with its bar, or why not."""
+    names = set(conf_names("probe"))
+    assert set(SCORED) | set(NOT_SCORED) == names and not set(SCORED) & set(NOT_SCORED)
+    assert all(callable(globals().get(test)) for test in SCORED.values())
+    doc = (ROOT / "docs" / "results" / "planted.md").read_text()
+    assert all(f"`{name}`" in doc for name in names)
