@@ -2,6 +2,7 @@
 """Precision and recall of the editable-context API's ``auto`` diagnostic against the full re-prefill.
 
     kvnotes bench auto [--model smollm2-135m] [--scenario small] [--checks field_plus_erratum selective@50%]
+    kvnotes bench auto --model planted-mixed --scenario planted --alphas 0.1 0.3 0.7 0.9
 
 For every token-aligned pair of the scenario suite (old -> new field value), the old prompt is built
 as an :class:`kvnotes.context.EditableContext` (:func:`kvnotes.harness.edit_prompts.editable_context`),
@@ -16,11 +17,17 @@ are reported on held-out instances and, at margin 0 (nothing fitted), on every p
 Wilson 95%. The paper's rule (``needs_erratum``: the erratum moves the stale decision by more than
 0.2 in probability and differs from the in-place decision) is scored on the same pairs. Cost is the
 diagnostic's tokens forwarded (and wall time) against the full re-prefill's.
+
+On a planted model (:mod:`kvnotes.models.planted`; ``--alphas`` measures one per field share of the
+mixed family) the verdicts are also scored against the construction's truth (rule ``flip/pl``,
+``extrapolate/pl``): the in-place edit is insufficient exactly where the notes carry the majority
+of the decision (:func:`planted_truth`).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -112,12 +119,15 @@ def row_verdict(r: dict, check: str, rule: str, margin: float) -> bool:
     return verdict(ip, cor, rule, margin, max(float(share), 1e-9))[0]
 
 
-def scores(rows: list[dict], check: str, margin: float | None, rule: str = "flip", paper: bool = False) -> dict:
-    """Precision, recall (Wilson 95%) and counts of a check's verdicts against the truth."""
+def scores(rows: list[dict], check: str, margin: float | None, rule: str = "flip", paper: bool = False,
+           truth_key: str = "needed") -> dict:
+    """Precision, recall (Wilson 95%) and counts of a check's verdicts against the truth: the row's
+    ``needed`` (the in-place decision differs from the full re-prefill's) or ``planted_needed``
+    (a planted model's notes carry the majority of the decision, :func:`planted_truth`)."""
     from kvnotes.harness.stats import proportion
 
     pred = [r["checks"][check]["paper"] if paper else row_verdict(r, check, rule, margin or 0.0) for r in rows]
-    truth = [r["needed"] for r in rows]
+    truth = [bool(r[truth_key]) for r in rows]
     tp = sum(p and t for p, t in zip(pred, truth))
     fp = sum(p and not t for p, t in zip(pred, truth))
     fn = sum(t and not p for p, t in zip(pred, truth))
@@ -143,33 +153,87 @@ def f1(s: dict) -> float:
     return 2 * p * r / (p + r) if p + r else 0.0
 
 
-def choose_margin(rows: list[dict], check: str, rule: str, grid: list[float]) -> float:
-    """The margin with the best F1 on ``rows`` (ties: the margin nearest 0)."""
-    return max(grid, key=lambda m: (f1(scores(rows, check, m, rule)), -abs(m)))
+def choose_margin(rows: list[dict], check: str, rule: str, grid: list[float], truth_key: str = "needed") -> float:
+    """The margin with the best F1 against ``truth_key`` on ``rows`` (ties: the margin nearest 0)."""
+    return max(grid, key=lambda m: (f1(scores(rows, check, m, rule, truth_key=truth_key)), -abs(m)))
+
+
+def planted_truth(model) -> bool | None:
+    """A planted model's ground truth for the diagnostic (:mod:`kvnotes.models.planted`): the
+    in-place field refresh moves only the share the decision reads from the field, so it cannot
+    decide like the full re-prefill where the notes carry the majority (``notes.share > 0.5``).
+    None for a model without planted truth.
+
+    Raises:
+        KvnotesError: shares of exactly 0.5 (the refreshed decision is a tie: no truth to score).
+    """
+    from kvnotes.errors import KvnotesError
+    from kvnotes.models.planted import TRUTH_KEY
+
+    truth = getattr(model.config, TRUTH_KEY, None)
+    if truth is None:
+        return None
+    if truth["notes"]["share"] == 0.5:
+        raise KvnotesError("--alphas: alpha 0.5 leaves the refreshed decision a tie (no truth to score); drop it")
+    return bool(truth["notes"]["share"] > 0.5)
+
+
+def model_configs(name: str, alphas: list[float] | None) -> list:
+    """The model configs to measure: ``conf/model/<name>`` (its defaults merged), once per alpha of
+    ``--alphas`` for the planted ``mixed`` family.
+
+    Raises:
+        KvnotesError: ``--alphas`` for a model that is not a planted ``mixed`` one.
+    """
+    from omegaconf import OmegaConf
+
+    from kvnotes.errors import KvnotesError
+    from kvnotes.models.planted import PlantedSpec
+    from kvnotes.models.zoo import zoo_config
+
+    mcfg = zoo_config(name)
+    if not alphas:
+        return [mcfg]
+    if (mcfg.get("planted") or {}).get("family") != "mixed":
+        raise KvnotesError(f"--alphas: model '{name}' is not a planted mixed-family model (try --model planted-mixed)")
+    if 0.5 in alphas:
+        raise KvnotesError("--alphas: alpha 0.5 leaves the refreshed decision a tie (no truth to score); drop it")
+    cfgs = [OmegaConf.merge(mcfg, {"planted": {"alpha": a}}) for a in alphas]
+    for cfg in cfgs:
+        PlantedSpec.of(cfg.planted)                      # alpha in [0, 1], before any model is built
+    return cfgs
 
 
 def measure(args) -> dict:
-    """Run the model over the suite's pairs: the measurement (``rows``) and its provenance."""
+    """Run the model (each of ``--alphas``) over the suite's pairs: the measurement (``rows``) and its
+    provenance."""
     from omegaconf import OmegaConf
 
     from kvnotes.harness.pairs import prepare_pairs, template_kwargs
     from kvnotes.models.loading import load_model
+    from kvnotes.models.planted import TRUTH_KEY
 
-    mcfg = OmegaConf.load(CONF_DIR / "model" / f"{args.model}.yaml")
-    bundle = load_model(mcfg, args.device)
+    mcfgs = model_configs(args.model, args.alphas)
     sc = OmegaConf.merge(OmegaConf.load(CONF_DIR / "scenario/default.yaml"),
                          OmegaConf.load(CONF_DIR / "scenario" / f"{args.scenario}.yaml"))
     sc.pop("defaults", None)  # type: ignore[call-arg]   # a DictConfig (the merge of two mappings)
     if args.n_instances:
         sc.n_instances = args.n_instances
-    tk = template_kwargs(mcfg)
-    ps = prepare_pairs(bundle.tokenizer, sc, template_kwargs=tk or None)
-    pairs = ps.pairs[: args.max_pairs] if args.max_pairs else ps.pairs
+    rows: list[dict] = []
     t0 = time.perf_counter()
-    rows = [pair_row(bundle.model, bundle.tokenizer, p, args.checks, bool(sc.get("chat_template", True)), tk or None)
-            for p in pairs]
+    for mcfg in mcfgs:
+        bundle = load_model(mcfg, args.device)
+        needed = planted_truth(bundle.model)
+        tk = template_kwargs(mcfg)
+        ps = prepare_pairs(bundle.tokenizer, sc, template_kwargs=tk or None)
+        pairs = ps.pairs[: args.max_pairs] if args.max_pairs else ps.pairs
+        for p in pairs:
+            row = pair_row(bundle.model, bundle.tokenizer, p, args.checks, bool(sc.get("chat_template", True)), tk or None)
+            if needed is not None:
+                row |= {"alpha": getattr(bundle.model.config, TRUTH_KEY)["alpha"], "planted_needed": needed}
+            rows.append(row)
     return {"model": args.model, "scenario": args.scenario, "checks_run": list(args.checks),
-            "wall_seconds": time.perf_counter() - t0, "load_average": os.getloadavg()[0],
+            "alphas": args.alphas, "wall_seconds": time.perf_counter() - t0, "load_average": os.getloadavg()[0],
             "threads": torch.get_num_threads(), "machine": platform.machine(),
             "command": "kvnotes bench auto " + " ".join(sys.argv[1:]), "rows": rows}
 
@@ -199,25 +263,33 @@ def summarize(out: dict, margins: list[float]) -> dict:
           f"{len(rows)} aligned pairs, {len(owned)} with an owned full-re-prefill decision, {summary['needed']} where "
           f"the in-place edit differs from it; selection/held-out {len(sel)}/{len(held)} pairs; "
           f"measured in {out['wall_seconds']:.0f} s, load average {out['load_average']:.1f}")
-    print(f"{'check':<20} {'rule':<11} {'margin':>6} {'precision (all, m=0)':>26} {'recall (all, m=0)':>24} "
+    truths = ["needed", "planted_needed"] if owned and all("planted_needed" in r for r in owned) else ["needed"]
+    if len(truths) == 2:
+        summary["planted_needed"] = sum(r["planted_needed"] for r in owned)
+        summary["planted_disagrees_with_full"] = sum(r["planted_needed"] != r["needed"] for r in owned)
+        print(f"# planted truth (alphas {sorted({r['alpha'] for r in owned})}): the notes carry the majority on "
+              f"{summary['planted_needed']} owned pairs; the full re-prefill's truth differs from it on "
+              f"{summary['planted_disagrees_with_full']}")
+    print(f"{'check':<20} {'rule':<14} {'margin':>6} {'precision (all, m=0)':>26} {'recall (all, m=0)':>24} "
           f"{'precision (held-out)':>26} {'recall (held-out)':>24} {'tokens/full':>11} {'time/full':>9} "
           f"{'auto = full (m=0)':>24} {'auto cost':>10}")
     for check in out["checks_run"]:
         tok = float(np.median([r["checks"][check]["tokens"] / r["full_tokens"] for r in rows]))
         sec = float(np.median([r["checks"][check]["seconds"] / r["full_seconds"] for r in rows]))
-        for rule in RULES:
-            m = choose_margin(sel, check, rule, margins) if sel else 0.0
-            allm0, ho = scores(owned, check, 0.0, rule), scores(held, check, m, rule)
+        for truth, rule in itertools.product(truths, RULES):
+            m = choose_margin(sel, check, rule, margins, truth) if sel else 0.0
+            allm0, ho = scores(owned, check, 0.0, rule, truth_key=truth), scores(held, check, m, rule, truth_key=truth)
             auto = auto_outcome(owned, check, rule, 0.0)
-            summary["rules"][f"{check}/{rule}"] = {"check": check, "rule": rule, "margin": m, "all_margin0": allm0,
-                                                   "held_out": ho, "tokens_over_full": tok, "seconds_over_full": sec,
-                                                   "auto_margin0": auto}
-            print(f"{check:<20} {rule:<11} {m:>6.2f} {fmt(allm0['precision']):>26} {fmt(allm0['recall']):>24} "
+            label = rule if truth == "needed" else f"{rule}/pl"
+            summary["rules"][f"{check}/{label}"] = {"check": check, "rule": rule, "truth": truth, "margin": m,
+                                                    "all_margin0": allm0, "held_out": ho, "tokens_over_full": tok,
+                                                    "seconds_over_full": sec, "auto_margin0": auto}
+            print(f"{check:<20} {label:<14} {m:>6.2f} {fmt(allm0['precision']):>26} {fmt(allm0['recall']):>24} "
                   f"{fmt(ho['precision']):>26} {fmt(ho['recall']):>24} {tok:>11.3f} {sec:>9.2f} "
                   f"{fmt(auto['agrees_with_full']):>24} {auto['mean_tokens_over_full']:>10.2f}")
     if "field_plus_erratum" in out["checks_run"]:
         pr = summary["paper_rule"] = scores(owned, "field_plus_erratum", None, paper=True)
-        print(f"{'field_plus_erratum':<20} {'paper':<11} {'p>0.2':>6} {fmt(pr['precision']):>26} {fmt(pr['recall']):>24}")
+        print(f"{'field_plus_erratum':<20} {'paper':<14} {'p>0.2':>6} {fmt(pr['precision']):>26} {fmt(pr['recall']):>24}")
     out["summary"] = summary
     return out
 
@@ -282,6 +354,9 @@ def main() -> None:
                     help="diagnostic checks whose verdicts are scored (EditableContext.diagnose)")
     ap.add_argument("--margins", nargs="+", type=float, default=[-1.0, -0.5, 0.0, 0.25, 0.5, 1.0, 2.0],
                     help="candidate margins in nats; one is chosen on selection instances")
+    ap.add_argument("--alphas", nargs="+", type=float, default=None,
+                    help="planted mixed family only: measure one planted model per field share alpha (not 0.5) "
+                         "and score the verdicts against the planted truth too")
     ap.add_argument("--max-pairs", type=int_at_least("--max-pairs", 1), default=None,
                     help="pairs evaluated at most (default: every pair)")
     ap.add_argument("--from-json", metavar="FILE", help="re-score the rows of an earlier --json (no model run)")
