@@ -162,12 +162,13 @@ def test_heads_ranks_the_planted_read_and_write_heads_first(arch, cache, monkeyp
     """Mixed family (alpha 0.3): the notes read head (1, 0) ranks first, the field read head (1, 1)
     second; the write head (0, 0) leads the write side; on the delimiter family the distractor
     (1, 2), which reads the field and writes nothing used, ranks below every head the decision uses."""
-    ctx = _context(cache, monkeypatch, "mixed", "heads", {"planted": {"alpha": 0.3}}, arch=arch)
+    ctx = _context(cache, monkeypatch, "mixed", "heads", {"planted": {"alpha": 0.3}}, scenario_ids=["adjacent"],
+                   arch=arch)
     ranks = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]["rankings"]
     truth = _truth(ctx)
     assert ranks["read"]["planted"]["top"][:2] == truth["read_heads"]["notes"] + truth["read_heads"]["field"]
     assert ranks["write"]["planted"]["top"][:1] == truth["write_heads"]
-    ctx = _context(cache, monkeypatch, "delimiter", "heads", arch=arch)
+    ctx = _context(cache, monkeypatch, "delimiter", "heads", scenario_ids=["delimited"], arch=arch)
     ranks = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]["rankings"]["read"]["planted"]["top"]
     truth = _truth(ctx)
     used = truth["read_heads"]["notes"]                               # alpha 0: the field read head writes nothing
@@ -180,16 +181,6 @@ def test_injection_follows_the_planted_source(arch, cache, monkeypatch, family, 
     flipping = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]["flipping"]["all"]
     for cell in flipping.values():
         assert cell["follow_notes"]["p"] == follows
-
-
-def test_direction_is_found_where_the_notes_are_written(arch, cache, monkeypatch):
-    """Notes family: the layer chosen on the selection split is the write layer's output (layer 0,
-    after which the markers hold the notes), and adding the held-out pairs' difference along the
-    direction there recovers the decision (sufficiency 1 by construction)."""
-    ctx = _context(cache, monkeypatch, "notes", "direction", arch=arch)
-    agg = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]
-    assert agg["chosen_layers"]["planted"]["layer"] == _truth(ctx)["write_heads"][0][0]
-    assert agg["at_chosen"]["suff"]["direction"]["all"]["mean"] == pytest.approx(1.0, abs=BAR)
 
 
 @pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.3), ("direct", 1.0)])
@@ -211,6 +202,8 @@ def test_read_location_knockouts_move_the_planted_shares(arch, cache, monkeypatc
 @pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.3), ("mixed", 0.7), ("direct", 1.0)])
 def test_edit_refresh_fails_where_the_notes_decide_and_selective_recompute_recovers(arch, cache, monkeypatch, family,
                                                                                      alpha):
+    if arch == "gemma3" and family != "mixed":
+        pytest.skip("Gemma-3: the mixed family's two sides of alpha = 0.5 (the others run on Llama)")
     """The in-place field refresh moves exactly the share the model reads from the field (recovery
     ``alpha``) and so decides like the full re-prefill exactly where ``alpha > 0.5``; recomputing
     one downstream position, ranked by attention or by first-layer K/V deviation, recomputes the
@@ -242,9 +235,12 @@ def test_edit_refresh_fails_where_the_notes_decide_and_selective_recompute_recov
 
 
 def test_direction_is_the_planted_value_direction(arch, cache, monkeypatch):
-    """The difference-of-means direction fitted at the write layer's output has cosine at least 0.95
-    with the planted one (``note_<new> - note_<old>`` in the residual stream), for every held-out
-    pair it is fitted for (the fits are read as the probe makes them)."""
+    """Notes family: the layer chosen on the selection split is the write layer's output (layer 0,
+    after which the markers hold the notes), and adding the held-out pairs' difference along the
+    direction there recovers the decision (sufficiency 1 by construction). The difference-of-means
+    direction fitted there has cosine at least 0.95 with the planted one (``note_<new> -
+    note_<old>`` in the residual stream), for every held-out pair it is fitted for (the fits are
+    read as the probe makes them)."""
     import kvnotes.circuits.direction as direction
 
     fits = []
@@ -259,6 +255,8 @@ def test_direction_is_the_planted_value_direction(arch, cache, monkeypatch):
     ctx = _context(cache, monkeypatch, "notes", "direction", arch=arch)
     agg = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]
     truth = _truth(ctx)
+    assert agg["chosen_layers"]["planted"]["layer"] == truth["write_heads"][0][0]
+    assert agg["at_chosen"]["suff"]["direction"]["all"]["mean"] == pytest.approx(1.0, abs=BAR)
     li = agg["layers"].index(truth["write_heads"][0][0])
     assert fits and all(f is not None for _, f in fits)
     for (old, new), fit in fits:
@@ -279,7 +277,7 @@ def test_bench_auto_scores_the_diagnostic_against_the_planted_truth(cache, monke
     monkeypatch.setenv("KVNOTES_CACHE", str(cache))
     out = tmp_path / "auto.json"
     ran = run_kvnotes(monkeypatch, capsys, "bench", "auto", "--model", "planted-mixed", "--scenario", "planted",
-                      "--alphas", "0.3", "0.7", "--n-instances", "2", "--checks", "field_plus_erratum",
+                      "--alphas", "0.3", "0.7", "--n-instances", "1", "--checks", "field_plus_erratum",
                       "selective@50%", "--json", out)
     assert ran.returncode == 0, ran.stderr
     summary = json.loads(out.read_text())["summary"]
