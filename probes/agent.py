@@ -99,6 +99,8 @@ NOT_INCREMENTAL = "transcript_not_incremental"
 SCOPES = {"all": lambda t: True, "turn1": lambda t: t == 1, "turn2+": lambda t: t >= 2}
 #: With ``scenario.variant=cot`` every side generates its reasoning and decides after the answer marker.
 SUPPORTS_COT = True
+#: Why this probe cannot take a transcript suite (scenario.transcript; :func:`kvnotes.harness.registry.check_layout`).
+OWN_PROMPTS = "its turns are appended to the user message"
 #: The three readings of each decision.
 SIDES = ("agent", "oracle", "transcript")
 #: Exclusion reasons (cot) of a trajectory ended by the agent's chain missing its answer marker.

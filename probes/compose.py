@@ -109,6 +109,8 @@ class Config(ProbeConfig):
 #: With ``scenario.variant=cot`` the full prefill and every composed variant generate their reasoning and
 #: the decision is read after the answer marker (:func:`cot_generate`).
 SUPPORTS_COT = True
+#: Why this probe cannot take a transcript suite (scenario.transcript; :func:`kvnotes.harness.registry.check_layout`).
+OWN_PROMPTS = "its chunks split the user message's lines"
 
 
 class Result(BaseResult):

@@ -75,6 +75,8 @@ from kvnotes.harness import edit_prompts as sedits
 
 #: With ``scenario.variant=cot`` this probe decodes the reasoning before reading the decision.
 SUPPORTS_COT = True
+#: Why this probe cannot take a transcript suite (scenario.transcript; :func:`kvnotes.harness.registry.check_layout`).
+OWN_PROMPTS = "the erratum, hoisted and edited prompts re-render the user message"
 
 
 def _ranking(name: str) -> str:

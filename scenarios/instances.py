@@ -95,7 +95,7 @@ def draw_instances(scenario: Scenario, n: int, seed: int, polarity: str = "norma
     return out
 
 
-def _fill_spans(text: str, values: dict[str, str]) -> tuple[str, dict[str, list[tuple[int, int]]]]:
+def fill_spans(text: str, values: dict[str, str]) -> tuple[str, dict[str, list[tuple[int, int]]]]:
     """Fill ``{slot}`` placeholders; return the text and, per slot, the character spans of its values."""
     parts, spans, pos = [], {}, 0
     for literal, name, _, _ in string.Formatter().parse(text):
@@ -129,7 +129,7 @@ def render_user_text_spans(instance: Instance, value: str,
     for piece in pieces:
         if not piece:
             continue
-        text, sp = _fill_spans(piece, values)
+        text, sp = fill_spans(piece, values)
         for name, found in sp.items():
             spans.setdefault(name, []).extend((offset + s, offset + e) for s, e in found)
         lines.append(text)

@@ -44,7 +44,7 @@ def prepare_pairs(tokenizer, scenario_cfg: Any, polarity: str = "normal",
 
     Args:
         scenario_cfg: mapping with ``paths``, ``families``, ``ids``, ``n_instances``, ``seed``,
-            ``variant`` and ``chat_template``.
+            ``variant``, ``chat_template`` and ``transcript``.
         polarity: ``"normal"`` or ``"inverted"`` rule trigger (see :mod:`kvnotes.scenarios.schema`).
         template_kwargs: extra chat-template arguments from the model config.
 
@@ -60,13 +60,21 @@ def prepare_pairs(tokenizer, scenario_cfg: Any, polarity: str = "normal",
 def _tokenized(out: PairSet, specs, tokenize, tokenizer, scenario_cfg: Any, template_kwargs: dict | None) -> PairSet:
     """``out`` with every spec tokenised: aligned pairs appended to ``pairs``, the others to
     ``excluded`` with the tokeniser's reason."""
+    turns = transcript_turns(scenario_cfg)
     for spec in specs:
-        tp = tokenize(tokenizer, spec, bool(scenario_cfg.get("chat_template", True)), template_kwargs)
+        tp = tokenize(tokenizer, spec, bool(scenario_cfg.get("chat_template", True)), template_kwargs, turns)
         if isinstance(tp, str):
             out.excluded.append(pair_meta(spec) | {"reason": tp})
         else:
             out.pairs.append(tp)
     return out
+
+
+def transcript_turns(scenario_cfg: Any) -> int | None:
+    """The unrelated exchanges of a transcript suite (``scenario.transcript.turns``), None for the
+    flat layout (:func:`kvnotes.harness.tokens.render_prompt`)."""
+    transcript = scenario_cfg.get("transcript")
+    return None if transcript is None else int(transcript["turns"])
 
 
 #: Kinds of pairs a probe can ask for (probe config key ``pairs``; ``none``: the probe reads its own

@@ -66,6 +66,14 @@ class ModelSettings(BaseModel):
     random_init: RandomInit = Field(default_factory=RandomInit)
 
 
+class Transcript(BaseModel):
+    """``scenario.transcript``: render every scenario as a multi-turn agent transcript
+    (:mod:`kvnotes.scenarios.transcript`) with ``turns`` unrelated exchanges (about 120 tokens each)."""
+
+    model_config = ConfigDict(extra="forbid")
+    turns: int = Field(ge=0, le=1000)
+
+
 class ScenarioSettings(BaseModel):
     """The scenario keys (``conf/scenario/default.yaml``): the one place their defaults and allowed
     values are declared (:attr:`kvnotes.harness.registry.ProbeContext.scenario` reads them)."""
@@ -79,6 +87,7 @@ class ScenarioSettings(BaseModel):
     seed: int = Field(default=0, ge=0)
     variant: Literal["direct", "cot"] = "direct"
     chat_template: bool = True
+    transcript: Transcript | None = None
     memory: str | None = None
     locomo: str | None = None
 
@@ -178,8 +187,8 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
 
     Checks: :func:`typed` (and ``flip_rule=synthetic`` only with ``model.random_init``); ``model.path``
     (:func:`check_model_path`); the probe's
-    keys, types and allowed values (``registry.typed_config``) and that it can read the prompt variant
-    (``registry.check_variant``); every scenario file is valid (:func:`check_scenario_files`); the device exists
+    keys, types and allowed values (``registry.typed_config``), that it can read the prompt variant
+    (``registry.check_variant``) and layout (``registry.check_layout``); every scenario file is valid (:func:`check_scenario_files`); the device exists
     (:func:`kvnotes.models.loading.resolve_device`); the model's device map and quantization can run on it
     (:func:`kvnotes.models.loading.placement_kwargs`); ``out_root`` is writable; every scenario path exists.
     With ``machine=False`` (a job that will run elsewhere, e.g. submitted to SLURM from a login node
@@ -198,6 +207,7 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
     check_model_path(settings.model)
     probe_cfg = registry.typed_config(cfg.probe)
     registry.check_variant(probe_cfg, settings.scenario.variant, bool(settings.model.thinking))
+    registry.check_layout(probe_cfg, settings.scenario.transcript)
     if machine:
         dev = resolve_device(settings.device)
         placement_kwargs(cfg.model, dev, resolve_dtype(settings.model.dtype, dev))

@@ -16,9 +16,10 @@ import torch
 
 from kvnotes.errors import KvnotesError
 # Rendering and tokenisation live with the tokenizer-level machinery; re-exported for the probes.
-from kvnotes.models.text import (char_span_to_tokens, render_conversation, render_text, rendering,  # noqa: F401
-                                 tokenize)
-from kvnotes.scenarios.instances import PairSpec, PolaritySpec, render_user_text, render_user_text_spans
+from kvnotes.models.text import (char_span_to_tokens, render_conversation, render_messages, render_text,  # noqa: F401
+                                 rendering, tokenize)
+from kvnotes.scenarios.instances import PairSpec, PolaritySpec, render_user_text_spans
+from kvnotes.scenarios.transcript import render_transcript
 
 # Exclusion reasons for pairs that cannot be compared token by token.
 UNEQUAL_FIELD_LENGTH = "unequal_field_length"
@@ -134,20 +135,47 @@ def align(tokenizer, spec, old: Prompt, new: Prompt, unequal_reason: str) -> tup
     return c_old, c_new
 
 
+def render_prompt(tokenizer, instance, value: str, variant: str = "direct", chat_template: bool = True,
+                  template_kwargs: dict | None = None,
+                  turns: int | None = None) -> tuple[str, dict[str, list[tuple[int, int]]], str]:
+    """Render the prompt of ``instance`` with the field set to ``value``: the flat layout (one user
+    message, :func:`kvnotes.scenarios.instances.render_user_text_spans`), or with ``turns`` a
+    multi-turn agent transcript (:func:`kvnotes.scenarios.transcript.render_transcript`).
+
+    Returns:
+        (the rendered text, slot name -> character spans of its values in that text, answer prefix).
+    """
+    if turns is None:
+        user, spans, prefix = render_user_text_spans(instance, value, variant)
+        text, start = render_conversation(tokenizer, [user], [], prefix, chat_template, instance.scenario.system,
+                                          template_kwargs)
+        return text, {k: [(start + a, start + b) for a, b in v] for k, v in spans.items()}, prefix
+    messages, where, prefix = render_transcript(instance, value, variant, turns)
+    text, starts = render_messages(tokenizer, messages, prefix, chat_template, template_kwargs)
+    return text, {k: [(starts[i] + a, starts[i] + b) for i, a, b in v] for k, v in where.items()}, prefix
+
+
+def prompt_at(tokenizer, text: str, chars: tuple[int, int]) -> Prompt:
+    """Tokenise a rendered prompt and locate the token span of the characters ``chars``."""
+    ids, offsets = tokenize(tokenizer, text)
+    return Prompt(text, ids, offsets, chars, char_span_to_tokens(offsets, *chars))
+
+
 def tokenize_pair(tokenizer, spec: PairSpec, chat_template: bool = True,
-                  template_kwargs: dict | None = None) -> TokenizedPair | str:
-    """Tokenise a pair and check alignment.
+                  template_kwargs: dict | None = None, turns: int | None = None) -> TokenizedPair | str:
+    """Tokenise a pair and check alignment (``turns``: render as a transcript, :func:`render_prompt`).
 
     Returns:
         a :class:`TokenizedPair`, or an exclusion reason string: ``unequal_field_length`` (the two
         values tokenise to different lengths), ``misaligned_tokens`` (tokens outside the field span
         differ), ``candidate_merges_with_prompt`` or ``same_candidate_first_token``.
     """
-    system = spec.instance.scenario.system
     prompts = []
     for value in (spec.old, spec.new):
-        user, chars, prefix = render_user_text(spec.instance, value, spec.variant)
-        prompts.append(build_prompt(tokenizer, user, chars, prefix, chat_template, system, template_kwargs))
+        text, spans, _ = render_prompt(tokenizer, spec.instance, value, spec.variant, chat_template, template_kwargs,
+                                       turns)
+        (field,) = spans[spec.instance.scenario.field_slot]      # exactly once: schema validation
+        prompts.append(prompt_at(tokenizer, text, field))
     old, new = prompts
     if torch.equal(old.ids, new.ids):
         raise KvnotesError(f"{spec.instance.scenario.source}: field values '{spec.old}' and '{spec.new}' "
@@ -180,11 +208,11 @@ class PolarityPair(TokenizedPair):
 
 
 def tokenize_polarity_pair(tokenizer, spec: PolaritySpec, chat_template: bool = True,
-                           template_kwargs: dict | None = None) -> PolarityPair | str:
+                           template_kwargs: dict | None = None, turns: int | None = None) -> PolarityPair | str:
     """Tokenise a polarity pair (normal vs inverted trigger, same field value) and check alignment.
 
-    Spans come from character offsets of the rendered slots (:func:`kvnotes.scenarios.instances.render_user_text_spans`),
-    never from searching token sub-lists.
+    Spans come from character offsets of the rendered slots (:func:`render_prompt`; ``turns``:
+    render as a transcript), never from searching token sub-lists.
 
     Returns:
         a :class:`PolarityPair`, or an exclusion reason string: ``trigger_slot_not_unique`` (the
@@ -198,15 +226,13 @@ def tokenize_polarity_pair(tokenizer, spec: PolaritySpec, chat_template: bool = 
     sc = spec.instance.scenario
     prompts, value_chars = [], []
     for inst in (spec.instance, spec.inverted):
-        user, spans, prefix = render_user_text_spans(inst, spec.value, spec.variant)
+        text, spans, _ = render_prompt(tokenizer, inst, spec.value, spec.variant, chat_template, template_kwargs, turns)
         trig = spans.get(sc.polarity_slot, [])
         if len(trig) != 1:
             return TRIGGER_NOT_UNIQUE
-        prompt = build_prompt(tokenizer, user, trig[0], prefix, chat_template, sc.system, template_kwargs)
-        start = prompt.field_chars[0] - trig[0][0]          # offset of the user text in the rendered text
-        (fa, fb), = spans[sc.field_slot]
-        prompts.append(prompt)
-        value_chars.append((start + fa, start + fb))
+        prompts.append(prompt_at(tokenizer, text, trig[0]))
+        (value,) = spans[sc.field_slot]
+        value_chars.append(value)
     old, new = prompts
     if torch.equal(old.ids, new.ids):
         raise KvnotesError(f"{sc.source}: polarity words '{sc.polarity_values['normal']}' and "

@@ -19,7 +19,7 @@ import torch
 
 from kvnotes.errors import KvnotesError
 
-__all__ = ["rendering", "render_text", "render_conversation", "tokenize", "char_span_to_tokens", "THINK_OPEN",
+__all__ = ["rendering", "render_text", "render_conversation", "render_messages", "tokenize", "char_span_to_tokens", "THINK_OPEN",
            "THINK_CLOSE", "thinking_kwargs", "Segment", "Layout", "render_segments",
            "candidate_first_tokens"]
 
@@ -88,10 +88,7 @@ def render_conversation(tokenizer, users: Sequence[str], answers: Sequence[str],
             messages.append({"role": "user", "content": user})
             if i < len(answers):
                 messages.append({"role": "assistant", "content": answer_prefix + answers[i]})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             **(template_kwargs or {}))
-        thinking = bool((template_kwargs or {}).get("enable_thinking")) and not text.rstrip().endswith("<think>")
-        text = text + (THINK_OPEN if thinking else "") + answer_prefix
+        text = _chat_text(tokenizer, messages, answer_prefix, template_kwargs)
     else:
         turns = [f"{u}\n{answer_prefix}{a}" for u, a in zip(users, answers)]
         text = "\n".join([*turns, users[-1]]) + "\n" + answer_prefix
@@ -99,6 +96,45 @@ def render_conversation(tokenizer, users: Sequence[str], answers: Sequence[str],
     if start < 0 or text.find(users[0], start + 1) >= 0:
         raise KvnotesError("the chat template changed the user message; cannot locate the field (set scenario.chat_template=false)")
     return text, start
+
+
+def _chat_text(tokenizer, messages: list[dict], answer_prefix: str, template_kwargs: dict | None) -> str:
+    """``messages`` through the chat template with the generation prompt, then the answer prefix
+    (inside an opened think block when ``enable_thinking`` is set and the template left it closed)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
+    thinking = bool((template_kwargs or {}).get("enable_thinking")) and not text.rstrip().endswith("<think>")
+    return text + (THINK_OPEN if thinking else "") + answer_prefix
+
+
+def render_messages(tokenizer, messages: Sequence, answer_prefix: str, chat_template: bool = True,
+                    template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    """Render a transcript of messages (each with ``role`` and ``content``: ``system``, ``user``,
+    ``assistant``, ``tool``) that ends at the answer prefix of the assistant's next turn.
+
+    With a chat template the messages go through ``apply_chat_template(...,
+    add_generation_prompt=True)`` as :func:`render_conversation` does; the plain rendering is one
+    ``Role: content`` line per message, then ``answer_prefix``.
+
+    Returns:
+        ``(text, char offset of each message's content inside it)``.
+
+    Raises:
+        KvnotesError: the chat template altered a message so that it cannot be located.
+    """
+    if rendering(tokenizer, chat_template) == "chat_template":
+        text = _chat_text(tokenizer, [{"role": m.role, "content": m.content} for m in messages], answer_prefix,
+                          template_kwargs)
+    else:
+        text = "\n".join(f"{m.role.capitalize()}: {m.content}" for m in messages) + "\n" + answer_prefix
+    starts, cursor = [], 0
+    for m in messages:
+        start = text.find(m.content, cursor)
+        if start < 0:
+            raise KvnotesError(f"the chat template changed a {m.role} message; cannot locate it "
+                               f"(set scenario.chat_template=false)")
+        starts.append(start)
+        cursor = start + len(m.content)
+    return text, starts
 
 
 def tokenize(tokenizer, text: str) -> tuple[torch.Tensor, torch.Tensor]:
