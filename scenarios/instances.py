@@ -109,6 +109,17 @@ def fill_spans(text: str, values: dict[str, str]) -> tuple[str, dict[str, list[t
     return "".join(parts), spans
 
 
+def slot_values(instance: Instance, value: str) -> dict[str, str]:
+    """Every slot's text in ``instance`` with the field set to ``value`` (and the polarity slot, if
+    any, to the instance's trigger word)."""
+    sc = instance.scenario
+    values = dict(instance.slots)
+    values[sc.field_slot] = value
+    if sc.polarity_slot:
+        values[sc.polarity_slot] = sc.polarity_values[instance.polarity]
+    return values
+
+
 def render_user_text_spans(instance: Instance, value: str,
                            variant: str = "direct") -> tuple[str, dict[str, list[tuple[int, int]]], str]:
     """Render the user message like :func:`render_user_text` and locate every slot.
@@ -119,10 +130,7 @@ def render_user_text_spans(instance: Instance, value: str,
         included like any other slot.
     """
     sc = instance.scenario
-    values = dict(instance.slots)
-    values[sc.field_slot] = value
-    if sc.polarity_slot:
-        values[sc.polarity_slot] = sc.polarity_values[instance.polarity]
+    values = slot_values(instance, value)
     var = sc.variants[variant]
     lines, spans, offset = [], {}, 0
     pieces = [sc.context, " ".join(instance.filler), sc.rule, sc.request, var.decision]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvnotes.scenarios.instances import Instance, fill_spans
+from kvnotes.scenarios.instances import Instance, fill_spans, slot_values
 
 #: The system policy of a scenario without its own ``system`` text (``{domain}``: the scenario's domain).
 POLICY = ("You are an operations assistant for a team that handles {domain} records. Use the tools to look "
@@ -99,10 +99,7 @@ def render_transcript(instance: Instance, value: str, variant: str = "direct",
         inside the message's content, in order of appearance, answer prefix).
     """
     sc = instance.scenario
-    values = dict(instance.slots)
-    values[sc.field_slot] = value
-    if sc.polarity_slot:
-        values[sc.polarity_slot] = sc.polarity_values[instance.polarity]
+    values = slot_values(instance, value)
     var = sc.variants[variant]
     # seeded by the instance, not its polarity: a polarity pair's two prompts differ in the trigger alone
     rng = np.random.default_rng(zlib.crc32(f"{sc.id}/{instance.index}".encode()))
