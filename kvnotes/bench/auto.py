@@ -164,17 +164,13 @@ def planted_truth(model) -> bool | None:
     decide like the full re-prefill where the notes carry the majority (``notes.share > 0.5``).
     None for a model without planted truth.
 
-    Raises:
-        KvnotesError: shares of exactly 0.5 (the refreshed decision is a tie: no truth to score).
+    None too at a share of exactly 0.5 (the refreshed decision is a tie: no truth to score).
     """
-    from kvnotes.errors import KvnotesError
     from kvnotes.models.planted import TRUTH_KEY
 
     truth = getattr(model.config, TRUTH_KEY, None)
-    if truth is None:
+    if truth is None or truth["notes"]["share"] == 0.5:
         return None
-    if truth["notes"]["share"] == 0.5:
-        raise KvnotesError("--alphas: alpha 0.5 leaves the refreshed decision a tie (no truth to score); drop it")
     return bool(truth["notes"]["share"] > 0.5)
 
 
@@ -206,10 +202,15 @@ def model_configs(name: str, alphas: list[float] | None) -> list:
 
 def measure(args) -> dict:
     """Run the model (each of ``--alphas``) over the suite's pairs: the measurement (``rows``) and its
-    provenance."""
+    provenance.
+
+    Raises:
+        KvnotesError: bad ``--alphas`` (:func:`model_configs`) or a transcript suite, before any model loads.
+    """
     from omegaconf import OmegaConf
 
-    from kvnotes.harness.pairs import prepare_pairs, template_kwargs
+    from kvnotes.errors import KvnotesError
+    from kvnotes.harness.pairs import prepare_pairs, template_kwargs, transcript_turns
     from kvnotes.models.loading import load_model
     from kvnotes.models.planted import TRUTH_KEY
 
@@ -217,6 +218,9 @@ def measure(args) -> dict:
     sc = OmegaConf.merge(OmegaConf.load(CONF_DIR / "scenario/default.yaml"),
                          OmegaConf.load(CONF_DIR / "scenario" / f"{args.scenario}.yaml"))
     sc.pop("defaults", None)  # type: ignore[call-arg]   # a DictConfig (the merge of two mappings)
+    if transcript_turns(sc) is not None:
+        raise KvnotesError(f"--scenario {args.scenario}: a transcript suite; the editable context renders the "
+                           f"one-message layout, so bench auto does not take it yet")
     if args.n_instances:
         sc.n_instances = args.n_instances
     rows: list[dict] = []

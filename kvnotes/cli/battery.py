@@ -100,9 +100,13 @@ def main() -> None:
     # run.py's own overrides for each probe, so each record is the one `kvnotes run` writes; the keys that
     # cannot change a result (plot, progress, out_root) name no record directory
     common = [f"model={args.model}", f"scenario={args.scenario}", *quiet_job(out_root, args.device)]
-    jobs = dict(zip(names, compose_jobs([[f"probe={n}", *common] for n in names], dirs)))  # checked before the model loads
     if args.probes is None:     # the scenario suite's probes; the memory probes (pairs: none) bring their own data
-        names = [n for n in names if kvnotes.probes.typed_config(jobs[n].cfg.probe).pairs != "none"]
+        names = [n for n in names if kvnotes.probes.load_config(n, {}).pairs != "none"]
+        if compose_jobs([["probe=screen", *common]], dirs)[0].cfg.scenario.get("transcript") is not None:
+            own = [n for n in names if getattr(kvnotes.probes.module(n), "OWN_PROMPTS", None)]
+            print(f"battery: {', '.join(own)} skipped: a transcript suite, and they render their own prompts")
+            names = [n for n in names if n not in own]
+    jobs = dict(zip(names, compose_jobs([[f"probe={n}", *common] for n in names], dirs)))  # checked before the model loads
     t0 = time.perf_counter()
     first = jobs[names[0]].cfg
     bundle = load_bundle(first)

@@ -126,3 +126,12 @@ def test_battery_writes_the_records_run_py_writes(tmp_path, monkeypatch, capsys)
 
     assert not identity_diff(identity(a["config"]), identity(b["config"]))    # what run.py compares before reusing
     assert a["hydra"]["choices"] == b["hydra"]["choices"]
+
+
+def test_battery_refuses_a_transcript_suite_for_probes_that_render_their_own_prompts(tmp_path, monkeypatch, capsys):
+    from tests.helpers import run_kvnotes
+
+    ran = run_kvnotes(monkeypatch, capsys, "battery", "--scenario", "long", "--probes", "screen", "edit",
+                      "--records", tmp_path / "out")
+    assert ran.returncode == 2 and "probe 'edit' renders its own prompts" in ran.stderr and "Traceback" not in ran.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("record.json"))

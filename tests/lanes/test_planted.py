@@ -287,7 +287,8 @@ def test_bench_auto_scores_the_diagnostic_against_the_planted_truth(cache, monke
     erratum = summary["rules"]["field_plus_erratum/flip/pl"]["all_margin0"]
     assert erratum["tp"] == 0 and erratum["fp"] == 0
     for bad, says in ((["--alphas", "0.5"], "alpha 0.5"), (["--alphas", "2"], "model.planted.alpha"),
-                      (["--model", "planted-notes", "--alphas", "0.3"], "not a planted mixed-family")):
+                      (["--model", "planted-notes", "--alphas", "0.3"], "not a planted mixed-family"),
+                      (["--scenario", "long"], "a transcript suite")):
         args = ["--model", "planted-mixed", *bad] if bad[0] != "--model" else bad
         ran = run_kvnotes(monkeypatch, capsys, "bench", "auto", "--scenario", "planted", *args)
         assert ran.returncode == 2 and says in ran.stderr and "Traceback" not in ran.stderr, ran.stderr
