@@ -54,15 +54,16 @@ def prepare_pairs(tokenizer, scenario_cfg: Any, polarity: str = "normal",
     scenarios = load_suite(list(scenario_cfg.paths), scenario_cfg.get("families"), scenario_cfg.get("ids"))
     specs = build_pairs(scenarios, int(scenario_cfg.n_instances), int(scenario_cfg.seed),
                         scenario_cfg.get("variant", "direct"), polarity)
-    return _tokenized(PairSet([], [], scenarios), specs, tokenize_pair, tokenizer, scenario_cfg, template_kwargs)
+    return _tokenized(PairSet([], [], scenarios), specs, tokenize_pair, tokenizer, scenario_cfg, template_kwargs,
+                      turns=transcript_turns(scenario_cfg))
 
 
-def _tokenized(out: PairSet, specs, tokenize, tokenizer, scenario_cfg: Any, template_kwargs: dict | None) -> PairSet:
+def _tokenized(out: PairSet, specs, tokenize, tokenizer, scenario_cfg: Any, template_kwargs: dict | None,
+               **layout) -> PairSet:
     """``out`` with every spec tokenised: aligned pairs appended to ``pairs``, the others to
-    ``excluded`` with the tokeniser's reason."""
-    turns = transcript_turns(scenario_cfg)
+    ``excluded`` with the tokeniser's reason (``layout``: keywords for the tokeniser, e.g. ``turns``)."""
     for spec in specs:
-        tp = tokenize(tokenizer, spec, bool(scenario_cfg.get("chat_template", True)), template_kwargs, turns)
+        tp = tokenize(tokenizer, spec, bool(scenario_cfg.get("chat_template", True)), template_kwargs, **layout)
         if isinstance(tp, str):
             out.excluded.append(pair_meta(spec) | {"reason": tp})
         else:
@@ -105,7 +106,7 @@ def prepare_polarity_pairs(tokenizer, scenario_cfg: Any, template_kwargs: dict |
         raise KvnotesError(f"no scenario with a polarity block among the selected ones ({len(skipped)} skipped: "
                            f"{dict(Counter(s['reason'] for s in skipped))}); select e.g. scenario.families=[policy_gate]")
     return _tokenized(PairSet([], [], scenarios, skipped), specs, tokenize_polarity_pair, tokenizer, scenario_cfg,
-                      template_kwargs)
+                      template_kwargs, turns=transcript_turns(scenario_cfg))
 
 
 def pair_meta(spec) -> dict:
