@@ -24,7 +24,14 @@ close a probe can come to its floor without a faster forward. ``--records DIR`` 
 each probe's record where ``python run.py out_root=DIR`` would write it, the same record (without
 ``--records`` they go to a temporary folder); ``--compare EARLIER`` then prints, per probe, how its result differs from the record under
 ``EARLIER`` (:mod:`kvnotes.records.diff`: numbers beyond float tolerance, any other changed value; wall times skipped). Timings depend on the machine's load: report them with it
-(``os.getloadavg`` is printed). ``--json PATH`` also writes the numbers.
+(``os.getloadavg`` is printed). ``--json PATH`` also writes the numbers. Each probe's line also gives
+its peak resident memory above the level at its start (:class:`PeakRSS`).
+
+``--lengths 256,1024,4096`` runs the whole battery once per prompt length: the suite rendered as
+multi-turn agent transcripts (``scenario.transcript``, :mod:`kvnotes.scenarios.transcript`) with as
+many turns as bring its median prompt nearest each length (:func:`turns_for_lengths`), then a table
+of each probe's time and peak memory per length and the exponent ``k`` of ``time ~ tokens ** k``
+fitted over the lengths (:func:`print_growth`).
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ def main() -> None:
     Raises:
         KvnotesError: an unknown model, scenario or probe, a negative ``--clean-runs-mb``, a
             ``--records`` or ``--json`` path that cannot be written, a ``--compare`` directory that
-            does not exist, a config that does not compose; all before the model loads.
+            does not exist or given with ``--lengths``, ``--lengths`` that are not token counts of at
+            least 16, a config that does not compose; all before the model loads.
     """
     from kvnotes.cli.errors import check_writable, conf_name, existing_path, float_at_least
     from kvnotes.errors import KvnotesError
@@ -74,11 +82,121 @@ def main() -> None:
     ap.add_argument("--compare", metavar="DIR", type=existing_path("--compare", "dir"),
                     help="with --records: compare each record's result with the one under this earlier out_root "
                          "(kvnotes.records.diff; wall times skipped) and print what changed beyond tolerance")
+    ap.add_argument("--lengths", type=lengths_arg, default=None, metavar="L1,L2,...",
+                    help="run the battery once per prompt length (tokens): the suite rendered as agent transcripts "
+                         "(scenario.transcript) with as many turns as reach each median length; prints each "
+                         "probe's time and peak memory per length and the fitted exponent of time against length")
     args = ap.parse_args()
     if args.compare and not args.records:
         raise KvnotesError("--compare needs --records (the new records it compares)")
+    if args.compare and args.lengths:
+        raise KvnotesError("--compare compares one suite's records; run it without --lengths")
     if args.records:
         check_writable(args.records, "--records", directory=True)
+    if not args.lengths:
+        out = run_suite(args, dirs, [])
+    else:
+        turns = turns_for_lengths(args, dirs)
+        runs = {length: run_suite(args, dirs, [f"scenario.transcript={{turns:{n}}}"], f"length {length} ({n} turns)")
+                for length, n in turns.items()}
+        out = {"lengths": {str(k): v for k, v in runs.items()}, "exponents": print_growth(runs)}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+def lengths_arg(text: str) -> list[int]:
+    """An argparse ``type`` for ``--lengths``: comma-separated token counts of at least 16.
+
+    Raises:
+        KvnotesError: anything else.
+    """
+    from kvnotes.errors import KvnotesError
+
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 16:
+        raise KvnotesError(f"--lengths: comma-separated token counts of at least 16, got '{text}'")
+    return sorted(set(values))
+
+
+def turns_for_lengths(args, dirs) -> dict[int, int]:
+    """The transcript turns (:mod:`kvnotes.scenarios.transcript`) whose median prompt is nearest each
+    of ``--lengths``, from the suite's first pairs rendered by the model's tokenizer at 0 and 4 turns
+    (each turn adds the same text on average). A length below the 0-turn transcript gets 0 turns."""
+    from kvnotes.cli.run import compose_jobs, quiet_job
+    from kvnotes.harness.pairs import prepare_pairs, template_kwargs
+    from kvnotes.models.loading import load_tokenizer
+
+    cfg = compose_jobs([["probe=screen", f"model={args.model}", f"scenario={args.scenario}",
+                         *quiet_job("runs", args.device)]], dirs)[0].cfg
+    tok = load_tokenizer(cfg.model)
+    median = {}
+    for n in (0, 4):
+        sc = cfg.scenario.copy()
+        sc.n_instances, sc.transcript = 1, {"turns": n}
+        lengths = sorted(len(p.old.ids) for p in prepare_pairs(tok, sc, template_kwargs=template_kwargs(cfg.model) or None).pairs[:12])
+        median[n] = lengths[len(lengths) // 2]
+    per_turn = (median[4] - median[0]) / 4
+    return {length: max(0, round((length - median[0]) / per_turn)) for length in args.lengths}
+
+
+def print_growth(runs: dict[int, dict]) -> dict[str, float | None]:
+    """Print each probe's time and peak memory per length, and the exponent ``k`` of a least-squares
+    fit ``time ~ tokens ** k`` over the lengths (None with fewer than two timed lengths)."""
+    import numpy as np
+
+    lengths = list(runs)
+    probes = list(dict.fromkeys(p for r in runs.values() for p in r["probe_s"]))
+    tokens = [runs[n]["median_tokens"] for n in lengths]
+    print(f"battery --lengths: median prompt tokens {tokens}; time (s) and peak memory above the probe's start (MB)")
+    print(f"  {'probe':16s} " + " ".join(f"{f'{t} tok':>18s}" for t in tokens) + f" {'exponent':>9s}")
+    exps: dict[str, float | None] = {}
+    for p in probes:
+        cells = [(runs[n]["median_tokens"], runs[n]["probe_s"].get(p), runs[n]["peak_mb"].get(p)) for n in lengths]
+        timed = [(t, s) for t, s, _ in cells if s]
+        exps[p] = float(np.polyfit(np.log([t for t, _ in timed]), np.log([s for _, s in timed]), 1)[0]) \
+            if len(timed) >= 2 else None
+        print(f"  {p:16s} " + " ".join(f"{s:8.1f} s {m:6.0f} MB" if s is not None else f"{'-':>18s}" for _, s, m in cells)
+              + (f" {exps[p]:9.2f}" if exps[p] is not None else f" {'-':>9s}"))
+    return exps
+
+
+class PeakRSS:
+    """The process's peak resident memory above its level at entry (MB), sampled every 10 ms by a
+    thread (:mod:`psutil`) while the ``with`` block runs."""
+
+    def __enter__(self) -> "PeakRSS":
+        import threading
+
+        import psutil
+
+        self._proc, self._stop = psutil.Process(), threading.Event()
+        self.start = self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    @property
+    def mb(self) -> float:
+        return (self.peak - self.start) / 2**20
+
+
+def run_suite(args, dirs, extra: list[str], label: str = "") -> dict:
+    """Run the battery's probes on one suite (``extra``: overrides of every job, e.g. a transcript
+    length), printing each probe's time as it finishes; returns the numbers ``--json`` writes."""
+    from kvnotes.errors import KvnotesError
 
     import tempfile
 
@@ -99,7 +217,7 @@ def main() -> None:
     out_root = args.records or scratch.name                          # type: ignore[union-attr]
     # run.py's own overrides for each probe, so each record is the one `kvnotes run` writes; the keys that
     # cannot change a result (plot, progress, out_root) name no record directory
-    common = [f"model={args.model}", f"scenario={args.scenario}", *quiet_job(out_root, args.device)]
+    common = [f"model={args.model}", f"scenario={args.scenario}", *quiet_job(out_root, args.device), *extra]
     if args.probes is None:     # the scenario suite's probes; the memory probes (pairs: none) bring their own data
         names = [n for n in names if kvnotes.probes.load_config(n, {}).pairs != "none"]
         if compose_jobs([["probe=screen", *common]], dirs)[0].cfg.scenario.get("transcript") is not None:
@@ -112,11 +230,13 @@ def main() -> None:
     bundle = load_bundle(first)
     pair_sets = {"field": prepare_for_probe(bundle.tokenizer, "field", first.scenario, first.model)}
     setup = time.perf_counter() - t0
-    print(f"battery: {args.model} on {next(bundle.model.parameters()).device}, {torch.get_num_threads()} thread(s), scenario {args.scenario} "
-          f"({len(pair_sets['field'].pairs)} aligned pairs); load average {os.getloadavg()[0]:.1f}; setup {setup:.1f} s",
-          flush=True)
+    field_pairs = pair_sets["field"].pairs
+    tokens = sorted(len(p.old.ids) for p in field_pairs)[len(field_pairs) // 2] if field_pairs else 0
+    print(f"battery: {args.model} on {next(bundle.model.parameters()).device}, {torch.get_num_threads()} thread(s), scenario {args.scenario}"
+          f"{', ' + label if label else ''} ({len(field_pairs)} aligned pairs, median {tokens} tokens); "
+          f"load average {os.getloadavg()[0]:.1f}; setup {setup:.1f} s", flush=True)
     store = CleanRuns(int(args.clean_runs_mb * (1 << 20))) if args.clean_runs_mb > 0 else None
-    times, seen, diffs = {}, {}, {}
+    times, seen, diffs, peaks = {}, {}, {}, {}
     roof = Roofline(bundle.model) if args.floor else None
     rates = [machine_rates(bundle.model)] if roof else []
     for name in names:
@@ -130,13 +250,16 @@ def main() -> None:
                 continue
         done = roof.calls.copy() if roof else None
         # the job path of run.py: the probe, its result checked against its schema, the record's envelope
-        path = run_job(job.cfg, job.out_dir, job.hydra_info, log=lambda _: None, bundle=bundle, clean_runs=store,
-                       pair_sets=pair_sets)
+        with PeakRSS() as rss:
+            path = run_job(job.cfg, job.out_dir, job.hydra_info, log=lambda _: None, bundle=bundle, clean_runs=store,
+                           pair_sets=pair_sets)
+        peaks[name] = rss.mb
         record = load_record(path)
         times[name] = record["timing"]["probe"]
         if roof and done is not None:
             seen[name] = roof.calls - done
-        print(f"  {name:16s} {times[name]:8.1f} s   (load average {os.getloadavg()[0]:.1f})", flush=True)
+        print(f"  {name:16s} {times[name]:8.1f} s  peak +{peaks[name]:.0f} MB  (load average {os.getloadavg()[0]:.1f})",
+              flush=True)
         if args.compare:
             ref = Path(args.compare) / path.relative_to(out_root)
             diffs[name] = (result_diff(record["result"], load_record(ref)["result"]).summary()
@@ -159,8 +282,6 @@ def main() -> None:
                   f"{floors[name]['weight_bytes'] / 1e12:5.2f} TB of weights read; measured {times[name]:.1f} s)")
         f = sum(v["floor_s"] for v in floors.values())
         print(f"  {'floor total':16s} {f:8.1f} s = {f / 60:.1f} min")
-        field_pairs = pair_sets["field"].pairs
-        tokens = sorted(len(p.old.ids) for p in field_pairs)[len(field_pairs) // 2]
         plain = plain_forward(bundle.model, roof, (flop_rate, byte_rate), tokens)
         print(f"  the model's plain forward (transformers, no hooks; median prompt {tokens} tokens) against the same floor: "
               + ", ".join(f"{r['what']} {r['ratio']:.2f}x" for r in plain))
@@ -168,18 +289,14 @@ def main() -> None:
         print(f"  clean runs: {store.prefilled} prompts prefilled ({store.shared} more shared by other pairs), "
               f"{store.reused} runs reused from the store "
               f"({store.used_bytes / 2**20:.0f} MB of prefix caches kept)")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"model": args.model, "scenario": args.scenario, "threads": args.threads,
-                                               "setup_s": setup, "probe_s": times, "total_s": total,
-                                               "roofline": {"rates_before_after": rates, "probes": floors, "plain_forward": plain}
-                                               if roof else None,
-                                               "clean_runs_mb": args.clean_runs_mb,
-                                               "compare": {"against": args.compare, "probes": diffs} if args.compare else None,
-                                               "clean_runs": ({"prompts_prefilled": store.prefilled, "prompts_shared": store.shared,
-                                                               "runs_reused": store.reused}
-                                                              if store is not None else None),
-                                               "loadavg_end": os.getloadavg()}, indent=2))
+    return {"model": args.model, "scenario": args.scenario, "overrides": extra, "threads": args.threads,
+            "median_tokens": tokens, "setup_s": setup, "probe_s": times, "peak_mb": peaks, "total_s": total,
+            "roofline": {"rates_before_after": rates, "probes": floors, "plain_forward": plain} if roof else None,
+            "clean_runs_mb": args.clean_runs_mb,
+            "compare": {"against": args.compare, "probes": diffs} if args.compare else None,
+            "clean_runs": ({"prompts_prefilled": store.prefilled, "prompts_shared": store.shared, "runs_reused": store.reused}
+                           if store is not None else None),
+            "loadavg_end": os.getloadavg()}
 
 
 def plain_forward(model, roof: "Roofline", rates: tuple[float, float], tokens: int,

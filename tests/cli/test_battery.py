@@ -135,3 +135,28 @@ def test_battery_refuses_a_transcript_suite_for_probes_that_render_their_own_pro
                       "--records", tmp_path / "out")
     assert ran.returncode == 2 and "probe 'edit' renders its own prompts" in ran.stderr and "Traceback" not in ran.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("record.json"))
+
+
+def test_battery_lengths_times_each_probe_per_length_and_fits_the_growth(tmp_path, monkeypatch, capsys):
+    """``--lengths``: one battery per prompt length, the suite rendered as transcripts with as many
+    turns as reach each length (the shorter gets fewer); each probe's time and peak memory per
+    length and the fitted exponent of time against the median prompt length."""
+    import json
+
+    from tests.helpers import run_kvnotes
+
+    out = tmp_path / "lengths.json"
+    ran = run_kvnotes(monkeypatch, capsys, "battery", "--model", "planted-notes", "--scenario", "planted",
+                      "--lengths", "200,800", "--probes", "field_refresh", "--threads", "2", "--json", out)
+    assert ran.returncode == 0, ran.stderr
+    runs = json.loads(out.read_text())
+    short, long = runs["lengths"]["200"], runs["lengths"]["800"]
+    assert short["overrides"] != long["overrides"] and short["median_tokens"] < long["median_tokens"]
+    assert abs(long["median_tokens"] - 800) < 0.25 * 800
+    assert set(short["probe_s"]) == {"field_refresh"} and short["peak_mb"]["field_refresh"] >= 0
+    assert isinstance(runs["exponents"]["field_refresh"], float) and "exponent" in ran.stdout
+    for bad, says in ((["--lengths", "8"], "--lengths: comma-separated token counts of at least 16"),
+                      (["--lengths", "100", "--records", str(tmp_path / "r"), "--compare", str(tmp_path)],
+                       "run it without --lengths")):
+        ran = run_kvnotes(monkeypatch, capsys, "battery", "--model", "planted-notes", *bad)
+        assert ran.returncode == 2 and says in ran.stderr and "Traceback" not in ran.stderr, ran.stderr
