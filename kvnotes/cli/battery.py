@@ -86,6 +86,8 @@ def main() -> None:
                     help="run the battery once per prompt length (tokens): the suite rendered as agent transcripts "
                          "(scenario.transcript) with as many turns as reach each median length; prints each "
                          "probe's time and peak memory per length and the fitted exponent of time against length")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                    help="Hydra overrides for every job, as kvnotes run takes them (e.g. flip_rule=relative)")
     args = ap.parse_args()
     if args.compare and not args.records:
         raise KvnotesError("--compare needs --records (the new records it compares)")
@@ -94,11 +96,11 @@ def main() -> None:
     if args.records:
         check_writable(args.records, "--records", directory=True)
     if not args.lengths:
-        out = run_suite(args, dirs, [])
+        out = run_suite(args, dirs, list(args.overrides))
     else:
         turns = turns_for_lengths(args, dirs)
-        runs = {length: run_suite(args, dirs, [f"scenario.transcript={{turns:{n}}}"], f"length {length} ({n} turns)")
-                for length, n in turns.items()}
+        runs = {length: run_suite(args, dirs, [*args.overrides, f"scenario.transcript={{turns:{n}}}"],
+                                  f"length {length} ({n} turns)") for length, n in turns.items()}
         out = {"lengths": {str(k): v for k, v in runs.items()}, "exponents": print_growth(runs)}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +133,7 @@ def turns_for_lengths(args, dirs) -> dict[int, int]:
     from kvnotes.models.loading import load_tokenizer
 
     cfg = compose_jobs([["probe=screen", f"model={args.model}", f"scenario={args.scenario}",
-                         *quiet_job("runs", args.device)]], dirs)[0].cfg
+                         *quiet_job("runs", args.device), *args.overrides]], dirs)[0].cfg
     tok = load_tokenizer(cfg.model)
     median = {}
     for n in (0, 4):
@@ -144,22 +146,27 @@ def turns_for_lengths(args, dirs) -> dict[int, int]:
 
 
 def print_growth(runs: dict[int, dict]) -> dict[str, float | None]:
-    """Print each probe's time and peak memory per length, and the exponent ``k`` of a least-squares
-    fit ``time ~ tokens ** k`` over the lengths (None with fewer than two timed lengths)."""
+    """Print each probe's time, peak memory and flipping pairs per length, and the exponent ``k`` of a
+    least-squares fit ``time ~ tokens ** k`` over the lengths at which the probe had flipping pairs
+    to measure (None with fewer than two). Runs at different lengths may measure different pairs
+    (what flips changes with the length); the counts are printed beside the times."""
     import numpy as np
 
     lengths = list(runs)
     probes = list(dict.fromkeys(p for r in runs.values() for p in r["probe_s"]))
     tokens = [runs[n]["median_tokens"] for n in lengths]
-    print(f"battery --lengths: median prompt tokens {tokens}; time (s) and peak memory above the probe's start (MB)")
-    print(f"  {'probe':16s} " + " ".join(f"{f'{t} tok':>18s}" for t in tokens) + f" {'exponent':>9s}")
+    print(f"battery --lengths: median prompt tokens {tokens}; time (s), peak memory above the probe's start (MB) "
+          f"and flipping pairs (f)")
+    print(f"  {'probe':16s} " + " ".join(f"{f'{t} tok':>24s}" for t in tokens) + f" {'exponent':>9s}")
     exps: dict[str, float | None] = {}
     for p in probes:
-        cells = [(runs[n]["median_tokens"], runs[n]["probe_s"].get(p), runs[n]["peak_mb"].get(p)) for n in lengths]
-        timed = [(t, s) for t, s, _ in cells if s]
+        cells = [(runs[n]["median_tokens"], runs[n]["probe_s"].get(p), runs[n]["peak_mb"].get(p), runs[n]["n_flip"].get(p))
+                 for n in lengths]
+        timed = [(t, s) for t, s, _, f in cells if s is not None and s > 0 and f != 0]
         exps[p] = float(np.polyfit(np.log([t for t, _ in timed]), np.log([s for _, s in timed]), 1)[0]) \
             if len(timed) >= 2 else None
-        print(f"  {p:16s} " + " ".join(f"{s:8.1f} s {m:6.0f} MB" if s is not None else f"{'-':>18s}" for _, s, m in cells)
+        print(f"  {p:16s} " + " ".join(f"{s:7.1f} s {m:6.0f} MB {f if f is not None else '-':>4} f" if s is not None
+                                       else f"{'-':>24s}" for _, s, m, f in cells)
               + (f" {exps[p]:9.2f}" if exps[p] is not None else f" {'-':>9s}"))
     return exps
 
@@ -236,7 +243,7 @@ def run_suite(args, dirs, extra: list[str], label: str = "") -> dict:
           f"{', ' + label if label else ''} ({len(field_pairs)} aligned pairs, median {tokens} tokens); "
           f"load average {os.getloadavg()[0]:.1f}; setup {setup:.1f} s", flush=True)
     store = CleanRuns(int(args.clean_runs_mb * (1 << 20))) if args.clean_runs_mb > 0 else None
-    times, seen, diffs, peaks = {}, {}, {}, {}
+    times, seen, diffs, peaks, flips = {}, {}, {}, {}, {}
     roof = Roofline(bundle.model) if args.floor else None
     rates = [machine_rates(bundle.model)] if roof else []
     for name in names:
@@ -256,10 +263,11 @@ def run_suite(args, dirs, extra: list[str], label: str = "") -> dict:
         peaks[name] = rss.mb
         record = load_record(path)
         times[name] = record["timing"]["probe"]
+        flips[name] = (record["result"].get("aggregates") or {}).get("n_flip")
         if roof and done is not None:
             seen[name] = roof.calls - done
-        print(f"  {name:16s} {times[name]:8.1f} s  peak +{peaks[name]:.0f} MB  (load average {os.getloadavg()[0]:.1f})",
-              flush=True)
+        print(f"  {name:16s} {times[name]:8.1f} s  peak +{peaks[name]:.0f} MB  {flips[name]} flipping pairs  "
+              f"(load average {os.getloadavg()[0]:.1f})", flush=True)
         if args.compare:
             ref = Path(args.compare) / path.relative_to(out_root)
             diffs[name] = (result_diff(record["result"], load_record(ref)["result"]).summary()
@@ -290,7 +298,8 @@ def run_suite(args, dirs, extra: list[str], label: str = "") -> dict:
               f"{store.reused} runs reused from the store "
               f"({store.used_bytes / 2**20:.0f} MB of prefix caches kept)")
     return {"model": args.model, "scenario": args.scenario, "overrides": extra, "threads": args.threads,
-            "median_tokens": tokens, "setup_s": setup, "probe_s": times, "peak_mb": peaks, "total_s": total,
+            "median_tokens": tokens, "setup_s": setup, "probe_s": times, "peak_mb": peaks, "n_flip": flips,
+            "total_s": total,
             "roofline": {"rates_before_after": rates, "probes": floors, "plain_forward": plain} if roof else None,
             "clean_runs_mb": args.clean_runs_mb,
             "compare": {"against": args.compare, "probes": diffs} if args.compare else None,
