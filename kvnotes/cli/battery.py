@@ -146,26 +146,26 @@ def turns_for_lengths(args, dirs) -> dict[int, int]:
 
 
 def print_growth(runs: dict[int, dict]) -> dict[str, float | None]:
-    """Print each probe's time, peak memory and flipping pairs per length, and the exponent ``k`` of a
-    least-squares fit ``time ~ tokens ** k`` over the lengths at which the probe had flipping pairs
-    to measure (None with fewer than two). Runs at different lengths may measure different pairs
-    (what flips changes with the length); the counts are printed beside the times."""
+    """Print each probe's time, peak memory and pairs measured (its result's rows) per length, and the
+    exponent ``k`` of a least-squares fit ``time ~ tokens ** k`` over the lengths at which the probe
+    measured any pair (None with fewer than two). Runs at different lengths may measure different
+    pairs (what flips changes with the length); the counts are printed beside the times."""
     import numpy as np
 
     lengths = list(runs)
     probes = list(dict.fromkeys(p for r in runs.values() for p in r["probe_s"]))
     tokens = [runs[n]["median_tokens"] for n in lengths]
     print(f"battery --lengths: median prompt tokens {tokens}; time (s), peak memory above the probe's start (MB) "
-          f"and flipping pairs (f)")
+          f"and pairs measured (p)")
     print(f"  {'probe':16s} " + " ".join(f"{f'{t} tok':>24s}" for t in tokens) + f" {'exponent':>9s}")
     exps: dict[str, float | None] = {}
     for p in probes:
-        cells = [(runs[n]["median_tokens"], runs[n]["probe_s"].get(p), runs[n]["peak_mb"].get(p), runs[n]["n_flip"].get(p))
-                 for n in lengths]
+        cells = [(runs[n]["median_tokens"], runs[n]["probe_s"].get(p), runs[n]["peak_mb"].get(p),
+                  runs[n]["pairs_measured"].get(p)) for n in lengths]
         timed = [(t, s) for t, s, _, f in cells if s is not None and s > 0 and f != 0]
         exps[p] = float(np.polyfit(np.log([t for t, _ in timed]), np.log([s for _, s in timed]), 1)[0]) \
             if len(timed) >= 2 else None
-        print(f"  {p:16s} " + " ".join(f"{s:7.1f} s {m:6.0f} MB {f if f is not None else '-':>4} f" if s is not None
+        print(f"  {p:16s} " + " ".join(f"{s:7.1f} s {m:6.0f} MB {f if f is not None else '-':>4} p" if s is not None
                                        else f"{'-':>24s}" for _, s, m, f in cells)
               + (f" {exps[p]:9.2f}" if exps[p] is not None else f" {'-':>9s}"))
     return exps
@@ -243,7 +243,7 @@ def run_suite(args, dirs, extra: list[str], label: str = "") -> dict:
           f"{', ' + label if label else ''} ({len(field_pairs)} aligned pairs, median {tokens} tokens); "
           f"load average {os.getloadavg()[0]:.1f}; setup {setup:.1f} s", flush=True)
     store = CleanRuns(int(args.clean_runs_mb * (1 << 20))) if args.clean_runs_mb > 0 else None
-    times, seen, diffs, peaks, flips = {}, {}, {}, {}, {}
+    times, seen, diffs, peaks, measured = {}, {}, {}, {}, {}
     roof = Roofline(bundle.model) if args.floor else None
     rates = [machine_rates(bundle.model)] if roof else []
     for name in names:
@@ -263,10 +263,11 @@ def run_suite(args, dirs, extra: list[str], label: str = "") -> dict:
         peaks[name] = rss.mb
         record = load_record(path)
         times[name] = record["timing"]["probe"]
-        flips[name] = (record["result"].get("aggregates") or {}).get("n_flip")
+        rows = record["result"].get("rows")
+        measured[name] = len(rows) if isinstance(rows, list) else None      # the pairs the probe measured
         if roof and done is not None:
             seen[name] = roof.calls - done
-        print(f"  {name:16s} {times[name]:8.1f} s  peak +{peaks[name]:.0f} MB  {flips[name]} flipping pairs  "
+        print(f"  {name:16s} {times[name]:8.1f} s  peak +{peaks[name]:.0f} MB  {measured[name]} pairs measured  "
               f"(load average {os.getloadavg()[0]:.1f})", flush=True)
         if args.compare:
             ref = Path(args.compare) / path.relative_to(out_root)
@@ -298,7 +299,7 @@ def run_suite(args, dirs, extra: list[str], label: str = "") -> dict:
               f"{store.reused} runs reused from the store "
               f"({store.used_bytes / 2**20:.0f} MB of prefix caches kept)")
     return {"model": args.model, "scenario": args.scenario, "overrides": extra, "threads": args.threads,
-            "median_tokens": tokens, "setup_s": setup, "probe_s": times, "peak_mb": peaks, "n_flip": flips,
+            "median_tokens": tokens, "setup_s": setup, "probe_s": times, "peak_mb": peaks, "pairs_measured": measured,
             "total_s": total,
             "roofline": {"rates_before_after": rates, "probes": floors, "plain_forward": plain} if roof else None,
             "clean_runs_mb": args.clean_runs_mb,

@@ -153,7 +153,7 @@ def test_battery_lengths_times_each_probe_per_length_and_fits_the_growth(tmp_pat
     runs = json.loads(out.read_text())
     short, long = runs["lengths"]["200"], runs["lengths"]["800"]
     assert short["overrides"] != long["overrides"] and short["median_tokens"] < long["median_tokens"]
-    assert short["overrides"][0] == "flip_rule=relative" and short["n_flip"]["field_refresh"] > 0
+    assert short["overrides"][0] == "flip_rule=relative" and short["pairs_measured"]["field_refresh"] > 0
     assert abs(long["median_tokens"] - 800) < 0.25 * 800
     assert set(short["probe_s"]) == {"field_refresh"} and short["peak_mb"]["field_refresh"] >= 0
     assert isinstance(runs["exponents"]["field_refresh"], float) and "exponent" in ran.stdout
