@@ -30,7 +30,7 @@ its peak resident memory above the level at its start (:class:`PeakRSS`).
 ``--lengths 256,1024,4096`` runs the whole battery once per prompt length: the suite rendered as
 multi-turn agent transcripts (``scenario.transcript``, :mod:`kvnotes.scenarios.transcript`) with as
 many turns as bring its median prompt nearest each length (:func:`turns_for_lengths`), then a table
-of each probe's time and peak memory per length and the exponent ``k`` of ``time ~ tokens ** k``
+of each probe's time and peak memory per length and the exponent ``k`` of ``time ~ tokens^k``
 fitted over the lengths (:func:`print_growth`).
 """
 
@@ -147,7 +147,7 @@ def turns_for_lengths(args, dirs) -> dict[int, int]:
 
 def print_growth(runs: dict[int, dict]) -> dict[str, float | None]:
     """Print each probe's time, peak memory and pairs measured (its result's rows) per length, and the
-    exponent ``k`` of a least-squares fit ``time ~ tokens ** k`` over the lengths at which the probe
+    exponent ``k`` of a least-squares fit ``time ~ tokens^k`` over the lengths at which the probe
     measured any pair (None with fewer than two). Runs at different lengths may measure different
     pairs (what flips changes with the length); the counts are printed beside the times."""
     import numpy as np
