@@ -141,7 +141,7 @@ def turns_for_lengths(args, dirs) -> dict[int, int]:
         sc.n_instances, sc.transcript = 1, {"turns": n}
         lengths = sorted(len(p.old.ids) for p in prepare_pairs(tok, sc, template_kwargs=template_kwargs(cfg.model) or None).pairs[:12])
         median[n] = lengths[len(lengths) // 2]
-    per_turn = (median[4] - median[0]) / 4
+    per_turn = max(1.0, (median[4] - median[0]) / 4)
     return {length: max(0, round((length - median[0]) / per_turn)) for length in args.lengths}
 
 
