@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--scenario", default="default", type=conf_name("scenario", "--scenario", dirs),
                     help="scenario config name under conf/scenario")
     add_machine_flags(ap, device="auto")
-    ap.add_argument("--probes", nargs="*", default=None, type=conf_name("probe", "--probes", dirs),
+    ap.add_argument("--probes", nargs="*", default=None, type=probe_name(conf_name("probe", "--probes", dirs)),
                     help="probe names (default: every registered probe that runs on the scenario suite; the memory "
                          "probes, which bring their own suite, only when named)")
     ap.add_argument("--clean-runs-mb", type=float_at_least("--clean-runs-mb", 0.0), default=8192,
@@ -98,13 +98,29 @@ def main() -> None:
     if not args.lengths:
         out = run_suite(args, dirs, list(args.overrides))
     else:
-        turns = turns_for_lengths(args, dirs)
+        turns, loaded = turns_for_lengths(args, dirs), {}
         runs = {length: run_suite(args, dirs, [*args.overrides, f"scenario.transcript={{turns:{n}}}"],
-                                  f"length {length} ({n} turns)") for length, n in turns.items()}
+                                  f"length {length} ({n} turns)", loaded) for length, n in turns.items()}
         out = {"lengths": {str(k): v for k, v in runs.items()}, "exponents": print_growth(runs)}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+def probe_name(check):
+    """An argparse ``type`` for ``--probes``: a probe name (``check``); an override (``KEY=VALUE``)
+    there, which ``--probes``' list swallowed, is named as such.
+
+    Raises:
+        KvnotesError: an override, or what ``check`` raises.
+    """
+    from kvnotes.errors import KvnotesError
+
+    def name(text: str) -> str:
+        if "=" in text:
+            raise KvnotesError(f"--probes: '{text}' is an override, not a probe; put overrides before --probes")
+        return check(text)
+    return name
 
 
 def lengths_arg(text: str) -> list[int]:
@@ -132,8 +148,11 @@ def turns_for_lengths(args, dirs) -> dict[int, int]:
     from kvnotes.harness.pairs import prepare_pairs, template_kwargs
     from kvnotes.models.loading import load_tokenizer
 
+    import tempfile
+
+    out_root = args.records or tempfile.gettempdir()        # composing checks out_root: never create one here
     cfg = compose_jobs([["probe=screen", f"model={args.model}", f"scenario={args.scenario}",
-                         *quiet_job("runs", args.device), *args.overrides]], dirs)[0].cfg
+                         *quiet_job(out_root, args.device), *args.overrides]], dirs)[0].cfg
     tok = load_tokenizer(cfg.model)
     median = {}
     for n in (0, 4):
@@ -200,9 +219,11 @@ class PeakRSS:
         return (self.peak - self.start) / 2**20
 
 
-def run_suite(args, dirs, extra: list[str], label: str = "") -> dict:
+def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None = None) -> dict:
     """Run the battery's probes on one suite (``extra``: overrides of every job, e.g. a transcript
-    length), printing each probe's time as it finishes; returns the numbers ``--json`` writes."""
+    length), printing each probe's time as it finishes; returns the numbers ``--json`` writes.
+    ``loaded`` keeps the model (and its :class:`Roofline` hooks) between calls: ``--lengths`` loads
+    it once."""
     from kvnotes.errors import KvnotesError
 
     import tempfile
@@ -234,7 +255,8 @@ def run_suite(args, dirs, extra: list[str], label: str = "") -> dict:
     jobs = dict(zip(names, compose_jobs([[f"probe={n}", *common] for n in names], dirs)))  # checked before the model loads
     t0 = time.perf_counter()
     first = jobs[names[0]].cfg
-    bundle = load_bundle(first)
+    loaded = {} if loaded is None else loaded
+    bundle = loaded["bundle"] = loaded.get("bundle") or load_bundle(first)
     pair_sets = {"field": prepare_for_probe(bundle.tokenizer, "field", first.scenario, first.model)}
     setup = time.perf_counter() - t0
     field_pairs = pair_sets["field"].pairs
@@ -244,7 +266,7 @@ def run_suite(args, dirs, extra: list[str], label: str = "") -> dict:
           f"load average {os.getloadavg()[0]:.1f}; setup {setup:.1f} s", flush=True)
     store = CleanRuns(int(args.clean_runs_mb * (1 << 20))) if args.clean_runs_mb > 0 else None
     times, seen, diffs, peaks, measured = {}, {}, {}, {}, {}
-    roof = Roofline(bundle.model) if args.floor else None
+    roof = loaded.setdefault("roof", Roofline(bundle.model)) if args.floor else None
     rates = [machine_rates(bundle.model)] if roof else []
     for name in names:
         job = jobs[name]

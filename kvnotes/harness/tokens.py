@@ -98,9 +98,7 @@ def build_conversation(tokenizer, users: Sequence[str], answers: Sequence[str], 
     """Render (:func:`render_conversation`), tokenise and locate the field span of a conversation;
     ``field_chars`` is the field's character span inside ``users[0]``."""
     text, start = render_conversation(tokenizer, users, answers, answer_prefix, chat_template, system, template_kwargs)
-    chars = (start + field_chars[0], start + field_chars[1])
-    ids, offsets = tokenize(tokenizer, text)
-    return Prompt(text, ids, offsets, chars, char_span_to_tokens(offsets, *chars))
+    return prompt_at(tokenizer, text, (start + field_chars[0], start + field_chars[1]))
 
 
 def continuation_ids(tokenizer, prompt: Prompt, continuation: str) -> tuple[int, ...] | None:
