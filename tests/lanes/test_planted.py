@@ -104,7 +104,8 @@ def test_the_architecture_block_is_the_construction(name):
 @pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.1), ("mixed", 0.5), ("mixed", 0.9),
                                           ("direct", 1.0)])
 def test_field_refresh_recovers_the_planted_field_share(arch, cache, monkeypatch, family, alpha):
-    ctx = _context(cache, monkeypatch, family, "field_refresh", {"planted": {"alpha": alpha}}, n_instances=1, arch=arch)
+    ctx = _context(cache, monkeypatch, family, "field_refresh", {"planted": {"alpha": alpha}}, n_instances=1,
+                   scenario_ids=["adjacent"], arch=arch)
     assert _truth(ctx)["alpha"] == alpha
     res = kvnotes.probes.get(ctx.cfg)(ctx)
     rec = res["aggregates"]["recovery"]
@@ -188,7 +189,8 @@ def test_read_location_knockouts_move_the_planted_shares(arch, cache, monkeypatc
     """Hiding a key group from the decision query in every layer removes exactly what the model reads
     there: the downstream notes carry ``(1 - alpha) * beta`` nats of each clean score, the field
     ``alpha * beta`` (the score moves that far towards the other run's), the sinks nothing."""
-    ctx = _context(cache, monkeypatch, family, "read_location", {"planted": {"alpha": alpha}}, n_instances=1, arch=arch)
+    ctx = _context(cache, monkeypatch, family, "read_location", {"planted": {"alpha": alpha}}, n_instances=1,
+                   scenario_ids=["adjacent"], arch=arch)
     res = kvnotes.probes.get(ctx.cfg)(ctx)
     beta = _truth(ctx)["beta"]
     every = next(b["name"] for b in res["bands"] if b["layers"] == [0, planted.N_LAYERS])
@@ -219,7 +221,7 @@ def test_edit_refresh_fails_where_the_notes_decide_and_selective_recompute_recov
     window = planted.SLIDING_WINDOW
     ctx = _context(cache, monkeypatch, family, "edit", {"planted": {"alpha": alpha}},
                    {"ks": [0, 1, window - 1, window], "rankings": ["attention", "kv_deviation"], "oracle_ranking": None,
-                    "max_control_pairs": 0, "sweep_max_pairs": None}, n_instances=1, arch=arch)
+                    "max_control_pairs": 0, "sweep_max_pairs": None}, n_instances=1, scenario_ids=["adjacent"], arch=arch)
     res = kvnotes.probes.get(ctx.cfg)(ctx)
     truth = _truth(ctx)
     assert res["rows"] and truth["notes"]["weights"] == [1.0]          # one note position
