@@ -25,6 +25,10 @@ flipping pairs, deciding the new outcome), ``KL(full || method)`` (nats, whole v
 wall time relative to full. Over-correction: the correct erratum applied to control pairs (old and
 new clean runs take the same candidate decision) must keep that decision.
 
+**Transcripts** (``scenario.transcript``): every prompt is rendered as the suite's agent transcript,
+the erratum inside it at the same ``placement`` and the hoisted layout moving the record's exchange
+to just before the last user message (:mod:`kvnotes.harness.edit_prompts`).
+
 **K sweep selection.** The rankings are per-pair rules (no fitted parameters); the data-driven
 choice is *which ranking* to use: it is chosen by mean agreement over K on the selection instances
 (:func:`kvnotes.harness.selection.split_instances`) and its curve is reported on the held-out instances.
@@ -75,8 +79,6 @@ from kvnotes.harness import edit_prompts as sedits
 
 #: With ``scenario.variant=cot`` this probe decodes the reasoning before reading the decision.
 SUPPORTS_COT = True
-#: Why this probe cannot take a transcript suite (scenario.transcript; :func:`kvnotes.harness.registry.check_layout`).
-OWN_PROMPTS = "the erratum, hoisted and edited prompts re-render the user message"
 
 
 def _ranking(name: str) -> str:
@@ -145,10 +147,12 @@ class PairEditor(EditSource):
         self.template = str(cfg.erratum_template or sedits.ERRATUM_TEMPLATE)
         self.chat = ctx.scenario.chat_template
         self.kwargs = kwargs
+        transcript = ctx.scenario.transcript
+        self.turns = None if transcript is None else transcript.turns      # None: the flat layout
         spec = pair.spec
         self.inst, self.variant = spec.instance, spec.variant
         same = sedits.edited_prompt(self.tok, self.inst, spec.old, pair.old, self.variant, chat_template=self.chat,
-                                    template_kwargs=kwargs)
+                                    template_kwargs=kwargs, turns=self.turns)
         if not torch.equal(same.prompt.ids, pair.old.ids):
             raise KvnotesError("edit: re-rendering the old prompt does not reproduce its tokens; set "
                                "probe.chat_template_kwargs to null (the model's template arguments)")
@@ -179,7 +183,7 @@ class PairEditor(EditSource):
         """The old prompt with ``text`` inserted at the configured placement, aligned with the stale cache."""
         ep = sedits.edited_prompt(self.tok, self.inst, self.pair.spec.old, self.pair.old, self.variant,
                                   notice=text, placement=self.placement, chat_template=self.chat,
-                                  template_kwargs=self.kwargs)
+                                  template_kwargs=self.kwargs, turns=self.turns)
         return Prompted(self.stale, ep.prompt.ids, ep.reuse, ep.prompt.decision)
 
     def hoisted(self) -> Prompted:
@@ -187,7 +191,7 @@ class PairEditor(EditSource):
         (what one would have stored with that layout) is prefilled here, not counted."""
         spec = self.pair.spec
         old_h, new_h = sedits.hoisted_pair(self.tok, self.inst, spec.old, spec.new, self.variant, self.chat,
-                                           self.kwargs)
+                                           self.kwargs, self.turns)
         cached = AllSlotCache.prefill(self.model, old_h.ids[: old_h.decision])
         return Prompted(cached, new_h.prompt.ids, new_h.reuse, new_h.prompt.decision)
 

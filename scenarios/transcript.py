@@ -90,14 +90,35 @@ def _exchange(i: int, rng: np.random.Generator) -> list[Message]:
             Message("tool", json.dumps({"tool": tool, "result": result})), Message("assistant", answer.format(**result))]
 
 
-def render_transcript(instance: Instance, value: str, variant: str = "direct",
-                      turns: int = 6) -> tuple[list[Message], dict[str, list[tuple[int, int, int]]], str]:
+#: Where :func:`render_transcript` puts a notice (an erratum): a line of the last user message before
+#: the request or before the decision prompt, or a line of the record's tool result after its summary.
+NOTICE_PLACEMENTS = ("before_request", "before_decision", "after_context")
+
+
+def render_transcript(instance: Instance, value: str, variant: str = "direct", turns: int = 6,
+                      notice: str | None = None, placement: str = "before_request",
+                      hoist: bool = False) -> tuple[list[Message], dict[str, list[tuple[int, int, int]]], str]:
     """The transcript of ``instance`` with the field set to ``value`` (see the module docstring).
+
+    Args:
+        notice: a line inserted at ``placement`` (:data:`NOTICE_PLACEMENTS`; the erratum of
+            :mod:`kvnotes.harness.edit_prompts`), or None.
+        hoist: the restructuring baseline of the edit probe: the record's exchange (request, tool
+            call, result, acknowledgement) comes after the unrelated exchanges, just before the last
+            user message, instead of before them (the flat layout's hoisted order moves the context
+            line to just before the request); the unrelated exchanges are the same.
 
     Returns:
         (messages, slot name -> ``(message index, start, end)`` character spans of that slot's value
         inside the message's content, in order of appearance, answer prefix).
+
+    Raises:
+        ValueError: an unknown placement.
     """
+    if placement not in NOTICE_PLACEMENTS:
+        raise ValueError(f"unknown notice placement '{placement}' (known: {', '.join(NOTICE_PLACEMENTS)})")
+    if notice is not None:                          # literal text: no slot of it is filled or located
+        notice = notice.replace("{", "{{").replace("}", "}}")
     sc = instance.scenario
     values = slot_values(instance, value)
     var = sc.variants[variant]
@@ -117,13 +138,25 @@ def render_transcript(instance: Instance, value: str, variant: str = "direct",
             offset += len(text) + 1
         return Message(role, head + "\n".join(lines) + tail)
 
+    def record() -> None:
+        messages.append(Message("user", f"Please pull up the {sc.domain} record for this request."))
+        messages.append(Message("assistant", json.dumps({"tool": "get_record", "arguments": {"request": "Q-000"}})))
+        summary = [sc.context] + ([notice] if notice is not None and placement == "after_context" else [])
+        messages.append(message("tool", summary, '{"tool": "get_record", "result": {"summary": "', '"}}'))
+        messages.append(Message("assistant", "I have the record. " + " ".join(instance.filler)))
+
     messages: list[Message] = []
     messages.append(message("system", [sc.system or POLICY.format(domain=sc.domain)]))
-    messages.append(Message("user", f"Please pull up the {sc.domain} record for this request."))
-    messages.append(Message("assistant", json.dumps({"tool": "get_record", "arguments": {"request": "Q-000"}})))
-    messages.append(message("tool", [sc.context], '{"tool": "get_record", "result": {"summary": "', '"}}'))
-    messages.append(Message("assistant", "I have the record. " + " ".join(instance.filler)))
+    if not hoist:
+        record()
     for i in range(turns):
         messages.extend(_exchange(i, rng))
-    messages.append(message("user", [p for p in (sc.rule, sc.request, var.decision) if p]))
+    if hoist:
+        record()
+    last = {"rule": sc.rule, "request": sc.request, "decision": var.decision}
+    names = list(last)
+    if notice is not None and placement != "after_context":
+        names.insert(names.index(placement.removeprefix("before_")), "notice")
+        last["notice"] = notice
+    messages.append(message("user", [last[n] for n in names if last[n]]))
     return messages, spans, var.answer_prefix

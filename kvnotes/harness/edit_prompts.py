@@ -17,6 +17,12 @@ the old prompt's KV cache is its longest common *token* prefix with the edited p
   the field only invalidates the tokens from the field onward.
 - controls: a *wrong* erratum restating the old value, and an irrelevant notice trimmed to the
   erratum's token length (:func:`length_matched_notice`).
+
+On a transcript suite (``scenario.transcript``; ``turns`` here) the same edits are made to the agent
+transcript (:func:`kvnotes.scenarios.transcript.render_transcript`): the notice is a line of the last
+user message (before the request or the decision prompt) or of the record's tool result
+(``after_context``), and the hoisted layout moves the record's exchange to just before the last user
+message (:func:`prompt_in_layout`).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 
 from kvnotes.context import ERRATUM_TEMPLATE, EditableContext
 from kvnotes.errors import KvnotesError
-from kvnotes.harness.tokens import Prompt, build_prompt
+from kvnotes.harness.tokens import Prompt, build_prompt, prompt_at, render_prompt
 from kvnotes.scenarios.instances import Instance, render_user_text
 #: Source text of the length-matched irrelevant notice (trimmed word by word to the erratum's length).
 IRRELEVANT_TEXT = ("[NOTICE] The office printer on the second floor has been serviced and the kitchen "
@@ -134,15 +140,43 @@ def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+def prompt_in_layout(tokenizer, instance: Instance, value: str, variant: str = "direct", order=DEFAULT_ORDER,
+                  notice: str | None = None, placement: str = "before_request", chat_template: bool = True,
+                  template_kwargs: dict | None = None, turns: int | None = None) -> Prompt:
+    """Render and tokenise a prompt in the line ``order`` with an optional notice
+    (:func:`render_layout`); with ``turns``, the suite's agent transcript
+    (:func:`kvnotes.scenarios.transcript.render_transcript`) with the notice at the same
+    ``placement``, the hoisted order moving the record's exchange to just before the last user message.
+
+    Raises:
+        KvnotesError: an unknown placement; with ``turns``, an order other than the default or the
+            hoisted one.
+    """
+    if turns is None:
+        user, chars, prefix = render_layout(instance, value, variant, order, notice, placement)
+        return build_prompt(tokenizer, user, chars, prefix, chat_template, instance.scenario.system, template_kwargs)
+    if tuple(order) not in (DEFAULT_ORDER, HOISTED_ORDER) or placement not in PLACEMENTS:
+        raise KvnotesError(f"a transcript's edited prompt takes the default or the hoisted order and a placement "
+                           f"of {', '.join(PLACEMENTS)}")
+    text, spans, _ = render_prompt(tokenizer, instance, value, variant, chat_template, template_kwargs, turns,
+                                   notice=notice, placement=placement, hoist=tuple(order) == HOISTED_ORDER)
+    (field,) = spans[instance.scenario.field_slot]
+    return prompt_at(tokenizer, text, field)
+
+
 def edited_prompt(tokenizer, instance: Instance, value: str, cached: Prompt, variant: str = "direct",
                   order=DEFAULT_ORDER, notice: str | None = None, placement: str = "before_request",
-                  chat_template: bool = True, template_kwargs: dict | None = None) -> EditedPrompt:
-    """Render and tokenise an edited prompt (:func:`render_layout`) and align it with ``cached``.
+                  chat_template: bool = True, template_kwargs: dict | None = None,
+                  turns: int | None = None) -> EditedPrompt:
+    """Render and tokenise an edited prompt (:func:`prompt_in_layout`) and align it with ``cached``.
 
     The reuse length never exceeds ``cached.decision``: the decision token itself is always fed.
+
+    Raises:
+        KvnotesError: from :func:`prompt_in_layout`.
     """
-    user, chars, prefix = render_layout(instance, value, variant, order, notice, placement)
-    prompt = build_prompt(tokenizer, user, chars, prefix, chat_template, instance.scenario.system, template_kwargs)
+    prompt = prompt_in_layout(tokenizer, instance, value, variant, order, notice, placement, chat_template,
+                           template_kwargs, turns)
     reuse = min(common_prefix_length(cached.ids, prompt.ids), cached.decision, prompt.decision)
     return EditedPrompt(prompt, reuse)
 
@@ -166,14 +200,15 @@ def notice_tokens(tokenizer, notice: str) -> int:
 
 
 def hoisted_pair(tokenizer, instance: Instance, old: str, new: str, variant: str = "direct",
-                 chat_template: bool = True, template_kwargs: dict | None = None) -> tuple[Prompt, EditedPrompt]:
+                 chat_template: bool = True, template_kwargs: dict | None = None,
+                 turns: int | None = None) -> tuple[Prompt, EditedPrompt]:
     """The hoist baseline: the old value rendered in the hoisted layout (the cache one would have
     stored had the prompt been structured that way) and the new value in the same layout, aligned
-    with it (reuse ends at the field)."""
-    user, chars, prefix = render_layout(instance, old, variant, HOISTED_ORDER)
-    cached = build_prompt(tokenizer, user, chars, prefix, chat_template, instance.scenario.system, template_kwargs)
+    with it (reuse ends at the field); ``turns``: as :func:`edited_prompt`."""
+    cached = prompt_in_layout(tokenizer, instance, old, variant, HOISTED_ORDER, chat_template=chat_template,
+                           template_kwargs=template_kwargs, turns=turns)
     return cached, edited_prompt(tokenizer, instance, new, cached, variant, HOISTED_ORDER,
-                                 chat_template=chat_template, template_kwargs=template_kwargs)
+                                 chat_template=chat_template, template_kwargs=template_kwargs, turns=turns)
 
 
 def editable_context(model, tokenizer, instance: Instance, value: str, variant: str = "direct",

@@ -134,21 +134,28 @@ def align(tokenizer, spec, old: Prompt, new: Prompt, unequal_reason: str) -> tup
 
 
 def render_prompt(tokenizer, instance, value: str, variant: str = "direct", chat_template: bool = True,
-                  template_kwargs: dict | None = None,
-                  turns: int | None = None) -> tuple[str, dict[str, list[tuple[int, int]]], str]:
+                  template_kwargs: dict | None = None, turns: int | None = None,
+                  **edits) -> tuple[str, dict[str, list[tuple[int, int]]], str]:
     """Render the prompt of ``instance`` with the field set to ``value``: the flat layout (one user
     message, :func:`kvnotes.scenarios.instances.render_user_text_spans`), or with ``turns`` a
-    multi-turn agent transcript (:func:`kvnotes.scenarios.transcript.render_transcript`).
+    multi-turn agent transcript (:func:`kvnotes.scenarios.transcript.render_transcript`, which
+    also takes ``edits``: ``notice``, ``placement``, ``hoist``; the flat layout's edited prompts are
+    :func:`kvnotes.harness.edit_prompts.render_layout`'s).
 
     Returns:
         (the rendered text, slot name -> character spans of its values in that text, answer prefix).
+
+    Raises:
+        ValueError: ``edits`` without ``turns``.
     """
+    if edits and turns is None:
+        raise ValueError("render_prompt: notice, placement and hoist are transcript options (turns)")
     if turns is None:
         user, spans, prefix = render_user_text_spans(instance, value, variant)
         text, start = render_conversation(tokenizer, [user], [], prefix, chat_template, instance.scenario.system,
                                           template_kwargs)
         return text, {k: [(start + a, start + b) for a, b in v] for k, v in spans.items()}, prefix
-    messages, where, prefix = render_transcript(instance, value, variant, turns)
+    messages, where, prefix = render_transcript(instance, value, variant, turns, **edits)
     text, starts = render_messages(tokenizer, messages, prefix, chat_template, template_kwargs)
     return text, {k: [(starts[i] + a, starts[i] + b) for i, a, b in v] for k, v in where.items()}, prefix
 

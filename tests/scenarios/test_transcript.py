@@ -79,3 +79,37 @@ def test_polarity_pairs_and_the_plain_rendering(smol):
 
 def tok_text(tok, ids) -> str:
     return tok.decode(ids).strip()
+
+
+def test_edited_transcripts_keep_the_cached_prefix_and_move_only_what_the_edit_names(smol):
+    """The edit probe's prompts on a transcript: the erratum goes into the last user message (or the
+    record's tool result), so everything before that message is the cached prompt's; the hoisted
+    layout moves the record's exchange after the unrelated ones, which stay the same draws; the old
+    value re-rendered without an edit is the pair's own prompt (the probe checks this)."""
+    from kvnotes.harness.edit_prompts import erratum_text, edited_prompt, hoisted_pair
+
+    tok = smol.tokenizer
+    spec = build_pairs(load_suite([str(SUITES_DIR)], ids=["favourite_colour"]), 1, 0)[0]
+    tp = tokenize_pair(tok, spec, turns=6)
+    same = edited_prompt(tok, spec.instance, spec.old, tp.old, spec.variant, turns=6)
+    assert torch.equal(same.prompt.ids, tp.old.ids) and same.reuse == tp.decision
+    notice = erratum_text(spec.instance, spec.new)
+    last_user = tp.old.text.rindex("<|im_start|>user")
+    for placement in ("before_request", "before_decision"):
+        ep = edited_prompt(tok, spec.instance, spec.old, tp.old, spec.variant, notice=notice, placement=placement,
+                           turns=6)
+        assert notice in ep.prompt.text and ep.prompt.text.rindex(notice) > last_user
+        assert int(tp.old.offsets[ep.reuse - 1, 1]) >= last_user          # reused: everything before that message
+        assert torch.equal(ep.prompt.ids[:tp.field[1]], tp.old.ids[:tp.field[1]]) and ep.prompt.field == tp.field
+    after = edited_prompt(tok, spec.instance, spec.old, tp.old, spec.variant, notice=notice, placement="after_context",
+                          turns=6)
+    assert tp.field[1] <= after.reuse < tp.decision and after.prompt.text.index(notice) < last_user
+    old_h, new_h = hoisted_pair(tok, spec.instance, spec.old, spec.new, spec.variant, turns=6)
+    messages, spans, _ = render_transcript(spec.instance, spec.old, spec.variant, 6, hoist=True)
+    flat, _, _ = render_transcript(spec.instance, spec.old, spec.variant, 6)
+    assert messages[1:25] == flat[5:29] and messages[25:29] == flat[1:5] and messages[-1] == flat[-1]
+    assert spans[spec.instance.scenario.field_slot][0][0] == 27                    # the field's tool result, moved
+    assert len(old_h.ids) == len(tp.old.ids) and old_h.field[0] > tp.field[0] + 500
+    assert new_h.reuse == old_h.field[0] and new_h.prompt.field == old_h.field
+    with pytest.raises(ValueError):
+        render_transcript(spec.instance, spec.old, spec.variant, 6, notice=notice, placement="nowhere")
