@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Benchmark the batched single-position map against a naive per-variant loop, in one process.
 
-    kvnotes bench probes [--n-pairs 3] [--repeats 3] [--min-time 10] [--threads N]
+    kvnotes bench probes [--n-pairs 3] [--repeats 3] [--min-time 10] [--threads N] [--turns 6]
 
 On the same flipping recall pairs of the embedded SmolLM2-135M (``--model`` picks another zoo
-config), the single-position map (every downstream position ``p`` in ``[b, d)`` patched alone from
+config; ``--turns 6`` renders them as the paper's ~900-token agent transcripts), the single-position map (every downstream position ``p`` in ``[b, d)`` patched alone from
 the new run into the old run, all layers, decision score read) is computed two ways:
 
 - **batched**: the probe's machinery, :func:`kvnotes.harness.kit.single_position_scores` (patch masks;
@@ -132,8 +132,10 @@ def naive_single_position_scores(model, run) -> torch.Tensor:
     return torch.stack(out)
 
 
-def flipping_recall_pairs(bundle, n_pairs: int, scenario_ids: list[str] | None):
-    """The first ``n_pairs`` flipping recall pairs (one instance per scenario), with their runs."""
+def flipping_recall_pairs(bundle, n_pairs: int, scenario_ids: list[str] | None, turns: int | None = None):
+    """The first ``n_pairs`` flipping recall pairs (one instance per scenario), with their runs;
+    ``turns``: rendered as agent transcripts with that many unrelated exchanges
+    (:mod:`kvnotes.scenarios.transcript`; 6 gives the paper's ~900 tokens)."""
     from kvnotes.harness.readout import screen_pair
     from kvnotes.harness.tokens import tokenize_pair
     from kvnotes.scenarios import build_pairs, load_suite
@@ -141,7 +143,7 @@ def flipping_recall_pairs(bundle, n_pairs: int, scenario_ids: list[str] | None):
     specs = build_pairs(load_suite([str(SUITES_DIR)], ["recall"], scenario_ids), 1, 0)
     runs = []
     for spec in specs:
-        tp = tokenize_pair(bundle.tokenizer, spec)
+        tp = tokenize_pair(bundle.tokenizer, spec, turns=turns)
         if isinstance(tp, str):
             continue
         run, status = screen_pair(bundle.model, tp)
@@ -209,7 +211,7 @@ def main() -> None:
 
     Raises:
         KvnotesError: a bad flag (an unknown model or dtype, a count below 1, a negative time, a
-            non-positive budget) before the model loads; no flipping recall pair to time.
+            non-positive budget, ``--turns`` with ``--random-init``) before the model loads; no flipping recall pair to time.
     """
     from kvnotes.cli.errors import DTYPES, conf_name, float_at_least, int_at_least, one_of
     from kvnotes.errors import KvnotesError
@@ -226,6 +228,9 @@ def main() -> None:
                     help="least seconds of timed calls per method (more calls of a fast method)")
     ap.add_argument("--budget-mb", type=float_at_least("--budget-mb", 0.0, strict=True), default=1024,
                     help="memory budget per chunk of variant caches")
+    ap.add_argument("--turns", type=int_at_least("--turns", 0), default=None,
+                    help="render the recall pairs as agent transcripts with this many unrelated exchanges "
+                         "(scenario.transcript; 6: about 900 tokens, the paper's prompt length)")
     ap.add_argument("--random-init", metavar="MODEL", type=conf_name("model", "--random-init"),
                     help="timing only, without the checkpoint: the full-size architecture of this zoo entry "
                          "(conf/model/MODEL.yaml) with random weights (e.g. a GPU machine without weights), on "
@@ -235,6 +240,9 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, type=one_of("--dtype", DTYPES),
                     help=f"--random-init: torch dtype ({', '.join(DTYPES)}; default: float32)")
     args = ap.parse_args()
+    if args.turns is not None and args.random_init:
+        raise KvnotesError("--turns renders the scenario pairs as transcripts; --random-init times synthetic pairs "
+                           "of --prompt-len tokens instead")
     if args.scenarios:                  # the recall scenario ids, checked before the model loads
         from kvnotes.scenarios import load_suite
 
@@ -254,7 +262,7 @@ def main() -> None:
 
         bundle = load_model(OmegaConf.load(CONF_DIR / "model" / f"{args.model}.yaml"), args.device)
         model, name = bundle.model, args.model
-        runs = flipping_recall_pairs(bundle, args.n_pairs, args.scenarios)
+        runs = flipping_recall_pairs(bundle, args.n_pairs, args.scenarios, args.turns)
     device = model.device
     if not runs:
         raise KvnotesError("no flipping recall pair to benchmark")

@@ -16,11 +16,16 @@ checked; its probe time is printed as it finishes, with the total at the end (a 
 ``dissociation`` without polarity scenarios, is skipped with one line). ``--floor`` also prints each probe's roofline floor: every
 call of a linear layer (a forward hook on each ``nn.Linear``) costs at least its FLOPs at this
 machine's best GEMM rate or its weight's bytes at its best weight-read rate, whichever is larger
-(:class:`Roofline`): a time no implementation making the same calls can beat (attention and
+(:class:`kvnotes.harness.roofline.Roofline`): a time no implementation making the same calls can beat (attention and
 elementwise work are not counted). The rates (:func:`kvnotes.harness.roofline.machine_rates`) are measured before and after
-the probes and the higher of each is used: a shared machine's speed drifts. It also times the model's plain forward
-(:func:`plain_forward`: a prefill and a decode at the suite's median prompt length) against the same floor: how
-close a probe can come to its floor without a faster forward. ``--records DIR`` keeps
+the probes and the higher of each is used: a shared machine's speed drifts. It then holds each probe to the model's own
+forward making the same calls (issue #37; target 1.2x): the model's plain decoder stack is timed feeding as many rows as
+the probes' calls have (powers of two, on a cache of the suite's median prompt length;
+:func:`kvnotes.harness.roofline.plain_ratios`), and each probe's linear calls are priced at that forward's measured /
+floor ratio at their row count (:func:`kvnotes.harness.roofline.plain_equivalent`): measured / plain forward is the
+harness's own overhead. It also times the model's plain forward
+(:func:`kvnotes.harness.roofline.plain_forward`: a prefill and a decode at the suite's median prompt length) against
+the same floor: how close a probe can come to its floor without a faster forward. ``--records DIR`` keeps
 each probe's record where ``python run.py out_root=DIR`` would write it, the same record (without
 ``--records`` they go to a temporary folder); ``--compare EARLIER`` then prints, per probe, how its result differs from the record under
 ``EARLIER`` (:mod:`kvnotes.records.diff`: numbers beyond float tolerance, any other changed value; wall times skipped). Timings depend on the machine's load: report them with it
@@ -31,7 +36,8 @@ its peak resident memory above the level at its start (:class:`PeakRSS`).
 multi-turn agent transcripts (``scenario.transcript``, :mod:`kvnotes.scenarios.transcript`) with as
 many turns as bring its median prompt nearest each length (:func:`turns_for_lengths`), then a table
 of each probe's time and peak memory per length and the exponent ``k`` of ``time ~ tokens^k``
-fitted over the lengths (:func:`print_growth`).
+fitted over the lengths (:func:`print_growth`); with ``--floor``, each probe's measured / plain forward and
+measured / floor per length.
 """
 
 from __future__ import annotations
@@ -187,6 +193,16 @@ def print_growth(runs: dict[int, dict]) -> dict[str, float | None]:
         print(f"  {p:16s} " + " ".join(f"{s:7.1f} s {m:6.0f} MB {f if f is not None else '-':>4} p" if s is not None
                                        else f"{'-':>24s}" for _, s, m, f in cells)
               + (f" {exps[p]:9.2f}" if exps[p] is not None else f" {'-':>9s}"))
+    if all(r.get("roofline") for r in runs.values()):          # --floor: the harness held to the model's own forward
+        print("  measured / the plain forward of the same calls (target 1.2x), and / the floor")
+        for p in probes:
+            cells = []
+            for n in lengths:
+                roof = runs[n]["roofline"]
+                over, floor = roof["overhead"].get(p), roof["probes"].get(p)
+                cells.append(f"{over['ratio']:6.2f}x plain {runs[n]['probe_s'][p] / floor['floor_s']:6.2f}x floor"
+                             if over and over["ratio"] and floor and floor["floor_s"] else f"{'-':>24s}")
+            print(f"  {p:16s} " + " ".join(f"{c:>24s}" for c in cells))
     return exps
 
 
@@ -237,7 +253,7 @@ def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None
     from kvnotes.harness.pairs import prepare_for_probe
     from kvnotes.records.diff import result_diff
     from kvnotes.records.store import load_record
-    from kvnotes.harness.roofline import machine_rates
+    from kvnotes.harness.roofline import Roofline, machine_rates, plain_equivalent, plain_forward, plain_ratios, row_grid
 
     torch.set_num_threads(args.threads)
     names = args.probes or kvnotes.probes.names()
@@ -300,19 +316,30 @@ def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None
         scratch.cleanup()
     total = sum(times.values())
     print(f"  {'total':16s} {total:8.1f} s = {total / 60:.1f} min (+ setup {setup:.1f} s)")
-    floors, plain = {}, None
+    floors, plain, overhead, ratios = {}, None, {}, {}
     if roof:
         rates.append(machine_rates(bundle.model))
         flop_rate, byte_rate = max(r[0] for r in rates), max(r[1] for r in rates)
+        grid = row_grid(sum(seen.values(), Counter()))
+        ratios = plain_ratios(bundle.model, roof, (flop_rate, byte_rate), tokens, grid) if grid else {}
         print(f"  roofline floor at {flop_rate / 1e9:.0f} GFLOP/s (best GEMM at the MLP shape; before/after: "
               f"{', '.join(f'{r[0] / 1e9:.0f}' for r in rates)}) and {byte_rate / 1e9:.1f} GB/s (one-row product "
-              f"with the unembedding; {', '.join(f'{r[1] / 1e9:.1f}' for r in rates)}):")
+              f"with the unembedding; {', '.join(f'{r[1] / 1e9:.1f}' for r in rates)}); the plain forward of the same "
+              f"calls (the model's own decoder stack feeding as many rows on a {tokens}-token cache; measured / floor at "
+              + ", ".join(f"{r} rows {x:.2f}x" for r, x in ratios.items()) + "):")
         for name, calls in seen.items():
             floors[name] = Roofline.floor(calls, flop_rate, byte_rate)
-            print(f"  {name:16s} {floors[name]['floor_s']:8.1f} s   ({floors[name]['flops'] / 1e12:5.1f} TFLOP, "
-                  f"{floors[name]['weight_bytes'] / 1e12:5.2f} TB of weights read; measured {times[name]:.1f} s)")
+            p = plain_equivalent(calls, (flop_rate, byte_rate), ratios)
+            overhead[name] = {"plain_s": p, "ratio": times[name] / p if p > 0 else None}
+            over = f"{overhead[name]['ratio']:.2f}x" if p > 0 else "-"
+            print(f"  {name:16s} {floors[name]['floor_s']:8.1f} s floor ({floors[name]['flops'] / 1e12:5.1f} TFLOP, "
+                  f"{floors[name]['weight_bytes'] / 1e12:5.2f} TB of weights read), {p:8.1f} s plain forward; "
+                  f"measured {times[name]:.1f} s: {over} the plain forward (target 1.2x), "
+                  f"{times[name] / floors[name]['floor_s'] if floors[name]['floor_s'] else float('nan'):.2f}x the floor")
         f = sum(v["floor_s"] for v in floors.values())
-        print(f"  {'floor total':16s} {f:8.1f} s = {f / 60:.1f} min")
+        p = sum(v["plain_s"] for v in overhead.values())
+        print(f"  {'total':16s} {f:8.1f} s floor, {p:8.1f} s plain forward; measured {total:.1f} s: "
+              f"{total / p if p else float('nan'):.2f}x the plain forward, {total / f if f else float('nan'):.2f}x the floor")
         plain = plain_forward(bundle.model, roof, (flop_rate, byte_rate), tokens)
         print(f"  the model's plain forward (transformers, no hooks; median prompt {tokens} tokens) against the same floor: "
               + ", ".join(f"{r['what']} {r['ratio']:.2f}x" for r in plain))
@@ -323,93 +350,13 @@ def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None
     return {"model": args.model, "scenario": args.scenario, "overrides": extra, "threads": args.threads,
             "median_tokens": tokens, "setup_s": setup, "probe_s": times, "peak_mb": peaks, "pairs_measured": measured,
             "total_s": total,
-            "roofline": {"rates_before_after": rates, "probes": floors, "plain_forward": plain} if roof else None,
+            "roofline": {"rates_before_after": rates, "probes": floors, "plain_forward": plain,
+                         "plain_ratios": ratios, "overhead": overhead} if roof else None,
             "clean_runs_mb": args.clean_runs_mb,
             "compare": {"against": args.compare, "probes": diffs} if args.compare else None,
             "clean_runs": ({"prompts_prefilled": store.prefilled, "prompts_shared": store.shared, "runs_reused": store.reused}
                            if store is not None else None),
             "loadavg_end": os.getloadavg()}
-
-
-def plain_forward(model, roof: "Roofline", rates: tuple[float, float], tokens: int,
-                  shapes: tuple = ((1, "prefill"), (3, "prefill"), (1, "decode"), (21, "decode")),
-                  repeats: int = 5) -> list[dict]:
-    """What the model's own forward reaches against the battery's floor: the best of ``repeats``
-    timed forwards (transformers, no hooks, last-position logits) of ``B`` prompts of ``tokens``
-    random tokens (``prefill``), or of one token for ``B`` rows on a ``tokens``-position cache
-    (``decode``), over the :class:`Roofline` floor of the linear calls they make. A probe cannot
-    come closer to its floor than these forwards come to theirs without a faster forward.
-
-    Returns:
-        per shape ``{what, rows, tokens, measured_s, floor_s, ratio}``.
-    """
-    import torch
-    from transformers import DynamicCache
-
-    out = []
-    dev = next(model.parameters()).device
-    g = torch.Generator().manual_seed(0)
-    for B, kind in shapes:
-        ids = torch.randint(0, model.config.get_text_config().vocab_size, (B, tokens), generator=g).to(dev)
-        with torch.no_grad():
-            cache = DynamicCache(config=model.config)
-            if kind == "decode":
-                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                ids = ids[:, :1]
-
-            def forward():
-                if kind == "decode":
-                    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                          position_ids=torch.full((B, 1), tokens, device=dev))
-                    cache.crop(-1)                  # back to the prefix
-                else:
-                    model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
-
-            forward()                                   # warm-up
-            best, floor = float("inf"), 0.0
-            for _ in range(repeats):
-                c0 = roof.calls.copy()
-                t = time.perf_counter()
-                forward()
-                best = min(best, time.perf_counter() - t)
-                floor = Roofline.floor(roof.calls - c0, *rates)["floor_s"]
-        out.append({"what": f"{kind} {B}x{tokens if kind == 'prefill' else 1}", "rows": B, "tokens": tokens,
-                    "measured_s": best, "floor_s": floor, "ratio": best / floor})
-    return out
-
-
-class Roofline:
-    """A floor on the time of every ``nn.Linear`` call of ``model`` since construction: a forward
-    hook per module counts the call by its shape (rows, in, out, weight bytes); a call takes at
-    least the larger of ``2 * rows * in * out / flop_rate`` and ``weight bytes / byte_rate`` (it can
-    neither multiply faster than the machine's best GEMM nor read its weight faster than memory
-    delivers it). Layers a run skips (nnsight ``skip``) are not called, hence not counted;
-    attention scores, candidate-only logits and elementwise work are not counted either.
-    """
-
-    def __init__(self, model) -> None:
-        import torch
-
-        self.calls: Counter = Counter()                  # (rows, in, out, weight bytes) -> calls
-        for m in model.modules():
-            if isinstance(m, torch.nn.Linear):
-                m.register_forward_hook(self._count)
-
-    def _count(self, module, args, out) -> None:
-        size = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
-        self.calls[(args[0].numel() // module.in_features, module.in_features, module.out_features, size)] += 1
-
-    @staticmethod
-    def floor(calls: Counter, flop_rate: float, byte_rate: float) -> dict:
-        """``flops``, ``weight_bytes`` and ``floor_s`` of ``calls`` (a :attr:`calls` counter, or the
-        difference of two) at these rates (FLOP/s, bytes/s)."""
-        out = {"flops": 0, "weight_bytes": 0, "floor_s": 0.0}
-        for (rows, i, o, size), n in calls.items():
-            flops = 2 * rows * i * o
-            out["flops"] += n * flops
-            out["weight_bytes"] += n * size
-            out["floor_s"] += n * max(flops / flop_rate, size / byte_rate)
-        return out
 
 
 if __name__ == "__main__":

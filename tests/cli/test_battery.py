@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvnotes.harness.roofline import machine_rates
-from kvnotes.cli.battery import Roofline
+from kvnotes.harness.roofline import Roofline
 from tests.helpers import build_tiny
 
 T = 11
@@ -42,7 +42,7 @@ def test_roofline_counts_every_linear_call():
 def test_plain_forward_floors_one_forward_of_each_shape():
     """Each shape's floor is one forward's linear calls: a prefill of B x tokens rows, a decode of B
     rows (its cache prefill and the warm-up not counted), one unembedded row per prompt."""
-    from kvnotes.cli.battery import plain_forward
+    from kvnotes.harness.roofline import plain_forward
 
     model = build_tiny("llama")
     cfg = model.config
@@ -58,6 +58,71 @@ def test_plain_forward_floors_one_forward_of_each_shape():
         prompts = r["rows"]
         assert r["floor_s"] == pytest.approx((2 * tokens * L * per_layer + 2 * prompts * h * V) / 1e9, rel=1e-9)
         assert r["ratio"] == pytest.approx(r["measured_s"] / r["floor_s"]) and r["measured_s"] > 0
+
+
+def test_plain_ratios_floor_one_decoder_forward_of_each_row_count():
+    """Each timed forward is the decoder stack alone (no unembedding) feeding ``r`` rows on the
+    context: its floor is ``2 r L per_layer`` FLOPs at a FLOP-bound rate, so measured / floor is
+    the measured time over that; the grid spans the calls' rows in powers of two up to the cap."""
+    from collections import Counter
+
+    from kvnotes.harness.roofline import plain_ratios, row_grid
+
+    model = build_tiny("gemma3")                          # sliding layers: the cache is put back after each forward
+    cfg = model.config
+    assert row_grid(Counter({(3, 1, 1, 4): 2, (40, 1, 1, 4): 1})) == [2, 4, 8, 16, 32, 64]
+    assert row_grid(Counter({(1, 1, 1, 4): 1, (9000, 1, 1, 4): 1}), cap=16) == [1, 2, 4, 8, 16]
+    roof = Roofline(model)
+    ratios = plain_ratios(model, roof, (1e9, 1e15), T, [1, 4], repeats=2)
+    assert sorted(ratios) == [1, 4] and all(x > 0 for x in ratios.values())
+    rows = Counter(k[0] for k, n in roof.calls.items() for _ in range(n))
+    assert set(rows) == {T, 1, 4}                         # the context's prefill, then 1 and 4 rows
+    # one warm-up and two timed forwards per row count: 7 linear layers per decoder layer, no unembedding call
+    assert sum(n for k, n in roof.calls.items() if k[0] in (1, 4)) == 3 * 2 * 7 * cfg.num_hidden_layers
+
+
+def test_plain_equivalent_prices_each_call_at_its_row_count():
+    """A call's floor times the ratio at its rows: exact at a timed row count, linear in log2(rows)
+    between two, the nearest outside."""
+    from collections import Counter
+
+    from kvnotes.harness.roofline import plain_equivalent
+
+    rates = (1e9, 1e15)                                   # FLOP-bound: a call's floor is 2 rows in out / 1e9
+    ratios = {1: 2.0, 4: 4.0}
+
+    def priced(rows: int) -> float:
+        return plain_equivalent(Counter({(rows, 10, 10, 400): 1}), rates, ratios) / (2 * rows * 100 / 1e9)
+
+    assert priced(1) == pytest.approx(2.0) and priced(4) == pytest.approx(4.0)
+    assert priced(2) == pytest.approx(3.0)                # halfway in log2
+    assert priced(64) == pytest.approx(4.0)
+    both = Counter({(1, 10, 10, 400): 3, (2, 10, 10, 400): 1})
+    assert plain_equivalent(both, rates, ratios) == pytest.approx(3 * 2.0 * 200 / 1e9 + 3.0 * 400 / 1e9)
+    assert plain_equivalent(Counter(), rates, {}) == 0.0
+    with pytest.raises(ValueError):
+        plain_equivalent(both, rates, {})
+
+
+def test_snapshot_puts_a_sliding_window_cache_back():
+    from transformers import DynamicCache
+
+    from kvnotes.harness.roofline import snapshot
+
+    model = build_tiny("gemma3")
+    ids = torch.arange(3 * T)[None] % model.config.vocab_size
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :2 * T], past_key_values=cache, use_cache=True)
+        before = [(l.keys.clone(), l.values.clone(), getattr(l, "cumulative_length", None)) for l in cache.layers]
+        restore = snapshot(cache)
+        model(ids[:, 2 * T:], past_key_values=cache, use_cache=True)
+        restore()
+        after = [(l.keys, l.values, getattr(l, "cumulative_length", None)) for l in cache.layers]
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(before, after))
+        again = model(ids[:, 2 * T:], past_key_values=cache, use_cache=True).logits
+        fresh = model(ids).logits[:, 2 * T:]
+        torch.testing.assert_close(again, fresh, atol=1e-4, rtol=1e-4)
 
 
 def test_machine_rates_are_positive():
@@ -131,23 +196,24 @@ def test_battery_writes_the_records_run_py_writes(tmp_path, monkeypatch, capsys)
 def test_battery_refuses_a_transcript_suite_for_probes_that_render_their_own_prompts(tmp_path, monkeypatch, capsys):
     from tests.helpers import run_kvnotes
 
-    ran = run_kvnotes(monkeypatch, capsys, "battery", "--scenario", "long", "--probes", "screen", "edit",
+    ran = run_kvnotes(monkeypatch, capsys, "battery", "--scenario", "long", "--probes", "screen", "compose",
                       "--records", tmp_path / "out")
-    assert ran.returncode == 2 and "probe 'edit' renders its own prompts" in ran.stderr and "Traceback" not in ran.stderr
+    assert ran.returncode == 2 and "probe 'compose' renders its own prompts" in ran.stderr and "Traceback" not in ran.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("record.json"))
 
 
 def test_battery_lengths_times_each_probe_per_length_and_fits_the_growth(tmp_path, monkeypatch, capsys):
     """``--lengths``: one battery per prompt length, the suite rendered as transcripts with as many
     turns as reach each length (the shorter gets fewer); each probe's time and peak memory per
-    length and the fitted exponent of time against the median prompt length."""
+    length and the fitted exponent of time against the median prompt length; with ``--floor`` its
+    time over the plain forward of the same calls and over the floor per length."""
     import json
 
     from tests.helpers import run_kvnotes
 
     out = tmp_path / "lengths.json"
     ran = run_kvnotes(monkeypatch, capsys, "battery", "--model", "planted-notes", "--scenario", "planted",
-                      "--lengths", "200,800", "--probes", "field_refresh", "--threads", "2", "--json", out,
+                      "--lengths", "200,800", "--floor", "--probes", "field_refresh", "--threads", "2", "--json", out,
                       "flip_rule=relative")
     assert ran.returncode == 0, ran.stderr
     runs = json.loads(out.read_text())
@@ -157,6 +223,12 @@ def test_battery_lengths_times_each_probe_per_length_and_fits_the_growth(tmp_pat
     assert abs(long["median_tokens"] - 800) < 0.25 * 800
     assert set(short["probe_s"]) == {"field_refresh"} and short["peak_mb"]["field_refresh"] >= 0
     assert isinstance(runs["exponents"]["field_refresh"], float) and "exponent" in ran.stdout
+    for run in (short, long):           # --floor: the probe held to the plain forward of its own linear calls
+        roof = run["roofline"]
+        over, floor = roof["overhead"]["field_refresh"], roof["probes"]["field_refresh"]["floor_s"]
+        assert roof["plain_ratios"] and all(x > 0 for x in roof["plain_ratios"].values())
+        assert over["plain_s"] > floor > 0 and over["ratio"] == run["probe_s"]["field_refresh"] / over["plain_s"]
+    assert "the plain forward of the same calls (target 1.2x)" in ran.stdout
     for bad, says in ((["--lengths", "8"], "--lengths: comma-separated token counts of at least 16"),
                       (["--lengths", "100", "--records", str(tmp_path / "r"), "--compare", str(tmp_path)],
                        "run it without --lengths")):

@@ -173,6 +173,8 @@ SCRIPT_CASES = [
     (["battery", "--compare", "{missing}", "--records", "{tmp}/new"], ["--compare", "{missing}"]),
     (["bench", "probes", "--n-pairs", "0"], ["--n-pairs"]),
     (["bench", "probes", "--random-init", "nope"], ["--random-init", "'nope'"]),
+    (["bench", "probes", "--turns", "-1"], ["--turns"]),
+    (["bench", "probes", "--turns", "6", "--random-init", "smollm2-135m"], ["--turns", "--prompt-len"]),
     (["bench", "circuits", "--chunk", "0"], ["--chunk"]),
     (["bench", "compose", "--lengths", "50"], ["--lengths", "50"]),
     (["bench", "compose", "--image", "--grids", "16x16"], ["--grids", "16x16"]),
