@@ -335,7 +335,7 @@ def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None
             print(f"  {name:16s} {floors[name]['floor_s']:8.1f} s floor ({floors[name]['flops'] / 1e12:5.1f} TFLOP, "
                   f"{floors[name]['weight_bytes'] / 1e12:5.2f} TB of weights read), {p:8.1f} s plain forward; "
                   f"measured {times[name]:.1f} s: {over} the plain forward (target 1.2x), "
-                  f"{times[name] / floors[name]['floor_s'] if floors[name]['floor_s'] else float('nan'):.2f}x the floor")
+                  + (f"{times[name] / floors[name]['floor_s']:.2f}x" if floors[name]["floor_s"] else "-") + " the floor")
         f = sum(v["floor_s"] for v in floors.values())
         p = sum(v["plain_s"] for v in overhead.values())
         print(f"  {'total':16s} {f:8.1f} s floor, {p:8.1f} s plain forward; measured {total:.1f} s: "

@@ -35,12 +35,14 @@ from kvnotes.context import ERRATUM_TEMPLATE, EditableContext
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.tokens import Prompt, build_prompt, prompt_at, render_prompt
 from kvnotes.scenarios.instances import Instance, render_user_text
+from kvnotes.scenarios.transcript import NOTICE_PLACEMENTS
 #: Source text of the length-matched irrelevant notice (trimmed word by word to the erratum's length).
 IRRELEVANT_TEXT = ("[NOTICE] The office printer on the second floor has been serviced and the kitchen "
                    "will be cleaned on Friday afternoon; visitors should sign in at the front desk and "
                    "collect a badge before entering the building, and parking remains free all week.")
-#: Where an inserted notice goes in the user message.
-PLACEMENTS = ("before_request", "after_context", "before_decision")
+#: Where an inserted notice goes in the user message (the same names in a transcript:
+#: :data:`kvnotes.scenarios.transcript.NOTICE_PLACEMENTS`).
+PLACEMENTS = NOTICE_PLACEMENTS
 #: Line order of the default layout and of the hoisted layout.
 DEFAULT_ORDER = ("context", "filler", "rule", "request", "decision")
 HOISTED_ORDER = ("filler", "rule", "context", "request", "decision")
@@ -141,8 +143,8 @@ def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def prompt_in_layout(tokenizer, instance: Instance, value: str, variant: str = "direct", order=DEFAULT_ORDER,
-                  notice: str | None = None, placement: str = "before_request", chat_template: bool = True,
-                  template_kwargs: dict | None = None, turns: int | None = None) -> Prompt:
+                     notice: str | None = None, placement: str = "before_request", chat_template: bool = True,
+                     template_kwargs: dict | None = None, turns: int | None = None) -> Prompt:
     """Render and tokenise a prompt in the line ``order`` with an optional notice
     (:func:`render_layout`); with ``turns``, the suite's agent transcript
     (:func:`kvnotes.scenarios.transcript.render_transcript`) with the notice at the same
@@ -176,7 +178,7 @@ def edited_prompt(tokenizer, instance: Instance, value: str, cached: Prompt, var
         KvnotesError: from :func:`prompt_in_layout`.
     """
     prompt = prompt_in_layout(tokenizer, instance, value, variant, order, notice, placement, chat_template,
-                           template_kwargs, turns)
+                              template_kwargs, turns)
     reuse = min(common_prefix_length(cached.ids, prompt.ids), cached.decision, prompt.decision)
     return EditedPrompt(prompt, reuse)
 
@@ -206,7 +208,7 @@ def hoisted_pair(tokenizer, instance: Instance, old: str, new: str, variant: str
     stored had the prompt been structured that way) and the new value in the same layout, aligned
     with it (reuse ends at the field); ``turns``: as :func:`edited_prompt`."""
     cached = prompt_in_layout(tokenizer, instance, old, variant, HOISTED_ORDER, chat_template=chat_template,
-                           template_kwargs=template_kwargs, turns=turns)
+                              template_kwargs=template_kwargs, turns=turns)
     return cached, edited_prompt(tokenizer, instance, new, cached, variant, HOISTED_ORDER,
                                  chat_template=chat_template, template_kwargs=template_kwargs, turns=turns)
 
