@@ -133,18 +133,11 @@ def plain_forward(model, roof: "Roofline", rates: tuple[float, float], tokens: i
                 if kind == "decode":
                     model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                           position_ids=torch.full((B, 1), tokens, device=dev))
-                    restore()                       # back to the prefix
+                    restore()                       # back to the prefix (timed, as before)
                 else:
                     model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
 
-            forward()                                   # warm-up
-            best, floor = float("inf"), 0.0
-            for _ in range(repeats):
-                c0 = roof.calls.copy()
-                t = time.perf_counter()
-                forward()
-                best = min(best, time.perf_counter() - t)
-                floor = Roofline.floor(roof.calls - c0, *rates)["floor_s"]
+            best, floor = timed_against_floor(forward, roof, rates, repeats, dev)
         out.append({"what": f"{kind} {B}x{tokens if kind == 'prefill' else 1}", "rows": B, "tokens": tokens,
                     "measured_s": best, "floor_s": floor, "ratio": best / floor})
     return out
@@ -182,6 +175,26 @@ class Roofline:
             out["weight_bytes"] += n * size
             out["floor_s"] += n * max(flops / flop_rate, size / byte_rate)
         return out
+
+
+def timed_against_floor(forward, roof: "Roofline", rates: tuple[float, float], repeats: int, device,
+                        after=None) -> tuple[float, float]:
+    """The best wall time (s) of ``repeats`` calls of ``forward`` after one warm-up call (the device
+    synchronised), and the :class:`Roofline` floor (s) of the linear calls one call makes; ``after``
+    (untimed) runs after each call, e.g. a cache's :func:`snapshot` restore."""
+    best, floor = float("inf"), 0.0
+    for i in range(repeats + 1):
+        c0 = roof.calls.copy()
+        t = time.perf_counter()
+        forward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i:                                               # call 0 is the warm-up
+            best = min(best, time.perf_counter() - t)
+            floor = Roofline.floor(roof.calls - c0, *rates)["floor_s"]
+        if after is not None:
+            after()
+    return best, floor
 
 
 def snapshot(cache):
@@ -247,18 +260,8 @@ def plain_ratios(model, roof: "Roofline", rates: tuple[float, float], context: i
 
             def forward():
                 stack(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                restore()
 
-            forward()
-            best, floor = float("inf"), 0.0
-            for _ in range(repeats):
-                c0 = roof.calls.copy()
-                t = time.perf_counter()
-                forward()
-                best = min(best, time.perf_counter() - t)
-                floor = Roofline.floor(roof.calls - c0, *rates)["floor_s"]
+            best, floor = timed_against_floor(forward, roof, rates, repeats, dev, after=restore)
             out[r] = best / floor
     return out
 
