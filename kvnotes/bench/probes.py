@@ -38,74 +38,20 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import json
-import os
 import resource
 import statistics
-import threading
-import time
 from pathlib import Path
 
 from kvnotes import CONF_DIR
 from kvnotes.scenarios.schema import SUITES_DIR
 from kvnotes.cli import add_machine_flags
+from kvnotes.harness.peak_memory import PeakMemory
 from kvnotes.harness.timing import time_calls
 from kvnotes.cli.helptext import PlainHelpFormatter
 
 
 import torch
-
-
-def release_free_memory() -> None:
-    """Return freed heap memory to the OS (glibc ``malloc_trim``), so that a method's peak RSS is
-    not hidden by pages an earlier method freed but the allocator kept; a no-op elsewhere."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-class PeakMemory:
-    """Peak memory added while the block runs, in bytes: sampled RSS on CPU, CUDA peak on GPU."""
-
-    def __init__(self, device: torch.device, interval_s: float = 0.002) -> None:
-        self.device, self.interval = device, interval_s
-        self.peak = 0
-        self._base = self._max = 0
-
-    @staticmethod
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self._max = max(self._max, self.rss())
-            time.sleep(self.interval)
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self._base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            release_free_memory()
-            self._base = self._max = self.rss()
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self._base
-        else:
-            self._stop.set()
-            self._thread.join()
-            self._max = max(self._max, self.rss())
-            self.peak = self._max - self._base
 
 
 @torch.no_grad()

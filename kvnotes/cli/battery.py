@@ -30,7 +30,8 @@ each probe's record where ``python run.py out_root=DIR`` would write it, the sam
 ``--records`` they go to a temporary folder); ``--compare EARLIER`` then prints, per probe, how its result differs from the record under
 ``EARLIER`` (:mod:`kvnotes.records.diff`: numbers beyond float tolerance, any other changed value; wall times skipped). Timings depend on the machine's load: report them with it
 (``os.getloadavg`` is printed). ``--json PATH`` also writes the numbers. Each probe's line also gives
-its peak resident memory above the level at its start (:class:`PeakRSS`).
+its peak memory above the level at its start (:class:`kvnotes.harness.peak_memory.PeakMemory`: resident
+memory on the CPU, allocated memory on a GPU).
 
 ``--lengths 256,1024,4096`` runs the whole battery once per prompt length: the suite rendered as
 multi-turn agent transcripts (``scenario.transcript``, :mod:`kvnotes.scenarios.transcript`) with as
@@ -206,35 +207,6 @@ def print_growth(runs: dict[int, dict]) -> dict[str, float | None]:
     return exps
 
 
-class PeakRSS:
-    """The process's peak resident memory above its level at entry (MB), sampled every 10 ms by a
-    thread (:mod:`psutil`) while the ``with`` block runs."""
-
-    def __enter__(self) -> "PeakRSS":
-        import threading
-
-        import psutil
-
-        self._proc, self._stop = psutil.Process(), threading.Event()
-        self.start = self.peak = self._proc.memory_info().rss
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.01):
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
-
-    @property
-    def mb(self) -> float:
-        return (self.peak - self.start) / 2**20
-
-
 def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None = None) -> dict:
     """Run the battery's probes on one suite (``extra``: overrides of every job, e.g. a transcript
     length), printing each probe's time as it finishes; returns the numbers ``--json`` writes.
@@ -253,6 +225,7 @@ def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None
     from kvnotes.harness.pairs import prepare_for_probe
     from kvnotes.records.diff import result_diff
     from kvnotes.records.store import load_record
+    from kvnotes.harness.peak_memory import PeakMemory
     from kvnotes.harness.roofline import Roofline, machine_rates, plain_equivalent, plain_forward, plain_ratios, row_grid
 
     torch.set_num_threads(args.threads)
@@ -295,7 +268,7 @@ def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None
                 continue
         done = roof.calls.copy() if roof else None
         # the job path of run.py: the probe, its result checked against its schema, the record's envelope
-        with PeakRSS() as rss:
+        with PeakMemory(bundle.model.device, interval_s=0.01) as rss:
             path = run_job(job.cfg, job.out_dir, job.hydra_info, log=lambda _: None, bundle=bundle, clean_runs=store,
                            pair_sets=pair_sets)
         peaks[name] = rss.mb

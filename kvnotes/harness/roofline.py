@@ -121,7 +121,7 @@ def plain_forward(model, roof: "Roofline", rates: tuple[float, float], tokens: i
     for B, kind in shapes:
         ids = torch.randint(0, model.config.get_text_config().vocab_size, (B, tokens), generator=g).to(dev)
         with torch.no_grad():
-            cache = DynamicCache(config=model.config)
+            cache, restore = DynamicCache(config=model.config), None
             if kind == "decode":        # one prompt prefilled, its cache viewed as B rows (no B-row prefill)
                 model(input_ids=ids[:1], past_key_values=cache, use_cache=True, logits_to_keep=1)
                 for layer in cache.layers:
@@ -133,11 +133,10 @@ def plain_forward(model, roof: "Roofline", rates: tuple[float, float], tokens: i
                 if kind == "decode":
                     model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                           position_ids=torch.full((B, 1), tokens, device=dev))
-                    restore()                       # back to the prefix (timed, as before)
                 else:
                     model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
 
-            best, floor = timed_against_floor(forward, roof, rates, repeats, dev)
+            best, floor = timed_against_floor(forward, roof, rates, repeats, dev, after=restore)   # decode: back to the prefix
         out.append({"what": f"{kind} {B}x{tokens if kind == 'prefill' else 1}", "rows": B, "tokens": tokens,
                     "measured_s": best, "floor_s": floor, "ratio": best / floor})
     return out
