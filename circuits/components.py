@@ -87,8 +87,13 @@ def logit_diff_direction(model, adapter, pair) -> torch.Tensor:
     """The logit-difference direction ``g ⊙ (W_U[cand_new] - W_U[cand_old])``, ``[D]`` fp32
     (first tokens; ``g`` the final norm's effective gain, :meth:`Adapter.final_norm_gain`). Not
     normalised: ``σ · v · x`` is the logit difference of the final residual ``x``."""
-    W = adapter.module(model, "unembed").weight
-    return adapter.final_norm_gain(model) * (W[pair.cand_new[0]] - W[pair.cand_old[0]]).float()
+    from accelerate.utils import align_module_device
+
+    head = adapter.module(model, "unembed")
+    with align_module_device(head):          # an offloaded head (device map) has its weight on meta until then
+        row = (head.weight[pair.cand_new[0]] - head.weight[pair.cand_old[0]]).float()
+    gain = adapter.final_norm_gain(model)
+    return gain * row.to(gain.device)
 
 
 def final_scale(final: torch.Tensor, eps: float) -> torch.Tensor:

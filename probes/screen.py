@@ -86,11 +86,18 @@ class Result(BaseResult):
     aggregates: ScreenAggregates
 
 
+def token_name(tokenizer, token_id: int) -> str:
+    """The tokenizer's name of ``token_id``, or ``<id N>`` for an id it does not have (a random-weight
+    model of a full-size shape has its own vocabulary size, wider than the tokenizer that renders
+    its prompts: ``model.random_init``)."""
+    name = tokenizer.convert_ids_to_tokens(token_id)
+    return name if name is not None else f"<id {token_id}>"
+
+
 def run(ctx) -> dict:
     """Screen every pair; see the module docstring."""
     tok = ctx.bundle.tokenizer
-    rows = [row | {"top1_old": tok.convert_ids_to_tokens(row["top1_id_old"]),
-                   "top1_new": tok.convert_ids_to_tokens(row["top1_id_new"])}
+    rows = [row | {"top1_old": token_name(tok, row["top1_id_old"]), "top1_new": token_name(tok, row["top1_id_new"])}
             for _, row in K.each_pair(ctx, desc="screen")]
     excluded = ctx.pairs.excluded
     flipping = [r for r in rows if r["flips"]]

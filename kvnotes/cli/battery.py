@@ -94,8 +94,10 @@ def main() -> None:
                          "(scenario.transcript) with as many turns as reach each median length; prints each "
                          "probe's time and peak memory per length and the fitted exponent of time against length")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                    help="Hydra overrides for every job, as kvnotes run takes them (e.g. flip_rule=relative)")
+                    help="Hydra overrides for every job, as kvnotes run takes them (e.g. flip_rule=relative); "
+                         "PROBE:KEY=VALUE for one probe's jobs only (e.g. heads:probe.ks=[1,4])")
     args = ap.parse_args()
+    args.overrides, args.probe_overrides = split_overrides(args.overrides)
     if args.compare and not args.records:
         raise KvnotesError("--compare needs --records (the new records it compares)")
     if args.compare and args.lengths:
@@ -112,6 +114,36 @@ def main() -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """Split the battery's overrides into those of every job and ``PROBE:KEY=VALUE`` ones of one
+    probe's jobs (a probe's own keys, such as ``heads:probe.ks=[1,4]``, which the other probes'
+    configs do not have).
+
+    Returns:
+        ``(every job's overrides, {probe name: its own overrides})``.
+
+    Raises:
+        KvnotesError: a ``NAME:`` prefix that names no registered probe.
+    """
+    import re
+
+    import kvnotes.probes
+    from kvnotes.errors import KvnotesError
+
+    common: list[str] = []
+    own: dict[str, list[str]] = {}
+    for text in overrides:
+        head, sep, rest = text.partition(":")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", head):   # e.g. scenario.transcript={turns:4}
+            common.append(text)
+            continue
+        if head not in kvnotes.probes.names():
+            raise KvnotesError(f"override '{text}': '{head}' is not a probe (PROBE:KEY=VALUE applies to one probe's "
+                               f"jobs; probes: {', '.join(kvnotes.probes.names())})")
+        own.setdefault(head, []).append(rest)
+    return common, own
 
 
 def probe_name(check):
@@ -190,7 +222,7 @@ def print_growth(runs: dict[int, dict]) -> dict[str, float | None]:
                   runs[n]["pairs_measured"].get(p)) for n in lengths]
         timed = [(t, s) for t, s, _, f in cells if s is not None and s > 0 and f != 0]
         exps[p] = float(np.polyfit(np.log([t for t, _ in timed]), np.log([s for _, s in timed]), 1)[0]) \
-            if len(timed) >= 2 else None
+            if len({t for t, _ in timed}) >= 2 else None          # lengths that render to one token count fit nothing
         print(f"  {p:16s} " + " ".join(f"{s:7.1f} s {m:6.0f} MB {f if f is not None else '-':>4} p" if s is not None
                                        else f"{'-':>24s}" for _, s, m, f in cells)
               + (f" {exps[p]:9.2f}" if exps[p] is not None else f" {'-':>9s}"))
@@ -241,7 +273,8 @@ def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None
             own = [n for n in names if getattr(kvnotes.probes.module(n), "OWN_PROMPTS", None)]
             print(f"battery: {', '.join(own)} skipped: a transcript suite, and they render their own prompts")
             names = [n for n in names if n not in own]
-    jobs = dict(zip(names, compose_jobs([[f"probe={n}", *common] for n in names], dirs)))  # checked before the model loads
+    per_probe = getattr(args, "probe_overrides", {})
+    jobs = dict(zip(names, compose_jobs([[f"probe={n}", *common, *per_probe.get(n, [])] for n in names], dirs)))  # checked before the model loads
     t0 = time.perf_counter()
     first = jobs[names[0]].cfg
     loaded = {} if loaded is None else loaded
@@ -320,7 +353,8 @@ def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None
         print(f"  clean runs: {store.prefilled} prompts prefilled ({store.shared} more shared by other pairs), "
               f"{store.reused} runs reused from the store "
               f"({store.used_bytes / 2**20:.0f} MB of prefix caches kept)")
-    return {"model": args.model, "scenario": args.scenario, "overrides": extra, "threads": args.threads,
+    return {"model": args.model, "scenario": args.scenario, "overrides": extra,
+            "probe_overrides": {n: v for n, v in per_probe.items() if n in times}, "threads": args.threads,
             "median_tokens": tokens, "setup_s": setup, "probe_s": times, "peak_mb": peaks, "pairs_measured": measured,
             "total_s": total,
             "roofline": {"rates_before_after": rates, "probes": floors, "plain_forward": plain,

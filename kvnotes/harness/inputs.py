@@ -144,10 +144,14 @@ def weights_inputs(model_cfg: Any) -> dict:
         from kvnotes.models import zoo
 
         tok = str(random_init.get("tokenizer", "smollm2-135m"))
-        try:
-            tok_inputs = weights_inputs(zoo.zoo_config(tok))
-        except KvnotesError:
-            tok_inputs = {"entry": tok}
+        tok_dir = Path(os.path.expanduser(tok))
+        if tok_dir.is_dir():           # a directory of tokenizer files: its files are its identity
+            tok_inputs = {"path": str(tok_dir.resolve()), "sha256": tree_sha256(checkpoint_files(tok_dir))}
+        else:
+            try:
+                tok_inputs = weights_inputs(zoo.zoo_config(tok))
+            except KvnotesError:
+                tok_inputs = {"entry": tok}
         return {"source": "random", "tokenizer": tok_inputs}
     if model_cfg.get("path"):
         path = Path(os.path.expanduser(str(model_cfg.path))).resolve()

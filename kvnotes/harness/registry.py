@@ -150,11 +150,12 @@ class ProbeContext:
         ``cfg`` (``conf/config.yaml``); ``probe_cfg`` is the typed probe config; ``clean_runs``
         the job's shared clean-run store, if any."""
         from kvnotes.harness.pairs import template_kwargs
+        from kvnotes.kv.cache import budget_bytes as resolve_budget
 
         check_flip_rule(str(cfg.flip_rule), bundle.info.get("source") == "random", bundle.name)
         return cls(bundle=bundle, pairs=pairs, cfg=probe_cfg, readout=cfg.readout, min_effect=float(cfg.min_effect),
                    flip_rule=str(cfg.flip_rule), seed=int(cfg.seed), timer=timer, scenario_cfg=cfg.scenario,
-                   budget_bytes=int(float(cfg.budget_mb) * (1 << 20)), clean_runs=clean_runs,
+                   budget_bytes=resolve_budget(cfg.budget_mb, bundle.device), clean_runs=clean_runs,
                    template_kwargs=template_kwargs(cfg.model))
 
 

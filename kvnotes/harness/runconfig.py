@@ -105,16 +105,29 @@ class RunSettings(BaseModel):
     readout: Literal["first_token", "full"] = "first_token"
     flip_rule: Literal["owned", "relative", "synthetic"] = "owned"
     min_effect: float = Field(1.0, ge=0.0)
-    budget_mb: float = Field(1024, gt=0.0)
+    budget_mb: float | Literal["auto"] = "auto"
     model: ModelSettings
     scenario: ScenarioSettings = Field(default_factory=ScenarioSettings)
 
-    @field_validator("min_effect", "budget_mb")
+    @field_validator("min_effect")
     @classmethod
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):
             raise ValueError("must be a finite number")
         return v
+
+    @field_validator("budget_mb", mode="before")
+    @classmethod
+    def _budget(cls, v: Any) -> float | str:
+        if v == "auto":
+            return v
+        try:
+            mb = float(v)
+        except (TypeError, ValueError):
+            mb = float("nan")
+        if not (math.isfinite(mb) and mb > 0):
+            raise ValueError("must be auto or a positive number of MiB (greater than 0)")
+        return mb
 
 
 def _one_line(exc: ValidationError) -> str:

@@ -33,6 +33,31 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 DEFAULT_BUDGET_BYTES = 1 << 30
+#: Share of a GPU's free memory (after the model and its clean runs) ``budget_mb: auto`` gives one
+#: chunk of batched variants.
+GPU_BUDGET_SHARE = 0.25
+
+
+def budget_bytes(budget_mb: float | str, device: torch.device | str) -> int:
+    """The memory budget (bytes) for one chunk of batched variants (``budget_mb`` of
+    ``conf/config.yaml``): ``budget_mb`` MiB, or for ``auto`` :data:`DEFAULT_BUDGET_BYTES` (1 GiB)
+    on the CPU and :data:`GPU_BUDGET_SHARE` of the GPU's free memory, at least 1 GiB, on CUDA. A
+    fixed 1 GiB on a GPU starves the long-prompt paths: at 8k tokens one Qwen3-8B variant cache
+    alone takes 1.2 GB, so the single-position map fell to one variant per forward.
+
+    Raises:
+        ValueError: ``budget_mb`` is neither ``auto`` nor a positive number.
+    """
+    if budget_mb == "auto":
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(dev)
+            return max(DEFAULT_BUDGET_BYTES, int(free * GPU_BUDGET_SHARE))
+        return DEFAULT_BUDGET_BYTES
+    mb = float(budget_mb)
+    if not mb > 0:
+        raise ValueError(f"budget_mb must be auto or a positive number of MiB, got {budget_mb!r}")
+    return int(mb * (1 << 20))
 
 
 def slot_positions(layer) -> torch.Tensor:

@@ -102,24 +102,26 @@ class SharedPrefix:
     def __init__(self, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, n: int, start: int,
                  dtype: torch.dtype, hide: torch.Tensor | None = None) -> None:
         V = masks.shape[0]
-        dev = base.layers[0].keys.device
-        masks = masks.to(dev)
-        hide = hide.to(dev) if hide is not None else None
-        q_var = torch.arange(V, device=dev).repeat_interleave(n)           # query row -> variant
-        q_tok = torch.arange(n, device=dev).repeat(V)                      # query row -> fed token
-        q_pos = start + q_tok
-        own_new = (q_var[:, None] == q_var[None, :]) & (q_tok[None, :] <= q_tok[:, None])
         neg = torch.finfo(dtype).min
+        on: dict[torch.device, tuple] = {}       # per device (a device map puts layers on several)
         self.layers = []
         #: per layer, the positions of the substituted source entries, in key order after the prefix slots
         self.substituted: list[torch.Tensor] = []
         for l, (lb, ls) in enumerate(zip(base.layers, source.layers, strict=True)):
+            dev = lb.keys.device
+            if dev not in on:
+                q_var = torch.arange(V, device=dev).repeat_interleave(n)   # query row -> variant
+                q_tok = torch.arange(n, device=dev).repeat(V)              # query row -> fed token
+                on[dev] = (masks.to(dev), hide.to(dev) if hide is not None else None, q_var, q_tok,
+                           (q_var[:, None] == q_var[None, :]) & (q_tok[None, :] <= q_tok[:, None]))
+            masks_d, hide_d, q_var, q_tok, own_new = on[dev]
+            q_pos = start + q_tok
             pos = slot_positions(lb)
-            m = masks[:, l, pos]                                           # [V, slots]
+            m = masks_d[:, l, pos]                                         # [V, slots]
             s_idx = m.any(0).nonzero().flatten()                           # slots any variant substitutes
             see_base, see_sub, see_new = ~m[q_var], m[q_var][:, s_idx], own_new
-            if hide is not None:                                           # whichever entry stands there
-                hidden = hide[:, l, pos][q_var] & (q_tok == 0)[:, None]
+            if hide_d is not None:                                         # whichever entry stands there
+                hidden = hide_d[:, l, pos][q_var] & (q_tok == 0)[:, None]
                 see_base, see_sub = see_base & ~hidden, see_sub & ~hidden[:, s_idx]
             window = getattr(lb, "sliding_window", None) if getattr(lb, "is_sliding", False) else None
             if window is not None:
@@ -205,11 +207,12 @@ def shared_prefix_budget_chunk(config, base: DynamicCache, masks: torch.Tensor, 
     """The most variants (at most ``limit``, at least 1) one :class:`SharedPrefix` forward of
     ``masks`` may take within ``budget_bytes`` (:func:`shared_prefix_bytes`): sized by what the
     cache-free path allocates, not by the variant caches it never builds."""
-    e = int(masks.any(dim=0).sum(dim=1).max()) if masks.shape[0] else 0
+    e_all = int(masks.any(dim=0).sum(dim=1).max()) if masks.shape[0] else 0
+    e_one = int(masks.sum(dim=2).max()) if masks.shape[0] else 0     # most slots one variant substitutes in a layer
     lo, hi = 1, max(1, limit)
     while lo < hi:                                               # bytes grow with V: the largest that fits
-        mid = (lo + hi + 1) // 2
-        if shared_prefix_bytes(config, base, mid, n, e) <= budget_bytes:
+        mid = (lo + hi + 1) // 2                                 # a chunk of mid variants substitutes <= mid * e_one slots
+        if shared_prefix_bytes(config, base, mid, n, min(e_all, mid * e_one)) <= budget_bytes:
             lo = mid
         else:
             hi = mid - 1
@@ -221,10 +224,14 @@ def _candidate_logits(model, hidden: torch.Tensor, vocab_ids: torch.Tensor) -> t
     unembedding rows of those tokens (and Gemma-2/3's final soft-capping), fp32 ``[V, n, k]``."""
     from kvnotes.models.adapters import Adapter
 
+    from accelerate.utils import align_module_device
+
     ad = Adapter.for_model(model)
     head = ad.module(model, "unembed")
-    bias = head.bias[vocab_ids] if getattr(head, "bias", None) is not None else None
-    logits = torch.nn.functional.linear(hidden, head.weight[vocab_ids], bias)
+    with align_module_device(head):          # an offloaded head (device map) has its weight on meta until then
+        vocab_ids = vocab_ids.to(head.weight.device)
+        bias = head.bias[vocab_ids] if getattr(head, "bias", None) is not None else None
+        logits = torch.nn.functional.linear(hidden.to(head.weight.device), head.weight[vocab_ids], bias)
     if ad.final_logit_softcapping:
         cap = ad.final_logit_softcapping
         logits = torch.tanh(logits / cap) * cap
@@ -282,30 +289,36 @@ def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch
     tokens = tokens.to(dev)
     n = tokens.shape[0]
     ids = torch.as_tensor(list(vocab_ids), dtype=torch.long, device=dev) if vocab_ids is not None else None
-    per_cache = max(1, budget_bytes // max(variant_bytes(base), 1))
-    plan = []                                   # (variant indices, chunk size, shared?)
-    all_idx = torch.arange(masks.shape[0])
-    if method == "shared":
-        plan.append((all_idx, shared_prefix_budget_chunk(model.config, base, masks, n, budget_bytes,
-                                                         masks.shape[0]), True))
-    elif method == "substitute" or impl not in SHARED_PREFIX_ATTENTION:
-        plan.append((all_idx, per_cache, False))
-    else:                                       # auto: cache-free when a forward takes enough variants
-        size = shared_prefix_budget_chunk(model.config, base, masks, n, budget_bytes,
-                                          min(shared_prefix_chunk(masks, base, n), masks.shape[0]))
-        if size >= min(MIN_SHARED_CHUNK, masks.shape[0]):
-            plan.append((all_idx, size, True))
-        else:
-            plan.append((all_idx, per_cache, False))
+    size, shared = variant_chunks(model.config, impl, base, masks, n, budget_bytes, method)
     out = None
-    for idx, size, shared in plan:
-        for s in range(0, len(idx), size):
-            sub = idx[s: s + size]
-            logits = _patched_chunk(model, base, source, masks[sub], tokens, T, ids, shared)
-            if out is None:
-                out = logits.new_empty(masks.shape[0], *logits.shape[1:])
-            out[sub.to(out.device)] = logits
+    idx = torch.arange(masks.shape[0])
+    for s in range(0, len(idx), size):
+        sub = idx[s: s + size]
+        logits = _patched_chunk(model, base, source, masks[sub], tokens, T, ids, shared)
+        if out is None:
+            out = logits.new_empty(masks.shape[0], *logits.shape[1:])
+        out[sub.to(out.device)] = logits
     return out if out is not None else torch.empty(0, n, len(ids) if ids is not None else 0)
+
+
+def variant_chunks(config, impl: str, base: DynamicCache, masks: torch.Tensor, n: int, budget_bytes: int,
+                   method: Literal["auto", "shared", "substitute"] = "auto") -> tuple[int, bool]:
+    """How :func:`patched_logits` runs the variants of ``masks`` (bool ``[V, n_layers, T]``, ``n`` fed
+    tokens each) within ``budget_bytes``: ``(variants per forward, cache-free shared prefix?)``.
+
+    ``shared``: chunks of :func:`shared_prefix_budget_chunk`; ``substitute`` (or an attention
+    implementation the shared prefix cannot take): as many batch-view variant caches as fit the
+    budget (at least one); ``auto``: the shared prefix when a chunk of it takes at least
+    :data:`MIN_SHARED_CHUNK` variants (or all of them), else the batch view.
+    """
+    V = masks.shape[0]
+    per_cache = max(1, budget_bytes // max(variant_bytes(base), 1))
+    if method == "shared":
+        return shared_prefix_budget_chunk(config, base, masks, n, budget_bytes, V), True
+    if method == "substitute" or impl not in SHARED_PREFIX_ATTENTION:
+        return per_cache, False
+    size = shared_prefix_budget_chunk(config, base, masks, n, budget_bytes, min(shared_prefix_chunk(masks, base, n), V))
+    return (size, True) if size >= min(MIN_SHARED_CHUNK, V) else (per_cache, False)
 
 
 def _patched_chunk(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, tokens: torch.Tensor,

@@ -224,8 +224,11 @@ class Adapter:
     def final_norm_gain(self, model: torch.nn.Module) -> torch.Tensor:
         """The final RMSNorm's effective per-dimension gain ``[D]`` (fp32): ``weight +
         norm_gain_offset``."""
-        weight = cast(torch.Tensor, _get(model, self.paths["final_norm"]).weight)
-        return weight.float() + self.norm_gain_offset
+        from accelerate.utils import align_module_device
+
+        norm = _get(model, self.paths["final_norm"])
+        with align_module_device(norm):      # an offloaded norm (device map) has its weight on meta until then
+            return cast(torch.Tensor, norm.weight).float() + self.norm_gain_offset
 
     def final_norm_eps(self, model: torch.nn.Module) -> float:
         """The final RMSNorm's epsilon (``variance_epsilon`` on Llama-style norms, ``eps`` on Gemma)."""

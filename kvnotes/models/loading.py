@@ -415,12 +415,11 @@ def placement_info(model: Any, kwargs: dict) -> dict:
 
 def _random_bundle_parts(cfg: Any, dev: torch.device, dtype: torch.dtype, attn: str):
     """Model, tokenizer and provenance of ``model.random_init`` (random weights from ``architecture``,
-    the tokenizer of the zoo entry ``random_init.tokenizer``)."""
+    the tokenizer of ``random_init.tokenizer``: :func:`random_init_tokenizer`)."""
     from kvnotes.models import zoo
 
     spec = cfg.random_init
-    tok_cfg = zoo.zoo_config(str(spec.tokenizer))
-    tokenizer = load_tokenizer(tok_cfg)
+    tokenizer = random_init_tokenizer(str(spec.tokenizer))
     shrink = zoo.Shrink(vocab_size=len(tokenizer)) if spec.get("shrink", True) else False
     model = zoo.random_model(cfg, shrink, seed=int(spec.get("seed", 0)), dtype=dtype, device=dev,
                              attn_implementation=attn)
@@ -452,11 +451,41 @@ def _checkpoint_source(cfg: Any) -> tuple[str, dict]:
 
 
 def load_tokenizer(cfg: Any):
-    """The tokenizer of a model config (embedded, local or hub; see :func:`load_model`)."""
+    """The tokenizer of a model config (embedded, local or hub; see :func:`load_model`); for a
+    ``model.random_init`` config, the tokenizer its prompts are rendered with
+    (:func:`random_init_tokenizer`).
+
+    Raises:
+        KvnotesError: an unknown tokenizer entry, or a tokenizer directory that does not load.
+    """
     from transformers import AutoTokenizer
 
+    if (cfg.get("random_init") or {}).get("enabled"):
+        return random_init_tokenizer(str(cfg.random_init.get("tokenizer", "smollm2-135m")))
     source, _ = _checkpoint_source(cfg)
     return AutoTokenizer.from_pretrained(source)
+
+
+def random_init_tokenizer(name: str):
+    """The tokenizer of ``model.random_init.tokenizer``: a zoo entry's (``smollm2-135m``, the default,
+    is embedded and works offline) or, when ``name`` is a directory, the tokenizer files in it (a
+    machine without the embedded package or the hub, e.g. a GPU node timing random-weight shapes).
+
+    Raises:
+        KvnotesError: neither a zoo entry nor a directory; a directory without a loadable tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    from kvnotes.models import zoo
+
+    path = Path(os.path.expanduser(name))
+    if not path.is_dir():
+        return load_tokenizer(zoo.zoo_config(name))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise KvnotesError(f"model.random_init.tokenizer={name}: no usable tokenizer in that directory "
+                           f"({str(exc).splitlines()[0][:160]})") from None
 
 
 def load_model(cfg: Any, device: str = "auto") -> ModelBundle:

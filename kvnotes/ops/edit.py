@@ -141,8 +141,9 @@ def splice(cache: AllSlotCache, positions: torch.Tensor, keys: Sequence[torch.Te
     ks, vs = [], []
     for layer, k, v in zip(cache.layers, keys, values, strict=True):
         nk, nv = layer.keys.clone(), layer.values.clone()
-        nk[:, :, positions] = k.to(nk.dtype)
-        nv[:, :, positions] = v.to(nv.dtype)
+        pos = positions.to(nk.device)                  # a device map keeps each layer's K/V where it runs
+        nk[:, :, pos] = k.to(nk.device, nk.dtype)
+        nv[:, :, pos] = v.to(nv.device, nv.dtype)
         ks.append(nk)
         vs.append(nv)
     return AllSlotCache.from_tensors(ks, vs)

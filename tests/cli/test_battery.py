@@ -234,3 +234,33 @@ def test_battery_lengths_times_each_probe_per_length_and_fits_the_growth(tmp_pat
                        "run it without --lengths")):
         ran = run_kvnotes(monkeypatch, capsys, "battery", "--model", "planted-notes", *bad)
         assert ran.returncode == 2 and says in ran.stderr and "Traceback" not in ran.stderr, ran.stderr
+
+
+@pytest.mark.embedded
+def test_battery_on_a_random_weight_shape_with_per_probe_overrides(tmp_path, monkeypatch, capsys):
+    """What ``scripts/gpu_battery.sh`` runs, on the CPU-sized shape: a random-weight zoo entry whose
+    prompts are rendered by a tokenizer directory (``model.random_init.tokenizer``, a node without
+    the embedded package), ``--lengths`` (the turns are counted with that tokenizer), and
+    ``PROBE:KEY=VALUE`` overrides that reach one probe's config only; a prefix naming no probe is one line."""
+    import json
+
+    from kvnotes.models.loading import random_init_tokenizer
+    from tests.helpers import run_kvnotes
+
+    tok = tmp_path / "tok"
+    random_init_tokenizer("smollm2-135m").save_pretrained(tok)
+    common = ["--model", "qwen3-8b", "--scenario", "small", "--device", "cpu", "--threads", "2",
+              "model.random_init.enabled=true", f"model.random_init.tokenizer={tok}", "flip_rule=synthetic",
+              "min_effect=0.005", "scenario.families=null", "scenario.ids=[favourite_colour]", "scenario.n_instances=1"]
+    out, records = tmp_path / "run.json", tmp_path / "records"
+    ran = run_kvnotes(monkeypatch, capsys, "battery", *common, "heads:probe.ks=[1,4]", "heads:probe.random.n_draws=1",
+                      "--lengths", "240,600", "--records", records, "--json", out, "--probes", "screen", "heads")
+    assert ran.returncode == 0, ran.stderr
+    runs = json.loads(out.read_text())["lengths"]
+    assert [r["median_tokens"] for r in runs.values()] == sorted(r["median_tokens"] for r in runs.values())
+    assert all(r["probe_overrides"] == {"heads": ["probe.ks=[1,4]", "probe.random.n_draws=1"]} for r in runs.values())
+    heads = [json.loads(p.read_text()) for p in records.rglob("record.json") if "/heads/" in str(p)]
+    assert heads and all(h["config"]["probe"]["ks"] == [1, 4] and h["model"]["source"] == "random" for h in heads)
+    assert all(h["inputs"]["weights"]["tokenizer"]["path"] == str(tok.resolve()) for h in heads)
+    ran = run_kvnotes(monkeypatch, capsys, "battery", *common, "nosuch:probe.ks=[1]", "--probes", "screen")
+    assert ran.returncode == 2 and "'nosuch' is not a probe" in ran.stderr and "Traceback" not in ran.stderr

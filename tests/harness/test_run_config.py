@@ -145,13 +145,19 @@ def test_placement_kwargs_refuse_bad_devices_and_quantization_on_cpu():
         placement_kwargs(OmegaConf.create(base | {"quantization": "int8"}), cpu, torch.float32)
 
 
+#: The tokenizer random-weight models render prompts with: the embedded SmolLM2 entry, or a directory
+#: of its tokenizer files on a machine without the embedded package (a GPU node;
+#: ``model.random_init.tokenizer`` takes either).
+TOKENIZER = os.environ.get("KVNOTES_TEST_TOKENIZER", "smollm2-135m")
+
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    """A random Qwen3 checkpoint (no tied embeddings) saved with the embedded SmolLM2 tokenizer."""
-    from kvnotes.models.loading import load_tokenizer
+    """A random Qwen3 checkpoint (no tied embeddings) saved with the SmolLM2 tokenizer (:data:`TOKENIZER`)."""
+    from kvnotes.models.loading import random_init_tokenizer
     from kvnotes.models.zoo import Shrink, random_model, zoo_config
 
-    tok = load_tokenizer(zoo_config("smollm2-135m"))
+    tok = random_init_tokenizer(TOKENIZER)
     model = random_model(zoo_config("qwen3-8b"), Shrink(vocab_size=len(tok)))
     path = tmp_path_factory.mktemp("ckpt") / "qwen3-tiny"
     model.save_pretrained(path)
@@ -204,6 +210,42 @@ def test_offloaded_device_map_gives_the_single_device_records(tiny_checkpoint, t
             assert ra["pair"] == rb["pair"] and ra["top1_id_old"] == rb["top1_id_old"]
             for key in keys:
                 assert ra[key] == pytest.approx(rb[key], abs=1e-5), key
+
+
+#: fp32 scores of the same model with half its layers computed by another device's kernels (nats).
+SPLIT_TOL = 1e-4
+GPU_ONE = ("{model.embed_tokens:0,model.rotary_emb:0,model.layers.0:0,model.layers.1:0,model.layers.2:0,"
+           "model.layers.3:0,model.norm:0,lm_head:0}")
+GPU_SPLIT = ("{model.embed_tokens:0,model.rotary_emb:0,model.layers.0:0,model.layers.1:0,model.layers.2:cpu,"
+             "model.layers.3:cpu,model.norm:cpu,lm_head:cpu}")
+
+
+@pytest.mark.embedded
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: layers split between cuda:0 and the CPU")
+def test_device_map_split_between_gpu_and_cpu_gives_the_single_device_records(tiny_checkpoint, tmp_path):
+    """Issue #37: a device map that puts half the layers on ``cuda:0`` and the rest (with the final
+    norm and the unembedding) on the CPU writes the records of the whole model on ``cuda:0`` (fp32,
+    :data:`SPLIT_TOL`): a checkpoint (screen) and a random-weight model built once on the CPU and
+    dispatched by either map (field_refresh: the cache surgery, whose K/V then live on two devices).
+    Prints the largest difference per job (``pytest -s``)."""
+    small = ["scenario=small", "scenario.ids=[favourite_colour]", "scenario.families=null", "scenario.n_instances=2",
+             "plot=false", "probe.progress=false", "probe.n_boot=50", "device=cuda", "model.dtype=float32"]
+    jobs = {"ckpt": (["model=qwen3-8b", f"model.path={tiny_checkpoint}", "probe=screen", "flip_rule=relative"], []),
+            "random": (["model=qwen3-8b", "model.random_init.enabled=true", f"model.random_init.tokenizer={TOKENIZER}",
+                        "probe=field_refresh", "flip_rule=synthetic", "min_effect=0.005"], [f"model.device_map={GPU_ONE}"])}
+    for name, (args, one) in jobs.items():
+        a = _job(args + small + one, tmp_path / name / "one")
+        b = _job(args + small + [f"model.device_map={GPU_SPLIT}"], tmp_path / name / "split")
+        assert set(b["model"]["devices"]) == {"0", "cpu"} and b["model"]["device_map"]["lm_head"] == "cpu"
+        rows_a, rows_b = a["result"]["rows"], b["result"]["rows"]
+        assert len(rows_a) == len(rows_b) > 0
+        keys = ("s_old", "s_new", "s_field", "s_downstream", "s_all") if name == "random" else ("s_old", "s_new")
+        for ra, rb in zip(rows_a, rows_b):
+            assert ra["pair"] == rb["pair"] and ra["top1_id_old"] == rb["top1_id_old"]
+        diffs = {key: max(abs(ra[key] - rb[key]) for ra, rb in zip(rows_a, rows_b)) for key in keys}
+        print(f"device map cuda:0 + cpu vs one device ({name}, {len(rows_a)} pairs): largest difference (nats) "
+              + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+        assert max(diffs.values()) <= SPLIT_TOL, [(ra, rb) for ra, rb in zip(rows_a, rows_b)][:1]
 
 
 # ------------------------------------------------------------------ records belong to their config

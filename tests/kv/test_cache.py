@@ -207,6 +207,31 @@ def test_auto_runs_variants_cache_free_on_a_long_prefix(monkeypatch):
     assert used == []
 
 
+def test_a_long_prompt_on_a_gpu_budget_keeps_the_map_cache_free():
+    """At 8,251 tokens one Qwen3-8B-shaped bf16 variant cache takes 1.2 GB: under a fixed 1 GiB budget
+    the single-position map ran one variant per batch-view forward (found on an H200: ``suffix_recovery``
+    did not finish one pair in 45 s). ``budget_mb: auto`` gives a GPU a quarter of its free memory,
+    under which the map runs cache-free in chunks of thousands of variants; the CPU keeps 1 GiB.
+    Shapes only (a meta-device cache)."""
+    from transformers import Qwen3Config
+
+    layers, heads, kv_heads, hd, t = 36, 32, 8, 128, 8251
+    config = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd)
+    base = DynamicCache(config=config)
+    for layer in range(layers):
+        kv = torch.empty(1, kv_heads, t, hd, dtype=torch.bfloat16, device="meta")
+        base.update(kv, kv, layer)
+    assert kvcache.variant_bytes(base) > kvcache.DEFAULT_BUDGET_BYTES
+    masks = kvpatch.position_masks(layers, t, [[p] for p in range(t - 512, t)])     # 512 single-position variants
+    assert kvpatch.variant_chunks(config, "sdpa", base, masks, 1, kvcache.DEFAULT_BUDGET_BYTES) == (1, False)
+    gpu = kvcache.GPU_BUDGET_SHARE * 120 * 2**30                 # an H200 with the model and its caches loaded
+    size, shared = kvpatch.variant_chunks(config, "sdpa", base, masks, 1, int(gpu))
+    assert shared and size == 512
+    assert kvcache.budget_bytes("auto", "cpu") == kvcache.DEFAULT_BUDGET_BYTES
+    assert kvcache.budget_bytes(2048, "cpu") == 2048 * 2**20
+
+
 def test_cache_free_chunks_are_sized_by_what_they_allocate(caches):
     """The shared-prefix path's chunk is the most variants whose forward fits the budget
     (:func:`kvnotes.kv.patch.shared_prefix_bytes`, which grows with the chunk), not the budget
@@ -214,8 +239,8 @@ def test_cache_free_chunks_are_sized_by_what_they_allocate(caches):
     model, old, new, c_old, c_new = caches
     L = len(c_old.layers)
     masks = kvpatch.position_masks(L, T, [[p] for p in range(T)])
-    e = int(masks.any(0).sum(1).max())
-    need = [kvpatch.shared_prefix_bytes(model.config, c_old, v, 1, e) for v in range(1, T + 1)]
+    assert int(masks.sum(2).max()) == 1         # one slot per variant: a chunk of v variants substitutes v slots
+    need = [kvpatch.shared_prefix_bytes(model.config, c_old, v, 1, v) for v in range(1, T + 1)]
     assert need == sorted(need) and need[0] > 0
     one = kvpatch.patched_logits(model, c_old, c_new, masks, old[T:T + 1], budget_bytes=1, method="shared")
     for want in (1, 3, T):

@@ -1,0 +1,3 @@
+from kvnotes.cli import main
+
+main()
