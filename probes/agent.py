@@ -9,7 +9,10 @@ conversation, the way an agent with a KV cache would:
   holding the field, ``request``, ``decision``). The rule and filler are precompiled once per
   instance (behind ``sink``; the time is reported apart as ``precompile_ms``) and spliced with
   their keys rotated to their positions and the first ``seam`` tokens recomputed
-  (:func:`kvnotes.ops.compose.compose`); the live part is forwarded on top.
+  (:func:`kvnotes.ops.compose.compose`); the live part is forwarded on top. On a transcript suite
+  (``scenario.transcript``) turn 1 is the suite's agent transcript, its unrelated exchanges' tool
+  results the precompiled chunks (:func:`kvnotes.harness.chunks.transcript_layout`), and the later
+  turns follow its last user message.
 - the agent's **answer** closes the turn: the scenario candidate its decision prefers (highest
   first-token log-prob among the candidates), written after the answer prefix.
 - **turn t >= 2**: a user message with a state update (the erratum of
@@ -85,6 +88,7 @@ from kvnotes.harness.edit_prompts import common_prefix_length, erratum_text, ren
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.constraints import Count, NonNegative, one_of
 from kvnotes.harness.kit import ProbeConfig, by_family, exclusion_counts, per_prompt, progress, summary
+from kvnotes.harness.pairs import transcript_turns
 from kvnotes.kv.generate import Generated, MarkerTest, answer_marker, generate, stop_tokens, unreached_label
 from kvnotes.records.schema import BaseResult, ExclusionRow, NotRequired, TypedDict
 from kvnotes.harness.selection import pair_rng
@@ -99,8 +103,6 @@ NOT_INCREMENTAL = "transcript_not_incremental"
 SCOPES = {"all": lambda t: True, "turn1": lambda t: t == 1, "turn2+": lambda t: t >= 2}
 #: With ``scenario.variant=cot`` every side generates its reasoning and decides after the answer marker.
 SUPPORTS_COT = True
-#: Why this probe cannot take a transcript suite (scenario.transcript; :func:`kvnotes.harness.registry.check_layout`).
-OWN_PROMPTS = "its turns are appended to the user message"
 #: The three readings of each decision.
 SIDES = ("agent", "oracle", "transcript")
 #: Exclusion reasons (cot) of a trajectory ended by the agent's chain missing its answer marker.
@@ -258,15 +260,46 @@ def decode_after(model, cache, ids: torch.Tensor, cot: CotReadout) -> Generated:
     return generate(model, cache, int(ids[-1]), len(ids) - 1, cot.max_new_tokens, cot.marker, cot.stop_ids)
 
 
+def transcript_conversation(tok, instance: Instance, value: str, variant: str, layout_turns: int,
+                            users: Sequence[str], answers: Sequence[str], chat: bool, template_kwargs: dict) -> Prompt:
+    """The conversation of a trajectory on a transcript suite: the transcript of ``instance`` with the
+    field set to ``value`` (:func:`kvnotes.scenarios.transcript.render_transcript`, ``layout_turns``
+    unrelated exchanges), then for each of ``answers`` the assistant's answer (after the answer
+    prefix) and the next user message of ``users`` (``users[0]`` is the transcript's own last user
+    message and is not repeated), ending at the answer prefix. The field is the transcript's.
+
+    A later turn only appends to the earlier ones: with a chat template the answer closes the
+    assistant's turn; in the plain rendering (a tokenizer without a template), which ends each
+    prompt at the bare answer prefix, the answer follows that prefix and the next message is a
+    ``User:`` line, as :func:`kvnotes.models.text.render_messages` writes messages."""
+    from kvnotes.harness.tokens import prompt_at
+    from kvnotes.models.text import render_messages, rendering
+    from kvnotes.scenarios.transcript import Message, render_transcript
+
+    messages, where, prefix = render_transcript(instance, value, variant, layout_turns)
+    later = list(zip(answers, users[1:], strict=True))
+    if rendering(tok, chat) == "chat_template":
+        for answer, user in later:
+            messages += [Message("assistant", prefix + answer), Message("user", user)]
+        text, starts = render_messages(tok, messages, prefix, chat, template_kwargs)
+    else:
+        text, starts = render_messages(tok, messages, prefix, chat, template_kwargs)
+        text += "".join(f"{answer}\nUser: {user}\n{prefix}" for answer, user in later)
+    ((m, a, b),) = where[instance.scenario.field_slot]
+    return prompt_at(tok, text, (starts[m] + a, starts[m] + b))
+
+
 @torch.no_grad()
 def run_trajectory(model, tok, instance: Instance, values: list[str], variant: str, seam: int, sink: str,
-                   chat: bool, template_kwargs: dict,
-                   cot: CotReadout | None = None) -> tuple[list[dict], dict | None]:
+                   chat: bool, template_kwargs: dict, cot: CotReadout | None = None,
+                   layout_turns: int | None = None) -> tuple[list[dict], dict | None]:
     """Run one trajectory (see the module docstring).
 
     Args:
         cot: the generated readout (``scenario.variant=cot``); None reads every decision directly at
             the decision position.
+        layout_turns: the unrelated exchanges of a transcript suite (``scenario.transcript.turns``);
+            None for the one-message layout.
 
     Returns:
         (one row per turn (:class:`TurnRow`), None) for a completed trajectory, else (rows kept,
@@ -282,7 +315,8 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
     """
     sc = instance.scenario
     first_user, field_chars, prefix = render_layout(instance, values[0], variant, CHUNKED_ORDER)
-    made = layout_prompt(tok, instance, values[0], CHUNKED_ORDER, CHUNK_NAMES, variant, None, chat, template_kwargs)
+    made = layout_prompt(tok, instance, values[0], CHUNKED_ORDER, CHUNK_NAMES, variant, None, chat, template_kwargs,
+                         layout_turns)
     if isinstance(made, str):
         return [], {"reason": made}
     prompt1, spans = made
@@ -297,12 +331,16 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
     for t, value in enumerate(values, start=1):
         if t > 1:
             users.append(update_text(instance, value, variant))
-        conv = build_conversation(tok, users, answers, field_chars, prefix, chat, sc.system, template_kwargs)
+        conv = (build_conversation(tok, users, answers, field_chars, prefix, chat, sc.system, template_kwargs)
+                if layout_turns is None else
+                transcript_conversation(tok, instance, values[0], variant, layout_turns, users, answers, chat,
+                                        template_kwargs))
         if t == 1:
             assert torch.equal(conv.ids, prompt1.ids), "turn 1 must be the chunked prompt"
             oracle_prompt = prompt1
         else:
-            made = layout_prompt(tok, instance, value, CHUNKED_ORDER, CHUNK_NAMES, variant, None, chat, template_kwargs)
+            made = layout_prompt(tok, instance, value, CHUNKED_ORDER, CHUNK_NAMES, variant, None, chat, template_kwargs,
+                                 layout_turns)
             if isinstance(made, str):
                 return [], {"reason": made}
             oracle_prompt = made[0]
@@ -474,8 +512,9 @@ def run(ctx) -> dict:
     cot_on, thinking = variant == "cot", bool(getattr(ctx, "thinking", False))
     max_new = int(cfg.cot_max_new_tokens)
     stop = tuple(stop_tokens(tok)) if cot_on else ()
+    layout_turns = transcript_turns(ctx.scenario_cfg)
     first = layout_prompt(tok, instances[0], next(iter(instances[0].scenario.values)), CHUNKED_ORDER, CHUNK_NAMES,
-                          variant, None, chat, tk)
+                          variant, None, chat, tk, layout_turns)
     if not isinstance(first, str):
         kvcompose.full_logits(model, first[0].ids)           # untimed warm-up
     rows, excluded = [], []
@@ -484,7 +523,7 @@ def run(ctx) -> dict:
         cot = (CotReadout(max_new, answer_marker(tok, inst.scenario.variants[variant].answer_marker, thinking), stop,
                           thinking) if cot_on else None)
         with ctx.timer("trajectories"):
-            got, why = run_trajectory(model, tok, inst, values, variant, seam, sink, chat, tk, cot)
+            got, why = run_trajectory(model, tok, inst, values, variant, seam, sink, chat, tk, cot, layout_turns)
         rows.extend(got)
         if why is not None:
             excluded.append({"pair": inst.id, "scenario": inst.scenario.id, "family": inst.scenario.family,

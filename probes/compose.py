@@ -1,7 +1,9 @@
 """``compose``: does a prompt composed from precompiled chunks decide like its full prefill (paper §5)?
 
 Prompts use the chunked layout of :mod:`kvnotes.harness.chunks` (rule and filler precompiled as chunks;
-field, request and decision live). Every distinct prompt of the token-aligned pairs (an instance
+field, request and decision live; on a transcript suite, ``scenario.transcript``, the unrelated
+exchanges' tool results are the chunks and everything else is live, the record's tool result with
+the field among it: :func:`kvnotes.harness.chunks.transcript_layout`). Every distinct prompt of the token-aligned pairs (an instance
 with one field value; the pairs of an instance share prompts) is run
 
 - as a **full prefill** (the reference; same tokens, same layout), and
@@ -81,7 +83,7 @@ from kvnotes.ops import edit as kvedit
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.constraints import Count, NonNegative, NonNegatives, one_of
 from kvnotes.harness import kit as K
-from kvnotes.harness.pairs import pair_row
+from kvnotes.harness.pairs import pair_row, transcript_turns
 from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
 from kvnotes.kv.generate import generate, owned_side, stop_tokens
 from kvnotes.records.schema import BaseResult
@@ -109,8 +111,6 @@ class Config(ProbeConfig):
 #: With ``scenario.variant=cot`` the full prefill and every composed variant generate their reasoning and
 #: the decision is read after the answer marker (:func:`cot_generate`).
 SUPPORTS_COT = True
-#: Why this probe cannot take a transcript suite (scenario.transcript; :func:`kvnotes.harness.registry.check_layout`).
-OWN_PROMPTS = "its chunks split the user message's lines"
 
 
 class Result(BaseResult):
@@ -289,7 +289,7 @@ def _stale_in_chunk(model, po, spans, seams: list[int], token: int, chunk_memo: 
 
 @torch.no_grad()
 def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_template: bool = True,
-              memo: dict | None = None, new_full: torch.Tensor | None = None) -> dict:
+              memo: dict | None = None, new_full: torch.Tensor | None = None, turns: int | None = None) -> dict:
     """Editing inside a composition, judged against a full prefill of the **edited text** (the field
     rewritten to the new value), never of the same tokens.
 
@@ -301,6 +301,10 @@ def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_te
       the context line (which holds the field) as chunks; the stale composed cache of the old
       prompt has its field refreshed with :func:`kvnotes.ops.edit.refresh_field` (``stale`` is the
       same cache unrefreshed). Oracle: the new prompt in that layout, fully prefilled.
+
+    On a transcript suite (``turns``) the erratum is a line of the last user message before the
+    request, and the field's chunk is the record's tool result
+    (:func:`kvnotes.harness.chunks.layout_prompt`).
 
     Args:
         memo: work shared by the pairs of one instance (precompiled chunks, the field-chunk oracle
@@ -321,7 +325,7 @@ def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_te
     out = {}
     # --- erratum appended to a composed cache
     made = layout_prompt(tok, inst, pair.spec.old, CHUNKED_ORDER, ("rule", "filler"), variant,
-                         erratum_text(inst, pair.spec.new), chat_template, template_kwargs)
+                         erratum_text(inst, pair.spec.new), chat_template, template_kwargs, turns)
     if isinstance(made, str) or made[1] != pair.chunks:
         out["erratum"] = {"excluded": made if isinstance(made, str) else "chunk_spans_differ"}
     else:
@@ -337,9 +341,9 @@ def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_te
                           "full": _vs_oracle(oracle, torch.log_softmax(full, -1), cn)}
     # --- field refreshed inside a spliced chunk
     old = layout_prompt(tok, inst, pair.spec.old, FIELD_CHUNK_ORDER, ("rule", "context"), variant, None,
-                        chat_template, template_kwargs)
+                        chat_template, template_kwargs, turns)
     new = layout_prompt(tok, inst, pair.spec.new, FIELD_CHUNK_ORDER, ("rule", "context"), variant, None,
-                        chat_template, template_kwargs)
+                        chat_template, template_kwargs, turns)
     if isinstance(old, str) or isinstance(new, str):
         out["field_in_chunk"] = {"excluded": old if isinstance(old, str) else new}
         return out
@@ -670,7 +674,8 @@ def run(ctx) -> dict:
             if arm_seams:
                 with ctx.timer("edit_arms"):
                     rows[-1]["arms"] = edit_arms(model, tok, pair, arm_seams, tk, ctx.scenario.chat_template,
-                                                 memo.setdefault("arms", {}), rn["full"])
+                                                 memo.setdefault("arms", {}), rn["full"],
+                                                 transcript_turns(ctx.scenario_cfg))
             continue
         missed = [(side, r["full"][0]) for side, r in (("old", ro), ("new", rn)) if not r["full"][0].reached]
         if missed:

@@ -269,10 +269,6 @@ def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None
     common = [f"model={args.model}", f"scenario={args.scenario}", *quiet_job(out_root, args.device), *extra]
     if args.probes is None:     # the scenario suite's probes; the memory probes (pairs: none) bring their own data
         names = [n for n in names if kvnotes.probes.load_config(n, {}).pairs != "none"]
-        if compose_jobs([["probe=screen", *common]], dirs)[0].cfg.scenario.get("transcript") is not None:
-            own = [n for n in names if getattr(kvnotes.probes.module(n), "OWN_PROMPTS", None)]
-            print(f"battery: {', '.join(own)} skipped: a transcript suite, and they render their own prompts")
-            names = [n for n in names if n not in own]
     per_probe = getattr(args, "probe_overrides", {})
     jobs = dict(zip(names, compose_jobs([[f"probe={n}", *common, *per_probe.get(n, [])] for n in names], dirs)))  # checked before the model loads
     t0 = time.perf_counter()

@@ -9,6 +9,13 @@ Layout of the user message (one piece per line)::
     request         <- live
     decision        <- live
 
+A transcript suite (``scenario.transcript``, :mod:`kvnotes.scenarios.transcript`) has the layout of
+an agent's context: the tool results of the unrelated exchanges are the precompiled chunks
+(``tool_1``, ``tool_2``, ...: retrieved documents an agent would cache), and the system policy, the
+record's exchange (whose tool result holds the field), every user and assistant turn and the last
+user message are live (:func:`transcript_layout`). The layout whose field lies inside a chunk makes
+the record's tool result a chunk too (``record``).
+
 The full-prefill reference uses exactly this layout and these tokens, so the composed and the full
 runs differ only in how the chunks' K/V were computed. The pieces come from the standard rendering
 (:func:`kvnotes.scenarios.instances.render_user_text_spans`, one piece per line), so slot filling and the
@@ -24,8 +31,8 @@ from typing import Any
 import torch
 
 from kvnotes.errors import KvnotesError
-from kvnotes.harness.pairs import PairSet, _tokenized
-from kvnotes.harness.tokens import UNEQUAL_FIELD_LENGTH, TokenizedPair, align, build_prompt, char_span_to_tokens
+from kvnotes.harness.pairs import PairSet, _tokenized, transcript_turns
+from kvnotes.harness.tokens import TokenizedPair, align_field_pair, build_prompt, char_span_to_tokens
 from kvnotes.scenarios.instances import Instance, build_pairs, render_user_text_spans
 from kvnotes.scenarios.schema import load_suite
 
@@ -92,9 +99,65 @@ def render_chunked_user_text(instance: Instance, value: str, variant: str = "dir
     return "\n".join(out), field, chunks, prefix
 
 
+def transcript_layout(tokenizer, instance: Instance, value: str, variant: str = "direct", turns: int = 6,
+                      field_chunk: bool = False, notice: str | None = None, chat_template: bool = True,
+                      template_kwargs: dict | None = None):
+    """A transcript prompt (:func:`kvnotes.scenarios.transcript.render_transcript`, the notice, if any,
+    before the request) with its precompiled chunks: each unrelated exchange's tool result and, with
+    ``field_chunk``, the record's tool result, which holds the field.
+
+    A chunk is the tokens that lie wholly inside its message's content, so a token that a chat
+    template merges across the content's edge stays live.
+
+    Returns:
+        ``(prompt, chunk token spans in prompt order, chunk names)``: ``tool_<k>`` for the k-th
+        unrelated exchange, ``record`` for the record's result; or the exclusion reason
+        ``chunk_boundary_inside_token`` when a content has no token of its own.
+    """
+    from kvnotes.harness.tokens import prompt_at
+    from kvnotes.models.text import render_messages
+    from kvnotes.scenarios.transcript import render_transcript
+
+    messages, where, prefix = render_transcript(instance, value, variant, turns, notice=notice)
+    text, starts = render_messages(tokenizer, messages, prefix, chat_template, template_kwargs)
+    ((fm, fa, fb),) = where[instance.scenario.field_slot]
+    prompt = prompt_at(tokenizer, text, (starts[fm] + fa, starts[fm] + fb))
+    begins, ends = prompt.offsets[:, 0], prompt.offsets[:, 1]
+    spans, names = [], []
+    for i, m in enumerate(messages):
+        if m.role != "tool" or (i == fm and not field_chunk):
+            continue
+        ca, cb = starts[i], starts[i] + len(m.content)
+        inside = ((begins >= ca) & (ends <= cb) & (ends > begins)).nonzero().flatten()
+        if not len(inside):
+            return CHUNK_BOUNDARY
+        spans.append((int(inside[0]), int(inside[-1]) + 1))
+        names.append("record" if i == fm else f"tool_{sum(n != 'record' for n in names) + 1}")
+    return prompt, tuple(spans), tuple(names)
+
+
+def _tokenize_chunked_transcript(tokenizer, spec, chat_template: bool, template_kwargs: dict | None,
+                                 turns: int) -> ChunkedPair | str:
+    """:func:`tokenize_chunked_pair` for a transcript suite (:func:`transcript_layout`)."""
+    made = [transcript_layout(tokenizer, spec.instance, value, spec.variant, turns, False, None, chat_template,
+                              template_kwargs) for value in (spec.old, spec.new)]
+    if any(isinstance(m, str) for m in made):
+        return CHUNK_BOUNDARY
+    (old, spans, names), (new, new_spans, _) = made                       # type: ignore[misc]
+    aligned = align_field_pair(tokenizer, spec, old, new)
+    if isinstance(aligned, str):
+        return aligned
+    if spans != new_spans:
+        return CHUNK_BOUNDARY
+    standalone = tuple(tokenizer(old.text[int(old.offsets[a, 0]):int(old.offsets[b - 1, 1])],
+                                 add_special_tokens=False)["input_ids"] == old.ids[a:b].tolist() for a, b in spans)
+    return ChunkedPair(spec, old, new, *aligned, chunks=spans, chunk_names=names, standalone=standalone)
+
+
 def tokenize_chunked_pair(tokenizer, spec, chat_template: bool = True,
-                          template_kwargs: dict | None = None) -> ChunkedPair | str:
-    """Render and tokenise both prompts of a pair in the chunked layout and check alignment.
+                          template_kwargs: dict | None = None, turns: int | None = None) -> ChunkedPair | str:
+    """Render and tokenise both prompts of a pair in the chunked layout (``turns``: as an agent
+    transcript, :func:`transcript_layout`) and check alignment.
 
     Returns:
         a :class:`ChunkedPair`, or an exclusion reason: those of :func:`kvnotes.harness.tokens.align`, or
@@ -104,6 +167,8 @@ def tokenize_chunked_pair(tokenizer, spec, chat_template: bool = True,
         KvnotesError: the two field values give identical tokens; from
             :func:`render_chunked_user_text`.
     """
+    if turns is not None:
+        return _tokenize_chunked_transcript(tokenizer, spec, chat_template, template_kwargs, turns)
     sc = spec.instance.scenario
     prompts = []
     chunk_spans: list[tuple[tuple[int, int], ...]] = []
@@ -120,9 +185,7 @@ def tokenize_chunked_pair(tokenizer, spec, chat_template: bool = True,
         prompts.append(prompt)
         chunk_spans.append(tuple(spans))
     old, new = prompts
-    if old.ids.shape == new.ids.shape and bool((old.ids == new.ids).all()):
-        raise KvnotesError(f"{sc.source}: field values '{spec.old}' and '{spec.new}' give identical tokens")
-    aligned = align(tokenizer, spec, old, new, UNEQUAL_FIELD_LENGTH)
+    aligned = align_field_pair(tokenizer, spec, old, new)
     if isinstance(aligned, str):
         return aligned
     if chunk_spans[0] != chunk_spans[1]:
@@ -147,7 +210,7 @@ def chunked_pairs(tokenizer, scenario_cfg: Any, template_kwargs: dict | None = N
     specs = build_pairs(scenarios, int(scenario_cfg.n_instances), int(scenario_cfg.seed),
                         scenario_cfg.get("variant", "direct"))
     return _tokenized(PairSet([], [], scenarios), specs, tokenize_chunked_pair, tokenizer, scenario_cfg,
-                      template_kwargs)
+                      template_kwargs, turns=transcript_turns(scenario_cfg))
 
 
 
@@ -158,14 +221,24 @@ CHUNKED_ORDER = ("rule", "filler", "context", "request", "decision")
 
 
 def layout_prompt(tokenizer, instance: Instance, value: str, order, chunk_names, variant: str = "direct",
-                  notice: str | None = None, chat_template: bool = True, template_kwargs: dict | None = None):
+                  notice: str | None = None, chat_template: bool = True, template_kwargs: dict | None = None,
+                  turns: int | None = None):
     """A prompt in the line ``order`` of :func:`kvnotes.harness.edit_prompts.render_layout` (optionally with a
     notice line before the request), with the token spans of the lines named in ``chunk_names``.
+
+    With ``turns`` the prompt is the suite's agent transcript (:func:`transcript_layout`): its chunks
+    are the unrelated exchanges' tool results, and the record's tool result too when ``chunk_names``
+    names the ``context`` line (:data:`FIELD_CHUNK_ORDER`'s field chunk); ``order`` is then not used.
 
     Returns:
         ``(prompt, chunk token spans)``, or the exclusion reason ``chunk_boundary_inside_token``.
     """
     from kvnotes.harness.edit_prompts import render_layout, user_pieces
+
+    if turns is not None:
+        made = transcript_layout(tokenizer, instance, value, variant, turns, "context" in chunk_names, notice,
+                                 chat_template, template_kwargs)
+        return made if isinstance(made, str) else made[:2]
 
     user, field, prefix = render_layout(instance, value, variant, order, notice)
     prompt = build_prompt(tokenizer, user, field, prefix, chat_template, instance.scenario.system, template_kwargs)

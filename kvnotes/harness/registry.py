@@ -164,21 +164,6 @@ def get(cfg_or_name) -> Callable[[ProbeContext], dict]:
     return module(cfg_or_name).run
 
 
-def check_layout(cfg_or_name, transcript) -> None:
-    """Refuse a transcript suite (``scenario.transcript``) for a probe that renders its own prompts
-    in the flat layout (it declares why in ``OWN_PROMPTS``): its record would describe prompts it
-    never ran.
-
-    Raises:
-        KvnotesError: ``transcript`` is set and the probe declares ``OWN_PROMPTS``.
-    """
-    why = getattr(module(cfg_or_name), "OWN_PROMPTS", None)
-    if transcript is not None and why:
-        name = cfg_or_name if isinstance(cfg_or_name, str) else cfg_or_name.get("name")
-        raise KvnotesError(f"probe '{name}' renders its own prompts ({why}) in the one-message layout, so it does "
-                           f"not support scenario.transcript yet; run it without (e.g. scenario=default)")
-
-
 def check_variant(cfg_or_name, variant: str, thinking: bool | None = None) -> None:
     """Refuse a chain-of-thought prompt variant for a probe that would score the decision right
     after the reasoning opener, with no reasoning generated, and a thinking model

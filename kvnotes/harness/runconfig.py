@@ -201,7 +201,7 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
     Checks: :func:`typed` (and ``flip_rule=synthetic`` only with ``model.random_init``); ``model.path``
     (:func:`check_model_path`); the probe's
     keys, types and allowed values (``registry.typed_config``), that it can read the prompt variant
-    (``registry.check_variant``) and layout (``registry.check_layout``); every scenario file is valid (:func:`check_scenario_files`); the device exists
+    (``registry.check_variant``); every scenario file is valid (:func:`check_scenario_files`); the device exists
     (:func:`kvnotes.models.loading.resolve_device`); the model's device map and quantization can run on it
     (:func:`kvnotes.models.loading.placement_kwargs`); ``out_root`` is writable; every scenario path exists.
     With ``machine=False`` (a job that will run elsewhere, e.g. submitted to SLURM from a login node
@@ -220,7 +220,6 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
     check_model_path(settings.model)
     probe_cfg = registry.typed_config(cfg.probe)
     registry.check_variant(probe_cfg, settings.scenario.variant, bool(settings.model.thinking))
-    registry.check_layout(probe_cfg, settings.scenario.transcript)
     if machine:
         dev = resolve_device(settings.device)
         placement_kwargs(cfg.model, dev, resolve_dtype(settings.model.dtype, dev))

@@ -182,13 +182,23 @@ def tokenize_pair(tokenizer, spec: PairSpec, chat_template: bool = True,
         (field,) = spans[spec.instance.scenario.field_slot]      # exactly once: schema validation
         prompts.append(prompt_at(tokenizer, text, field))
     old, new = prompts
-    if torch.equal(old.ids, new.ids):
-        raise KvnotesError(f"{spec.instance.scenario.source}: field values '{spec.old}' and '{spec.new}' "
-                           f"give identical tokens; the pair cannot change anything")
-    aligned = align(tokenizer, spec, old, new, UNEQUAL_FIELD_LENGTH)
+    aligned = align_field_pair(tokenizer, spec, old, new)
     if isinstance(aligned, str):
         return aligned
     return TokenizedPair(spec, old, new, *aligned)
+
+
+def align_field_pair(tokenizer, spec: PairSpec, old: Prompt, new: Prompt) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
+    """:func:`align` for the two prompts of a field pair, after refusing prompts whose tokens are
+    identical (the two field values tokenise alike: the pair cannot change anything).
+
+    Raises:
+        KvnotesError: identical prompts.
+    """
+    if old.ids.shape == new.ids.shape and torch.equal(old.ids, new.ids):
+        raise KvnotesError(f"{spec.instance.scenario.source}: field values '{spec.old}' and '{spec.new}' "
+                           f"give identical tokens; the pair cannot change anything")
+    return align(tokenizer, spec, old, new, UNEQUAL_FIELD_LENGTH)
 
 
 @dataclass(frozen=True)

@@ -193,15 +193,6 @@ def test_battery_writes_the_records_run_py_writes(tmp_path, monkeypatch, capsys)
     assert a["hydra"]["choices"] == b["hydra"]["choices"]
 
 
-def test_battery_refuses_a_transcript_suite_for_probes_that_render_their_own_prompts(tmp_path, monkeypatch, capsys):
-    from tests.helpers import run_kvnotes
-
-    ran = run_kvnotes(monkeypatch, capsys, "battery", "--scenario", "long", "--probes", "screen", "compose",
-                      "--records", tmp_path / "out")
-    assert ran.returncode == 2 and "probe 'compose' renders its own prompts" in ran.stderr and "Traceback" not in ran.stderr
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("record.json"))
-
-
 def test_battery_lengths_times_each_probe_per_length_and_fits_the_growth(tmp_path, monkeypatch, capsys):
     """``--lengths``: one battery per prompt length, the suite rendered as transcripts with as many
     turns as reach each length (the shorter gets fewer); each probe's time and peak memory per

@@ -40,8 +40,9 @@ LINKED = ("probes", "circuits", "scenarios")
 #: Top-level names code may import from the project: kvnotes only (the linked folders' own
 #: top-level names, and the old ``scripts`` package, would load a second copy of each module).
 PROJECT = ("kvnotes", *LINKED, "scripts")
-#: Packages nothing in the library may import (the command line and the benchmarks sit on top).
-TOP = {"kvnotes.cli", "kvnotes.bench"}
+#: Packages nothing in the library may import (the command line, its ``python -m kvnotes`` entry
+#: point and the benchmarks sit on top).
+TOP = {"kvnotes.cli", "kvnotes.bench", "kvnotes.__main__"}
 
 
 def _package(module: str) -> str | None:

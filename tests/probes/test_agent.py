@@ -23,9 +23,11 @@ from tests.helpers import job_record, ARCHS, tiny_config
 EXACT_KL = 1e-5
 
 
-def scenario_cfg(families=("recall",), ids=("home_city",)):
+def scenario_cfg(families=("recall",), ids=("home_city",), transcript=None):
     sc = OmegaConf.load(os.path.join(CONF_DIR, "scenario", "default.yaml"))
     sc.families, sc.ids, sc.n_instances = list(families), list(ids), 1
+    if transcript is not None:
+        sc.transcript = {"turns": transcript}
     return sc
 
 
@@ -81,6 +83,44 @@ def test_agent_with_whole_chunks_recomputed_equals_its_transcript(smol):
     for prev, r in zip(rows, rows[1:]):
         assert r["reused_tokens"] == prev["conversation_tokens"] and r["value"] != prev["value"]
     assert rows[0]["reused_tokens"] == 0 and rows[0]["precompile_ms"] > 0 == rows[1]["precompile_ms"]
+
+
+def test_agent_on_a_transcript_suite_recomputing_whole_chunks_equals_its_transcript(smol):
+    """On a transcript suite turn 1 is the agent transcript with the unrelated exchanges' tool results
+    precompiled, and later turns follow its last user message: with whole chunks recomputed the agent
+    decides exactly like a full prefill of its own conversation, each turn reusing the whole previous one."""
+    from kvnotes.harness.chunks import transcript_layout
+    from kvnotes.scenarios.instances import draw_instances
+    from kvnotes.scenarios.schema import load_suite
+
+    res = run_agent(smol, seam=10_000, turns=2, transcript=3)
+    check_schema("agent", res)
+    rows = res["rows"]
+    assert [r["turn"] for r in rows] == [1, 2] and not res["excluded"]
+    assert all(r["kl_transcript"] < EXACT_KL and r["agree_transcript"] for r in rows)
+    assert rows[1]["reused_tokens"] == rows[0]["conversation_tokens"]
+    sc = load_suite(list(scenario_cfg().paths), ["recall"], ["home_city"])[0]
+    prompt, spans, names = transcript_layout(smol.tokenizer, draw_instances(sc, 1, 0)[0], rows[0]["value"], turns=3)
+    assert rows[0]["conversation_tokens"] == len(prompt.ids) and names == ("tool_1", "tool_2", "tool_3")
+
+
+def test_a_transcript_conversation_only_appends_to_its_first_turn(smol):
+    """A later turn of a transcript conversation extends the earlier one token for token, with the
+    chat template and in the plain rendering (a tokenizer without a template, as Gemma-3-270M's):
+    the incremental agent can reuse the whole cached conversation."""
+    from kvnotes.probes.agent import transcript_conversation
+    from kvnotes.scenarios.instances import draw_instances
+    from kvnotes.scenarios.schema import load_suite
+
+    sc = load_suite(list(scenario_cfg().paths), ["recall"], ["home_city"])[0]
+    inst = draw_instances(sc, 1, 0)[0]
+    value = next(iter(sc.values))
+    for chat in (True, False):
+        one = transcript_conversation(smol.tokenizer, inst, value, "direct", 2, ["x"], [], chat, {})
+        two = transcript_conversation(smol.tokenizer, inst, value, "direct", 2, ["x", "Update: moved."], [" Paris"],
+                                      chat, {})
+        assert two.ids[:len(one.ids)].tolist() == one.ids.tolist() and len(two.ids) > len(one.ids) + 3, chat
+        assert two.field == one.field and two.text.endswith(one.text[-20:])
 
 
 def test_agent_record_aggregates(smol, tmp_path):

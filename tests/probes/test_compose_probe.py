@@ -54,6 +54,34 @@ def test_chunk_spans_hold_the_rule_and_filler(smol):
         assert (p.old.ids[:p.field[0]] == p.new.ids[:p.field[0]]).all()
 
 
+def test_on_a_transcript_suite_the_chunks_are_the_unrelated_tool_results(smol):
+    """A transcript suite's chunked pairs precompile the unrelated exchanges' tool results, all after
+    the field (which stays live); the field-in-chunk layout adds the record's tool result, which
+    holds the field; and compose on it recomputing whole chunks is the full prefill."""
+    from kvnotes.harness.chunks import FIELD_CHUNK_ORDER, chunked_pairs, layout_prompt
+    from kvnotes.probes.compose import run
+
+    sc = scenario_cfg()
+    sc.transcript = {"turns": 2}
+    tok = smol.tokenizer
+    ps = chunked_pairs(tok, sc)
+    assert ps.pairs and not ps.excluded
+    for p in ps.pairs:
+        assert p.chunk_names == ("tool_1", "tool_2") and all(a >= p.field[1] for a, _ in p.chunks)
+        assert all('"result"' in tok.decode(p.old.ids[a:b]) for a, b in p.chunks)
+        assert all((p.old.ids[a:b] == p.new.ids[a:b]).all() for a, b in p.chunks)
+        prompt, spans = layout_prompt(tok, p.spec.instance, p.spec.old, FIELD_CHUNK_ORDER, ("rule", "context"),
+                                      turns=2)
+        assert torch.equal(prompt.ids, p.old.ids) and spans[1:] == p.chunks
+        assert spans[0][0] <= p.field[0] and p.field[1] <= spans[0][1]          # the record's result holds the field
+    cfg = OmegaConf.load("conf/probe/compose.yaml")
+    cfg.progress, cfg.n_boot, cfg.seams, cfg.sinks, cfg.edit_arm_seams = False, 50, [0, 10_000], ["bos"], [0]
+    res = run(ProbeContext(bundle=smol, pairs=ps, cfg=cfg, seed=0, scenario_cfg=sc))
+    assert res["aggregates"]["checks"]["max_abs_logit_diff_full_seam"] < FULL_SEAM_ATOL
+    assert res["aggregates"]["n_prompts"] == 3
+    assert all("excluded" not in arm for r in res["rows"] for arm in r["arms"].values())
+
+
 def test_embedded_compose_record(result, tmp_path):
     agg = result["aggregates"]
     assert agg["checks"]["max_abs_logit_diff_full_seam"] < FULL_SEAM_ATOL
