@@ -480,6 +480,9 @@ def random_init_tokenizer(name: str):
 
     path = Path(os.path.expanduser(name))
     if not path.is_dir():
+        if os.sep in name or name.startswith(("~", ".")):
+            raise KvnotesError(f"model.random_init.tokenizer={name}: no such directory (give a directory of tokenizer "
+                               f"files or a zoo entry such as smollm2-135m)")
         return load_tokenizer(zoo.zoo_config(name))
     try:
         return AutoTokenizer.from_pretrained(str(path))
