@@ -85,6 +85,7 @@ from kvnotes.harness.kit import RandomControl
 from kvnotes.harness import kit as K
 from kvnotes.harness.kit import exclusions_by_family, families_of, summaries_by_family
 from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, pair_loop, readout_aggregates
+from kvnotes.kv.masks import FactoredMasks, patched_positions
 from kvnotes.harness.selection import ANCHORS, offset_profiles, offsets, pair_rng, profile_for, rank_positions, split_instances
 
 SET_FAMILIES = ("suffix", "prefix", "topk", "random")
@@ -195,8 +196,9 @@ class VariantPlan:
     """Named patch variants of one pair, deduplicated by mask.
 
     ``add(name, positions, layers)`` registers a variant (all layers when ``layers`` is None) and
-    returns its index into the unique masks; :meth:`masks` gives the bool ``[V, n_layers, d]``
-    tensor of unique masks.
+    returns its index into the unique masks; :meth:`masks` gives the unique masks, factored
+    (:class:`kvnotes.kv.masks.FactoredMasks`: the single-position map of an 8k-token prompt is
+    thousands of variants, gigabytes as a dense mask).
     """
 
     def __init__(self, n_layers: int, d: int) -> None:
@@ -212,12 +214,13 @@ class VariantPlan:
             self.specs.append(key)
         return self.index[key]
 
-    def masks(self) -> torch.Tensor:
-        m = torch.zeros(len(self.specs), self.n_layers, self.d, dtype=torch.bool)
-        for v, (pos, layers) in enumerate(self.specs):
-            if pos:
-                m[v, torch.tensor(layers)[:, None], torch.tensor(pos)[None, :]] = True
-        return m
+    def masks(self) -> FactoredMasks:
+        positions = torch.zeros(len(self.specs), self.d, dtype=torch.bool)
+        layers = torch.zeros(len(self.specs), self.n_layers, dtype=torch.bool)
+        for v, (pos, lay) in enumerate(self.specs):
+            positions[v, list(pos)] = True
+            layers[v, list(lay)] = True
+        return FactoredMasks(positions, layers)
 
 
 @torch.no_grad()
@@ -328,7 +331,7 @@ def evaluate_pair(sp: ScreenedPair, grid: list[dict], bands: list[dict], rng: np
         rnd = idx["random"]
         out["random_draws"] = [None if ids is None else [rec[i] for i in ids] for ids in rnd]
         out["random_flip_share"] = [None if ids is None else float(np.mean([flip[i] for i in ids])) for ids in rnd]
-        patched = masks.any(dim=1)                                                   # [V, d]
+        patched = patched_positions(masks)                                           # [V, d]
         out["random_sizes"] = [None if ids is None else [int(patched[i].sum()) for i in ids] for ids in rnd]
         out["random_outside"] = sum(int(patched[i, :b].sum()) for ids in rnd if ids for i in ids)
         if store_sets:

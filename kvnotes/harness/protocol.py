@@ -46,6 +46,7 @@ from kvnotes.harness.constraints import Count, NonNegative
 from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
 from kvnotes.kv import cache as kvcache
+from kvnotes.kv.masks import Masks
 from kvnotes.kv import patch as kvpatch
 from kvnotes.kv import generate as kvgen
 from kvnotes.ops import edit as kvedit
@@ -133,8 +134,9 @@ class ScreenedPair:
         return kvpatch.position_masks(n_layers, self.pair.decision, [list(s) for s in sets])
 
     @torch.no_grad()
-    def score(self, masks: torch.Tensor) -> Scored:
-        """Score ``masks`` (bool ``[V, n_layers, d]``: patch from the new run where true) in one
+    def score(self, masks: Masks) -> Scored:
+        """Score ``masks`` (bool ``[V, n_layers, d]``: patch from the new run where true; or
+        :class:`kvnotes.kv.masks.FactoredMasks`) in one
         batched call chunked to the memory budget (:func:`kvnotes.harness.readout.variant_scores`).
 
         Raises:
@@ -179,7 +181,7 @@ class GeneratedPair(ScreenedPair):
         return self._s_new
 
     @torch.no_grad()
-    def score(self, masks: torch.Tensor) -> Scored:
+    def score(self, masks: Masks) -> Scored:
         """Decode every variant's chain in one batch and read each decision after its marker."""
         ctx, pair = self.ctx, self._pair
         model, d = ctx.bundle.model, pair.decision

@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from kvnotes.kv import cache as kvcache
-
+from kvnotes.kv.masks import Masks
 from kvnotes.kv import patch as kvpatch
 from kvnotes.kv.decision import Decision as Decision, clean_decisions as clean_decisions
 from kvnotes.harness.tokens import TokenizedPair
@@ -87,7 +87,7 @@ def candidate_scores(forward, pair: TokenizedPair, mode: ReadoutMode = "first_to
 
 
 @torch.no_grad()
-def variant_scores(model, pair: TokenizedPair, base: DynamicCache, source: DynamicCache, masks: torch.Tensor,
+def variant_scores(model, pair: TokenizedPair, base: DynamicCache, source: DynamicCache, masks: Masks,
                    mode: ReadoutMode = "first_token", budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES) -> torch.Tensor:
     """Scores of patch variants of the pair's prefix caches.
 
@@ -100,7 +100,7 @@ def variant_scores(model, pair: TokenizedPair, base: DynamicCache, source: Dynam
         pair: the token-aligned pair (gives the decision token and candidate ids).
         base: prefix caches over positions ``[0, d)`` (usually old and new).
         source: prefix caches over positions ``[0, d)`` (usually old and new).
-        masks: bool ``[V, n_layers, d]`` patch masks (see :mod:`kvnotes.kv.cache`).
+        masks: bool ``[V, n_layers, d]`` patch masks, dense or factored (:mod:`kvnotes.kv.masks`).
 
     Returns:
         ``[V]`` fp32 scores ``log p(cand_new) - log p(cand_old)`` in nats.

@@ -32,6 +32,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvnotes.kv.masks import Masks, layer_mask
+
 DEFAULT_BUDGET_BYTES = 1 << 30
 #: Share of a GPU's free memory (after the model and its clean runs) ``budget_mb: auto`` gives one
 #: chunk of batched variants.
@@ -277,13 +279,13 @@ def chunks(n: int, per_item: int, budget_bytes: int) -> Iterator[slice]:
         yield slice(s, min(n, s + size))
 
 
-def build_variants(config, base: DynamicCache, source: DynamicCache, masks: torch.Tensor) -> DynamicCache:
+def build_variants(config, base: DynamicCache, source: DynamicCache, masks: Masks) -> DynamicCache:
     """Variant caches: layer ``l``, position ``p`` from ``source`` where ``masks[v, l, p]``, else ``base``.
 
     Args:
         base: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
         source: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
-        masks: bool ``[V, n_layers, T]``.
+        masks: bool ``[V, n_layers, T]`` (or :class:`kvnotes.kv.masks.FactoredMasks`).
 
     Returns:
         A batch-``V`` ``DynamicCache``.
@@ -296,7 +298,7 @@ def build_variants(config, base: DynamicCache, source: DynamicCache, masks: torc
         raise ValueError(f"mask {tuple(masks.shape)} does not fit caches of {len(base.layers)} layers x {T} positions")
     keys, values = [], []
     for l, (lb, ls) in enumerate(zip(base.layers, source.layers)):     # each layer where it lives (device maps)
-        m = masks[:, l].to(lb.keys.device)[:, slot_positions(lb)][:, None, :, None]
+        m = layer_mask(masks, l).to(lb.keys.device)[:, slot_positions(lb)][:, None, :, None]
         keys.append(torch.where(m, ls.keys, lb.keys))
         values.append(torch.where(m, ls.values, lb.values))
     return cache_from_tensors(config, keys, values, T)

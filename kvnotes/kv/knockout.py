@@ -202,21 +202,20 @@ class SharedDecisionRows:
     as :class:`DecisionRowHook` records them.
 
     Args:
-        source: optional second batch-1 prefix over the same positions, whose every slot the rows
-            ``from_source`` (bool ``[V]``) read instead of ``cache``'s (the other run of a pair).
+        source: optional second batch-1 prefix over the same positions (the other run of a pair):
+            the same variants then run on it too, rows ``V .. 2V - 1`` of the forward, in the same
+            batch-2 attention call (each row over its own prefix's keys).
 
     Attributes:
-        probs: layer -> fp32 ``[V, d + 1]`` head-mean probabilities by absolute position.
-        recon_err: layer -> fp32 ``[V]``: max |eager output - executed output| at each decision row.
+        probs: layer -> fp32 ``[G V, d + 1]`` head-mean probabilities by absolute position (``G`` = 2
+            with ``source``, else 1).
+        recon_err: layer -> fp32 ``[G V]``: max |eager output - executed output| at each decision row.
     """
 
-    def __init__(self, cache, knock: torch.Tensor | None, V: int, n: int, capture: bool,
-                 source=None, from_source: torch.Tensor | None = None):
+    def __init__(self, cache, knock: torch.Tensor | None, V: int, n: int, capture: bool, source=None):
         d = kvcache.seq_length(cache)
-        subst = torch.zeros(V, len(cache.layers), d, dtype=torch.bool)
-        if from_source is not None:                 # these rows read the second prefix, every slot
-            subst[from_source] = True
-        self.shared = kvpatch.SharedPrefix(cache, cache if source is None else source, subst, n, d,
+        prefixes = [cache] if source is None else [cache, source]
+        self.shared = kvpatch.SharedPrefix(prefixes, cache, torch.zeros(V, len(cache.layers), d, dtype=torch.bool), n, d,
                                            cache.layers[0].keys.dtype, hide=knock)
         self.positions = [kvcache.slot_positions(l) for l in cache.layers]
         self.d, self.capture = d, capture
@@ -224,23 +223,25 @@ class SharedDecisionRows:
         self.recon_err: dict[int, torch.Tensor] = {}
 
     def __call__(self, base, module, query, key, value, attention_mask, **kwargs):
-        V, H, n, _ = query.shape
+        B, H, n, _ = query.shape
         q, k, v, mask = self.shared.block(module, query, key, value)
-        out, _ = base(module, q, k, v, mask, **kwargs)                    # [1, V * n, heads, hd]
+        out, _ = base(module, q, k, v, mask, **kwargs)                    # [G, V * n, heads, hd]
         if self.capture:
             layer = module.layer_idx
+            G = q.shape[0]
+            V = B // G
             rows = torch.arange(V, device=q.device) * n                      # each variant's decision row
             m = additive_mask(mask[..., rows, :], V, mask.shape[-1], q.device)
-            probs, eout = eager_probabilities(module, q[:, :, rows], k, v, m, **kwargs)   # [1, H, V, keys]
-            pos, sub = self.positions[layer], self.shared.substituted[layer]
-            S, E = len(pos), len(sub)
-            full = torch.zeros(V, H, self.d + 1, dtype=torch.float32, device=q.device)
-            full[:, :, pos] = probs[0, :, :, :S].transpose(0, 1)
-            full[:, :, sub] += probs[0, :, :, S:S + E].transpose(0, 1)            # a row sees one of the two
-            full[:, :, self.d] = probs[0, :, rows, S + E + rows].transpose(0, 1)   # its own decision token
-            self.probs[layer] = full.mean(1).cpu()
-            self.recon_err[layer] = (eout[0] - out[0, rows].float()).abs().flatten(1).amax(1).cpu()
-        return out.reshape(V, n, H, -1), None
+            probs, eout = eager_probabilities(module, q[:, :, rows], k, v, m, **kwargs)   # [G, H, V, keys]
+            p = probs.mean(1)                                                # head mean [G, V, keys]
+            pos = self.positions[layer]
+            S = len(pos)
+            full = torch.zeros(G, V, self.d + 1, dtype=torch.float32, device=q.device)
+            full[:, :, pos] = p[:, :, :S]
+            full[:, :, self.d] = p[:, torch.arange(V, device=q.device), S + rows]   # its own decision token
+            self.probs[layer] = full.reshape(G * V, -1).cpu()
+            self.recon_err[layer] = (eout - out[:, rows].float()).abs().flatten(2).amax(2).reshape(G * V).cpu()
+        return out.reshape(B, n, H, -1), None
 
 
 @torch.no_grad()
@@ -283,30 +284,26 @@ def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | N
     if shared:
         tokens = tokens.to(model.device)
         n = tokens.shape[0]
-        if source is not None:          # rows V.. on the second prefix: the same knockouts again
-            knock = torch.zeros(1, len(cache.layers), d, dtype=torch.bool) if knock is None else knock
-            knock, V = torch.cat([knock, knock]), 2 * V
-        every = torch.ones(1, 1, d, dtype=torch.bool) if source is not None else torch.zeros(1, 1, d, dtype=torch.bool)
-        size = kvpatch.shared_prefix_chunk(every, cache, n)
+        G = 1 if source is None else 2      # with a source, the same variants on both prefixes, one forward
+        size = kvpatch.shared_prefix_chunk(torch.zeros(1, 1, d, dtype=torch.bool), cache, n)
         for s in range(0, V, size):
             part = knock[s: s + size] if knock is not None else None
             W = 1 if part is None else part.shape[0]
-            rows = None if source is None else torch.arange(s, s + W) >= V // 2
-            hook = SharedDecisionRows(cache, part, W, n, capture, source, rows)
+            hook = SharedDecisionRows(cache, part, W, n, capture, source)
             with attention_hook(model, hook):
-                out = model(input_ids=tokens[None].expand(W, -1),
-                            position_ids=torch.arange(d, d + n, device=model.device)[None].expand(W, -1), use_cache=False)
-            lps.append(torch.log_softmax(out.logits.float(), dim=-1))
+                out = model(input_ids=tokens[None].expand(G * W, -1),
+                            position_ids=torch.arange(d, d + n, device=model.device)[None].expand(G * W, -1),
+                            use_cache=False)
+            lps.append(torch.log_softmax(out.logits.float(), dim=-1).unflatten(0, (G, W)))      # [G, W, n, vocab]
             if capture:
-                probs.append(torch.stack([hook.probs[l] for l in sorted(hook.probs)], dim=1))
-                errs.append(torch.stack(list(hook.recon_err.values())).amax(0))      # [W]
+                probs.append(torch.stack([hook.probs[l] for l in sorted(hook.probs)], dim=1).unflatten(0, (G, W)))
+                errs.append(torch.stack(list(hook.recon_err.values())).amax(0).unflatten(0, (G, W)))
+        logprobs = torch.cat(lps, 1).flatten(0, 1)                  # rows on cache, then rows on source
         if not capture:
-            return DecisionRead(torch.cat(lps), None, None)
-        row_errs = torch.cat(errs)
-        if source is None:
-            return DecisionRead(torch.cat(lps), torch.cat(probs), float(row_errs.max()))
-        return DecisionRead(torch.cat(lps), torch.cat(probs), float(row_errs[:V // 2].max()),
-                            float(row_errs[V // 2:].max()))
+            return DecisionRead(logprobs, None, None)
+        row_errs = torch.cat(errs, 1)                               # [G, V]
+        return DecisionRead(logprobs, torch.cat(probs, 1).flatten(0, 1), float(row_errs[0].max()),
+                            float(row_errs[1].max()) if source is not None else None)
     for sl in kvcache.chunks(V, kvcache.variant_bytes(cache), budget_bytes):
         hook = DecisionRowHook(model, d, d, None if knock is None else knock[sl].to(model.device), capture)
         with attention_hook(model, hook):

@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from kvnotes.kv.cache import DEFAULT_BUDGET_BYTES, expand_cache, seq_length, slot_positions, variant_bytes
+from kvnotes.kv.masks import Masks, layer_mask, most_slots, union_slots
 
 
 def check_per_head(key: torch.Tensor, value: torch.Tensor, cached_keys: torch.Tensor,
@@ -60,10 +61,11 @@ class _Substitute:
     variant cache is materialised besides the one the decode itself writes.
     """
 
-    def __init__(self, base: DynamicCache, source: DynamicCache, masks: torch.Tensor) -> None:
+    def __init__(self, base: DynamicCache, source: DynamicCache, masks: Masks) -> None:
         self.entries = []
         for l, (lb, ls) in enumerate(zip(base.layers, source.layers)):
-            m = masks[:, l, slot_positions(lb).to(masks.device)]                  # [V, slots]
+            m = layer_mask(masks, l)
+            m = m[:, slot_positions(lb).to(m.device)]                            # [V, slots]
             v_idx, s_idx = m.nonzero(as_tuple=True)
             self.entries.append((v_idx.to(lb.keys.device), s_idx.to(lb.keys.device), ls.keys[0], ls.values[0]))
 
@@ -90,17 +92,25 @@ class SharedPrefix:
     on that block, so the result is the same attention as on materialised variant caches, up to
     float rounding.
 
+    Several prefixes over the same positions (``base`` a sequence of ``G`` caches, e.g. the two runs
+    of a pair) run the same ``V`` variants each in one batch-``G`` attention call: the forward's
+    rows ``g V .. (g + 1) V - 1`` read prefix ``g``, and every prefix shares the one mask, so a
+    query attends over its own prefix's slots only (not over all ``G`` prefixes' slots).
+
     Args:
-        base: batch-1 caches over ``[0, start)``.
-        source: batch-1 caches over ``[0, start)``.
-        masks: bool ``[V, n_layers, start]``: positions whose K/V variant ``v`` takes from ``source``.
+        base: batch-1 caches over ``[0, start)``, or a sequence of ``G`` of them.
+        source: batch-1 caches over ``[0, start)`` (the same substituted entries for every prefix).
+        masks: bool ``[V, n_layers, start]`` (or :class:`kvnotes.kv.masks.FactoredMasks`): positions
+            whose K/V variant ``v`` takes from ``source``.
         n: fed tokens per variant; start: position of the first.
         hide: optional bool ``[V, n_layers, start]``: prefix positions variant ``v``'s *first* fed
             token does not see in layer ``l`` (an attention knockout of the decision row).
     """
 
-    def __init__(self, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, n: int, start: int,
-                 dtype: torch.dtype, hide: torch.Tensor | None = None) -> None:
+    def __init__(self, base: DynamicCache | Sequence[DynamicCache], source: DynamicCache, masks: Masks, n: int,
+                 start: int, dtype: torch.dtype, hide: torch.Tensor | None = None) -> None:
+        prefixes = [base] if isinstance(base, DynamicCache) else list(base)
+        base, G = prefixes[0], len(prefixes)
         V = masks.shape[0]
         neg = torch.finfo(dtype).min
         on: dict[torch.device, tuple] = {}       # per device (a device map puts layers on several)
@@ -117,7 +127,7 @@ class SharedPrefix:
             masks_d, hide_d, q_var, q_tok, own_new = on[dev]
             q_pos = start + q_tok
             pos = slot_positions(lb)
-            m = masks_d[:, l, pos]                                         # [V, slots]
+            m = layer_mask(masks_d, l)[:, pos]                             # [V, slots]
             s_idx = m.any(0).nonzero().flatten()                           # slots any variant substitutes
             see_base, see_sub, see_new = ~m[q_var], m[q_var][:, s_idx], own_new
             if hide_d is not None:                                         # whichever entry stands there
@@ -130,26 +140,37 @@ class SharedPrefix:
                 see_new = see_new & (q_tok[:, None] - q_tok[None, :] < window)
             see = torch.cat([see_base, see_sub, see_new], 1)
             mask = torch.zeros(see.shape, dtype=dtype, device=dev).masked_fill_(~see, neg)[None, None]
-            self.layers.append((torch.cat([lb.keys, ls.keys[:, :, s_idx]], 2),
-                                torch.cat([lb.values, ls.values[:, :, s_idx]], 2), mask))
+            kv = []                             # [G, kv_heads, slots + e + V n, dim]: the fed tokens' K/V go last
+            for name in ("keys", "values"):
+                t = getattr(lb, name)
+                buf = t.new_empty(G, t.shape[1], see.shape[1], t.shape[3])
+                for g, p in enumerate(prefixes):
+                    buf[g, :, : len(pos)] = getattr(p.layers[l], name)[0]
+                buf[:, :, len(pos): len(pos) + len(s_idx)] = getattr(ls, name)[:, :, s_idx]
+                kv.append(buf)
+            self.layers.append((kv[0], kv[1], mask))
             self.substituted.append(pos[s_idx])
 
     def block(self, module, query, key, value):
-        """The query block, its keys, values and additive mask for ``module``'s layer:
-        ``[1, heads, V * n, hd]``, ``[1, kv_heads, keys, hd]`` (twice), ``[1, 1, V * n, keys]``."""
+        """The query block, its keys, values and additive mask for ``module``'s layer (``G``
+        prefixes): ``[G, heads, V * n, hd]``, ``[G, kv_heads, keys, hd]`` (twice), ``[1, 1, V * n, keys]``."""
         keys, values, mask = self.layers[module.layer_idx]
         check_per_head(key, value, keys, values)
-        V, H, n, hd = query.shape
-        kvh = key.shape[1]
-        q = query.transpose(0, 1).reshape(1, H, V * n, hd)
-        k = torch.cat([keys, key.transpose(0, 1).reshape(1, kvh, V * n, -1).to(keys.dtype)], 2)
-        v = torch.cat([values, value.transpose(0, 1).reshape(1, kvh, V * n, -1).to(values.dtype)], 2)
-        return q, k, v, mask
+        B, H, n, hd = query.shape
+        G, kvh = keys.shape[0], key.shape[1]
+        V = B // G
+
+        def block(x, heads):                    # [G V, heads, n, dim] -> [G, heads, V n, dim]
+            return x.view(G, V, heads, n, -1).transpose(1, 2).reshape(G, heads, V * n, -1)
+
+        keys[:, :, -V * n:] = block(key, kvh)      # this forward's fed tokens, in the space left for them
+        values[:, :, -V * n:] = block(value, kvh)
+        return block(query, H), keys, values, mask
 
     def __call__(self, base_fn, module, query, key, value, attention_mask, **kwargs):
-        V, H, n, _ = query.shape
-        out, _ = base_fn(module, *self.block(module, query, key, value), **kwargs)   # [1, V * n, heads, hd]
-        return out.reshape(V, n, H, -1), None
+        B, H, n, _ = query.shape
+        out, _ = base_fn(module, *self.block(module, query, key, value), **kwargs)   # [G, V * n, heads, hd]
+        return out.reshape(B, n, H, -1), None
 
 
 #: Attention implementations that take the explicit additive mask of :class:`SharedPrefix`.
@@ -161,7 +182,7 @@ SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
 MIN_SHARED_CHUNK = 32
 
 
-def shared_prefix_chunk(masks: torch.Tensor, base: DynamicCache, n: int) -> int:
+def shared_prefix_chunk(masks: Masks, base: DynamicCache, n: int) -> int:
     """How many variants of ``masks`` one :class:`SharedPrefix` forward takes.
 
     Its attention covers ``slots + e + V * n`` keys per query (``e``: the slots any variant
@@ -172,7 +193,7 @@ def shared_prefix_chunk(masks: torch.Tensor, base: DynamicCache, n: int) -> int:
     the chunks of a long prompt to the window's).
     """
     slots = max(layer.keys.shape[-2] for layer in base.layers)
-    e = int(masks.any(dim=0).sum(dim=1).max()) if masks.shape[0] else 0
+    e = union_slots(masks)
     return max(1, (2 * slots + 3 * n - e) // n)
 
 
@@ -202,13 +223,13 @@ def shared_prefix_bytes(config, base: DynamicCache, V: int, n: int, e: int) -> i
     return masks + scores + acts
 
 
-def shared_prefix_budget_chunk(config, base: DynamicCache, masks: torch.Tensor, n: int, budget_bytes: int,
+def shared_prefix_budget_chunk(config, base: DynamicCache, masks: Masks, n: int, budget_bytes: int,
                                limit: int) -> int:
     """The most variants (at most ``limit``, at least 1) one :class:`SharedPrefix` forward of
     ``masks`` may take within ``budget_bytes`` (:func:`shared_prefix_bytes`): sized by what the
     cache-free path allocates, not by the variant caches it never builds."""
-    e_all = int(masks.any(dim=0).sum(dim=1).max()) if masks.shape[0] else 0
-    e_one = int(masks.sum(dim=2).max()) if masks.shape[0] else 0     # most slots one variant substitutes in a layer
+    e_all = union_slots(masks)
+    e_one = most_slots(masks)                                    # most slots one variant substitutes in a layer
     lo, hi = 1, max(1, limit)
     while lo < hi:                                               # bytes grow with V: the largest that fits
         mid = (lo + hi + 1) // 2                                 # a chunk of mid variants substitutes <= mid * e_one slots
@@ -239,7 +260,7 @@ def _candidate_logits(model, hidden: torch.Tensor, vocab_ids: torch.Tensor) -> t
 
 
 @torch.no_grad()
-def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, tokens: torch.Tensor,
+def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: Masks, tokens: torch.Tensor,
                    budget_bytes: int = DEFAULT_BUDGET_BYTES, vocab_ids: Sequence[int] | None = None,
                    method: Literal["auto", "shared", "substitute"] = "auto") -> torch.Tensor:
     """Batched activation patching on the KV cache: the fed tokens' logits in every patch variant.
@@ -262,7 +283,8 @@ def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch
     Args:
         base: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
         source: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
-        masks: bool ``[V, n_layers, T]``.
+        masks: bool ``[V, n_layers, T]``, or :class:`kvnotes.kv.masks.FactoredMasks` (a map of
+            thousands of variants without a dense mask of gigabytes).
         tokens: ``[n]`` token ids fed after the prefix.
         vocab_ids: compute only these tokens' logits (the unembedding rows of ``vocab_ids``; a
             logit difference needs no normalisation), else the whole vocabulary.
@@ -301,7 +323,7 @@ def patched_logits(model, base: DynamicCache, source: DynamicCache, masks: torch
     return out if out is not None else torch.empty(0, n, len(ids) if ids is not None else 0)
 
 
-def variant_chunks(config, impl: str, base: DynamicCache, masks: torch.Tensor, n: int, budget_bytes: int,
+def variant_chunks(config, impl: str, base: DynamicCache, masks: Masks, n: int, budget_bytes: int,
                    method: Literal["auto", "shared", "substitute"] = "auto") -> tuple[int, bool]:
     """How :func:`patched_logits` runs the variants of ``masks`` (bool ``[V, n_layers, T]``, ``n`` fed
     tokens each) within ``budget_bytes``: ``(variants per forward, cache-free shared prefix?)``.
@@ -321,7 +343,7 @@ def variant_chunks(config, impl: str, base: DynamicCache, masks: torch.Tensor, n
     return (size, True) if size >= min(MIN_SHARED_CHUNK, V) else (per_cache, False)
 
 
-def _patched_chunk(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor, tokens: torch.Tensor,
+def _patched_chunk(model, base: DynamicCache, source: DynamicCache, masks: Masks, tokens: torch.Tensor,
                    T: int, vocab_ids: torch.Tensor | None, shared: bool) -> torch.Tensor:
     """One forward of :func:`patched_logits`: the variants of ``masks`` cache-free on the shared
     prefix (``shared``) or on a batch view of ``base``."""
@@ -342,7 +364,7 @@ def _patched_chunk(model, base: DynamicCache, source: DynamicCache, masks: torch
 
 
 @torch.no_grad()
-def patched_logprobs(model, base: DynamicCache, source: DynamicCache, masks: torch.Tensor,
+def patched_logprobs(model, base: DynamicCache, source: DynamicCache, masks: Masks,
                      tokens: torch.Tensor, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> torch.Tensor:
     """Log-probabilities of every patch variant: the log-softmax of :func:`patched_logits` over
     the whole vocabulary.
