@@ -263,8 +263,8 @@ def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | N
         capture: compute the decision row's attention probabilities per layer.
         source: optional second batch-1 prefix cache over the same positions (the other run of a
             pair): the variants then run on ``cache`` (rows ``0 .. V-1``) and on ``source`` (rows
-            ``V .. 2V-1``), on sdpa / eager models in the same forwards (the source's slots enter
-            the keys once, :class:`kvnotes.kv.patch.SharedPrefix`).
+            ``V .. 2V-1``), on sdpa / eager models in the same forwards (one batch-2 attention call,
+            each row over its own prefix's keys: :class:`kvnotes.kv.patch.SharedPrefix`).
 
     Returns:
         :class:`DecisionRead` (``2V`` rows with ``source``).

@@ -78,6 +78,33 @@ class _Substitute:
         return base_fn(module, query, key, value, attention_mask, **kwargs)
 
 
+def _same_view(a: tuple, b: tuple) -> bool:
+    """Whether two layers' ``(device, window, slot positions, substitution [V, slots], hide [V, slots]
+    | None)`` are equal, so that one attention mask serves both."""
+    return (a[0] == b[0] and a[1] == b[1] and a[2].shape == b[2].shape and bool(torch.equal(a[2], b[2]))
+            and a[3].shape == b[3].shape and bool(torch.equal(a[3], b[3]))
+            and (a[4] is None) == (b[4] is None) and (a[4] is None or bool(torch.equal(a[4], b[4]))))
+
+
+def _view_mask(view: tuple, q_var: torch.Tensor, q_tok: torch.Tensor, own_new: torch.Tensor, start: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's substituted slots and the additive mask ``[1, 1, V n, slots + e + V n]`` of
+    :class:`SharedPrefix` (see there) for its ``(device, window, slot positions, substitution, hide)``."""
+    dev, window, pos, m, h = view
+    q_pos = start + q_tok
+    s_idx = m.any(0).nonzero().flatten()                           # slots any variant substitutes
+    see_base, see_sub, see_new = ~m[q_var], m[q_var][:, s_idx], own_new
+    if h is not None:                                              # whichever entry stands there
+        hidden = h[q_var] & (q_tok == 0)[:, None]
+        see_base, see_sub = see_base & ~hidden, see_sub & ~hidden[:, s_idx]
+    if window is not None:
+        see_base = see_base & (q_pos[:, None] - pos[None, :] < window)
+        see_sub = see_sub & (q_pos[:, None] - pos[s_idx][None, :] < window)
+        see_new = see_new & (q_tok[:, None] - q_tok[None, :] < window)
+    see = torch.cat([see_base, see_sub, see_new], 1)
+    return s_idx, torch.zeros(see.shape, dtype=dtype, device=dev).masked_fill_(~see, torch.finfo(dtype).min)[None, None]
+
+
 class SharedPrefix:
     """Attention hook for a cache-free forward of ``V`` variants x ``n`` fed tokens on one shared
     batch-1 prefix (:func:`patched_logits`, :func:`kvnotes.kv.knockout.decision_forward`): no
@@ -112,11 +139,11 @@ class SharedPrefix:
         prefixes = [base] if isinstance(base, DynamicCache) else list(base)
         base, G = prefixes[0], len(prefixes)
         V = masks.shape[0]
-        neg = torch.finfo(dtype).min
         on: dict[torch.device, tuple] = {}       # per device (a device map puts layers on several)
         self.layers = []
         #: per layer, the positions of the substituted source entries, in key order after the prefix slots
         self.substituted: list[torch.Tensor] = []
+        prev: tuple | None = None                # the last layer's view: equal views share one mask
         for l, (lb, ls) in enumerate(zip(base.layers, source.layers, strict=True)):
             dev = lb.keys.device
             if dev not in on:
@@ -125,25 +152,20 @@ class SharedPrefix:
                 on[dev] = (masks.to(dev), hide.to(dev) if hide is not None else None, q_var, q_tok,
                            (q_var[:, None] == q_var[None, :]) & (q_tok[None, :] <= q_tok[:, None]))
             masks_d, hide_d, q_var, q_tok, own_new = on[dev]
-            q_pos = start + q_tok
             pos = slot_positions(lb)
             m = layer_mask(masks_d, l)[:, pos]                             # [V, slots]
-            s_idx = m.any(0).nonzero().flatten()                           # slots any variant substitutes
-            see_base, see_sub, see_new = ~m[q_var], m[q_var][:, s_idx], own_new
-            if hide_d is not None:                                         # whichever entry stands there
-                hidden = hide_d[:, l, pos][q_var] & (q_tok == 0)[:, None]
-                see_base, see_sub = see_base & ~hidden, see_sub & ~hidden[:, s_idx]
+            h = hide_d[:, l, pos] if hide_d is not None else None
             window = getattr(lb, "sliding_window", None) if getattr(lb, "is_sliding", False) else None
-            if window is not None:
-                see_base = see_base & (q_pos[:, None] - pos[None, :] < window)
-                see_sub = see_sub & (q_pos[:, None] - pos[s_idx][None, :] < window)
-                see_new = see_new & (q_tok[:, None] - q_tok[None, :] < window)
-            see = torch.cat([see_base, see_sub, see_new], 1)
-            mask = torch.zeros(see.shape, dtype=dtype, device=dev).masked_fill_(~see, neg)[None, None]
+            view = (dev, window, pos, m, h)
+            if prev is not None and _same_view(prev[0], view):
+                s_idx, mask = prev[1], prev[2]
+            else:
+                s_idx, mask = _view_mask(view, q_var, q_tok, own_new, start, dtype)
+            prev = (view, s_idx, mask)
             kv = []                             # [G, kv_heads, slots + e + V n, dim]: the fed tokens' K/V go last
             for name in ("keys", "values"):
                 t = getattr(lb, name)
-                buf = t.new_empty(G, t.shape[1], see.shape[1], t.shape[3])
+                buf = t.new_empty(G, t.shape[1], mask.shape[-1], t.shape[3])
                 for g, p in enumerate(prefixes):
                     buf[g, :, : len(pos)] = getattr(p.layers[l], name)[0]
                 buf[:, :, len(pos): len(pos) + len(s_idx)] = getattr(ls, name)[:, :, s_idx]
