@@ -63,6 +63,14 @@ def layer_mask(masks: Masks, layer: int) -> torch.Tensor:
     return masks[:, layer]
 
 
+def layer_key(masks: Masks, layer: int) -> torch.Tensor:
+    """A tensor that is equal for two layers exactly when their :func:`layer_mask` are: the layer's
+    column of a factored mask (bool ``[V]``, no ``[V, T]`` tensor built), the dense mask's slice."""
+    if isinstance(masks, FactoredMasks):
+        return masks.layers[:, layer]
+    return masks[:, layer]
+
+
 def dense(masks: Masks) -> torch.Tensor:
     """The bool ``[V, n_layers, T]`` mask."""
     return masks.dense() if isinstance(masks, FactoredMasks) else masks

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from kvnotes.kv.cache import DEFAULT_BUDGET_BYTES, expand_cache, seq_length, slot_positions, variant_bytes
-from kvnotes.kv.masks import Masks, layer_mask, most_slots, union_slots
+from kvnotes.kv.masks import Masks, layer_key, layer_mask, most_slots, union_slots
 
 
 def check_per_head(key: torch.Tensor, value: torch.Tensor, cached_keys: torch.Tensor,
@@ -79,18 +79,20 @@ class _Substitute:
 
 
 def _same_view(a: tuple, b: tuple) -> bool:
-    """Whether two layers' ``(device, window, slot positions, substitution [V, slots], hide [V, slots]
-    | None)`` are equal, so that one attention mask serves both."""
+    """Whether two layers' ``(device, window, slot positions, substitution key
+    (:func:`kvnotes.kv.masks.layer_key`), hide [V, start] | None)`` are equal, so that one attention
+    mask serves both."""
     return (a[0] == b[0] and a[1] == b[1] and a[2].shape == b[2].shape and bool(torch.equal(a[2], b[2]))
             and a[3].shape == b[3].shape and bool(torch.equal(a[3], b[3]))
             and (a[4] is None) == (b[4] is None) and (a[4] is None or bool(torch.equal(a[4], b[4]))))
 
 
-def _view_mask(view: tuple, q_var: torch.Tensor, q_tok: torch.Tensor, own_new: torch.Tensor, start: int,
+def _view_mask(dev, window: int | None, pos: torch.Tensor, m: torch.Tensor, h: torch.Tensor | None,
+               q_var: torch.Tensor, q_tok: torch.Tensor, own_new: torch.Tensor, start: int,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's substituted slots and the additive mask ``[1, 1, V n, slots + e + V n]`` of
-    :class:`SharedPrefix` (see there) for its ``(device, window, slot positions, substitution, hide)``."""
-    dev, window, pos, m, h = view
+    :class:`SharedPrefix` (see there), from its slot positions ``pos``, substitution ``m`` and hide
+    ``h`` (bool ``[V, slots]``)."""
     q_pos = start + q_tok
     s_idx = m.any(0).nonzero().flatten()                           # slots any variant substitutes
     see_base, see_sub, see_new = ~m[q_var], m[q_var][:, s_idx], own_new
@@ -143,7 +145,7 @@ class SharedPrefix:
         self.layers = []
         #: per layer, the positions of the substituted source entries, in key order after the prefix slots
         self.substituted: list[torch.Tensor] = []
-        prev: tuple | None = None                # the last layer's view: equal views share one mask
+        seen: list[tuple] = []                   # distinct views so far: layers with equal views share one mask
         for l, (lb, ls) in enumerate(zip(base.layers, source.layers, strict=True)):
             dev = lb.keys.device
             if dev not in on:
@@ -153,15 +155,15 @@ class SharedPrefix:
                            (q_var[:, None] == q_var[None, :]) & (q_tok[None, :] <= q_tok[:, None]))
             masks_d, hide_d, q_var, q_tok, own_new = on[dev]
             pos = slot_positions(lb)
-            m = layer_mask(masks_d, l)[:, pos]                             # [V, slots]
-            h = hide_d[:, l, pos] if hide_d is not None else None
             window = getattr(lb, "sliding_window", None) if getattr(lb, "is_sliding", False) else None
-            view = (dev, window, pos, m, h)
-            if prev is not None and _same_view(prev[0], view):
-                s_idx, mask = prev[1], prev[2]
-            else:
-                s_idx, mask = _view_mask(view, q_var, q_tok, own_new, start, dtype)
-            prev = (view, s_idx, mask)
+            view = (dev, window, pos, layer_key(masks_d, l), hide_d[:, l] if hide_d is not None else None)
+            hit = next((x for x in seen if _same_view(x[0], view)), None)
+            if hit is None:
+                m = layer_mask(masks_d, l)[:, pos]                         # [V, slots]
+                h = hide_d[:, l, pos] if hide_d is not None else None
+                hit = (view, *_view_mask(dev, window, pos, m, h, q_var, q_tok, own_new, start, dtype))
+                seen.append(hit)
+            s_idx, mask = hit[1], hit[2]
             kv = []                             # [G, kv_heads, slots + e + V n, dim]: the fed tokens' K/V go last
             for name in ("keys", "values"):
                 t = getattr(lb, name)
