@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from kvnotes.errors import KvnotesError
+from kvnotes.ops import compose as kvcompose
 from kvnotes.harness.pairs import PairSet, _tokenized, transcript_turns
 from kvnotes.harness.tokens import TokenizedPair, align_field_pair, build_prompt, char_span_to_tokens
 from kvnotes.scenarios.instances import Instance, build_pairs, render_user_text_spans
@@ -286,3 +287,15 @@ def sink_ids(ids: torch.Tensor, sink: str, first_chunk: int) -> torch.Tensor | N
     if sink == "prefix":
         return ids[:first_chunk]
     raise KvnotesError(f"unknown compose sink '{sink}' (known: {', '.join(SINKS)})")
+
+
+def precompiled(model, ids: torch.Tensor, sink: torch.Tensor | None, memo: dict | None) -> kvcompose.Chunk:
+    """:func:`kvnotes.ops.compose.precompile` of chunk ``ids`` ``[n]`` behind ``sink`` ``[k]`` (or
+    none), memoised in ``memo`` by their tokens (the chunks an instance's prompts and edit arms
+    share are prefilled once; a :class:`~kvnotes.ops.compose.Chunk` is never changed by its users)."""
+    if memo is None:
+        return kvcompose.precompile(model, ids, sink)
+    key = (tuple(ids.tolist()), None if sink is None else tuple(sink.tolist()))
+    if key not in memo:
+        memo[key] = kvcompose.precompile(model, ids, sink)
+    return memo[key]

@@ -113,7 +113,7 @@ def test_edit_arms_shared_work_equals_each_pair_alone(smol, result):
     the composed prompts' full prefill, one stale cache per old value); each pair's arms must equal
     the arms computed for that pair alone, from scratch."""
     from kvnotes.harness.chunks import chunked_pairs
-    from kvnotes.probes.compose import edit_arms
+    from kvnotes.probes.compose_edit import edit_arms
 
     ps = chunked_pairs(smol.tokenizer, scenario_cfg())
     for pair, row in zip(ps.pairs, result["rows"]):

@@ -195,8 +195,8 @@ def test_batched_knockouts_equal_single_and_chunked(setup):
 
 
 def test_two_prefixes_in_one_forward_equal_each_alone(setup):
-    """A pair's two runs in the same forwards (``source``: the second prefix's slots enter the keys
-    once) give each run's knocked log-probs, decision-row attention and reconstruction check, on
+    """A pair's two runs in the same forwards (``source``: one batch-2 attention call, each row over
+    its own prefix's keys) give each run's knocked log-probs, decision-row attention and reconstruction check, on
     every tiny shape (sliding windows, soft-capping, one KV head), chunked or not."""
     model, x, cache = setup
     L = model.config.num_hidden_layers
