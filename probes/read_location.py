@@ -323,9 +323,8 @@ def _knockout_pair(ctx, pr, row: dict, variants: list[dict], n_sinks: int, drop_
     model, n_layers = ctx.bundle.model, ctx.bundle.adapter.n_layers
     pair = pr.pair
     groups = key_groups(pair.field, pair.decision, n_sinks)
-    masks = torch.cat([torch.zeros(1, n_layers, pair.decision, dtype=torch.bool)] +
-                      [knockout_masks(n_layers, pair.decision, groups, [(v["groups"], v["layers"])])
-                       for v in variants])
+    masks = knockout_masks(n_layers, pair.decision, groups,           # variant 0: nothing knocked out
+                           [([], [0, n_layers])] + [(v["groups"], v["layers"]) for v in variants])
     row |= {"groups": {g: list(s) for g, s in groups.items()}}
     base = {k: row[k] for k in ("pair", "scenario", "family", "instance", "flips")}
     null_err = 0.0
@@ -414,8 +413,7 @@ def _knockout_chains(ctx, sp, row: dict, variants: list[dict], n_sinks: int, dro
     groups = key_groups(pair.field, d, n_sinks)
     spans = chain_spans(groups, d)
     sizes = {g: e - s for g, (s, e) in groups.items()}
-    masks = torch.cat([torch.zeros(1, n_layers, d, dtype=torch.bool)] +
-                      [knockout_masks(n_layers, d, groups, [(v["groups"], v["layers"])]) for v in variants])
+    masks = knockout_masks(n_layers, d, groups, [([], [0, n_layers])] + [(v["groups"], v["layers"]) for v in variants])
     marker, stops = K.cot_marker(ctx, pair), K.stop_tokens(tok)
     row |= {"groups": {g: list(s) for g, s in groups.items()}, "clean_chain_matches": True}
     base = {k: row[k] for k in ("pair", "scenario", "family", "instance", "flips")}

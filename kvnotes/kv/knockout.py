@@ -20,6 +20,7 @@ from kvnotes.kv import cache as kvcache
 from kvnotes.kv import patch as kvpatch
 from kvnotes.kv.capture import attention_hook
 from kvnotes.kv.generate import generate
+from kvnotes.kv.masks import FactoredMasks, Masks, layer_mask
 from kvnotes.errors import KvnotesError
 
 #: Key groups of the decision row that can be hidden.
@@ -28,26 +29,29 @@ SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
 def knockout_masks(n_layers: int, decision: int, groups: dict[str, tuple[int, int]],
-                   variants: list[tuple[list[str], list[int]]]) -> torch.Tensor:
+                   variants: list[tuple[list[str], list[int]]]) -> FactoredMasks:
     """Knockout masks: variant ``v`` hides the keys of its groups in its layers.
 
     Args:
         variants: ``(group names, [l0, l1))`` per variant; an empty group list knocks out nothing.
 
     Returns:
-        bool ``[V, n_layers, d]`` over prefix positions (the decision token's own key is never hidden).
+        ``[V, n_layers, d]`` over prefix positions, factored (:class:`kvnotes.kv.masks.FactoredMasks`:
+        the groups' positions x the band's layers; the decision token's own key is never hidden).
 
     Raises:
         ValueError: a group that cannot be knocked out (``decision``) or is unknown.
     """
-    masks = torch.zeros(len(variants), n_layers, decision, dtype=torch.bool)
+    positions = torch.zeros(len(variants), decision, dtype=torch.bool)
+    layers = torch.zeros(len(variants), n_layers, dtype=torch.bool)
     for v, (names, (l0, l1)) in enumerate(variants):
         for g in names:
             if g not in KNOCKABLE:
                 raise ValueError(f"cannot knock out group '{g}' (knockable: {KNOCKABLE})")
             s, e = groups[g]
-            masks[v, l0:l1, s:e] = True
-    return masks
+            positions[v, s:e] = True
+        layers[v, l0:l1] = bool(names)
+    return FactoredMasks(positions, layers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,7 +129,7 @@ class DecisionRowHook:
         KvnotesError: (when called) a knockout under an attention implementation other than sdpa/eager.
     """
 
-    def __init__(self, model, decision: int, start: int, knock: torch.Tensor | None = None, capture: bool = False,
+    def __init__(self, model, decision: int, start: int, knock: Masks | None = None, capture: bool = False,
                  keep_heads: bool = False):
         self.impl = model.config._attn_implementation
         self.decision, self.start, self.knock, self.capture = decision, start, knock, capture
@@ -140,7 +144,7 @@ class DecisionRowHook:
         V, _, P = self.knock.shape
         hide = torch.zeros(V, kv_len, dtype=torch.bool, device=device)
         valid = (k_pos >= 0) & (k_pos < P)
-        hide[:, valid] = self.knock[:, layer].to(device)[:, k_pos[valid]]    # this layer's device (device maps)
+        hide[:, valid] = layer_mask(self.knock, layer).to(device)[:, k_pos[valid]]    # this layer's device (device maps)
         if mask is None or mask.dtype == torch.bool:
             allowed = _causal(q_len, kv_len, device) if (mask is None and q_len > 1) else \
                 (torch.ones(1, 1, q_len, kv_len, dtype=torch.bool, device=device) if mask is None else mask)
@@ -159,7 +163,7 @@ class DecisionRowHook:
         layer = module.layer_idx
         end = self.start + q_len
         k_pos = torch.arange(end - kv_len, end, device=query.device)
-        if self.knock is not None and bool(self.knock[:, layer].any()):
+        if self.knock is not None and bool(layer_mask(self.knock, layer).any()):
             attention_mask = self._knocked(attention_mask, q_len, kv_len, layer, row, k_pos, query.device)
         out, weights = base(module, query, key, value, attention_mask, **kwargs)
         if self.capture:
@@ -212,7 +216,7 @@ class SharedDecisionRows:
         recon_err: layer -> fp32 ``[G V]``: max |eager output - executed output| at each decision row.
     """
 
-    def __init__(self, cache, knock: torch.Tensor | None, V: int, n: int, capture: bool, source=None):
+    def __init__(self, cache, knock: Masks | None, V: int, n: int, capture: bool, source=None):
         d = kvcache.seq_length(cache)
         prefixes = [cache] if source is None else [cache, source]
         self.shared = kvpatch.SharedPrefix(prefixes, cache, torch.zeros(V, len(cache.layers), d, dtype=torch.bool), n, d,
@@ -245,7 +249,7 @@ class SharedDecisionRows:
 
 
 @torch.no_grad()
-def decision_forward(model, cache, tokens: torch.Tensor, knock: torch.Tensor | None = None,
+def decision_forward(model, cache, tokens: torch.Tensor, knock: Masks | None = None,
                      capture: bool = False, budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES,
                      source=None) -> DecisionRead:
     """Feed ``tokens`` (the first at the decision position ``d = seq_length(cache)``) on a prefix
@@ -343,7 +347,7 @@ class ChainRowsHook(DecisionRowHook):
         recon_err: max |eager output - executed output| over those queries, layers and forwards.
     """
 
-    def __init__(self, model, decision: int, pos: int, knock: torch.Tensor | None = None,
+    def __init__(self, model, decision: int, pos: int, knock: Masks | None = None,
                  spans: list[tuple[int, int]] | None = None):
         super().__init__(model, decision, pos, knock, capture=spans is not None)
         self.spans = spans or []
@@ -358,7 +362,7 @@ class ChainRowsHook(DecisionRowHook):
         V, _, P = self.knock.shape
         hide = torch.zeros(V, kv_len, dtype=torch.bool, device=device)
         valid = (k_pos >= 0) & (k_pos < P)
-        hide[:, valid] = self.knock[:, layer].to(device)[:, k_pos[valid]]
+        hide[:, valid] = layer_mask(self.knock, layer).to(device)[:, k_pos[valid]]
         if mask is None or mask.dtype == torch.bool:
             allowed = _causal(q_len, kv_len, device) if (mask is None and q_len > 1) else \
                 (torch.ones(1, 1, q_len, kv_len, dtype=torch.bool, device=device) if mask is None else mask)
@@ -379,7 +383,7 @@ class ChainRowsHook(DecisionRowHook):
             return base(module, query, key, value, attention_mask, **kwargs)
         rows = slice(max(self.decision - start, 0), q_len)
         k_pos = torch.arange(end - kv_len, end, device=query.device)
-        if self.knock is not None and bool(self.knock[:, layer].any()):
+        if self.knock is not None and bool(layer_mask(self.knock, layer).any()):
             attention_mask = self._hide(attention_mask, q_len, kv_len, layer, rows, k_pos, query.device)
         out, weights = base(module, query, key, value, attention_mask, **kwargs)
         if self.capture:
@@ -401,7 +405,7 @@ class ChainRowsHook(DecisionRowHook):
 
 @torch.no_grad()
 def generate_knocked(model, cache, token: int, max_new_tokens: int, reached, stop_ids=(),
-                     knock: torch.Tensor | None = None, spans: list[tuple[int, int]] | None = None):
+                     knock: Masks | None = None, spans: list[tuple[int, int]] | None = None):
     """Decode ``V`` chains (:func:`kvnotes.kv.generate.generate`, greedy) from one batch-1 prefix
     cache over ``[0, d)``, variant ``v`` with the keys ``knock[v]`` hidden from the decision query and
     from every generated token's query on every decode step, and read each decision after its

@@ -1,8 +1,9 @@
-"""Patch masks: which (layer, position) K/V entries each variant takes from the source cache
-(docs/design.md §4).
+"""Patch and knockout masks: which (layer, position) K/V entries each variant acts on
+(docs/design.md §4, §5).
 
-A patch mask is a bool ``[V, n_layers, T]`` tensor: variant ``v`` takes layer ``l``'s key/value at
-position ``p`` from the source run where it is true. Most variants patch a set of positions in a set
+A mask is a bool ``[V, n_layers, T]`` tensor. In a **patch** variant ``v`` takes layer ``l``'s
+key/value at position ``p`` from the source run where it is true (:mod:`kvnotes.kv.patch`); in a
+**knockout** the decision query cannot attend to that key (:mod:`kvnotes.kv.knockout`). Most variants patch a set of positions in a set
 of layers, so a mask is often the product of the two; :class:`FactoredMasks` keeps that product
 without materialising it. The exact single-position map of an 8,251-token prompt on a 36-layer model
 is about 8,000 variants: its dense mask takes 2.4 GB, and a reduction over it (the union of the

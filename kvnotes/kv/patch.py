@@ -80,7 +80,7 @@ class _Substitute:
 
 def _same_view(a: tuple, b: tuple) -> bool:
     """Whether two layers' ``(device, window, slot positions, substitution key
-    (:func:`kvnotes.kv.masks.layer_key`), hide [V, start] | None)`` are equal, so that one attention
+    (:func:`kvnotes.kv.masks.layer_key`), hide's key | None)`` are equal, so that one attention
     mask serves both."""
     return (a[0] == b[0] and a[1] == b[1] and a[2].shape == b[2].shape and bool(torch.equal(a[2], b[2]))
             and a[3].shape == b[3].shape and bool(torch.equal(a[3], b[3]))
@@ -137,7 +137,7 @@ class SharedPrefix:
     """
 
     def __init__(self, base: DynamicCache | Sequence[DynamicCache], source: DynamicCache, masks: Masks, n: int,
-                 start: int, dtype: torch.dtype, hide: torch.Tensor | None = None) -> None:
+                 start: int, dtype: torch.dtype, hide: Masks | None = None) -> None:
         prefixes = [base] if isinstance(base, DynamicCache) else list(base)
         base, G = prefixes[0], len(prefixes)
         V = masks.shape[0]
@@ -156,11 +156,11 @@ class SharedPrefix:
             masks_d, hide_d, q_var, q_tok, own_new = on[dev]
             pos = slot_positions(lb)
             window = getattr(lb, "sliding_window", None) if getattr(lb, "is_sliding", False) else None
-            view = (dev, window, pos, layer_key(masks_d, l), hide_d[:, l] if hide_d is not None else None)
+            view = (dev, window, pos, layer_key(masks_d, l), layer_key(hide_d, l) if hide_d is not None else None)
             hit = next((x for x in seen if _same_view(x[0], view)), None)
             if hit is None:
                 m = layer_mask(masks_d, l)[:, pos]                         # [V, slots]
-                h = hide_d[:, l, pos] if hide_d is not None else None
+                h = layer_mask(hide_d, l)[:, pos] if hide_d is not None else None
                 hit = (view, *_view_mask(dev, window, pos, m, h, q_var, q_tok, own_new, start, dtype))
                 seen.append(hit)
             s_idx, mask = hit[1], hit[2]

@@ -252,8 +252,9 @@ def test_key_groups_bands_and_masks():
         layer_bands(4, [[0.5, 0.5]], "fraction")
     with pytest.raises(ValueError):
         key_groups((5, 8), 20, -1)
-    m = knockout_masks(3, 20, g, [(["field", "sinks"], [1, 3])])
-    assert m.shape == (1, 3, 20) and int(m.sum()) == 2 * 5 and not m[0, 0].any()
+    m = knockout_masks(3, 20, g, [(["field", "sinks"], [1, 3]), ([], [0, 3])]).dense()
+    assert m.shape == (2, 3, 20) and int(m[0].sum()) == 2 * 5 and not m[0, 0].any() and not m[1].any()
+    assert m[0, 1:, g["field"][0]: g["field"][1]].all() and m[0, 1:, g["sinks"][0]: g["sinks"][1]].all()
     with pytest.raises(ValueError):
         knockout_masks(3, 20, g, [(["decision"], [0, 3])])
 
@@ -327,7 +328,7 @@ def _setup(arch: str, seed: int = 3):
 
 def _knock(model, groups, names_bands):
     L = model.config.num_hidden_layers
-    return torch.cat([torch.zeros(1, L, COT_T, dtype=torch.bool), knockout_masks(L, COT_T, groups, names_bands)])
+    return knockout_masks(L, COT_T, groups, [([], [0, L])] + names_bands)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
