@@ -3,14 +3,14 @@
 
 A mask is a bool ``[V, n_layers, T]`` tensor. In a **patch** variant ``v`` takes layer ``l``'s
 key/value at position ``p`` from the source run where it is true (:mod:`kvnotes.kv.patch`); in a
-**knockout** the decision query cannot attend to that key (:mod:`kvnotes.kv.knockout`). Most variants patch a set of positions in a set
-of layers, so a mask is often the product of the two; :class:`FactoredMasks` keeps that product
-without materialising it. The exact single-position map of an 8,251-token prompt on a 36-layer model
+**knockout** the decision query cannot attend to that key (:mod:`kvnotes.kv.knockout`). Most
+variants act on a set of positions in a set of layers, so a mask is often the product of the two;
+:class:`FactoredMasks` keeps that product without materialising it. The exact single-position map of an 8,251-token prompt on a 36-layer model
 is about 8,000 variants: its dense mask takes 2.4 GB, and a reduction over it (the union of the
 substituted slots) took seconds; the factored one takes 66 MB.
 
 The functions below read either kind, so the readout (:mod:`kvnotes.kv.patch`,
-:func:`kvnotes.kv.cache.build_variants`) takes both.
+:func:`kvnotes.kv.cache.build_variants`) and the knockout hooks take both.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 @dataclass(frozen=True)
 class FactoredMasks:
-    """Patch masks that are products: variant ``v`` patches position ``p`` in layer ``l`` iff
+    """Masks that are products: variant ``v`` acts on position ``p`` in layer ``l`` iff
     ``positions[v, p]`` and ``layers[v, l]``.
 
     Attributes:
@@ -58,23 +58,18 @@ Masks = torch.Tensor | FactoredMasks
 
 
 def layer_mask(masks: Masks, layer: int) -> torch.Tensor:
-    """Bool ``[V, T]``: the positions each variant patches in ``layer``."""
+    """Bool ``[V, T]``: the positions each variant acts on in ``layer``."""
     if isinstance(masks, FactoredMasks):
         return masks.positions & masks.layers[:, layer: layer + 1]
     return masks[:, layer]
 
 
 def layer_key(masks: Masks, layer: int) -> torch.Tensor:
-    """A tensor that is equal for two layers exactly when their :func:`layer_mask` are: the layer's
-    column of a factored mask (bool ``[V]``, no ``[V, T]`` tensor built), the dense mask's slice."""
+    """A tensor whose equality for two layers means equal :func:`layer_mask`: the layer's column of
+    a factored mask (bool ``[V]``, no ``[V, T]`` tensor built), the dense mask's slice."""
     if isinstance(masks, FactoredMasks):
         return masks.layers[:, layer]
     return masks[:, layer]
-
-
-def dense(masks: Masks) -> torch.Tensor:
-    """The bool ``[V, n_layers, T]`` mask."""
-    return masks.dense() if isinstance(masks, FactoredMasks) else masks
 
 
 def patched_positions(masks: Masks) -> torch.Tensor:
