@@ -138,9 +138,12 @@ class DecisionRowHook:
         self.head_probs: dict[int, torch.Tensor] = {}
         self.recon_err: dict[int, float] = {}
 
-    def _knocked(self, mask, q_len, kv_len, layer, row, k_pos, device):
+    def _knocked(self, mask, q_len, kv_len, layer, rows: slice, k_pos, device):
+        """The attention mask with ``knock``'s keys hidden from the query ``rows`` of each variant
+        in ``layer`` (``[V, 1, q_len, kv_len]``, bool or additive like ``mask``)."""
         if self.impl not in SUPPORTED_IMPLEMENTATIONS:
             raise KvnotesError(f"attention knockout needs attn_implementation sdpa or eager, got '{self.impl}'")
+        assert self.knock is not None
         V, _, P = self.knock.shape
         hide = torch.zeros(V, kv_len, dtype=torch.bool, device=device)
         valid = (k_pos >= 0) & (k_pos < P)
@@ -149,10 +152,10 @@ class DecisionRowHook:
             allowed = _causal(q_len, kv_len, device) if (mask is None and q_len > 1) else \
                 (torch.ones(1, 1, q_len, kv_len, dtype=torch.bool, device=device) if mask is None else mask)
             allowed = allowed.expand(V, allowed.shape[1], q_len, kv_len).clone()
-            allowed[:, :, row, :] &= ~hide[:, None, :]
+            allowed[:, :, rows, :] &= ~hide[:, None, None, :]
             return allowed
         out = mask.expand(V, mask.shape[1], q_len, kv_len).clone()
-        out[:, :, row, :] = out[:, :, row, :].masked_fill(hide[:, None, :], torch.finfo(out.dtype).min)
+        out[:, :, rows, :] = out[:, :, rows, :].masked_fill(hide[:, None, None, :], torch.finfo(out.dtype).min)
         return out
 
     def __call__(self, base, module, query, key, value, attention_mask, **kwargs):
@@ -164,7 +167,7 @@ class DecisionRowHook:
         end = self.start + q_len
         k_pos = torch.arange(end - kv_len, end, device=query.device)
         if self.knock is not None and bool(layer_mask(self.knock, layer).any()):
-            attention_mask = self._knocked(attention_mask, q_len, kv_len, layer, row, k_pos, query.device)
+            attention_mask = self._knocked(attention_mask, q_len, kv_len, layer, slice(row, row + 1), k_pos, query.device)
         out, weights = base(module, query, key, value, attention_mask, **kwargs)
         if self.capture:
             mask = additive_mask(attention_mask, q_len, kv_len, query.device)[..., row:row + 1, :]
@@ -219,8 +222,8 @@ class SharedDecisionRows:
     def __init__(self, cache, knock: Masks | None, V: int, n: int, capture: bool, source=None):
         d = kvcache.seq_length(cache)
         prefixes = [cache] if source is None else [cache, source]
-        self.shared = kvpatch.SharedPrefix(prefixes, cache, torch.zeros(V, len(cache.layers), d, dtype=torch.bool), n, d,
-                                           cache.layers[0].keys.dtype, hide=knock)
+        nothing = FactoredMasks(torch.zeros(V, d, dtype=torch.bool), torch.zeros(V, len(cache.layers), dtype=torch.bool))
+        self.shared = kvpatch.SharedPrefix(prefixes, cache, nothing, n, d, cache.layers[0].keys.dtype, hide=knock)
         self.positions = [kvcache.slot_positions(l) for l in cache.layers]
         self.d, self.capture = d, capture
         self.probs: dict[int, torch.Tensor] = {}
@@ -355,24 +358,6 @@ class ChainRowsHook(DecisionRowHook):
         self.masses: dict[int, list[torch.Tensor]] = {}
         self.max_recon_err = 0.0
 
-    def _hide(self, mask, q_len, kv_len, layer, rows: slice, k_pos, device):
-        if self.impl not in SUPPORTED_IMPLEMENTATIONS:
-            raise KvnotesError(f"attention knockout needs attn_implementation sdpa or eager, got '{self.impl}'")
-        assert self.knock is not None
-        V, _, P = self.knock.shape
-        hide = torch.zeros(V, kv_len, dtype=torch.bool, device=device)
-        valid = (k_pos >= 0) & (k_pos < P)
-        hide[:, valid] = layer_mask(self.knock, layer).to(device)[:, k_pos[valid]]
-        if mask is None or mask.dtype == torch.bool:
-            allowed = _causal(q_len, kv_len, device) if (mask is None and q_len > 1) else \
-                (torch.ones(1, 1, q_len, kv_len, dtype=torch.bool, device=device) if mask is None else mask)
-            allowed = allowed.expand(V, allowed.shape[1], q_len, kv_len).clone()
-            allowed[:, :, rows, :] &= ~hide[:, None, None, :]
-            return allowed
-        out = mask.expand(V, mask.shape[1], q_len, kv_len).clone()
-        out[:, :, rows, :] = out[:, :, rows, :].masked_fill(hide[:, None, None, :], torch.finfo(out.dtype).min)
-        return out
-
     def __call__(self, base, module, query, key, value, attention_mask, **kwargs):
         layer = module.layer_idx
         q_len, kv_len = query.shape[2], key.shape[2]
@@ -384,7 +369,7 @@ class ChainRowsHook(DecisionRowHook):
         rows = slice(max(self.decision - start, 0), q_len)
         k_pos = torch.arange(end - kv_len, end, device=query.device)
         if self.knock is not None and bool(layer_mask(self.knock, layer).any()):
-            attention_mask = self._hide(attention_mask, q_len, kv_len, layer, rows, k_pos, query.device)
+            attention_mask = self._knocked(attention_mask, q_len, kv_len, layer, rows, k_pos, query.device)
         out, weights = base(module, query, key, value, attention_mask, **kwargs)
         if self.capture:
             mask = additive_mask(attention_mask, q_len, kv_len, query.device)[..., rows, :]
