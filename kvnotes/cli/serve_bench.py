@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -62,7 +64,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--turns", type=int_at_least("--turns", 1), default=3, help="turns per session; the field changes every turn")
     ap.add_argument("--doc-tokens", type=int_at_least("--doc-tokens", 1), default=512, help="tokens of shared document around the field")
     ap.add_argument("--positions", default="early,middle,late", help='comma list of where the field sits in the shared document: early, middle, late')
-    ap.add_argument("--arms", default="in_place,erratum,hoist,cold", help='comma list of update strategies: in_place (rewrite the field), erratum (append a correction), hoist, cold')
+    ap.add_argument("--arms", default="in_place,erratum,hoist,cold",
+                    help="comma list of update strategies: in_place (rewrite the field), erratum (append a correction), "
+                         "hoist, cold (in_place by a full prefill); through kvnotes' KV connector: composed (precompiled "
+                         "chunks), composed_cold (the same prompts, full prefill), edited (the field's K/V refreshed "
+                         "in the stale prompt; at the first of --positions)")
+    ap.add_argument("--chunk-tokens", type=int_at_least("--chunk-tokens", 8), default=512,
+                    help="composed arm: tokens per precompiled chunk of the shared document")
+    ap.add_argument("--store", default="", help="the KV connector's chunk store directory (default: a temporary "
+                                                "directory, removed at the end)")
     ap.add_argument("--rates", default="0.5,2", help="Poisson arrival rates, requests/s")
     ap.add_argument("--time-limit", type=float_at_least("--time-limit", 0.0, strict=True), default=45.0,
                     help="seconds per run: requests due later are not sent (counted)")
@@ -106,29 +116,55 @@ def split(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
-def harness_stage(args, model_cfg):
-    """Trace and full-prefill references (transformers); the HF model is freed before the engine starts."""
+def harness_stage(args, model_cfg, store_dir: str | None):
+    """Trace and full-prefill references (transformers), and the connector arms' store entries
+    (:mod:`kvnotes.serving.arms`); the HF model is freed before the engine starts."""
     import torch
 
+    from kvnotes.errors import KvnotesError
     from kvnotes.models.loading import load_model
-    from kvnotes.serving import build_trace
+    from kvnotes.serving import ARMS, build_trace
+    from kvnotes.serving.arms import CONNECTOR_ARMS, composed_requests, edited_requests
+    from kvnotes.serving.store import ChunkStore
     from kvnotes.scenarios import load_suite
 
+    arms = split(args.arms)
+    unknown = [a for a in arms if a not in ARMS + CONNECTOR_ARMS]
+    if unknown or not arms:
+        raise KvnotesError(f"unknown arm '{unknown[0] if unknown else ''}' (known: {', '.join(ARMS + CONNECTOR_ARMS)})")
     torch.set_num_threads(args.threads)
     bundle = load_model(model_cfg, "cpu")
     scenarios = load_suite([args.scenarios], families=split(args.families) or None)
     from kvnotes.harness.pairs import template_kwargs
 
     kwargs = template_kwargs(model_cfg)
+    classic = [a for a in arms if a in ARMS]
     requests, excluded = build_trace(bundle.tokenizer, scenarios, args.sessions, args.turns, args.doc_tokens,
-                                     split(args.positions), split(args.arms), args.seed, template_kwargs=kwargs)
+                                     split(args.positions), classic, args.seed, template_kwargs=kwargs) if classic else ([], [])
+    registered = {}
+    if store_dir is not None:
+        store = ChunkStore(store_dir)
+        if "composed" in arms or "composed_cold" in arms:
+            got, exc, registered["composed"] = composed_requests(
+                bundle.model, bundle.tokenizer, scenarios, store, args.sessions, args.turns, args.doc_tokens,
+                args.chunk_tokens, args.seed, kwargs, cold="composed_cold" in arms)
+            requests += [r for r in got if r.arm in arms]
+            excluded += exc
+        if "edited" in arms:
+            got, exc, registered["edited"] = edited_requests(
+                bundle.model, bundle.tokenizer, scenarios, store, args.sessions, args.turns, args.doc_tokens,
+                split(args.positions)[0], args.seed, kwargs)
+            requests += got
+            excluded += exc
+    if not requests:
+        raise KvnotesError("no request could be built (every prompt was excluded)")
     first = requests[0].session
-    checks = [r for r in requests if r.session == first and r.arm != "cold"][: args.cross_check]
+    checks = [r for r in requests if r.session == first and r.salt is None and r.arm != "cold"][: args.cross_check]
     from kvnotes.serving import reference_decisions
 
     t0 = time.perf_counter()
-    ref, full = reference_decisions(bundle.model, requests, {r.key for r in checks}, progress=True,
-                                    method=args.reference)
+    keep = {r.key for r in checks} | {r.key for r in requests if r.plan is not None}
+    ref, full = reference_decisions(bundle.model, requests, keep, progress=True, method=args.reference)
     ref_s = time.perf_counter() - t0
     info = dict(bundle.info)
     if model_cfg.get("embedded"):
@@ -139,11 +175,12 @@ def harness_stage(args, model_cfg):
         source = info["path"]
     del bundle
     gc.collect()
-    return requests, excluded, scenarios, checks, ref, full, info, source, ref_s
+    return requests, excluded, scenarios, checks, ref, full, info, source, ref_s, registered
 
 
-def start_engine(args, source: str):
-    """An in-process ``AsyncLLM`` (prefix caching on, fp32, eager) or :class:`KvnotesError`."""
+def start_engine(args, source: str, store_dir: str | None = None):
+    """An in-process ``AsyncLLM`` (prefix caching on, fp32, eager; with ``store_dir``, kvnotes' KV
+    connector over that chunk store) or :class:`KvnotesError`."""
     from kvnotes.errors import KvnotesError
 
     try:
@@ -153,10 +190,16 @@ def start_engine(args, source: str):
         raise KvnotesError(f"vLLM is not importable here ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                            f"install the serving environment with `bash scripts/install.sh --serving` and run "
                            f"this script with .venv-serving/bin/python") from None
+    extra: dict = {"block_size": args.block_size} if args.block_size else {}
+    if store_dir is not None:
+        from vllm.config import KVTransferConfig
+
+        extra["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvnotesConnector", kv_role="kv_both", kv_connector_module_path="kvnotes.serving.connector",
+            kv_connector_extra_config={"store": store_dir})
     eargs = AsyncEngineArgs(model=source, tokenizer=source, dtype="float32", max_model_len=args.max_model_len,
                             max_num_seqs=args.max_num_seqs, enable_prefix_caching=True, enforce_eager=True,
-                            max_logprobs=-1, seed=args.seed, disable_log_stats=False,
-                            **({"block_size": args.block_size} if args.block_size else {}))
+                            max_logprobs=-1, seed=args.seed, disable_log_stats=False, **extra)
     try:
         return AsyncLLM.from_engine_args(eargs)
     except Exception as exc:  # the engine raises many types (RuntimeError, ValueError, OSError, ...)
@@ -194,12 +237,29 @@ async def serve_one(engine, ids, params, salt: str | None = None):
     return final, first, t0
 
 
-def sampling(candidates: dict | None = None, full: bool = False):
+def sampling(candidates: dict | None = None, full: bool = False, plan: dict | None = None):
+    """One greedy decision token with the candidates' log-probs (``full``: the whole vocabulary's, not
+    detokenised); ``plan``: kvnotes' connector plan as the request's ``kv_transfer_params``."""
     from vllm import SamplingParams
 
+    extra = {"extra_args": {"kv_transfer_params": plan}} if plan else {}
     if full:
-        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1)
-    return SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=sorted(set(candidates.values())))
+        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1, detokenize=False, **extra)
+    return SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=sorted(set(candidates.values())), **extra)
+
+
+def provenance(output, r, full: dict | None) -> dict:
+    """The path that served a request (kvnotes' connector label, :data:`kvnotes.serving.store.PATHS`;
+    None without the connector), tokens it loaded, and for a request with a harness full prefill in
+    ``full`` the first-token KL(full prefill || served) in nats."""
+    from kvnotes.serving.trace import first_token_kl
+
+    kv = output.kv_transfer_params or {}
+    row = {"path": kv.get("kvnotes_path"), "loaded_tokens": kv.get("kvnotes_loaded"), "refused": kv.get("kvnotes_refused")}
+    if full is not None and r.key in full:
+        served = {t: float(v.logprob) for t, v in output.outputs[0].logprobs[0].items()}
+        row["kl_first_token"] = first_token_kl(full[r.key], served)
+    return row
 
 
 def logprob_of(output, token: int) -> float | None:
@@ -236,7 +296,8 @@ async def cross_check(engine, checks, full_ref) -> dict:
             "all_top1_equal": all(r["top1_equal"] for r in rows), "within_tolerance": worst <= CANDIDATE_LOGPROB_TOL}
 
 
-async def run_trace(engine, requests, rate: float, time_limit: float, seed: int, ref: dict) -> tuple[list[dict], dict]:
+async def run_trace(engine, requests, rate: float, time_limit: float, seed: int, ref: dict,
+                    full: dict | None = None) -> tuple[list[dict], dict]:
     """Serve one arm's trace under Poisson arrivals on a freshly reset prefix cache.
 
     A session's turn is sent at its arrival time or when its previous turn has been answered,
@@ -264,8 +325,9 @@ async def run_trace(engine, requests, rate: float, time_limit: float, seed: int,
         if time.perf_counter() - t_start > time_limit:
             done[(r.session, r.turn)].set()
             return row | {"sent": False}
-        salt = uuid.uuid4().hex if r.arm == "cold" else None
-        out, ttft, t0 = await serve_one(engine, r.ids, sampling(r.candidates), salt)
+        salt = r.salt or (uuid.uuid4().hex if r.arm == "cold" else None)
+        whole = full is not None and r.key in full                     # whole-vocabulary log-probs: the KL
+        out, ttft, t0 = await serve_one(engine, r.ids, sampling(r.candidates, whole, r.plan), salt)
         done[(r.session, r.turn)].set()
         served = out.outputs[0].token_ids[0]
         h = ref[r.ids]
@@ -278,7 +340,7 @@ async def run_trace(engine, requests, rate: float, time_limit: float, seed: int,
             "owned": h["top1"] == r.expected_token, "served_correct": served == r.expected_token,
             "agree": served == h["top1"], "served_cand_logprobs": lp, "harness_cand_logprobs": h["cand_logprobs"],
             "max_abs_diff_candidates": max(abs(lp[o] - h["cand_logprobs"][o]) for o in lp if lp[o] is not None),
-        }
+        } | provenance(out, r, full)
 
     t0 = time.perf_counter()
     rows = await asyncio.gather(*(one(r, due) for r, due in zip(requests, arrivals)))
@@ -294,13 +356,13 @@ async def run_trace(engine, requests, rate: float, time_limit: float, seed: int,
     return rows, info
 
 
-async def bench(args, requests, checks, ref, full, source) -> dict:
+async def bench(args, requests, checks, ref, full, source, store_dir: str | None = None) -> dict:
     """Engine stages: start, warm up, cross-check, then every (rate, position, arm) run."""
-    engine = start_engine(args, source)
+    engine = start_engine(args, source, store_dir)
     try:
         timing = {}
         t0 = time.perf_counter()
-        warm = [r for r in requests if r.arm != "cold"][0]
+        warm = [r for r in requests if r.salt is None][0] if any(r.salt is None for r in requests) else requests[0]
         await serve_one(engine, warm.ids, sampling(warm.candidates))
         timing["warmup_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -309,12 +371,12 @@ async def bench(args, requests, checks, ref, full, source) -> dict:
         block = engine.vllm_config.cache_config.block_size
         rows, runs = [], []
         for rate in [float(x) for x in split(args.rates)]:
-            for pos in split(args.positions):
+            for pos in [*split(args.positions), "composed"]:
                 for arm in split(args.arms):
                     trace = [r for r in requests if r.arm == arm and r.position == pos]
                     if not trace:
                         continue
-                    got, info = await run_trace(engine, trace, rate, args.time_limit, args.seed, ref)
+                    got, info = await run_trace(engine, trace, rate, args.time_limit, args.seed, ref, full)
                     from kvnotes.serving import summarize_run
 
                     summary = summarize_run(got, info["wall_s"])
@@ -324,11 +386,15 @@ async def bench(args, requests, checks, ref, full, source) -> dict:
                           f"(engine {_num(info.get('engine_hit_rate'))}), ttft p50 "
                           f"{summary['ttft_p50_s']:.2f}s p90 {summary['ttft_p90_s']:.2f}s, "
                           f"owned {summary['n_owned']}/{summary['n_sent']}, "
-                          f"agree {summary['agreement']['k']}/{summary['agreement']['n']}", flush=True)
+                          f"agree {summary['agreement']['k']}/{summary['agreement']['n']}"
+                          + (f", paths {summary['paths']}" if summary["paths"] else "")
+                          + (f", KL max {summary['kl_first_token_max']:.3g}" if summary["kl_first_token_max"] is not None
+                             else ""), flush=True)
         return {"rows": rows, "runs": runs, "cross_check": check, "timing": timing,
                 "engine": {"block_size": block, "enforce_eager": True, "dtype": "float32",
                            "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-                           "enable_prefix_caching": True, "cold_arm": "per-request unique cache_salt"}}
+                           "enable_prefix_caching": True, "cold_arm": "per-request unique cache_salt",
+                           "kv_connector": "kvnotes.serving.connector.KvnotesConnector" if store_dir else None}}
     finally:
         engine.shutdown()
         del engine
@@ -364,10 +430,17 @@ def main(argv=None) -> None:
     try:
         if args.rates and any(float(x) <= 0 for x in split(args.rates)):
             raise KvnotesError(f"rates must be positive: {args.rates}")
-        t0 = time.perf_counter()
-        requests, excluded, scenarios, checks, ref, full, info, source, ref_s = harness_stage(args, model_cfg)
-        trace_s = time.perf_counter() - t0
-        result = asyncio.run(bench(args, requests, checks, ref, full, source))
+        from kvnotes.serving.arms import CONNECTOR_ARMS
+
+        with contextlib.ExitStack() as stack:
+            store_dir = None
+            if any(a in CONNECTOR_ARMS for a in split(args.arms)):
+                store_dir = args.store or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvnotes-store-"))
+            t0 = time.perf_counter()
+            requests, excluded, scenarios, checks, ref, full, info, source, ref_s, registered = \
+                harness_stage(args, model_cfg, store_dir)
+            trace_s = time.perf_counter() - t0
+            result = asyncio.run(bench(args, requests, checks, ref, full, source, store_dir))
     except KvnotesError as exc:
         fail(str(exc))
     except ValueError as exc:
@@ -384,7 +457,7 @@ def main(argv=None) -> None:
                           "families": sorted({s.family for s in scenarios}), "n_requests": len(requests)}
     record["result"] = {"rows": result["rows"], "runs": result["runs"], "cross_check": result["cross_check"],
                         "engine": result["engine"], "exclusions": excluded,
-                        "aggregates": aggregate(result["runs"])}
+                        "aggregates": aggregate(result["runs"]), "registered": registered}
     record["timing"] = {"trace_and_reference_s": trace_s, "reference_s": ref_s, **result["timing"],
                         "total": time.perf_counter() - t_all}
     record["status"] = "complete"

@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "kvnotes.harness": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops", "kvnotes.context",
                         "kvnotes.records", "kvnotes.plots", "kvnotes.harness", "kvnotes.scenarios"},
     "kvnotes.serving": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops", "kvnotes.context",
-                        "kvnotes.records", "kvnotes.plots", "kvnotes.harness", "kvnotes.scenarios"},
+                        "kvnotes.records", "kvnotes.plots", "kvnotes.harness", "kvnotes.scenarios", "kvnotes.serving"},
     "kvnotes.circuits": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops", "kvnotes.context",
                          "kvnotes.records", "kvnotes.plots", "kvnotes.harness", "kvnotes.scenarios", "kvnotes.circuits"},
     "kvnotes.probes": {"kvnotes", "kvnotes.errors", "kvnotes.models", "kvnotes.kv", "kvnotes.ops", "kvnotes.context",

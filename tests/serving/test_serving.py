@@ -63,7 +63,7 @@ def test_trace_layouts(tokenizer):
 def test_reused_reference_equals_the_full_prefill(tokenizer, smol, monkeypatch):
     """``reference_decisions(method="reuse")`` continues each session's previous prompt from the common
     prefix (the erratum turns from turn 0) and gives the full prefill's decisions to float rounding."""
-    import kvnotes.serving as serving
+    import kvnotes.serving.trace as serving
     from kvnotes.scenarios import load_suite
 
     scs = load_suite([str(ROOT / "scenarios/suites")], ids=["home_city"])

@@ -58,6 +58,9 @@ class Request:
         field_token: token index of the field value in this prompt (the stale value for ``erratum``).
         candidates: outcome -> first token id of its candidate, tokenised in context.
         expected_token: first token id of the expected candidate.
+        plan, salt: how the request is sent through kvnotes' KV connector
+            (:func:`kvnotes.serving.store.plan_request`: its ``kv_transfer_params`` and ``cache_salt``),
+            or None (a plain request; ``salt`` alone: a full prefill, the prefix cache defeated).
     """
 
     arm: str
@@ -72,6 +75,8 @@ class Request:
     field_token: int
     candidates: dict[str, int] = field(hash=False)
     expected_token: int
+    plan: dict | None = field(default=None, hash=False, compare=False)
+    salt: str | None = None
 
     @property
     def key(self) -> tuple:
@@ -294,6 +299,23 @@ def percentile(values, q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
+def first_token_kl(full: torch.Tensor, served: dict[int, float]) -> float:
+    """KL(full prefill || served) of the next-token distribution, nats.
+
+    Args:
+        full: ``[vocab]`` log-probabilities of the harness's full prefill.
+        served: token id -> served log-probability, for the whole vocabulary (tokens the engine did
+            not return count as probability 0, which makes the KL infinite where the full prefill
+            gives them mass).
+    """
+    lq = torch.full_like(full, float("-inf"))
+    idx = torch.tensor(list(served), dtype=torch.long)
+    lq[idx] = torch.tensor(list(served.values()), dtype=full.dtype)
+    p = full.exp()
+    keep = p > 0
+    return float((p[keep] * (full[keep] - lq[keep])).sum())
+
+
 def summarize_run(rows: list[dict], wall_s: float) -> dict:
     """Aggregates of one (arm, position, rate) run from its per-request rows.
 
@@ -304,8 +326,11 @@ def summarize_run(rows: list[dict], wall_s: float) -> dict:
     Returns:
         ``{n_sent, n_not_sent, hit_rate, hit_rate_updates, ttft_p50_s, ttft_p90_s, ttft_updates_p50_s,
         ttft_updates_p90_s, throughput_rps, prompt_tokens_per_s, correct_owned, correct_all,
-        agreement, n_owned}``: hit rates are cached / prompt tokens summed over requests (``updates``:
-        turns >= 1 only); shares are :func:`kvnotes.harness.stats.proportion` dicts with Wilson intervals.
+        agreement, n_owned, paths, kl_first_token_p50, kl_first_token_max}``: hit rates are cached /
+        prompt tokens summed over requests (``updates``: turns >= 1 only); shares are
+        :func:`kvnotes.harness.stats.proportion` dicts with Wilson intervals; ``paths`` counts the
+        connector's provenance labels (rows' ``path``, when served with it); the KL quantiles are
+        over the rows that have ``kl_first_token``.
     """
     sent = [r for r in rows if r["sent"]]
     upd = [r for r in sent if r["turn"] > 0]
@@ -318,6 +343,11 @@ def summarize_run(rows: list[dict], wall_s: float) -> dict:
     span = (max(r["finish_s"] for r in sent) - min(r["send_s"] for r in sent)) if sent else 0.0
     ttft = [r["ttft_s"] for r in sent]
     ttft_u = [r["ttft_s"] for r in upd]
+    paths: dict[str, int] = {}
+    for r in sent:
+        if r.get("path"):
+            paths[r["path"]] = paths.get(r["path"], 0) + 1
+    kl = [r["kl_first_token"] for r in sent if r.get("kl_first_token") is not None]
     return {
         "n_sent": len(sent), "n_not_sent": len(rows) - len(sent), "wall_s": wall_s,
         "hit_rate": hit(sent), "hit_rate_updates": hit(upd),
@@ -329,18 +359,26 @@ def summarize_run(rows: list[dict], wall_s: float) -> dict:
         "correct_owned": proportion(sum(r["served_correct"] for r in owned), len(owned)),
         "correct_all": proportion(sum(r["served_correct"] for r in sent), len(sent)),
         "agreement": proportion(sum(r["agree"] for r in sent), len(sent)),
+        "paths": paths, "kl_first_token_p50": percentile(kl, 50),
+        "kl_first_token_max": float(max(kl)) if kl else None,
     }
 
 
 SUMMARY_KEYS = ("n_sent", "n_not_sent", "hit_rate", "hit_rate_updates", "engine_hit_rate", "ttft_p50_s",
                 "ttft_p90_s", "ttft_updates_p50_s", "ttft_updates_p90_s", "throughput_rps", "prompt_tokens_per_s",
-                "n_owned", "correct_owned", "correct_all", "agreement", "first_request_cached_tokens", "reset_ok")
+                "n_owned", "correct_owned", "correct_all", "agreement", "first_request_cached_tokens", "reset_ok",
+                "paths", "kl_first_token_p50", "kl_first_token_max")
+#: The connector arms' baselines (the same prompts by a full prefill) and the TTFT they are compared on.
+FULL_BASELINE = {"composed": ("composed_cold", "ttft_p90_s"), "edited": ("cold", "ttft_updates_p90_s")}
 
 
 def aggregate(runs: list[dict]) -> dict:
     """The measured table: ``by_run[arm][position][rate]`` = the run's summary (:data:`SUMMARY_KEYS`),
-    and ``p90_ttft_ratio_vs_in_place[arm][position][rate]`` = in-place p90 TTFT of the update turns
-    divided by the arm's (> 1: the arm answers faster than the in-place rewrite)."""
+    ``p90_ttft_ratio_vs_in_place[arm][position][rate]`` = in-place p90 TTFT of the update turns
+    divided by the arm's (> 1: the arm answers faster than the in-place rewrite), and
+    ``p90_ttft_speedup_vs_full[arm][position][rate]`` for the connector arms: their baseline's p90
+    TTFT over theirs (:data:`FULL_BASELINE`: ``composed`` on all its requests, ``edited`` on the
+    update turns, the ones it serves with a plan)."""
     table: dict = {}
     for r in runs:
         table.setdefault(r["arm"], {}).setdefault(r["position"], {})[str(r["rate"])] = \
@@ -354,7 +392,14 @@ def aggregate(runs: list[dict]) -> dict:
                 mine = s.get("ttft_updates_p90_s")
                 if ref and mine:
                     ratio.setdefault(arm, {}).setdefault(pos, {})[rate] = ref / mine
-    return {"by_run": table, "p90_ttft_ratio_vs_in_place": ratio}
+    speedup: dict = {}
+    for arm, (base_arm, key) in FULL_BASELINE.items():
+        for pos, by_rate in table.get(arm, {}).items():
+            for rate, s in by_rate.items():
+                ref = table.get(base_arm, {}).get(pos, {}).get(rate, {}).get(key)
+                if ref and s.get(key):
+                    speedup.setdefault(arm, {}).setdefault(pos, {})[rate] = ref / s[key]
+    return {"by_run": table, "p90_ttft_ratio_vs_in_place": ratio, "p90_ttft_speedup_vs_full": speedup}
 
 
 #: How the serving benchmark's records are shown (they name this module under ``presentation``).
