@@ -196,7 +196,7 @@ def start_engine(args, source: str, store_dir: str | None = None):
 
         extra["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvnotesConnector", kv_role="kv_both", kv_connector_module_path="kvnotes.serving.connector",
-            kv_connector_extra_config={"store": store_dir})
+            kv_connector_extra_config={"store": store_dir, "preload": True})
     eargs = AsyncEngineArgs(model=source, tokenizer=source, dtype="float32", max_model_len=args.max_model_len,
                             max_num_seqs=args.max_num_seqs, enable_prefix_caching=True, enforce_eager=True,
                             max_logprobs=-1, seed=args.seed, disable_log_stats=False, **extra)
@@ -250,13 +250,13 @@ def sampling(candidates: dict | None = None, full: bool = False, plan: dict | No
 
 def provenance(output, r, full: dict | None) -> dict:
     """The path that served a request (kvnotes' connector label, :data:`kvnotes.serving.store.PATHS`;
-    None without the connector), tokens it loaded, and for a request with a harness full prefill in
-    ``full`` the first-token KL(full prefill || served) in nats."""
+    None without the connector), tokens it loaded, and for a request with a plan the first-token
+    KL(harness full prefill || served) in nats (its full prefill is in ``full``)."""
     from kvnotes.serving.trace import first_token_kl
 
     kv = output.kv_transfer_params or {}
     row = {"path": kv.get("kvnotes_path"), "loaded_tokens": kv.get("kvnotes_loaded"), "refused": kv.get("kvnotes_refused")}
-    if full is not None and r.key in full:
+    if r.plan is not None and full is not None and r.key in full:
         served = {t: float(v.logprob) for t, v in output.outputs[0].logprobs[0].items()}
         row["kl_first_token"] = first_token_kl(full[r.key], served)
     return row

@@ -5,7 +5,10 @@ Loaded by the engine from its ``kv_transfer_config``::
 
     KVTransferConfig(kv_connector="KvnotesConnector", kv_role="kv_both",
                      kv_connector_module_path="kvnotes.serving.connector",
-                     kv_connector_extra_config={"store": "/path/to/store"})
+                     kv_connector_extra_config={"store": "/path/to/store", "preload": False})
+
+(``preload``: read every entry into the worker's memory when the engine starts; otherwise an entry
+is read from disk at its first use and kept, least recently used dropped.)
 
 A request that names a plan (:func:`kvnotes.serving.store.plan_request`: its ``kv_transfer_params``
 and ``cache_salt``) gets the K/V of its plan's leading tokens from the store
@@ -44,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 
 from kvnotes.errors import KvnotesError
-from kvnotes.serving.store import PARAMS_KEY, ChunkStore, Plan, Rotations, assemble, check_plan
+from kvnotes.serving.store import PARAMS_KEY, ChunkStore, Plan, Rotations, check_plan, pieces
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -77,6 +80,10 @@ class KvnotesConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self._hf_config = vllm_config.model_config.hf_config
         self._rotations: Rotations | None = None
+        if role == KVConnectorRole.WORKER:          # off every request's path: the rotary module, the entries
+            self._rotations = Rotations.from_config(self._hf_config)
+            if self._kv_transfer_config.get_from_extra_config("preload", False):
+                self.store.preload()
         self._labels: dict[str, dict[str, Any]] = {}         # scheduler: provenance per request
         self._pending: dict[str, tuple[Plan, int]] = {}      # scheduler: plan and local hit
         self._to_load: dict[str, tuple[Plan, int, int]] = {}  # scheduler: allocated, not yet sent
@@ -145,12 +152,12 @@ class KvnotesConnector(KVConnectorBase_V1):
             if isinstance(cache, torch.Tensor) and cache.numel() and m:
                 layers.append((int(m.group(1)), cache))
         for load in meta.loads:
-            keys, values = assemble(self.store, load.plan, self._rotations, load.begin, load.end)
-            tokens = torch.arange(load.begin, load.end)
-            blocks = torch.tensor(load.block_ids)[tokens // self.block_size]
-            offsets = tokens % self.block_size
-            for index, cache in layers:
-                write_paged(cache, blocks, offsets, keys[index], values[index])
+            block_ids = torch.tensor(load.block_ids)
+            for lo, hi, keys, values in pieces(self.store, load.plan, self._rotations, load.begin, load.end):
+                tokens = torch.arange(lo, hi)
+                blocks, offsets = block_ids[tokens // self.block_size], tokens % self.block_size
+                for index, cache in layers:
+                    write_paged(cache, blocks, offsets, keys[index], values[index])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -179,6 +179,15 @@ class ChunkStore:
         return t["keys"], t["values"]
 
 
+    def preload(self) -> int:
+        """Read every entry's tensors into memory (``max_cached`` raised to their number); returns how many."""
+        names = sorted(p.name[:-len(".safetensors")] for p in self.root.glob("*.safetensors"))
+        self.max_cached = max(self.max_cached, len(names))
+        for name in names:
+            self.tensors(name)
+        return len(names)
+
+
 def _stacked(t) -> torch.Tensor:
     if isinstance(t, torch.Tensor):
         return t.detach()
@@ -279,19 +288,16 @@ class Rotations:
             self._memo[delta] = delta_rotations(self.host, int(delta))
         return self._memo[delta]
 
-    def move(self, keys: torch.Tensor, values: torch.Tensor, delta: int, out_keys: torch.Tensor,
-             out_values: torch.Tensor) -> None:
-        """Write ``keys``/``values`` ``[layers, kv_heads, n, dim]`` moved by ``delta`` positions into
-        ``out_*`` (same shapes): the rotary slot rotated (:func:`kvnotes.kv.rope.rotate_into`),
-        the other copied."""
+    def move(self, keys: torch.Tensor, values: torch.Tensor, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keys``/``values`` ``[layers, kv_heads, n, dim]`` moved by ``delta`` positions: the rotary
+        slot rotated into a new tensor (:func:`kvnotes.kv.rope.rotate_into`), the other returned as
+        given (as both are for ``delta == 0``)."""
         from kvnotes.kv.rope import rotate_into
 
-        src, dst = (keys, out_keys) if self.slot == "keys" else (values, out_values)
-        other, other_dst = (values, out_values) if self.slot == "keys" else (keys, out_keys)
-        other_dst.copy_(other)
         if delta == 0:
-            dst.copy_(src)
-            return
+            return keys, values
+        src = keys if self.slot == "keys" else values
+        dst = torch.empty_like(src)
         rots = self.rotations(delta)
         groups: dict[int, tuple] = {}             # layers of one type share one rotation: one call each
         for i, (c, s) in enumerate(rots):
@@ -302,6 +308,7 @@ class Rotations:
             else:
                 idx = torch.tensor(layers)
                 dst[idx] = rotate_into(src[idx], c, s, torch.empty_like(src[idx]), self.interleaved)
+        return (dst, values) if self.slot == "keys" else (keys, dst)
 
 
 class RotaryHost(torch.nn.Module):
@@ -333,20 +340,18 @@ class RotaryHost(torch.nn.Module):
         return torch.device("cpu")
 
 
-def assemble(store: ChunkStore, plan: Plan, rotations: Rotations, begin: int, end: int,
-             dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K/V of prompt tokens ``begin .. end - 1`` under ``plan``: each segment's tokens at their
-    prompt positions (keys moved by RoPE from the entry's positions).
+def pieces(store: ChunkStore, plan: Plan, rotations: Rotations, begin: int, end: int):
+    """The K/V of prompt tokens ``begin .. end - 1`` under ``plan``, one piece per segment they
+    overlap: each segment's tokens at their prompt positions (keys moved by RoPE from the entry's
+    positions; unmoved tensors are views of the store's).
 
     Args:
         begin: first prompt token, ``0 <= begin <= end``.
         end: one past the last, ``<= plan.n_tokens``.
-        dtype: of the result (default: the entries').
 
-    Returns:
-        ``(keys, values)``, ``[layers, kv_heads, end - begin, head_dim]`` each.
+    Yields:
+        ``(lo, hi, keys, values)``: prompt tokens ``lo .. hi - 1``, ``[layers, kv_heads, hi - lo, dim]``.
     """
-    parts_k, parts_v = [], []
     at = 0
     for seg in plan.segments:
         lo, hi = max(begin, at), min(end, at + len(seg))
@@ -354,12 +359,12 @@ def assemble(store: ChunkStore, plan: Plan, rotations: Rotations, begin: int, en
             meta = store.meta(seg.entry)
             k, v = store.tensors(seg.entry)
             a = seg.begin + (lo - at)
-            src_k, src_v = k[:, :, a:a + hi - lo], v[:, :, a:a + hi - lo]
-            delta = lo - (meta.start + a)
-            out_k = torch.empty(src_k.shape, dtype=dtype or src_k.dtype)
-            out_v = torch.empty(src_v.shape, dtype=dtype or src_v.dtype)
-            rotations.move(src_k, src_v, delta, out_k, out_v)
-            parts_k.append(out_k)
-            parts_v.append(out_v)
+            keys, values = rotations.move(k[:, :, a:a + hi - lo], v[:, :, a:a + hi - lo], lo - (meta.start + a))
+            yield lo, hi, keys, values
         at += len(seg)
-    return torch.cat(parts_k, 2), torch.cat(parts_v, 2)
+
+
+def assemble(store: ChunkStore, plan: Plan, rotations: Rotations, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pieces` concatenated: ``(keys, values)``, ``[layers, kv_heads, end - begin, dim]`` each."""
+    got = list(pieces(store, plan, rotations, begin, end))
+    return torch.cat([g[2] for g in got], 2), torch.cat([g[3] for g in got], 2)

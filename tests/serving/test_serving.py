@@ -118,6 +118,34 @@ def test_engine_erratum_keeps_prefix_cache(tmp_path):
     assert res["cross_check"]["within_tolerance"], res["cross_check"]["max_abs_diff_candidates"]
 
 
+@pytest.mark.serving
+def test_engine_connector_arms(tmp_path):
+    """serve-bench's connector arms on a short trace: composed and edited requests carry their
+    provenance label and a first-token KL against the full prefill, the baselines are full prefills,
+    every answer is scored, and the speedups over the baselines are in the aggregates."""
+    pytest.importorskip("vllm")
+    cmd = [sys.executable, "-m", "kvnotes.cli.serve_bench", "--sessions", "2", "--turns", "2",
+           "--doc-tokens", "256", "--chunk-tokens", "64", "--positions", "early",
+           "--arms", "composed,composed_cold,edited,cold", "--rates", "2", "--cross-check", "1",
+           "--out-root", str(tmp_path), "--name", "test", "--no-plot"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"},
+                          timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads((tmp_path / "smollm2-135m" / "test" / "record.json").read_text())["result"]
+    sent = [r for r in res["rows"] if r["sent"]]
+    want = {"composed": "composed", "composed_cold": "full_prefill", "cold": "full_prefill"}
+    for r in sent:
+        planned = r["arm"] == "composed" or (r["arm"] == "edited" and r["turn"] > 0)
+        assert r["path"] == want.get(r["arm"], "edited" if planned else "full_prefill"), r
+        assert (r.get("kl_first_token") is not None) == planned
+        if planned:
+            assert 0 <= r["kl_first_token"] < 10 and r["loaded_tokens"] > 0.5 * r["n_prompt"]
+        assert isinstance(r["agree"], bool) and isinstance(r["served_correct"], bool)
+    assert {r["arm"] for r in sent} == {"composed", "composed_cold", "edited", "cold"}
+    speed = res["aggregates"]["p90_ttft_speedup_vs_full"]
+    assert speed["composed"]["composed"]["2.0"] > 0 and speed["edited"]["early"]["2.0"] > 0
+
+
 def test_missing_engine_is_one_line(tmp_path):
     """Without vLLM in the environment the script stops with one error line and status 2."""
     import importlib.util
