@@ -304,7 +304,8 @@ async def run_trace(engine, requests, rate: float, time_limit: float, seed: int,
     whichever is later; requests due after ``time_limit`` seconds are not sent.
 
     Returns:
-        (per-request rows, run info: reset result, counters before/after, cached tokens of the first request).
+        (per-request rows, run info: reset result, counters before/after, cached tokens of the first
+        request from vLLM's own prefix cache: ``num_cached_tokens`` less what the connector loaded).
     """
     import numpy as np
 
@@ -348,7 +349,8 @@ async def run_trace(engine, requests, rate: float, time_limit: float, seed: int,
     after = prefix_counters()
     first = min((r for r in rows if r["sent"]), key=lambda r: r["send_s"], default=None)
     info = {"reset_ok": bool(reset), "counters_before": before, "counters_after": after,
-            "first_request_cached_tokens": first["n_cached"] if first else None, "wall_s": wall}
+            "first_request_cached_tokens": first["n_cached"] - (first.get("loaded_tokens") or 0) if first else None,
+            "wall_s": wall}
     if before and after:
         q, h = after["queries"] - before["queries"], after["hits"] - before["hits"]
         info["engine_hit_rate"] = h / q if q else None

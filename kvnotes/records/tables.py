@@ -286,15 +286,53 @@ def serving_table(rec: dict) -> str:
     w(f"\ncross-check ({len(cc['rows'])} prompts, whole vocabulary): max |Δ log p| candidates "
           f"{cc['max_abs_diff_candidates']:.2e} nats, whole vocabulary {cc['max_abs_diff_vocab']:.2e} nats, "
           f"tolerance {cc['tolerance_nats']:g}, top-1 equal: {cc['all_top1_equal']}")
-    diffs = [r["max_abs_diff_candidates"] for r in res["rows"] if r.get("sent")]
-    w(f"every served request ({len(diffs)}): max |Δ log p| of the candidates vs the harness "
-          f"{max(diffs):.2e} nats")
+    diffs = [r["max_abs_diff_candidates"] for r in res["rows"] if r.get("sent") and r.get("kl_first_token") is None]
+    if diffs:
+        w(f"every request served exactly ({len(diffs)}; the connector's planned requests are approximate, "
+          f"below): max |Δ log p| of the candidates vs the harness {max(diffs):.2e} nats")
     cold = [(r["arm"], r["position"], r["rate"]) for r in res["runs"]
             if not (r["reset_ok"] and r["first_request_cached_tokens"] == 0)]
     w(f"cold start: every run reset the prefix cache and its first request had 0 cached tokens: "
           f"{not cold}{'' if not cold else f' (not: {cold})'}")
-
+    connector_rows(w, res)
     return w.text()
+
+
+def connector_rows(w, res: dict) -> None:
+    """The KV connector arms' table (``composed``, ``edited``; kvnotes.serving.connector): over the
+    requests served with a plan, the paths that served them, the share of prompt tokens loaded, TTFT
+    against the same prompts by a full prefill, and answers against the harness's full prefill."""
+    speedup = res["aggregates"].get("p90_ttft_speedup_vs_full") or {}
+    baseline = res["aggregates"].get("full_baseline") or {}
+    runs = {(r["arm"], r["position"], r["rate"]): r for r in res["runs"]}
+    arms = [k for k in runs if k[0] in baseline]
+    if not arms:
+        return
+    w("\nKV connector arms (requests served with a plan; baseline: the same prompts by a full prefill):\n")
+    w("| rate (req/s) | arm | planned requests | median prompt tokens | paths | loaded / prompt tokens | "
+      "TTFT p50 / p90 (s) | baseline TTFT p50 / p90 (s) | p90 speedup | agreement with full prefill | "
+      "correct (owned) | first-token KL p50 / max (nats) |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for arm, pos, rate in sorted(arms, key=lambda k: (k[2], k[0])):
+        run = runs[(arm, pos, rate)]
+        base_arm, key = baseline[arm]
+        base = runs.get((base_arm, pos, rate), {})
+        rows = [r for r in res["rows"] if r.get("sent") and r["arm"] == arm and r["position"] == pos
+                and r["rate"] == rate and r.get("kl_first_token") is not None]
+        if not rows:
+            continue
+        p50 = key.replace("p90", "p50")
+        owned = [r for r in rows if r["owned"]]
+        kl = sorted(r["kl_first_token"] for r in rows)
+        paths = ", ".join(f"{k} {v}" for k, v in sorted(run.get("paths", {}).items()))
+        w(f"| {rate:g} | {arm} | {len(rows)} | {sorted(r['n_prompt'] for r in rows)[len(rows) // 2]} | {paths} | "
+          f"{sum(r['loaded_tokens'] or 0 for r in rows) / sum(r['n_prompt'] for r in rows):.3f} | "
+          f"{fmt(run.get(p50), '.2f')} / {fmt(run.get(key), '.2f')} | "
+          f"{fmt(base.get(p50), '.2f')} / {fmt(base.get(key), '.2f')} ({base_arm}) | "
+          f"{fmt(speedup.get(arm, {}).get(pos, {}).get(str(rate)), '.1f')}x | "
+          f"{sum(r['agree'] for r in rows)}/{len(rows)} | "
+          f"{sum(r['served_correct'] for r in owned)}/{len(owned)} | "
+          f"{kl[len(kl) // 2]:.3g} / {kl[-1]:.3g} |")
 
 
 def results_table(recs: dict[str, dict]) -> str:

@@ -399,7 +399,8 @@ def aggregate(runs: list[dict]) -> dict:
                 ref = table.get(base_arm, {}).get(pos, {}).get(rate, {}).get(key)
                 if ref and s.get(key):
                     speedup.setdefault(arm, {}).setdefault(pos, {})[rate] = ref / s[key]
-    return {"by_run": table, "p90_ttft_ratio_vs_in_place": ratio, "p90_ttft_speedup_vs_full": speedup}
+    return {"by_run": table, "p90_ttft_ratio_vs_in_place": ratio, "p90_ttft_speedup_vs_full": speedup,
+            "full_baseline": {arm: list(v) for arm, v in FULL_BASELINE.items()}}
 
 
 #: How the serving benchmark's records are shown (they name this module under ``presentation``).
