@@ -359,7 +359,9 @@ async def run_trace(engine, requests, rate: float, time_limit: float, seed: int,
 
 
 async def bench(args, requests, checks, ref, full, source, store_dir: str | None = None) -> dict:
-    """Engine stages: start, warm up, cross-check, then every (rate, position, arm) run."""
+    """Engine stages: start, warm up (a plain request, then one planned request per connector arm,
+    whose TTFT is recorded: the first use of a code path), cross-check, then every (rate, position,
+    arm) run, each on a reset prefix cache."""
     engine = start_engine(args, source, store_dir)
     try:
         timing = {}
@@ -367,6 +369,10 @@ async def bench(args, requests, checks, ref, full, source, store_dir: str | None
         warm = [r for r in requests if r.salt is None][0] if any(r.salt is None for r in requests) else requests[0]
         await serve_one(engine, warm.ids, sampling(warm.candidates))
         timing["warmup_s"] = time.perf_counter() - t0
+        for arm in dict.fromkeys(r.arm for r in requests if r.plan):   # the connector's path warmed too
+            first = next(r for r in requests if r.arm == arm and r.plan)
+            _, ttft, _ = await serve_one(engine, first.ids, sampling(first.candidates, plan=first.plan), first.salt)
+            timing[f"warmup_{arm}_ttft_s"] = ttft
         t0 = time.perf_counter()
         check = await cross_check(engine, checks, full)
         timing["cross_check_s"] = time.perf_counter() - t0

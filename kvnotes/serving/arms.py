@@ -11,8 +11,9 @@ requests, and the store entries they are served from, computed with the harness'
 - ``edited``: the ``in_place`` trace's prompts (:func:`kvnotes.serving.trace.build_trace`). The store
   holds each session's turn-0 prompt (a full prefill) and, per later turn, the new field value's K/V
   computed over that prompt's prefix (the paper's in-place edit: the field refreshed, everything after
-  it stale); the plan is the stale prompt with the refreshed field, up to the request line, which the
-  engine computes. Turn 0 is sent without a plan. Its baseline is the trace's ``cold`` arm (the
+  it stale; the refreshed span is where the two prompts' tokens differ, so tokens a new value shares
+  with the old one at its ends are kept); the plan is the stale prompt with the refreshed field, up
+  to the request line, which the engine computes. Turn 0 is sent without a plan. Its baseline is the trace's ``cold`` arm (the
   same prompts, full prefill).
 
 Every request is a :class:`kvnotes.serving.trace.Request` whose ``plan`` and ``salt`` say how to
@@ -80,7 +81,9 @@ def composed_requests(model, tokenizer, scenarios, store: ChunkStore, n_sessions
     """The ``composed`` (and ``composed_cold``) requests, their store entries registered.
 
     Returns:
-        (requests, exclusions, ``{register_s, n_chunks, head_tokens}``).
+        (requests, exclusions, ``{register_s, n_chunks, head_tokens, chunk_tokens}``): the
+        requests' field ``position`` is ``"composed"``; ``register_s`` covers building the prompts and
+        registering the head and every chunk.
 
     Raises:
         KvnotesError: the chat template does not keep the system message in one piece.

@@ -45,6 +45,8 @@ from kvnotes.errors import KvnotesError
 PARAMS_KEY = "kvnotes"
 #: The approximate paths a plan can take.
 PLAN_PATHS = ("composed", "edited")
+#: Key of a capture request inside ``kv_transfer_params`` (:func:`capture_request`).
+CAPTURE_KEY = "kvnotes_capture"
 #: Every provenance label a served request can carry (``kv_transfer_params["kvnotes_path"]`` of its
 #: output): ``prefix_hit`` (vLLM's own exact prefix cache supplied leading blocks), ``composed``,
 #: ``edited``, ``full_prefill`` (nothing reused, or a plan refused: ``kvnotes_refused`` says why).
@@ -172,7 +174,7 @@ class ChunkStore:
         if memo and memo[0] == version:
             self._tensors.move_to_end(name)
             return memo[1], memo[2]
-        t = load_file(str(self.path(name)))
+        t = {k: v.clone() for k, v in load_file(str(self.path(name))).items()}   # in memory, not paged in on first use
         self._tensors[name] = (version, t["keys"], t["values"])
         while len(self._tensors) > self.max_cached:
             self._tensors.popitem(last=False)
@@ -219,6 +221,15 @@ def plan_request(path: str, segments: Sequence[Segment]) -> tuple[dict, str]:
         raise KvnotesError(f"unknown plan path {path!r} (known: {', '.join(PLAN_PATHS)})")
     spec = plan_spec(path, segments)
     return {PARAMS_KEY: spec}, plan_salt(spec)
+
+
+def capture_request(entry: str, n_tokens: int) -> dict:
+    """The ``kv_transfer_params`` of a request whose first ``n_tokens`` prompt tokens' K/V, as the
+    engine computes them (or holds them in its exact prefix cache), become the store entry ``entry``
+    (start 0) before its response returns: the K/V of an engine pass instead of the harness's. The
+    request itself is served as any other; its response says ``kvnotes_capture`` (or
+    ``kvnotes_capture_refused`` with the reason)."""
+    return {CAPTURE_KEY: {"entry": entry, "tokens": int(n_tokens)}}
 
 
 def check_plan(store: ChunkStore, spec, prompt_ids: Sequence[int], cache_salt: str | None) -> Plan | str:

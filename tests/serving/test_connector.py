@@ -166,3 +166,36 @@ def test_edited_request_is_the_harness_edit(served):
     harness = _harness_plan(model, store, r.plan, r.ids)
     assert (lp - harness).abs().max() < ENGINE_TOL
     assert int(lp.argmax()) == int(harness.argmax())
+
+
+#: K/V computed by the engine vs by transformers, fp32, same weights (per element, through 30 layers).
+CAPTURE_TOL = 1e-3
+
+
+def test_capture_from_an_engine_pass(served):
+    """A capture request writes the engine's own K/V of its first tokens as a store entry before it
+    returns; they match the harness's prefill of the same tokens, and a plan over the captured entry
+    reproduces the full prefill. A capture under a bad name is refused with its reason."""
+    import torch
+
+    from kvnotes.serving.store import Segment, capture_request, plan_request
+    from kvnotes.serving.trace import full_prefill_logprobs
+
+    bundle, store, _, edited, llm = served
+    model, vocab = bundle.model, bundle.model.config.vocab_size
+    turn0 = next(r for r in edited if r.turn == 0)
+    stored = edited[1].plan["kvnotes"]["segments"][0][0]          # the harness's prefill of turn 0
+    n = len(turn0.ids) - 1
+    _, lp, kv = _serve(llm, turn0.ids, vocab, capture_request("captured-t0", n), salt="fresh-capture")
+    assert kv["kvnotes_capture"] == "captured-t0" and kv["kvnotes_path"] == "full_prefill"
+    assert store.meta("captured-t0").ids == tuple(turn0.ids[:n]) and store.meta("captured-t0").start == 0
+    got, want = store.tensors("captured-t0"), store.tensors(stored)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w[:, :, :n], atol=CAPTURE_TOL, rtol=0)
+    plan, salt = plan_request("composed", [Segment("captured-t0", 0, n)])
+    _, lp, kv = _serve(llm, turn0.ids, vocab, plan, salt)
+    assert kv["kvnotes_path"] == "composed" and kv["kvnotes_loaded"] == n
+    assert (lp - full_prefill_logprobs(model, turn0.ids)).abs().max() < ENGINE_TOL
+
+    _, _, kv = _serve(llm, turn0.ids, vocab, capture_request("../escape", 3))
+    assert "bad store entry name" in kv["kvnotes_capture_refused"] and "kvnotes_capture" not in kv
