@@ -11,6 +11,8 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
+import numpy as np
+
 from kvnotes.records.presentation import ResultsColumn, presentation
 
 class _Lines:
@@ -298,10 +300,22 @@ def serving_table(rec: dict) -> str:
     return w.text()
 
 
+def _quantiles(values) -> tuple[float | None, float | None]:
+    """p50 and p90 (linear interpolation, as the serving summaries) of the values that are not None."""
+    v = [x for x in values if x is not None]
+    return (float(np.percentile(v, 50)), float(np.percentile(v, 90))) if v else (None, None)
+
+
 def connector_rows(w, res: dict) -> None:
     """The KV connector arms' table (``composed``, ``edited``; kvnotes.serving.connector): over the
     requests served with a plan, the paths that served them, the share of prompt tokens loaded, TTFT
-    against the same prompts by a full prefill, and answers against the harness's full prefill."""
+    against the same prompts by a full prefill, and answers against the harness's full prefill.
+
+    TTFT twice: as the client saw it (send to first output), and as the engine measured it
+    (``first_token_latency``: arrival in the engine to the first token). The planned requests ask
+    for the whole vocabulary's log-probs (the KL) and the baselines for the candidates' only, so the
+    client's number charges the planned requests with turning ~50k log-probs into Python objects;
+    the engine's does not."""
     speedup = res["aggregates"].get("p90_ttft_speedup_vs_full") or {}
     baseline = res["aggregates"].get("full_baseline") or {}
     runs = {(r["arm"], r["position"], r["rate"]): r for r in res["runs"]}
@@ -310,9 +324,10 @@ def connector_rows(w, res: dict) -> None:
         return
     w("\nKV connector arms (requests served with a plan; baseline: the same prompts by a full prefill):\n")
     w("| rate (req/s) | arm | planned requests | median prompt tokens | paths | loaded / prompt tokens | "
-      "TTFT p50 / p90 (s) | baseline TTFT p50 / p90 (s) | p90 speedup | agreement with full prefill | "
+      "TTFT p50 / p90 (s) | baseline TTFT p50 / p90 (s) | p90 speedup | engine TTFT p50 / p90 (s) | "
+      "baseline engine TTFT p50 / p90 (s) | engine p90 speedup | agreement with full prefill | "
       "correct (owned) | first-token KL p50 / max (nats) |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for arm, pos, rate in sorted(arms, key=lambda k: (k[2], k[0])):
         run = runs[(arm, pos, rate)]
         base_arm, key = baseline[arm]
@@ -322,6 +337,11 @@ def connector_rows(w, res: dict) -> None:
         if not rows:
             continue
         p50 = key.replace("p90", "p50")
+        updates = key.startswith("ttft_updates")          # the baseline's rows the arm is compared on
+        base_rows = [r for r in res["rows"] if r.get("sent") and r["arm"] == base_arm and r["position"] == pos
+                     and r["rate"] == rate and (r["turn"] > 0 or not updates)]
+        eng = _quantiles([r.get("engine_first_token_latency_s") for r in rows])
+        eng_base = _quantiles([r.get("engine_first_token_latency_s") for r in base_rows])
         owned = [r for r in rows if r["owned"]]
         kl = sorted(r["kl_first_token"] for r in rows)
         paths = ", ".join(f"{k} {v}" for k, v in sorted(run.get("paths", {}).items()))
@@ -330,6 +350,8 @@ def connector_rows(w, res: dict) -> None:
           f"{fmt(run.get(p50), '.2f')} / {fmt(run.get(key), '.2f')} | "
           f"{fmt(base.get(p50), '.2f')} / {fmt(base.get(key), '.2f')} ({base_arm}) | "
           f"{fmt(speedup.get(arm, {}).get(pos, {}).get(str(rate)), '.1f')}x | "
+          f"{fmt(eng[0], '.2f')} / {fmt(eng[1], '.2f')} | {fmt(eng_base[0], '.2f')} / {fmt(eng_base[1], '.2f')} | "
+          f"{fmt(eng_base[1] / eng[1] if eng[1] and eng_base[1] else None, '.1f')}x | "
           f"{sum(r['agree'] for r in rows)}/{len(rows)} | "
           f"{sum(r['served_correct'] for r in owned)}/{len(owned)} | "
           f"{kl[len(kl) // 2]:.3g} / {kl[-1]:.3g} |")

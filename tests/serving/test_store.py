@@ -102,3 +102,33 @@ def test_store_replaces_an_entry_and_reads_it_anew(tmp_path):
     assert store.meta("x").ids == (7, 8)
     torch.testing.assert_close(store.tensors("x")[0], (k * 2)[:, :, :2])
     assert store.meta("missing") is None
+
+
+def test_connector_table_reads_the_rows():
+    """The connector arms' table: the speedups are the baseline's p90 over the arm's (client and
+    engine TTFT), over the planned requests only, with the answers and KL of those requests."""
+    from kvnotes.records.tables import serving_table
+    from kvnotes.serving.trace import aggregate, summarize_run
+
+    def row(arm, turn, ttft, engine, kl=None, agree=True):
+        return {"arm": arm, "position": "composed", "rate": 1.0, "turn": turn, "sent": True, "n_prompt": 100,
+                "n_cached": 90 if kl is not None else 0, "loaded_tokens": 90 if kl is not None else 0,
+                "ttft_s": ttft, "engine_first_token_latency_s": engine, "send_s": 0.0, "finish_s": 1.0,
+                "owned": True, "served_correct": agree, "agree": agree, "max_abs_diff_candidates": 0.0,
+                "kl_first_token": kl, "path": "composed" if kl is not None else "full_prefill"}
+
+    rows = [row("composed", t, 0.1 * (t + 1), 0.05 * (t + 1), kl=0.01 * t, agree=t != 2) for t in range(3)]
+    rows += [row("composed_cold", t, 2.0 + t, 1.0 + t) for t in range(3)]
+    runs = [{"arm": a, "position": "composed", "rate": 1.0, "reset_ok": True, "first_request_cached_tokens": 0,
+             **summarize_run([r for r in rows if r["arm"] == a], 1.0)} for a in ("composed", "composed_cold")]
+    res = {"rows": rows, "runs": runs, "aggregates": aggregate(runs), "engine": {"block_size": 16},
+           "cross_check": {"rows": [], "max_abs_diff_candidates": 0.0, "max_abs_diff_vocab": 0.0,
+                           "tolerance_nats": 0.01, "all_top1_equal": True}}
+    rec = {"model": {"name": "m"}, "packages": {"vllm": "0"}, "scenario": {"n_scenarios": 1, "families": ["f"]},
+           "config": {"sessions": 1, "turns": 3, "doc_tokens": 10}, "result": res}
+    line = [x for x in serving_table(rec).splitlines() if x.startswith("| 1 | composed |")][-1]   # the connector table
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    # p90 of 0.1/0.2/0.3 is 0.28 and of 2/3/4 is 3.8 (linear); engine: 0.14 and 2.8
+    assert cells[2] == "3" and cells[4] == "composed 3" and cells[5] == "0.900"
+    assert cells[8] == f"{3.8 / 0.28:.1f}x" and cells[11] == f"{2.8 / 0.14:.1f}x"
+    assert cells[12] == "2/3" and cells[14] == "0.01 / 0.02"
