@@ -430,6 +430,8 @@ def main(argv=None) -> None:
     if not cfg_path.is_file():
         fail(f"unknown model '{args.model}' (no conf/model/{args.model}.yaml)")
     model_cfg = OmegaConf.load(cfg_path)
+    if args.store and Path(args.store).exists() and not Path(args.store).is_dir():
+        fail(f"--store {args.store} is a file, not a directory")
     out_dir = Path(args.out_root) / args.model / args.name
     if is_complete(out_dir / RECORD_NAME) and not args.force:
         print(f"kvnotes: {out_dir / RECORD_NAME} is complete; skipping (--force to re-run)")

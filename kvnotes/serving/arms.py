@@ -36,7 +36,7 @@ from kvnotes.harness.tokens import Prompt, continuation_ids
 from kvnotes.kv.cache import AllSlotCache
 from kvnotes.models.text import tokenize
 from kvnotes.serving.store import ChunkStore, Segment, plan_request
-from kvnotes.serving.trace import (CANDIDATE_MERGES, Request, _prompt, build_trace, pick_sessions, place,
+from kvnotes.serving.trace import (CANDIDATE_MERGES, Request, _common_prefix, _prompt, build_trace, pick_sessions, place,
                                    session_values, shared_document)
 
 #: The arms this module builds, and the baseline each is compared with (same prompts, full prefill).
@@ -187,12 +187,8 @@ def edited_requests(model, tokenizer, scenarios, store: ChunkStore, n_sessions: 
         if r.session not in stored:
             continue
         name0, ids0, cache0 = stored[r.session]
-        a = 0
-        while a < min(len(ids0), len(r.ids)) and ids0[a] == r.ids[a]:
-            a += 1
-        s = 0
-        while s < min(len(ids0), len(r.ids)) - a and ids0[-1 - s] == r.ids[-1 - s]:
-            s += 1
+        a = _common_prefix(ids0, r.ids)
+        s = min(_common_prefix(ids0[::-1], r.ids[::-1]), min(len(ids0), len(r.ids)) - a)
         b, m = len(ids0) - s, len(r.ids) - s - a
         c = _request_start(tokenizer, prompt, inst, r.value)          # in the new prompt
         if not a + m <= c <= len(r.ids) - 1:

@@ -196,8 +196,6 @@ class KvnotesConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvnotesConnectorMetadata) or not meta.loads:
             return
-        if self._rotations is None:
-            self._rotations = Rotations.from_config(self._hf_config)
         layers = []
         for name, layer in forward_context.no_compile_layers.items():
             cache = getattr(layer, "kv_cache", None)
