@@ -32,7 +32,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvnotes.kv.masks import Masks, layer_mask
+from kvnotes.kv.masks import Masks, head_layer_mask
 
 DEFAULT_BUDGET_BYTES = 1 << 30
 #: Share of a GPU's free memory (after the model and its clean runs) ``budget_mb: auto`` gives one
@@ -280,7 +280,8 @@ def chunks(n: int, per_item: int, budget_bytes: int) -> Iterator[slice]:
 
 
 def build_variants(config, base: DynamicCache, source: DynamicCache, masks: Masks) -> DynamicCache:
-    """Variant caches: layer ``l``, position ``p`` from ``source`` where ``masks[v, l, p]``, else ``base``.
+    """Variant caches: layer ``l``, position ``p`` from ``source`` where ``masks[v, l, p]``, else ``base``
+    (per KV head for head masks, :func:`kvnotes.kv.masks.head_layer_mask`).
 
     Args:
         base: batch-1 caches over the same positions ``[0, T)`` (token-aligned prompts).
@@ -298,7 +299,7 @@ def build_variants(config, base: DynamicCache, source: DynamicCache, masks: Mask
         raise ValueError(f"mask {tuple(masks.shape)} does not fit caches of {len(base.layers)} layers x {T} positions")
     keys, values = [], []
     for l, (lb, ls) in enumerate(zip(base.layers, source.layers)):     # each layer where it lives (device maps)
-        m = layer_mask(masks, l).to(lb.keys.device)[:, slot_positions(lb)][:, None, :, None]
+        m = head_layer_mask(masks, l, lb.keys.shape[1]).to(lb.keys.device)[:, :, slot_positions(lb)][..., None]
         keys.append(torch.where(m, ls.keys, lb.keys))
         values.append(torch.where(m, ls.values, lb.values))
     return cache_from_tensors(config, keys, values, T)

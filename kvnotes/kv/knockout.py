@@ -20,7 +20,7 @@ from kvnotes.kv import cache as kvcache
 from kvnotes.kv import patch as kvpatch
 from kvnotes.kv.capture import attention_hook
 from kvnotes.kv.generate import generate
-from kvnotes.kv.masks import FactoredMasks, Masks, layer_mask
+from kvnotes.kv.masks import FactoredMasks, Masks, layer_heads, layer_mask, query_heads
 from kvnotes.errors import KvnotesError
 
 #: Key groups of the decision row that can be hidden.
@@ -138,24 +138,27 @@ class DecisionRowHook:
         self.head_probs: dict[int, torch.Tensor] = {}
         self.recon_err: dict[int, float] = {}
 
-    def _knocked(self, mask, q_len, kv_len, layer, rows: slice, k_pos, device):
+    def _knocked(self, mask, q_len, kv_len, layer, rows: slice, k_pos, device, heads: int):
         """The attention mask with ``knock``'s keys hidden from the query ``rows`` of each variant
-        in ``layer`` (``[V, 1, q_len, kv_len]``, bool or additive like ``mask``)."""
+        in ``layer`` (``[V, 1 | heads, q_len, kv_len]``, bool or additive like ``mask``; per query
+        head when ``knock`` names KV heads)."""
         if self.impl not in SUPPORTED_IMPLEMENTATIONS:
             raise KvnotesError(f"attention knockout needs attn_implementation sdpa or eager, got '{self.impl}'")
         assert self.knock is not None
         V, _, P = self.knock.shape
-        hide = torch.zeros(V, kv_len, dtype=torch.bool, device=device)
+        hide = torch.zeros(V, 1, kv_len, dtype=torch.bool, device=device)
         valid = (k_pos >= 0) & (k_pos < P)
-        hide[:, valid] = layer_mask(self.knock, layer).to(device)[:, k_pos[valid]]    # this layer's device (device maps)
+        hide[:, 0, valid] = layer_mask(self.knock, layer).to(device)[:, k_pos[valid]]  # this layer's device (device maps)
+        if (kv_heads := layer_heads(self.knock, layer)) is not None:
+            hide = hide & query_heads(kv_heads.to(device), heads)[:, :, None]             # [V, heads, kv_len]
         if mask is None or mask.dtype == torch.bool:
             allowed = _causal(q_len, kv_len, device) if (mask is None and q_len > 1) else \
                 (torch.ones(1, 1, q_len, kv_len, dtype=torch.bool, device=device) if mask is None else mask)
-            allowed = allowed.expand(V, allowed.shape[1], q_len, kv_len).clone()
-            allowed[:, :, rows, :] &= ~hide[:, None, None, :]
+            allowed = allowed.expand(V, max(allowed.shape[1], hide.shape[1]), q_len, kv_len).clone()
+            allowed[:, :, rows, :] &= ~hide[:, :, None, :]
             return allowed
-        out = mask.expand(V, mask.shape[1], q_len, kv_len).clone()
-        out[:, :, rows, :] = out[:, :, rows, :].masked_fill(hide[:, None, None, :], torch.finfo(out.dtype).min)
+        out = mask.expand(V, max(mask.shape[1], hide.shape[1]), q_len, kv_len).clone()
+        out[:, :, rows, :] = out[:, :, rows, :].masked_fill(hide[:, :, None, :], torch.finfo(out.dtype).min)
         return out
 
     def __call__(self, base, module, query, key, value, attention_mask, **kwargs):
@@ -167,7 +170,8 @@ class DecisionRowHook:
         end = self.start + q_len
         k_pos = torch.arange(end - kv_len, end, device=query.device)
         if self.knock is not None and bool(layer_mask(self.knock, layer).any()):
-            attention_mask = self._knocked(attention_mask, q_len, kv_len, layer, slice(row, row + 1), k_pos, query.device)
+            attention_mask = self._knocked(attention_mask, q_len, kv_len, layer, slice(row, row + 1), k_pos, query.device,
+                                           query.shape[1])
         out, weights = base(module, query, key, value, attention_mask, **kwargs)
         if self.capture:
             mask = additive_mask(attention_mask, q_len, kv_len, query.device)[..., row:row + 1, :]
@@ -369,7 +373,8 @@ class ChainRowsHook(DecisionRowHook):
         rows = slice(max(self.decision - start, 0), q_len)
         k_pos = torch.arange(end - kv_len, end, device=query.device)
         if self.knock is not None and bool(layer_mask(self.knock, layer).any()):
-            attention_mask = self._knocked(attention_mask, q_len, kv_len, layer, rows, k_pos, query.device)
+            attention_mask = self._knocked(attention_mask, q_len, kv_len, layer, rows, k_pos, query.device,
+                                           query.shape[1])
         out, weights = base(module, query, key, value, attention_mask, **kwargs)
         if self.capture:
             mask = additive_mask(attention_mask, q_len, kv_len, query.device)[..., rows, :]

@@ -1,7 +1,8 @@
-"""Patch and knockout masks: which (layer, position) K/V entries each variant acts on
+"""Patch and knockout masks: which K/V sites (layer, KV head, position) each variant acts on
 (docs/design.md §4, §5).
 
-A mask is a bool ``[V, n_layers, T]`` tensor. In a **patch** variant ``v`` takes layer ``l``'s
+A mask is a bool ``[V, n_layers, T]`` tensor (every KV head of a layer), or a
+:class:`FactoredMasks`, which may also name the KV heads per layer (a head patch). In a **patch** variant ``v`` takes layer ``l``'s
 key/value at position ``p`` from the source run where it is true (:mod:`kvnotes.kv.patch`); in a
 **knockout** the decision query cannot attend to that key (:mod:`kvnotes.kv.knockout`). Most
 variants act on a set of positions in a set of layers, so a mask is often the product of the two;
@@ -10,7 +11,9 @@ is about 8,000 variants: its dense mask takes 2.4 GB, and a reduction over it (t
 substituted slots) took seconds; the factored one takes 66 MB.
 
 The functions below read either kind, so the readout (:mod:`kvnotes.kv.patch`,
-:func:`kvnotes.kv.cache.build_variants`) and the knockout hooks take both.
+:func:`kvnotes.kv.cache.build_variants`) and the knockout hooks take both: position patches, head
+patches and knockouts are written in one vocabulary (:func:`site_masks`) and executed by the
+:mod:`kvnotes.kv` layer.
 """
 
 from __future__ import annotations
@@ -22,16 +25,20 @@ import torch
 
 @dataclass(frozen=True)
 class FactoredMasks:
-    """Masks that are products: variant ``v`` acts on position ``p`` in layer ``l`` iff
-    ``positions[v, p]`` and ``layers[v, l]``.
+    """Masks that are products: variant ``v`` acts on position ``p`` of KV head ``h`` in layer ``l``
+    iff ``positions[v, p]`` and ``layers[v, l]`` (and ``heads[v, l, h]`` when ``heads`` is given).
 
     Attributes:
         positions: bool ``[V, T]``.
         layers: bool ``[V, n_layers]``.
+        heads: None (every KV head), or bool ``[V, n_layers, kv_heads]``: the KV heads each variant
+            acts on in each layer (a head patch or head knockout; GQA: a KV head serves its group of
+            query heads).
     """
 
     positions: torch.Tensor
     layers: torch.Tensor
+    heads: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -43,13 +50,20 @@ class FactoredMasks:
 
     def __getitem__(self, idx) -> FactoredMasks:
         """The variants ``idx`` (an index tensor, slice or bool tensor over ``V``)."""
-        return FactoredMasks(self.positions[idx], self.layers[idx])
+        return FactoredMasks(self.positions[idx], self.layers[idx], None if self.heads is None else self.heads[idx])
 
     def to(self, device) -> FactoredMasks:
-        return FactoredMasks(self.positions.to(device), self.layers.to(device))
+        return FactoredMasks(self.positions.to(device), self.layers.to(device),
+                             None if self.heads is None else self.heads.to(device))
 
     def dense(self) -> torch.Tensor:
-        """The bool ``[V, n_layers, T]`` mask."""
+        """The bool ``[V, n_layers, T]`` mask.
+
+        Raises:
+            ValueError: the masks name KV heads (a dense mask acts on every head).
+        """
+        if self.heads is not None:
+            raise ValueError("head masks have no dense [V, n_layers, T] form (it would act on every KV head)")
         return self.layers[:, :, None] & self.positions[:, None, :]
 
 
@@ -64,11 +78,38 @@ def layer_mask(masks: Masks, layer: int) -> torch.Tensor:
     return masks[:, layer]
 
 
+def layer_heads(masks: Masks, layer: int) -> torch.Tensor | None:
+    """Bool ``[V, kv_heads]``: the KV heads each variant acts on in ``layer``; None for every head
+    (a dense mask, or factored masks without ``heads``)."""
+    if isinstance(masks, FactoredMasks) and masks.heads is not None:
+        return masks.heads[:, layer]
+    return None
+
+
+def head_layer_mask(masks: Masks, layer: int, kv_heads: int) -> torch.Tensor:
+    """Bool ``[V, kv_heads, T]``: the positions each variant acts on in each KV head of ``layer``."""
+    m, h = layer_mask(masks, layer), layer_heads(masks, layer)
+    if h is None:
+        return m[:, None, :].expand(-1, kv_heads, -1)
+    if h.shape[1] != kv_heads:
+        raise ValueError(f"a head mask of {h.shape[1]} KV heads for a layer with {kv_heads}")
+    return m[:, None, :] & h[:, :, None]
+
+
+def query_heads(per_kv_head: torch.Tensor, heads: int, dim: int = 1) -> torch.Tensor:
+    """A per-KV-head tensor repeated to the ``heads`` query heads along ``dim`` (GQA: KV head ``j``
+    serves query heads ``j g .. (j + 1) g - 1``, ``g = heads / kv_heads``, as transformers'
+    ``repeat_kv``)."""
+    return per_kv_head.repeat_interleave(heads // per_kv_head.shape[dim], dim=dim)
+
+
 def layer_key(masks: Masks, layer: int) -> torch.Tensor:
-    """A tensor whose equality for two layers means equal :func:`layer_mask`: the layer's column of
-    a factored mask (bool ``[V]``, no ``[V, T]`` tensor built), the dense mask's slice."""
+    """A tensor whose equality for two layers means equal :func:`head_layer_mask`: the layer's column
+    of a factored mask (bool ``[V]``, with its head column ``[V, 1 + kv_heads]``; no ``[V, T]``
+    tensor built), the dense mask's slice."""
     if isinstance(masks, FactoredMasks):
-        return masks.layers[:, layer]
+        col = masks.layers[:, layer: layer + 1]
+        return col[:, 0] if masks.heads is None else torch.cat([col, masks.heads[:, layer]], 1)
     return masks[:, layer]
 
 
@@ -97,3 +138,35 @@ def most_slots(masks: Masks) -> int:
     if isinstance(masks, FactoredMasks):
         return int((masks.positions.sum(dim=1) * masks.layers.any(dim=1)).max())
     return int(masks.view(torch.uint8).sum(dim=2, dtype=torch.int32).max())
+
+
+def site_masks(n_layers: int, T: int, sites, kv_heads: int | None = None) -> FactoredMasks:
+    """Masks of K/V sites, one variant per entry of ``sites``: ``(positions, layers, heads)``, the
+    positions ``[0, T)`` it acts on in ``layers`` (None: every layer) and, per those layers, the KV
+    ``heads`` (None: every head). A position patch names no heads; a head patch names them; the same
+    masks are a knockout where the decision row's attention reads them (:mod:`kvnotes.kv.knockout`).
+
+    Args:
+        kv_heads: KV heads per layer; needed when any site names heads.
+
+    Returns:
+        :class:`FactoredMasks` ``[V, n_layers, T]`` (``heads`` set when any site names heads).
+
+    Raises:
+        ValueError: a site names heads without ``kv_heads``; IndexError: a position, layer or head out
+            of range.
+    """
+    sites = [tuple(s) + (None,) * (3 - len(s)) for s in sites]
+    positions = torch.zeros(len(sites), T, dtype=torch.bool)
+    layers = torch.zeros(len(sites), n_layers, dtype=torch.bool)
+    named = any(h is not None for _, _, h in sites)
+    if named and kv_heads is None:
+        raise ValueError("sites that name KV heads need kv_heads")
+    heads = torch.ones(len(sites), n_layers, kv_heads, dtype=torch.bool) if named else None
+    for v, (pos, lay, hs) in enumerate(sites):
+        positions[v, list(pos)] = True
+        layers[v, list(range(n_layers)) if lay is None else list(lay)] = True
+        if hs is not None:
+            heads[v] = False
+            heads[v][:, list(hs)] = True
+    return FactoredMasks(positions, layers, heads)

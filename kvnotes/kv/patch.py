@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from kvnotes.kv.cache import DEFAULT_BUDGET_BYTES, expand_cache, seq_length, slot_positions, variant_bytes
-from kvnotes.kv.masks import Masks, layer_key, layer_mask, most_slots, union_slots
+from kvnotes.kv.masks import Masks, head_layer_mask, layer_heads, layer_key, layer_mask, most_slots, query_heads, union_slots
 
 
 def check_per_head(key: torch.Tensor, value: torch.Tensor, cached_keys: torch.Tensor,
@@ -57,24 +57,24 @@ class _Substitute:
 
     The base cache is fed as a batch-``V`` *view* (no copy); the cache update concatenates it with
     the fed tokens' K/V into fresh ``[V, kv_heads, slots + n, head_dim]`` tensors, and this hook
-    overwrites only the masked (variant, slot) entries in place before attention runs. So no
-    variant cache is materialised besides the one the decode itself writes.
+    overwrites only the masked (variant, KV head, slot) entries in place before attention runs. So
+    no variant cache is materialised besides the one the decode itself writes.
     """
 
     def __init__(self, base: DynamicCache, source: DynamicCache, masks: Masks) -> None:
         self.entries = []
         for l, (lb, ls) in enumerate(zip(base.layers, source.layers)):
-            m = layer_mask(masks, l)
-            m = m[:, slot_positions(lb).to(m.device)]                            # [V, slots]
-            v_idx, s_idx = m.nonzero(as_tuple=True)
-            self.entries.append((v_idx.to(lb.keys.device), s_idx.to(lb.keys.device), ls.keys[0], ls.values[0]))
+            m = head_layer_mask(masks, l, ls.keys.shape[1])
+            m = m[:, :, slot_positions(lb).to(m.device)]                         # [V, kv_heads, slots]
+            idx = tuple(i.to(lb.keys.device) for i in m.nonzero(as_tuple=True))
+            self.entries.append((idx, ls.keys[0], ls.values[0]))
 
     def __call__(self, base_fn, module, query, key, value, attention_mask, **kwargs):
-        v_idx, s_idx, k_src, v_src = self.entries[module.layer_idx]
+        (v_idx, h_idx, s_idx), k_src, v_src = self.entries[module.layer_idx]
         check_per_head(key, value, k_src[None], v_src[None])
         if len(v_idx):
-            key[v_idx, :, s_idx] = k_src[:, s_idx].transpose(0, 1).to(key.dtype)
-            value[v_idx, :, s_idx] = v_src[:, s_idx].transpose(0, 1).to(value.dtype)
+            key[v_idx, h_idx, s_idx] = k_src[h_idx, s_idx].to(key.dtype)
+            value[v_idx, h_idx, s_idx] = v_src[h_idx, s_idx].to(value.dtype)
         return base_fn(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -89,12 +89,13 @@ def _same_view(a: tuple, b: tuple) -> bool:
 
 def _view_mask(dev, window: int | None, pos: torch.Tensor, m: torch.Tensor, h: torch.Tensor | None,
                q_var: torch.Tensor, q_tok: torch.Tensor, own_new: torch.Tensor, start: int,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+               dtype: torch.dtype, s_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's substituted slots and the additive mask ``[1, 1, V n, slots + e + V n]`` of
     :class:`SharedPrefix` (see there), from its slot positions ``pos``, substitution ``m`` and hide
-    ``h`` (bool ``[V, slots]``)."""
+    ``h`` (bool ``[V, slots]``); ``s_idx``: the substituted slots (default: those of ``m``)."""
     q_pos = start + q_tok
-    s_idx = m.any(0).nonzero().flatten()                           # slots any variant substitutes
+    if s_idx is None:
+        s_idx = m.any(0).nonzero().flatten()                       # slots any variant substitutes
     see_base, see_sub, see_new = ~m[q_var], m[q_var][:, s_idx], own_new
     if h is not None:                                              # whichever entry stands there
         hidden = h[q_var] & (q_tok == 0)[:, None]
@@ -117,7 +118,8 @@ class SharedPrefix:
     slot once (its source K/V are the same for every variant that takes it); an additive mask
     gives each query its own variant's view (the prefix slots it does not substitute, its own
     substituted entries, its own fed tokens up to itself; on sliding-window layers only positions
-    within the window). The model's own attention implementation (scaling, soft-capping, sinks) runs
+    within the window; with head masks, one mask per KV head, ``[1, kv_heads, V n, keys]``, repeated
+    to its query heads). The model's own attention implementation (scaling, soft-capping, sinks) runs
     on that block, so the result is the same attention as on materialised variant caches, up to
     float rounding.
 
@@ -162,6 +164,12 @@ class SharedPrefix:
                 m = layer_mask(masks_d, l)[:, pos]                         # [V, slots]
                 h = layer_mask(hide_d, l)[:, pos] if hide_d is not None else None
                 hit = (view, *_view_mask(dev, window, pos, m, h, q_var, q_tok, own_new, start, dtype))
+                heads = (layer_heads(masks_d, l), layer_heads(hide_d, l) if hide_d is not None else None)
+                if heads[0] is not None or heads[1] is not None:           # head masks: one view per KV head
+                    hit = (view, hit[1], torch.cat([_view_mask(
+                        dev, window, pos, m if heads[0] is None else m & heads[0][:, j: j + 1],
+                        None if h is None else h if heads[1] is None else h & heads[1][:, j: j + 1],
+                        q_var, q_tok, own_new, start, dtype, hit[1])[1] for j in range(lb.keys.shape[1])], 1))
                 seen.append(hit)
             s_idx, mask = hit[1], hit[2]
             kv = []                             # [G, kv_heads, slots + e + V n, dim]: the fed tokens' K/V go last
@@ -181,6 +189,8 @@ class SharedPrefix:
         keys, values, mask = self.layers[module.layer_idx]
         check_per_head(key, value, keys, values)
         B, H, n, hd = query.shape
+        if mask.shape[1] not in (1, H):                 # a head mask's per-KV-head views, to the query heads
+            mask = query_heads(mask, H)
         G, kvh = keys.shape[0], key.shape[1]
         V = B // G
 
@@ -221,7 +231,7 @@ def shared_prefix_chunk(masks: Masks, base: DynamicCache, n: int) -> int:
     return max(1, (2 * slots + 3 * n - e) // n)
 
 
-def shared_prefix_bytes(config, base: DynamicCache, V: int, n: int, e: int) -> int:
+def shared_prefix_bytes(config, base: DynamicCache, V: int, n: int, e: int, head_masks: bool = False) -> int:
     """Bytes a :class:`SharedPrefix` forward of ``V`` variants x ``n`` fed tokens allocates besides
     the model's weights and the shared prefix: per layer its additive mask and the bool view it is
     built from (kept for every layer), the prefix and substituted K/V it concatenates, one layer's
@@ -232,6 +242,8 @@ def shared_prefix_bytes(config, base: DynamicCache, V: int, n: int, e: int) -> i
     Args:
         config: the model config (its text config's heads, hidden and intermediate sizes).
         e: the most slots one layer substitutes over the chunk (:func:`shared_prefix_chunk`).
+        head_masks: the masks name KV heads: each layer keeps one additive mask per KV head, and one
+            layer's is repeated to the query heads while it runs.
     """
     text = config.get_text_config(decoder=True)
     rows, elem = V * n, base.layers[0].keys.element_size()
@@ -239,9 +251,10 @@ def shared_prefix_bytes(config, base: DynamicCache, V: int, n: int, e: int) -> i
     for layer in base.layers:                   # a sliding layer holds fewer slots than a global one
         k = layer.keys
         keys = k.shape[-2] + e + V * n
-        masks += rows * keys * (elem + 1) + (k.shape[-2] + e) * k.shape[1] * k.shape[-1] * 2 * elem
+        masks += rows * keys * (elem * (k.shape[1] if head_masks else 1) + 1) \
+            + (k.shape[-2] + e) * k.shape[1] * k.shape[-1] * 2 * elem
         widest = max(widest, keys)
-    scores = text.num_attention_heads * rows * widest * 4
+    scores = text.num_attention_heads * rows * widest * (4 + (elem if head_masks else 0))
     inter = getattr(text, "intermediate_size", None) or getattr(text, "moe_intermediate_size", None) or 4 * text.hidden_size
     acts = rows * (4 * text.hidden_size + 3 * inter) * elem
     return masks + scores + acts
@@ -254,10 +267,11 @@ def shared_prefix_budget_chunk(config, base: DynamicCache, masks: Masks, n: int,
     cache-free path allocates, not by the variant caches it never builds."""
     e_all = union_slots(masks)
     e_one = most_slots(masks)                                    # most slots one variant substitutes in a layer
+    heads = layer_heads(masks, 0) is not None
     lo, hi = 1, max(1, limit)
     while lo < hi:                                               # bytes grow with V: the largest that fits
         mid = (lo + hi + 1) // 2                                 # a chunk of mid variants substitutes <= mid * e_one slots
-        if shared_prefix_bytes(config, base, mid, n, min(e_all, mid * e_one)) <= budget_bytes:
+        if shared_prefix_bytes(config, base, mid, n, min(e_all, mid * e_one), heads) <= budget_bytes:
             lo = mid
         else:
             hi = mid - 1
