@@ -344,7 +344,6 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
             if isinstance(made, str):
                 return [], {"reason": made}
             oracle_prompt = made[0]
-        oracle_ids = oracle_prompt.ids
         expected = sc.candidates[sc.outcome(value)]
         if cot is None:
             cands = {c: continuation_ids(tok, conv, c) for c in dict.fromkeys(sc.candidates.values())}
@@ -367,36 +366,19 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
                                                                          last_only=True))
             agent = lp[0, -1]
         cached = fed
-        if cot is not None:
-            row = _cot_turn(model, tok, cot, cache, conv, oracle_prompt, decoded, expected,
-                            list(dict.fromkeys(sc.candidates.values())))
-            if "reason" in row:
-                return rows, row | {"turn": t}
-            answers.append(row["answer_text"])
-            rows.append({"trajectory": instance.id, "scenario": sc.id, "family": sc.family, "instance": instance.id,
-                         "turn": t, "value": value, "expected": expected} | row
-                        | {"conversation_tokens": len(conv.ids), "reused_tokens": reuse, "agent_ms": ms,
-                           "precompile_ms": pre_ms if t == 1 else 0.0})
-            continue
-        oracle_ms, oracle_logits = full(oracle_ids)
-        transcript_ms, transcript_logits = full(conv.ids)
-        oracle = torch.log_softmax(oracle_logits[0], -1)
-        transcript = torch.log_softmax(transcript_logits[0], -1)
-        first = cands[expected][0]
-        top = {k: int(v.argmax()) for k, v in (("agent", agent), ("oracle", oracle), ("transcript", transcript))}
-        answer = max((c for c, ids in cands.items() if ids is not None), key=lambda c: float(agent[cands[c][0]]))
-        answers.append(answer)
+        if cot is None:
+            sides = _direct_sides(agent, cands, full, conv, oracle_prompt)
+        else:
+            sides = _generated_sides(model, tok, cot, cache, conv, oracle_prompt, decoded,
+                                     list(dict.fromkeys(sc.candidates.values())))
+        row = sides if "reason" in sides else _turn_columns(sides, expected)
+        if "reason" in row:
+            return rows, row | {"turn": t}
+        answers.append(row.get("answer_text", row["answer"]))
         rows.append({"trajectory": instance.id, "scenario": sc.id, "family": sc.family, "instance": instance.id,
-                     "turn": t, "value": value, "expected": expected, "expected_first_token": first,
-                     "answer": answer, **{f"{k}_top1": v for k, v in top.items()},
-                     "oracle_owned": top["oracle"] == first,
-                     **{f"{k}_correct": v == first for k, v in top.items()},
-                     "agree_oracle": top["agent"] == top["oracle"],
-                     "agree_transcript": top["agent"] == top["transcript"],
-                     "kl_oracle": _kl(oracle, agent), "kl_transcript": _kl(transcript, agent),
-                     "conversation_tokens": len(conv.ids), "reused_tokens": reuse, "agent_ms": ms,
-                     "oracle_ms": oracle_ms, "transcript_ms": transcript_ms,
-                     "precompile_ms": pre_ms if t == 1 else 0.0})
+                     "turn": t, "value": value, "expected": expected} | row
+                    | {"conversation_tokens": len(conv.ids), "reused_tokens": reuse, "agent_ms": ms,
+                       "precompile_ms": pre_ms if t == 1 else 0.0})
     return rows, None
 
 
@@ -408,46 +390,79 @@ def _prefill_and_decode(model, ids: torch.Tensor, cot: CotReadout | None) -> tup
     return ms, gen_ms, gen
 
 
-def _cot_turn(model, tok, cot: CotReadout, cache, conv: Prompt, oracle_prompt: Prompt, decoded, expected: str,
-              candidates: list[str]) -> dict:
-    """One decision under the generated readout: the agent decodes from its cache over ``conv`` minus
-    its last token, the oracle and the transcript from full prefills (memoised per prompt by
-    ``decoded``). Returns the row's readout columns (``answer_text`` closes the turn), or
-    ``{"reason": ..., ...}`` when the agent cannot answer."""
+@dataclass(frozen=True)
+class Reading:
+    """One side's reading of a decision: fp32 ``[vocab]`` log-probs (after the chain's marker under
+    the generated readout), the candidates' ids after the prompt and chain (None: the chain missed
+    its marker), prefill and decoding ms, the chain and its text (None and "" under the direct readout)."""
+
+    lp: torch.Tensor
+    cands: dict | None
+    ms: float = 0.0
+    gen_ms: float = 0.0
+    chain: Any = None
+    text: str = ""
+
+
+def _direct_sides(agent: torch.Tensor, cands: dict, full, conv: Prompt, oracle_prompt: Prompt) -> dict:
+    """The direct readout: the agent's log-probs at the conversation's last position, the oracle's and
+    the transcript's from full prefills (memoised per prompt by ``full``); every side reads the
+    candidates' ids after the conversation."""
+    oracle_ms, oracle_logits = full(oracle_prompt.ids)
+    transcript_ms, transcript_logits = full(conv.ids)
+    return {"agent": Reading(agent, cands),
+            "oracle": Reading(torch.log_softmax(oracle_logits[0], -1), cands, oracle_ms),
+            "transcript": Reading(torch.log_softmax(transcript_logits[0], -1), cands, transcript_ms)}
+
+
+def _generated_sides(model, tok, cot: CotReadout, cache, conv: Prompt, oracle_prompt: Prompt, decoded,
+                     candidates: list[str]) -> dict:
+    """The generated readout: the agent decodes from its cache over ``conv`` minus its last token, the
+    oracle and the transcript from full prefills (memoised per prompt by ``decoded``); each side reads
+    the candidates' ids after its own chain. ``{"reason": ..., "agent_chain": ...}`` when the agent's
+    chain missed its marker."""
     agent_gen_ms, agen = _timed(lambda: decode_after(model, cache, conv.ids, cot))
-    gens: dict[str, Generated] = {"agent": agen}
-    chain = agen.chains[0]
-    if not chain.reached:
-        return {"reason": unreached_label(tok, "agent", chain, cot.thinking), "agent_chain": chain.record()}
-    oracle_ms, oracle_gen_ms, gens["oracle"] = decoded(oracle_prompt.ids)
-    transcript_ms, transcript_gen_ms, gens["transcript"] = decoded(conv.ids)
-    prompts = {"agent": conv, "oracle": oracle_prompt, "transcript": conv}
-    chains = {k: g.chains[0] for k, g in gens.items()}
-    lps = {k: g.logprobs[0] for k, g in gens.items()}
-    texts, cands = {}, {}
-    for k in SIDES:
-        if chains[k].reached:
-            texts[k], cands[k] = candidates_after(tok, prompts[k], chains[k].ids, candidates)
-    first = {k: cands[k][expected][0] if k in cands and cands[k][expected] is not None else None for k in SIDES}
-    usable = {c: ids for c, ids in cands["agent"].items() if ids is not None}
+    if not agen.chains[0].reached:
+        return {"reason": unreached_label(tok, "agent", agen.chains[0], cot.thinking),
+                "agent_chain": agen.chains[0].record()}
+    oracle_ms, oracle_gen_ms, ogen = decoded(oracle_prompt.ids)
+    transcript_ms, transcript_gen_ms, tgen = decoded(conv.ids)
+    out = {}
+    for side, gen, prompt, ms, gen_ms in (("agent", agen, conv, 0.0, agent_gen_ms),
+                                          ("oracle", ogen, oracle_prompt, oracle_ms, oracle_gen_ms),
+                                          ("transcript", tgen, conv, transcript_ms, transcript_gen_ms)):
+        chain = gen.chains[0]
+        text, cands = candidates_after(tok, prompt, chain.ids, candidates) if chain.reached else ("", None)
+        out[side] = Reading(gen.logprobs[0], cands, ms, gen_ms, chain, text)
+    return out
+
+
+def _turn_columns(sides: dict[str, Reading], expected: str) -> dict:
+    """A turn's readout columns from its three readings (:class:`TurnRow`): top-1s, correctness against
+    each side's first token of ``expected``, the agent's agreement with and KL from the sides that
+    reached their marker, and (generated readout) the chains. ``{"reason": ...}`` when every
+    candidate merges with the agent's chain."""
+    agent = sides["agent"]
+    first = {k: r.cands[expected][0] if r.cands is not None and r.cands[expected] is not None else None
+             for k, r in sides.items()}
+    usable = {c: ids for c, ids in agent.cands.items() if ids is not None}
     if not usable:
-        return {"reason": f"agent_{CANDIDATE_MERGES}", "agent_chain": chain.record()}
-    answer = max(usable, key=lambda c: float(lps["agent"][usable[c][0]]))
-    top = {k: int(lps[k].argmax()) if chains[k].reached else None for k in SIDES}
+        return {"reason": f"agent_{CANDIDATE_MERGES}", "agent_chain": agent.chain.record()}
+    answer = max(usable, key=lambda c: float(agent.lp[usable[c][0]]))
+    reached = {k: r.cands is not None for k, r in sides.items()}
+    top = {k: int(r.lp.argmax()) if reached[k] else None for k, r in sides.items()}
     correct = {k: top[k] == first[k] if top[k] is not None and first[k] is not None else None for k in SIDES}
-    vs = {k: chains[k].reached for k in SIDES}
-    return {"expected_first_token": first["agent"], "answer": answer, **{f"{k}_top1": v for k, v in top.items()},
-            "oracle_owned": correct["oracle"], **{f"{k}_correct": v for k, v in correct.items()},
-            "agree_oracle": top["agent"] == top["oracle"] if vs["oracle"] else None,
-            "agree_transcript": top["agent"] == top["transcript"] if vs["transcript"] else None,
-            "kl_oracle": _kl(lps["oracle"], lps["agent"]) if vs["oracle"] else None,
-            "kl_transcript": _kl(lps["transcript"], lps["agent"]) if vs["transcript"] else None,
-            "oracle_ms": oracle_ms, "transcript_ms": transcript_ms,
-            "answer_text": texts["agent"] + answer,
-            "expected_first_tokens": first,
-            **{f"{k}_chain": chains[k].record() for k in SIDES}, **{f"{k}_reached": chains[k].reached for k in SIDES},
-            "agent_generate_ms": agent_gen_ms, "oracle_generate_ms": oracle_gen_ms,
-            "transcript_generate_ms": transcript_gen_ms}
+    row = {"expected_first_token": first["agent"], "answer": answer, **{f"{k}_top1": v for k, v in top.items()},
+           "oracle_owned": correct["oracle"], **{f"{k}_correct": v for k, v in correct.items()},
+           **{f"agree_{k}": top["agent"] == top[k] if reached[k] else None for k in SIDES[1:]},
+           **{f"kl_{k}": _kl(sides[k].lp, agent.lp) if reached[k] else None for k in SIDES[1:]},
+           "oracle_ms": sides["oracle"].ms, "transcript_ms": sides["transcript"].ms}
+    if agent.chain is not None:
+        row |= {"answer_text": agent.text + answer, "expected_first_tokens": first,
+                **{f"{k}_chain": r.chain.record() for k, r in sides.items()},
+                **{f"{k}_reached": v for k, v in reached.items()},
+                **{f"{k}_generate_ms": r.gen_ms for k, r in sides.items()}}
+    return row
 
 
 def _share(rows: list[dict], key: str, n_boot: int, seed: int) -> dict:

@@ -234,11 +234,6 @@ RANKINGS = methods.RANKINGS
 CONTROLS: list[str] = list(methods.controls())
 
 
-def named_methods() -> tuple[str, ...]:
-    """The registered edit methods that are not controls, in record order."""
-    return tuple(n for n in EDIT_METHODS if n not in CONTROLS)
-
-
 def sweep_methods(editor: PairEditor, rankings: list[str], ks: list[int], oracle_ranking: str | None):
     """Yield ``(method name, ranking, K, edited)`` for the ranked methods of the registry: each
     ranking of ``rankings`` for a method, ``oracle_ranking`` (None: skipped) for an upper bound."""

@@ -317,6 +317,39 @@ class Result(BaseResult):
     examples: dict[str, dict[str, Any]]
 
 
+def _knockout_rows(base: dict, run_name: str, variants: list[dict], pair, lp: torch.Tensor, scores, toward: float,
+                   drop_nats: float, top_k: int, chains=None, unreached_reason=None) -> tuple[list, list, list]:
+    """One run's knockout rows, under either readout: variant ``i`` (row ``i`` of ``lp`` fp32 ``[V, vocab]``
+    and ``scores`` ``[V]``, read at the decision position or after the chain's marker) against row 0,
+    the clean one; ``toward`` signs ``delta_toward_other``. Under the generated readout (``chains``)
+    rows keep their chain and the knocked decision's side, and a chain that missed its marker goes to
+    the unreached list with ``unreached_reason(chain)``.
+
+    Returns:
+        (the clean ``[lp(cand_old), lp(cand_new)]``, knockout rows, unreached rows).
+    """
+    flags = collapse_flags(lp, (pair.cand_old[0], pair.cand_new[0]), drop_nats, top_k)
+    lp_c = lp[:, [pair.cand_old[0], pair.cand_new[0]]]
+    s_clean = float(scores[0])
+    rows, unreached = [], []
+    for i, v in enumerate(variants, start=1):
+        cols = base | {"run": run_name, "variant": v["name"], "group": v["group"], "band": v["band"]}
+        if chains is not None:
+            cols["chain"] = chains[i].record()
+            if not chains[i].reached:
+                unreached.append(cols | {"reason": unreached_reason(chains[i])})
+                continue
+            cols["side_knock"] = owned_side(lp[i], pair)
+        s_k = float(scores[i])
+        changed = (s_k > 0) != (s_clean > 0)
+        rows.append(cols | {
+            "s_clean": s_clean, "s_knock": s_k, "delta": s_k - s_clean, "delta_toward_other": toward * (s_k - s_clean),
+            "lp_cand_knock": lp_c[i].tolist(), "collapse_drop": bool(flags["drop"][i]),
+            "collapse_topk": bool(flags["topk_lost"][i]), "collapsed": bool(flags["collapsed"][i]),
+            "decision_changed": changed, "flip_intact": changed and not bool(flags["collapsed"][i])})
+    return lp_c[0].tolist(), rows, unreached
+
+
 def _knockout_pair(ctx, pr, row: dict, variants: list[dict], n_sinks: int, drop_nats: float, top_k: int) -> list[dict]:
     """One pair, both runs: the clean attention masses per key group (written into ``row``) and one
     knockout row per run and variant (score change, knocked candidate log-probs, collapse flags)."""
@@ -344,22 +377,10 @@ def _knockout_pair(ctx, pr, row: dict, variants: list[dict], n_sinks: int, drop_
             float(group_masses(read.probs[i + 1], groups)[l0:l1][:, [GROUPS.index(g) for g in v["groups"]]].sum(-1).max())
             for i, v in enumerate(variants) for l0, l1 in [v["layers"]])
         null_err = max(null_err, abs(float(scores[0]) - s_clean))
-        flags = collapse_flags(read.logprobs[:, 0], (pair.cand_old[0], pair.cand_new[0]), drop_nats, top_k)
-        lp_c = read.logprobs[:, 0][:, [pair.cand_old[0], pair.cand_new[0]]]
-        row[f"lp_cand_{run_name}"] = lp_c[0].tolist()                  # clean [cand_old, cand_new]
         toward = 1.0 if s_other > s_clean else -1.0
-        for i, v in enumerate(variants, start=1):
-            s_k = float(scores[i])
-            changed = (s_k > 0) != (float(scores[0]) > 0)
-            ko_rows.append(base | {
-                "run": run_name, "variant": v["name"], "group": v["group"], "band": v["band"],
-                "s_clean": float(scores[0]), "s_knock": s_k, "delta": s_k - float(scores[0]),
-                "delta_toward_other": toward * (s_k - float(scores[0])),
-                "lp_cand_knock": lp_c[i].tolist(),
-                "collapse_drop": bool(flags["drop"][i]), "collapse_topk": bool(flags["topk_lost"][i]),
-                "collapsed": bool(flags["collapsed"][i]), "decision_changed": changed,
-                "flip_intact": changed and not bool(flags["collapsed"][i]),
-            })
+        row[f"lp_cand_{run_name}"], got, _ = _knockout_rows(base, run_name, variants, pair, read.logprobs[:, 0],
+                                                            scores, toward, drop_nats, top_k)
+        ko_rows += got
     row["null_knockout_err"] = null_err
     return ko_rows
 
@@ -443,26 +464,12 @@ def _knockout_chains(ctx, sp, row: dict, variants: list[dict], n_sinks: int, dro
         s = first_token_scores(gen.logprobs, pair)
         s_clean, s_screen, s_other = float(s[0]), row[f"s_{run_name}"], row[f"s_{other}"]
         null_err = max(null_err, abs(s_clean - s_screen))
-        flags = collapse_flags(gen.logprobs, (pair.cand_old[0], pair.cand_new[0]), drop_nats, top_k)
-        lp_c = gen.logprobs[:, [pair.cand_old[0], pair.cand_new[0]]]
-        row[f"lp_cand_{run_name}"] = lp_c[0].tolist()
         toward = 1.0 if s_other > s_clean else -1.0
-        for i, v in enumerate(variants, start=1):
-            chain = gen.chains[i]
-            cols = base | {"run": run_name, "variant": v["name"], "group": v["group"], "band": v["band"],
-                           "chain": chain.record()}
-            if not chain.reached:
-                unreached.append(cols | {"reason": K.cot_unreached(ctx, run_name, chain)})
-                continue
-            s_k = float(s[i])
-            changed = (s_k > 0) != (s_clean > 0)
-            ko_rows.append(cols | {
-                "s_clean": s_clean, "s_knock": s_k, "delta": s_k - s_clean, "delta_toward_other": toward * (s_k - s_clean),
-                "lp_cand_knock": lp_c[i].tolist(), "side_knock": owned_side(gen.logprobs[i], pair),
-                "collapse_drop": bool(flags["drop"][i]), "collapse_topk": bool(flags["topk_lost"][i]),
-                "collapsed": bool(flags["collapsed"][i]), "decision_changed": changed,
-                "flip_intact": changed and not bool(flags["collapsed"][i]),
-            })
+        row[f"lp_cand_{run_name}"], got, missed = _knockout_rows(
+            base, run_name, variants, pair, gen.logprobs, s, toward, drop_nats, top_k, gen.chains,
+            lambda chain, run_name=run_name: K.cot_unreached(ctx, run_name, chain))
+        ko_rows += got
+        unreached += missed
     row["null_knockout_err"] = null_err
     return ko_rows, unreached
 

@@ -400,14 +400,6 @@ def cot_unreached(ctx, side: str, chain) -> str:
     return unreached_label(ctx.bundle.tokenizer, side, chain, ctx.thinking)
 
 
-def cot_template_kwargs(ctx, template_kwargs: dict) -> dict:
-    """A probe's own chat-template arguments with the run's thinking switch applied
-    (``ctx.template_kwargs["enable_thinking"]``, from ``model.thinking``), so prompts a probe renders
-    itself under cot have the think block the marker test expects."""
-    switch = getattr(ctx, "template_kwargs", None) or {}
-    return {**template_kwargs, **({"enable_thinking": switch["enable_thinking"]} if "enable_thinking" in switch else {})}
-
-
 @torch.no_grad()
 def cot_screen(ctx, pair, old_cache, new_cache, max_new: int) -> tuple[dict, str | None]:
     """Screen a pair by generation: the clean old and new chains decode in one batch from their
