@@ -241,32 +241,6 @@ def image_summary(prompt_rows: list[dict], image: tuple, cpairs, families: list[
                          for v in names}}
 
 
-def _share(rows, name: str, owned_only: bool) -> dict:
-    rs = [r for r in rows if r["owned"] or not owned_only]
-    return proportion(sum(bool(r["variants"][name]["top1_agree"]) for r in rs), len(rs))
-
-
-def aggregate(prompt_rows: list[dict], pair_rows: list[dict], names: list[str], families: list[str], n_boot: int,
-              seed: int) -> dict:
-    """Per variant and family (and ``all``): decision agreement on owned prompts, top-1 agreement,
-    KL and logit cosine over distinct prompts, recovery on flipping pairs (see the module docstring)."""
-    out = {}
-    for v in names:
-        groups = {g: prompt_rows if g == "all" else [r for r in prompt_rows if r["family"] == g]
-                  for g in ["all", *families]}
-        out[v] = {
-            "decision_agreement": {g: _share(rs, v, True) for g, rs in groups.items()},
-            "top1_agreement": {g: _share(rs, v, False) for g, rs in groups.items()},
-            "kl": summaries_by_family(prompt_rows, lambda r, v=v: r["variants"][v]["kl"], None, families, n_boot, seed),
-            "logit_cosine": summaries_by_family(prompt_rows, lambda r, v=v: r["variants"][v]["logit_cosine"], None,
-                                                families, n_boot, seed),
-            "recovery": summaries_by_family(
-                pair_rows, lambda r, v=v: r["variants"][v]["r"] if r["flips"] else None,
-                lambda r, v=v: (r["variants"][v]["s_new"] > 0) == (r["s_full"][1] > 0), families, n_boot, seed),
-        }
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------
 # chain of thought (scenario.variant=cot): the decision read after a generated chain
 
@@ -390,35 +364,45 @@ def cot_pair_row(pair, ro: dict, rn: dict, names: list[str]) -> dict:
     return row
 
 
-def aggregate_cot(prompt_rows: list[dict], pair_rows: list[dict], names: list[str], families: list[str],
-                  n_boot: int, seed: int) -> dict:
-    """Per variant and group (``all`` and each family), over prompts whose full chain reached its
-    marker: ``decision_agreement`` (owned prompts whose composed chain reached its marker and names
-    the full chain's top-1; Wilson CI), ``top1_agreement`` (the same over every prompt),
-    ``same_chain`` (share of prompts whose composed chain is the full chain token for token),
-    ``kl`` (KL(full || composed), cluster bootstrap), ``n_unreached`` (composed chains without the
-    marker: left out of the rest); over generated flips: ``new_decision`` (the composed new chain
-    takes the new decision; Wilson CI) and ``recovery`` (:func:`kvnotes.harness.kit.summaries_by_family`)."""
+def aggregate(prompt_rows: list[dict], pair_rows: list[dict], names: list[str], families: list[str], n_boot: int,
+              seed: int, generated: bool) -> dict:
+    """Per variant and group (``all`` and each family), over distinct prompts (generated readout: those
+    whose full chain reached its marker): ``decision_agreement`` (owned prompts whose composed run
+    names the full prefill's top-1; Wilson CI), ``top1_agreement`` (the same over every prompt),
+    ``kl`` (KL(full || composed), cluster bootstrap); a composed chain that missed its marker is
+    left out of these and counted (``n_unreached``). Direct readout: ``logit_cosine``, and
+    ``recovery`` over pairs that flip (the flag: the composed new run takes the new decision).
+    Generated readout: ``same_chain`` (the composed chain is the full chain token for token), and over
+    generated flips ``new_decision`` (Wilson CI) and ``recovery``
+    (:func:`kvnotes.harness.kit.summaries_by_family`)."""
     out = {}
     groups = {g: prompt_rows if g == "all" else [r for r in prompt_rows if r["family"] == g] for g in ["all", *families]}
     flipping = [r for r in pair_rows if r["flips"]]
     fgroups = {g: flipping if g == "all" else [r for r in flipping if r["family"] == g] for g in groups}
     for v in names:
         def share(rs: list[dict], key: str, v: str = v) -> dict:
-            done = [r["variants"][v][key] for r in rs if r["variants"][v]["reached"]]
+            done = [r["variants"][v][key] for r in rs if r["variants"][v].get("reached", True)]
             return proportion(sum(bool(x) for x in done), len(done))
 
         out[v] = {
             "decision_agreement": {g: share([r for r in rs if r["owned"]], "top1_agree") for g, rs in groups.items()},
             "top1_agreement": {g: share(rs, "top1_agree") for g, rs in groups.items()},
+            "kl": summaries_by_family(prompt_rows, lambda r, v=v: r["variants"][v]["kl"], None, families, n_boot, seed)}
+        if not generated:
+            out[v] |= {
+                "logit_cosine": summaries_by_family(prompt_rows, lambda r, v=v: r["variants"][v]["logit_cosine"], None,
+                                                    families, n_boot, seed),
+                "recovery": summaries_by_family(
+                    pair_rows, lambda r, v=v: r["variants"][v]["r"] if r["flips"] else None,
+                    lambda r, v=v: (r["variants"][v]["s_new"] > 0) == (r["s_full"][1] > 0), families, n_boot, seed)}
+            continue
+        out[v] |= {
             "same_chain": {g: proportion(sum(r["variants"][v]["same_chain"] for r in rs), len(rs))
                            for g, rs in groups.items()},
-            "kl": summaries_by_family(prompt_rows, lambda r, v=v: r["variants"][v]["kl"], None, families, n_boot, seed),
             "n_unreached": {g: sum(not r["variants"][v]["reached"] for r in rs) for g, rs in groups.items()},
             "new_decision": {g: share(rs, "takes_new") for g, rs in fgroups.items()},
             "recovery": summaries_by_family(flipping, lambda r, v=v: r["variants"][v]["r"],
-                                            lambda r, v=v: r["variants"][v]["takes_new"], families, n_boot, seed),
-        }
+                                            lambda r, v=v: r["variants"][v]["takes_new"], families, n_boot, seed)}
     return out
 
 
@@ -473,7 +457,7 @@ def run(ctx) -> dict:
     Returns:
         ``rows`` (pairs; generated: those whose full chains both reached their markers), ``prompts``
         (distinct prompts; generated: those whose full chain did), ``exclusions``, ``excluded``,
-        ``variant_names`` and ``aggregates`` (generated: :func:`aggregate_cot` under ``variants``,
+        ``variant_names`` and ``aggregates`` (:func:`aggregate` under ``variants``; generated:
         ``readout = "generated"``).
 
     Raises:
@@ -560,11 +544,8 @@ def run(ctx) -> dict:
         excluded, exclusions = fs.excluded, fs.exclusions
     families = families_of(cctx, rows + prompt_rows + bad_prompts)
     with ctx.timer("statistics"):
-        if generated:
-            agg = aggregate_cot(prompt_rows, rows, names, families, n_boot, ctx.seed)
-        else:
-            agg = aggregate(prompt_rows, rows, names, families, n_boot, ctx.seed)
-            arms = aggregate_arms(rows, arm_seams, families, n_boot, ctx.seed) if arm_seams else None
+        agg = aggregate(prompt_rows, rows, names, families, n_boot, ctx.seed, generated)
+        arms = aggregate_arms(rows, arm_seams, families, n_boot, ctx.seed) if arm_seams else None
     aggregates = {"n_pairs": len(cpairs.pairs) + len(cpairs.excluded), "n_aligned": len(cpairs.pairs),
                   "n_flip": sum(r["flips"] for r in rows), "n_prompts": len(prompt_rows),
                   "n_owned_prompts": sum(r["owned"] for r in prompt_rows), "families": families, "sinks": sinks,
