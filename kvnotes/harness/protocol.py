@@ -46,13 +46,13 @@ from kvnotes.harness.constraints import Count, NonNegative
 from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
 from kvnotes.kv import cache as kvcache
-from kvnotes.kv.masks import Masks
+from kvnotes.kv.masks import KVSite, Masks, site_masks
 from kvnotes.kv import patch as kvpatch
 from kvnotes.kv import generate as kvgen
 from kvnotes.ops import edit as kvedit
 
 #: ``pair -> {variant name: positions in [0, d)}`` (patched in every layer), in scoring order.
-Variants = Callable[[Any], Mapping[str, Sequence[int]]]
+Variants = Callable[[Any], Mapping[str, "Sequence[int] | KVSite"]]
 #: ``"flipping"``: measure the pairs that flip, exclude the rest; ``"all"``: measure every screened
 #: pair (rows keep ``flips`` / ``reason``), and also list the non-flipping ones as exclusions.
 Scope = Literal["flipping", "all"]
@@ -128,10 +128,16 @@ class ScreenedPair:
     def s_new(self) -> float:
         return self.run.s_new
 
-    def masks(self, sets: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Bool ``[V, n_layers, d]`` patch masks of position sets in ``[0, d)``, every layer."""
-        n_layers = self.model.config.get_text_config().num_hidden_layers
-        return kvpatch.position_masks(n_layers, self.pair.decision, [list(s) for s in sets])
+    def masks(self, sets: Sequence[Sequence[int] | KVSite]) -> Masks:
+        """Patch masks ``[V, n_layers, d]`` of position sets in ``[0, d)`` (every layer and KV head) or
+        of :class:`kvnotes.kv.masks.KVSite` (positions in some layers and KV heads: a head patch,
+        :func:`kvnotes.kv.masks.site_masks`)."""
+        text = self.model.config.get_text_config()
+        if any(isinstance(s, KVSite) for s in sets):
+            kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+            return site_masks(text.num_hidden_layers, self.pair.decision,
+                              [s if isinstance(s, KVSite) else KVSite(s) for s in sets], kv_heads)
+        return kvpatch.position_masks(text.num_hidden_layers, self.pair.decision, [list(s) for s in sets])
 
     @torch.no_grad()
     def score(self, masks: Masks) -> Scored:
@@ -395,13 +401,14 @@ def pair_loop(ctx, desc: str, measure: Callable[[ScreenedPair, dict], dict] | No
     return out
 
 
-def patch_columns(sp: ScreenedPair, sets: Mapping[str, Sequence[int]]) -> dict:
+def patch_columns(sp: ScreenedPair, sets: Mapping[str, Sequence[int] | KVSite]) -> dict:
     """One pair's variants under the run's readout: each named position set patched (every layer)
     from the new run's prefix cache into the old run's, all scored in one batched call.
 
     Args:
         sp: the screened pair.
-        sets: variant name -> positions in ``[0, d)``.
+        sets: variant name -> positions in ``[0, d)`` (every layer and KV head), or a
+            :class:`kvnotes.kv.masks.KVSite` (those positions in some layers and KV heads).
 
     Returns:
         per variant ``v``: ``r_<v>`` (recovery), ``s_<v>`` (score, nats), ``flipped_<v>``; under the

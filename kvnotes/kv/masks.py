@@ -18,7 +18,9 @@ patches and knockouts are written in one vocabulary (:func:`site_masks`) and exe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -140,10 +142,19 @@ def most_slots(masks: Masks) -> int:
     return int(masks.view(torch.uint8).sum(dim=2, dtype=torch.int32).max())
 
 
-def site_masks(n_layers: int, T: int, sites, kv_heads: int | None = None) -> FactoredMasks:
-    """Masks of K/V sites, one variant per entry of ``sites``: ``(positions, layers, heads)``, the
-    positions ``[0, T)`` it acts on in ``layers`` (None: every layer) and, per those layers, the KV
-    ``heads`` (None: every head). A position patch names no heads; a head patch names them; the same
+class KVSite(NamedTuple):
+    """The K/V sites of one variant: ``positions``, in ``layers`` (None: every layer), of the KV
+    ``heads`` (None: every head) of each of those layers."""
+
+    positions: Sequence[int]
+    layers: Sequence[int] | None = None
+    heads: Sequence[int] | None = None
+
+
+def site_masks(n_layers: int, T: int, sites: Sequence[Sequence], kv_heads: int | None = None) -> FactoredMasks:
+    """Masks of K/V sites, one variant per entry of ``sites``: a :class:`KVSite` or a tuple
+    ``(positions, layers, heads)``, the positions ``[0, T)`` it acts on in ``layers`` (None: every
+    layer) and, per those layers, the KV ``heads`` (None: every head). A position patch names no heads; a head patch names them; the same
     masks are a knockout where the decision row's attention reads them (:mod:`kvnotes.kv.knockout`).
 
     Args:
@@ -156,7 +167,7 @@ def site_masks(n_layers: int, T: int, sites, kv_heads: int | None = None) -> Fac
         ValueError: a site names heads without ``kv_heads``; IndexError: a position, layer or head out
             of range.
     """
-    sites = [tuple(s) + (None,) * (3 - len(s)) for s in sites]
+    sites = [KVSite(*s) for s in sites]
     positions = torch.zeros(len(sites), T, dtype=torch.bool)
     layers = torch.zeros(len(sites), n_layers, dtype=torch.bool)
     named = any(h is not None for _, _, h in sites)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kvnotes.harness import kit
-from kvnotes.harness.protocol import ScreenedPair, pair_loop, screen_generated
+from kvnotes.harness.protocol import ScreenedPair, pair_loop, patch_columns, screen_generated
 from kvnotes.harness.readout import run_pair
+from kvnotes.kv.masks import KVSite
 from tests.helpers import cot_tiny_ctx
 from tests.kv.test_cache import prompts
 from tests.probes.test_injection import synthetic_pair
@@ -41,6 +42,27 @@ def test_zero_new_tokens_scores_like_the_direct_readout(tiny, monkeypatch):
     # direct sides follow the score's sign; flipped = the new run's side
     assert want.side == ["new" if s > 0 else "old" for s in want.s]
     assert want.flipped == [(s > 0) == (direct.s_new > 0) for s in want.s]
+
+
+def test_head_sites_score_alike_under_both_readouts(tiny, monkeypatch):
+    """A probe's variants may name KV heads (:class:`kvnotes.kv.masks.KVSite`): each downstream KV
+    head alone moves the decision, but less than all of them together, which equal the plain position
+    set; no head is the old run; the zero-token generated readout scores them as the direct one."""
+    monkeypatch.setattr(kit, "cot_marker", lambda ctx, pair: None)
+    ctx = cot_tiny_ctx(tiny, monkeypatch)
+    pair = synthetic_pair(*prompts())
+    b, d = pair.field[1], pair.decision
+    kvh = tiny.config.num_key_value_heads
+    sets = {"downstream": range(b, d), "all_heads": KVSite(range(b, d), None, range(kvh)),
+            "no_head": KVSite(range(b, d), None, []), **{f"h{h}": KVSite(range(b, d), None, [h]) for h in range(kvh)}}
+    gen, _ = screen_generated(ctx, pair, 0)
+    want, got = patch_columns(ScreenedPair(run_pair(tiny, pair), tiny), sets), patch_columns(gen, sets)
+    for v in sets:
+        assert got[f"r_{v}"] == pytest.approx(want[f"r_{v}"], abs=TOL, rel=REL)
+    assert want["r_all_heads"] == pytest.approx(want["r_downstream"], abs=TOL)
+    assert want["r_no_head"] == pytest.approx(0.0, abs=TOL)
+    for h in range(kvh):
+        assert abs(want[f"r_h{h}"]) > 10 * TOL and abs(want[f"r_h{h}"] - want["r_downstream"]) > 10 * TOL
 
 
 def _ctx(model, n_pairs: int, flips: list[bool]):
