@@ -163,13 +163,15 @@ class SharedPrefix:
             if hit is None:
                 m = layer_mask(masks_d, l)[:, pos]                         # [V, slots]
                 h = layer_mask(hide_d, l)[:, pos] if hide_d is not None else None
-                hit = (view, *_view_mask(dev, window, pos, m, h, q_var, q_tok, own_new, start, dtype))
-                heads = (layer_heads(masks_d, l), layer_heads(hide_d, l) if hide_d is not None else None)
-                if heads[0] is not None or heads[1] is not None:           # head masks: one view per KV head
-                    hit = (view, hit[1], torch.cat([_view_mask(
-                        dev, window, pos, m if heads[0] is None else m & heads[0][:, j: j + 1],
-                        None if h is None else h if heads[1] is None else h & heads[1][:, j: j + 1],
-                        q_var, q_tok, own_new, start, dtype, hit[1])[1] for j in range(lb.keys.shape[1])], 1))
+                hm, hh = layer_heads(masks_d, l), layer_heads(hide_d, l) if hide_d is not None else None
+                if hm is None and hh is None:
+                    hit = (view, *_view_mask(dev, window, pos, m, h, q_var, q_tok, own_new, start, dtype))
+                else:                           # head masks: one view per KV head over the same substituted slots
+                    s_idx = m.any(0).nonzero().flatten()
+                    hit = (view, s_idx, torch.cat([_view_mask(
+                        dev, window, pos, m if hm is None else m & hm[:, j: j + 1],
+                        None if h is None else h if hh is None else h & hh[:, j: j + 1],
+                        q_var, q_tok, own_new, start, dtype, s_idx)[1] for j in range(lb.keys.shape[1])], 1))
                 seen.append(hit)
             s_idx, mask = hit[1], hit[2]
             kv = []                             # [G, kv_heads, slots + e + V n, dim]: the fed tokens' K/V go last
