@@ -51,7 +51,8 @@ from kvnotes.kv import patch as kvpatch
 from kvnotes.kv import generate as kvgen
 from kvnotes.ops import edit as kvedit
 
-#: ``pair -> {variant name: positions in [0, d)}`` (patched in every layer), in scoring order.
+#: ``pair -> {variant name: positions in [0, d)}`` (patched in every layer and KV head) or
+#: ``{variant name: KVSite}`` (:class:`kvnotes.kv.masks.KVSite`: some layers and KV heads), in scoring order.
 Variants = Callable[[Any], Mapping[str, "Sequence[int] | KVSite"]]
 #: ``"flipping"``: measure the pairs that flip, exclude the rest; ``"all"``: measure every screened
 #: pair (rows keep ``flips`` / ``reason``), and also list the non-flipping ones as exclusions.

@@ -1,9 +1,9 @@
 """Patch and knockout masks: which K/V sites (layer, KV head, position) each variant acts on
 (docs/design.md §4, §5).
 
-A mask is a bool ``[V, n_layers, T]`` tensor (every KV head of a layer), or a
-:class:`FactoredMasks`, which may also name the KV heads per layer (a head patch). In a **patch** variant ``v`` takes layer ``l``'s
-key/value at position ``p`` from the source run where it is true (:mod:`kvnotes.kv.patch`); in a
+A mask is a bool ``[V, n_layers, T]`` tensor (every KV head of a layer), or a :class:`FactoredMasks`,
+which may also name the KV heads per layer (a head patch). In a **patch** variant ``v`` takes layer
+``l``'s key/value at position ``p`` from the source run where it is true (:mod:`kvnotes.kv.patch`); in a
 **knockout** the decision query cannot attend to that key (:mod:`kvnotes.kv.knockout`). Most
 variants act on a set of positions in a set of layers, so a mask is often the product of the two;
 :class:`FactoredMasks` keeps that product without materialising it. The exact single-position map of an 8,251-token prompt on a 36-layer model
