@@ -201,6 +201,41 @@ def test_read_location_knockouts_move_the_planted_shares(arch, cache, monkeypatc
             assert moved == pytest.approx(part * beta, abs=BAR * 2 * beta), (run, group)
 
 
+def test_kv_head_sites_split_the_planted_read_heads(cache, monkeypatch):
+    """Head patches and head knockouts (:class:`kvnotes.kv.masks.KVSite`) on the Llama construction,
+    one KV head per query head (the Gemma-3 one shares a single KV head, so KV heads cannot split its
+    read heads). In the read layer, the notes read head's K/V at the note marker carries ``1 - alpha``
+    of each decision and the field read head's K/V at the field ``alpha``; the other head at each
+    site carries nothing. Patched from the new run, each recovers its share; hidden from the decision
+    query, each moves the score its share of ``beta`` towards the other run's."""
+    from kvnotes.harness.protocol import ScreenedPair, patch_columns
+    from kvnotes.harness.readout import run_pair
+    from kvnotes.kv.knockout import decision_forward
+    from kvnotes.kv.masks import KVSite, site_masks
+
+    ctx = _context(cache, monkeypatch, "mixed", "field_refresh", {"planted": {"alpha": 0.3}}, n_instances=1,
+                   scenario_ids=["adjacent"])
+    model, truth = ctx.bundle.model, _truth(ctx)
+    alpha, beta = truth["alpha"], truth["beta"]
+    (layer, notes_head), = truth["read_heads"]["notes"]
+    (field_layer, field_head), = truth["read_heads"]["field"]
+    assert field_layer == layer and ctx.pairs.pairs
+    share = {"notes": 1 - alpha, "field": alpha, "notes_other": 0.0, "field_other": 0.0}
+    for pair in ctx.pairs.pairs:
+        note, field = [_marker_positions(ctx, pair)["note"]], range(*pair.field)
+        sites = {"notes": KVSite(note, [layer], [notes_head]), "field": KVSite(field, [layer], [field_head]),
+                 "notes_other": KVSite(note, [layer], [field_head]), "field_other": KVSite(field, [layer], [notes_head])}
+        run = run_pair(model, pair)
+        cols = patch_columns(ScreenedPair(run, model), sites)
+        knock = site_masks(planted.N_LAYERS, pair.decision, list(sites.values()), model.config.num_key_value_heads)
+        for cache_, s_clean, s_other in ((run.old_cache, run.s_old, run.s_new), (run.new_cache, run.s_new, run.s_old)):
+            lp = decision_forward(model, cache_, pair.old.ids[pair.decision: pair.decision + 1], knock).logprobs[:, 0]
+            moved = (lp[:, pair.cand_new[0]] - lp[:, pair.cand_old[0]] - s_clean) * np.sign(s_other - s_clean)
+            for i, (name, part) in enumerate(share.items()):
+                assert cols[f"r_{name}"] == pytest.approx(part, abs=EXACT), name
+                assert float(moved[i]) == pytest.approx(part * beta, abs=BAR * beta), name
+
+
 @pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.3), ("mixed", 0.7), ("direct", 1.0)])
 def test_edit_refresh_fails_where_the_notes_decide_and_selective_recompute_recovers(arch, cache, monkeypatch, family,
                                                                                      alpha):
