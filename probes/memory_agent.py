@@ -29,7 +29,7 @@ Benjamini-Hochberg over the cells.
 from __future__ import annotations
 
 from kvnotes.records.presentation import Presentation
-from kvnotes.records.tables import memory_agent_table
+from kvnotes.records.memory_tables import memory_agent_table
 
 from typing import Annotated, Optional
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.figures import Bars
-from kvnotes.records.tables import memory_placement_table
+from kvnotes.records.memory_tables import memory_placement_table
 
 from collections import Counter
 from dataclasses import dataclass

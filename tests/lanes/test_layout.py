@@ -151,3 +151,16 @@ def test_the_library_names_no_checkout():
     offenders = [str(p.relative_to(ROOT)) for p, _ in _modules()
                  if "CHECKOUT" in p.read_text() or "parent.parent" in p.read_text()]
     assert not offenders, offenders
+
+
+#: Most lines of one module of the library, the probes or the circuits (issue #33: small modules, one job each).
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_over_the_line_limit():
+    """Every module of ``kvnotes/`` (its linked ``probes/`` and ``circuits/`` included) stays within
+    :data:`MAX_MODULE_LINES`: a module that grows past it is split by job."""
+    sizes = {name: len(path.read_text().splitlines()) for path, name in _modules()}
+    assert {"kvnotes.probes.compose", "kvnotes.circuits.direction", "kvnotes.ops.compose"} <= set(sizes)
+    long = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
