@@ -39,6 +39,12 @@ def _tests_cells(t: dict) -> str:
     return f"{b_c}{one(mc, False)} | {one(t['tost_accuracy'], True)} | {one(t['tost_kl'], True)}"
 
 
+def _arm_cells(s: dict, tests: dict) -> str:
+    """The cells of :data:`_MEM_HEAD` after the memory and arm: agreements, accuracies, KL and tests."""
+    return (f"{fmt_kn(s['decision_agreement'])} | {fmt_kn(s['top1_agreement'])} | {fmt_kn(s['accuracy'])} / "
+            f"{fmt_kn(s['accuracy_full'])} | {_kl(s['kl'])} | {_tests_cells(tests)}")
+
+
 _MEM_HEAD = ("| memory (tokens) | arm | decision agreement (owned) | top-1 agreement | accuracy arm / full | "
              "KL(full‖arm) mean [95% CI] | McNemar (arm vs full) | TOST accuracy | TOST KL |")
 
@@ -53,9 +59,7 @@ def memory_transplant_table(rec: dict) -> str:
     for L, a in res["aggregates"].items():
         for arm in res["arm_names"]:
             s = a["arms"][arm]
-            w(f"| {L} ({a['memory_tokens_mean']:.0f}) | {arm} | {fmt_kn(s['decision_agreement'])} | "
-              f"{fmt_kn(s['top1_agreement'])} | {fmt_kn(s['accuracy'])} / {fmt_kn(s['accuracy_full'])} | "
-              f"{_kl(s['kl'])} | {_tests_cells(res['tests'][f'{L}/{arm}'])} |")
+            w(f"| {L} ({a['memory_tokens_mean']:.0f}) | {arm} | {_arm_cells(s, res['tests'][f'{L}/{arm}'])} |")
     w("\n| memory (tokens) | full prefill s | precompile (once) s | " + " | ".join(f"splice {a} s" for a in res["arm_names"]) + " |")
     w("|---|---|---|" + "---|" * len(res["arm_names"]))
     for L, a in res["aggregates"].items():
@@ -76,9 +80,8 @@ def memory_edits_table(rec: dict) -> str:
     for L, a in res["aggregates"].items():
         for arm in res["arm_names"]:
             s = a["arms"][arm]
-            w(f"| {L} | {arm} | {fmt_kn(s['decision_agreement'])} | {fmt_kn(s['top1_agreement'])} | "
-              f"{fmt_kn(s['accuracy'])} / {fmt_kn(s['accuracy_full'])} | {_kl(s['kl'])} | "
-              f"{_tests_cells(res['tests'][f'{L}/{arm}'])} | {s['token_ratio_mean']:.4f} | {s['time_ratio_mean']:.3f} | "
+            w(f"| {L} | {arm} | {_arm_cells(s, res['tests'][f'{L}/{arm}'])} | {s['token_ratio_mean']:.4f} | "
+              f"{s['time_ratio_mean']:.3f} | "
               f"{fmt_counts(s['applied'])} |")
     w("\n| memory | full re-prefill tokens | full re-prefill s | stale arm still names the old answer |")
     w("|---|---|---|---|")
@@ -97,18 +100,15 @@ def memory_granularity_table(rec: dict) -> str:
     w("|---|---|---|---|---|---|---|---|---|---|")
     for L, a in res["aggregates"].items():
         for S, s in a["by_S"].items():
-            w(f"| {L} | S={S} | {fmt_kn(s['decision_agreement'])} | {fmt_kn(s['top1_agreement'])} | "
-              f"{fmt_kn(s['accuracy'])} / {fmt_kn(s['accuracy_full'])} | {_kl(s['kl'])} | "
-              f"{_tests_cells(res['tests'][f'{L}/S={S}'])} | {s['precompile_s_mean']:.2f} |")
+            w(f"| {L} | S={S} | {_arm_cells(s, res['tests'][f'{L}/S={S}'])} | {s['precompile_s_mean']:.2f} |")
     w("\nLocalized edit (only the block holding the changed fact recompiled), against the full re-prefill "
       "of the edited memory:\n")
     w(_MEM_HEAD + " edit tokens / full | edit time / full |")
     w("|---|---|---|---|---|---|---|---|---|---|---|")
     for L, a in res["aggregates"].items():
         for S, s in a["edit_by_S"].items():
-            w(f"| {L} | S={S} | {fmt_kn(s['decision_agreement'])} | {fmt_kn(s['top1_agreement'])} | "
-              f"{fmt_kn(s['accuracy'])} / {fmt_kn(s['accuracy_full'])} | {_kl(s['kl'])} | "
-              f"{_tests_cells(res['tests'][f'{L}/edit/S={S}'])} | {s['token_ratio_mean']:.4f} | {s['time_ratio_mean']:.3f} |")
+            w(f"| {L} | S={S} | {_arm_cells(s, res['tests'][f'{L}/edit/S={S}'])} | {s['token_ratio_mean']:.4f} | "
+              f"{s['time_ratio_mean']:.3f} |")
     w("\nCross-referential queries (two linked facts) with the facts in one block vs split across two:\n")
     w("| memory | S | together: top-1 agreement | together: accuracy | together: KL mean | split: top-1 agreement "
       "| split: accuracy | split: KL mean | McNemar together vs split |")
@@ -138,9 +138,8 @@ def memory_agent_table(rec: dict) -> str:
             s = a["arms"][arm]
             dr = s.get("drift")
             slope = "n/a" if not dr or dr["kl_slope"] is None else f"{dr['kl_slope']:+.2e} ({dr['kl_slope_p']:.2g})"
-            w(f"| {cell} ({a['prompt_tokens_mean']:.0f}) | {a['turns']} | {arm} | {fmt_kn(s['decision_agreement'])} | "
-              f"{fmt_kn(s['top1_agreement'])} | {fmt_kn(s['accuracy'])} / {fmt_kn(s['accuracy_full'])} | "
-              f"{_kl(s['kl'])} | {_tests_cells(res['tests'][f'{cell}/{arm}'])} | {s['cum_ttft_s']:.2f} "
+            w(f"| {cell} ({a['prompt_tokens_mean']:.0f}) | {a['turns']} | {arm} | "
+              f"{_arm_cells(s, res['tests'][f'{cell}/{arm}'])} | {s['cum_ttft_s']:.2f} "
               f"({a['cum_ttft_full_s']:.2f}) | {fmt(s['cum_ttft_ratio'], '.2f')}x | {slope} | {fmt_counts(s['applied'])} |")
     return w.text()
 
