@@ -154,8 +154,9 @@ class KVSite(NamedTuple):
 def site_masks(n_layers: int, T: int, sites: Sequence[Sequence], kv_heads: int | None = None) -> FactoredMasks:
     """Masks of K/V sites, one variant per entry of ``sites``: a :class:`KVSite` or a tuple
     ``(positions, layers, heads)``, the positions ``[0, T)`` it acts on in ``layers`` (None: every
-    layer) and, per those layers, the KV ``heads`` (None: every head). A position patch names no heads; a head patch names them; the same
-    masks are a knockout where the decision row's attention reads them (:mod:`kvnotes.kv.knockout`).
+    layer) and, per those layers, the KV ``heads`` (None: every head). A position patch names no
+    heads; a head patch names them; the same masks are a knockout where the decision row's attention
+    reads them (:mod:`kvnotes.kv.knockout`).
 
     Args:
         kv_heads: KV heads per layer; needed when any site names heads.
