@@ -49,6 +49,7 @@ from kvnotes.kv import cache as kvcache
 from kvnotes.kv.masks import KVSite, Masks, site_masks
 from kvnotes.kv import patch as kvpatch
 from kvnotes.kv import generate as kvgen
+from kvnotes.models.adapters import Adapter
 from kvnotes.ops import edit as kvedit
 
 #: ``pair -> {variant name: positions in [0, d)}`` (patched in every layer and KV head) or
@@ -133,12 +134,12 @@ class ScreenedPair:
         """Patch masks ``[V, n_layers, d]`` of position sets in ``[0, d)`` (every layer and KV head) or
         of :class:`kvnotes.kv.masks.KVSite` (positions in some layers and KV heads: a head patch,
         :func:`kvnotes.kv.masks.site_masks`)."""
-        text = self.model.config.get_text_config()
         if any(isinstance(s, KVSite) for s in sets):
-            kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-            return site_masks(text.num_hidden_layers, self.pair.decision,
-                              [s if isinstance(s, KVSite) else KVSite(s) for s in sets], kv_heads)
-        return kvpatch.position_masks(text.num_hidden_layers, self.pair.decision, [list(s) for s in sets])
+            ad = Adapter.for_model(self.model)                     # heads as the cache holds them
+            return site_masks(ad.n_layers, self.pair.decision,
+                              [s if isinstance(s, KVSite) else KVSite(s) for s in sets], ad.cache_heads)
+        n_layers = self.model.config.get_text_config().num_hidden_layers
+        return kvpatch.position_masks(n_layers, self.pair.decision, [list(s) for s in sets])
 
     @torch.no_grad()
     def score(self, masks: Masks) -> Scored:

@@ -165,17 +165,23 @@ def site_masks(n_layers: int, T: int, sites: Sequence[Sequence], kv_heads: int |
         :class:`FactoredMasks` ``[V, n_layers, T]`` (``heads`` set when any site names heads).
 
     Raises:
-        ValueError: a site names heads without ``kv_heads``; IndexError: a position, layer or head out
-            of range.
+        ValueError: a site names heads without ``kv_heads``, or a position, layer or head out of range
+            (negative indices included: they would wrap around).
     """
-    sites = [KVSite(*s) for s in sites]
-    positions = torch.zeros(len(sites), T, dtype=torch.bool)
-    layers = torch.zeros(len(sites), n_layers, dtype=torch.bool)
-    named = any(h is not None for _, _, h in sites)
+    kv_sites = [KVSite(*s) for s in sites]
+    for v, site in enumerate(kv_sites):
+        for what, idx, n in (("position", site.positions, T), ("layer", site.layers, n_layers),
+                             ("KV head", site.heads, kv_heads)):
+            bad = [int(i) for i in (idx if idx is not None else ()) if n is not None and not 0 <= int(i) < n]
+            if bad:
+                raise ValueError(f"site {v}: {what} {bad[0]} outside [0, {n})")
+    positions = torch.zeros(len(kv_sites), T, dtype=torch.bool)
+    layers = torch.zeros(len(kv_sites), n_layers, dtype=torch.bool)
+    named = any(h is not None for _, _, h in kv_sites)
     if named and kv_heads is None:
         raise ValueError("sites that name KV heads need kv_heads")
-    heads = torch.ones(len(sites), n_layers, kv_heads, dtype=torch.bool) if named else None
-    for v, (pos, lay, hs) in enumerate(sites):
+    heads = torch.ones(len(kv_sites), n_layers, kv_heads, dtype=torch.bool) if named else None
+    for v, (pos, lay, hs) in enumerate(kv_sites):
         positions[v, list(pos)] = True
         layers[v, list(range(n_layers)) if lay is None else list(lay)] = True
         if hs is not None:

@@ -55,6 +55,9 @@ def test_site_masks_name_positions_layers_and_heads():
         kvmasks.site_masks(3, 10, [([1], None, [0])])
     with pytest.raises(ValueError):
         kvmasks.head_layer_mask(m, 0, 4)
+    for bad in [([-1], None), ([10], None), ([1], [3]), ([1], None, [2])]:
+        with pytest.raises(ValueError, match="outside"):
+            kvmasks.site_masks(3, 10, [bad], kv_heads=2)
 
 
 @pytest.mark.parametrize("method", ["shared", "substitute"])
