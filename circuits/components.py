@@ -2,59 +2,31 @@
 attention and MLP, at the decision position and at the top note position (``docs/design.md``,
 "Circuits").
 
-**Direction.** The logit-difference direction of the two candidates' first tokens through the
-final norm: ``v = g ⊙ (W_U[cand_new] - W_U[cand_old])`` (fp32), where ``g`` is the final RMSNorm's
-effective gain (``w`` on Llama/Qwen/Mistral, ``1 + w`` on Gemma; :meth:`Adapter.final_norm_gain`).
-With the run's final RMS scale ``σ_p = 1 / sqrt(mean(x_p²) + eps)`` frozen (as in
-TransformerLens' ``apply_ln_to_stack``), the logit difference at ``p`` is exactly
-``σ_p · v · x_p``, and it splits over the residual additions. ``v`` is defined per pair without
-fitting, so it cannot leak between selection and held-out instances; the fitted alternative is
-:mod:`kvnotes.circuits.direction`. On Gemma-2 the attribution is of the logits before the final
-soft-capping ``c · tanh(z / c)``.
-
-**Contributions.** For every flipping pair the old and new prompts are run once each, capturing
-what each sublayer *adds to the residual stream* (:mod:`kvnotes.kv.engine` sites ``attn`` / ``mlp``:
-after the post-attention / post-MLP norm on Gemma-2/3, the raw sublayer output elsewhere), the
-embedding (``resid_pre`` of layer 0, including Gemma's embedding scale) and the final pre-norm
-residual (``resid_post`` of the last layer). The contribution of a component ``c`` at position
-``p`` is its change in direct logit attribution, ``σ_new · v · c_new[p] - σ_old · v · c_old[p]``
-(nats: a logit difference). By construction ``embed + Σ_l (attn_l + mlp_l) == final`` and ``final
-== s_new - s_old`` at the decision position (first-token scores are logit differences; the record
-keeps the worst errors of both as checks).
-
-**Note position.** The top note position is an offset from an anchor (``topk_anchor``:
-``decision``, ``d - p``, or ``field_end``, ``p - b``; :func:`kvnotes.harness.selection.offsets`),
-chosen on the **selection** split per scenario (else per family, as suffix_recovery ranks its
-top-k positions: :func:`kvnotes.harness.selection.profile_for`) as the downstream offset with the
-highest mean single-position KV-patch recovery (all layers, :func:`kvnotes.kv.patch.position_masks`);
-contributions are aggregated over **held-out** pairs at that position, and at ``d`` itself (where
-``û`` is the pre-norm logit-difference direction).
+Specification: ``docs/probes/components.md``.
 """
 
 from __future__ import annotations
 
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import Curves
-
-from typing import Annotated, Any
-
 from dataclasses import dataclass
+from typing import Annotated, Any
 
 import torch
 from tqdm import tqdm
 
 from kvnotes.circuits import start_circuit
-from kvnotes.kv.engine import BACKENDS, Engine, Site
-from kvnotes.records.schema import CircuitResult, SplitRow
+from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import OpenFraction, one_of
 from kvnotes.harness.kit import ProbeConfig
-from kvnotes.harness import kit as K
 from kvnotes.harness.selection import ANCHORS, offset_profiles, profile_for, rank_positions
+from kvnotes.kv.engine import BACKENDS, Engine, Site
+from kvnotes.records.figures import Curves
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.schema import CircuitResult, SplitRow
 
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/components.yaml`` (defaults there; see the module docstring)."""
+    """Keys of ``conf/probe/components.yaml`` (defaults there; see the specification)."""
 
     backend: Annotated[str, one_of(*BACKENDS)] = "nnsight"
     selection_fraction: OpenFraction = 0.5
@@ -141,7 +113,7 @@ class Result(CircuitResult):
 
 
 def run(ctx) -> dict:
-    """Attention vs MLP contributions per layer; see the module docstring."""
+    """Attention vs MLP contributions per layer; see the specification."""
     engine, fs, rows, sel, held = start_circuit(ctx)
     cfg = ctx.cfg
     model = ctx.bundle.model

@@ -1,86 +1,30 @@
 """``direction``: a difference-of-means conclusion direction in the residual stream at the note
 positions, tested for sufficiency and necessity (``docs/design.md``, "Circuits").
 
-**Note positions (choice).** All downstream positions ``[b, d)`` of a pair: they are fixed by the
-pair's spans, so choosing them uses no data at all. The decision position ``d`` is not a note
-position and is never intervened on.
-
-**Residuals.** Site ``resid_post`` of :mod:`kvnotes.kv.engine` (decoder layer ``l``'s output,
-TransformerLens ``resid_post``), fp32, at the note positions, from the clean old and clean new
-runs. They are captured by resuming the prefill at ``b`` on a view of the clean prefix cache
-``[0, b)`` and feeding ``[b, d]``; the decision score of that forward must equal the pair's clean
-score (``checks.max_resume_score_error``).
-
-**Runs labelled by conclusion.** Each clean run is labelled by the outcome it decides (its expected
-candidate, e.g. "Berlin"; under the ``owned`` flip rule the model's own top-1 answer), not by
-whether its field value is listed first in the scenario file. Fitting residuals are summed per
-instance and per *outcome pair* (order-free, e.g. ``Berlin|Madrid``) and per outcome.
-
-**Direction.** For an evaluated pair whose old run decides ``A`` and new run ``B``, at layer ``l``:
-``u_l = mean_B - mean_A`` over the note residuals of the fitting runs deciding ``B`` minus those
-deciding ``A`` (positions pooled), unit-normalised to ``û_l``: signs are aligned so ``û`` points
-from the pair's old conclusion to its new one. Only fitting instances that share the pair's
-outcome pair are used, and only **selection** instances: ``fit_scope: all`` (default) fits on
-every other scenario, ``family`` on other scenarios of the same family (both
-leave-one-scenario-out), ``scenario`` on the other selection instances of the pair's own scenario
-(within-scenario). A pair with no fitting source is skipped and counted
-(``no_shared_outcome_pair``). Held-out instances are never fitted on.
-
-**Sufficiency** (corrupt = old run, resumed at ``b``): add at layer ``l``, at each note position
-``p``, ``c_p û`` with ``c_p = (x_new[p] - x_old[p]) · û`` (the projection of the clean-corrupt
-difference on the direction). Recovery ``r = (s - s_old) / (s_new - s_old)`` (unclipped,
-first-token logit difference). Controls in the same batched forward, at the same positions:
-
-- ``random``: ``c_p r̂`` for ``n_draws`` unit random directions ``r̂`` (Gaussian, normalised; a
-  ``numpy.random.Generator`` seeded with ``(ctx.seed, crc32(pair id))``): per position exactly the
-  norm of the real injection (``checks.max_random_norm_rel_error``);
-- ``random_subspace``: ``(Δ_p · r̂) r̂``, the part of the actual difference inside a random
-  one-dimensional subspace, rescaled to the total norm of the real injection: the k-matched,
-  norm-matched counterpart of the direction's own subspace;
-- ``orthogonal``: ``Δ_p - c_p û``, the part of the difference orthogonal to ``û``;
-- ``full``: ``Δ_p`` (the reference: the note residuals at layer ``l`` become the new run's).
-
-**Necessity** (clean = new run, resumed at ``b``): mean-ablate the projection: at layer ``l``,
-note position ``p``, ``x_p -> x_p + (μ - x_p · û) û``, with ``μ`` the mean projection of the
-fitting runs' note residuals, over both outcomes (``ablate_to: all``, default) or over the runs
-deciding the pair's old-run outcome (``ablate_to: old``). Reported as the drop fraction
-``(s_new - s) / (s_new - s_old)`` (1 = the whole effect removed), the drop in nats, and the share
-of pairs whose decision reverts to the old candidate. Control: the same ablation along each random
-direction.
-
-**Layer.** ``n_layers_scan`` layers evenly spaced over ``[0, n_layers - 2]`` (or ``layers``); the
-last layer is left out because its output at positions before ``d`` cannot reach the readout. The
-layer per family is the argmax of the mean sufficiency recovery over the family's **selection**
-pairs (every selection pair when the family has none). Reported numbers are on **held-out** pairs
-only. ``max_pairs_per_family`` bounds the evaluated pairs per family and split by drawing whole
-instances across scenarios (:func:`kvnotes.harness.selection.sample_instances`); all selection pairs are
-still fitted on.
+Specification: ``docs/probes/direction.md``.
 """
 
 from __future__ import annotations
 
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import Curves
-
-from typing import Annotated, Any, Optional
-
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Annotated, Any, Optional
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from kvnotes.circuits import start_circuit
-from kvnotes.kv.engine import BACKENDS, Engine, Intervention, Site
-from kvnotes.records.schema import CircuitResult
-from kvnotes.harness.constraints import Count, NonNegative, OpenFraction, one_of
-from kvnotes.harness.kit import ProbeConfig
-from kvnotes.harness.kit import RandomControl
 from kvnotes.harness import kit as K
-from kvnotes.kv import cache as kvcache
+from kvnotes.harness.constraints import Count, NonNegative, OpenFraction, one_of
+from kvnotes.harness.kit import ProbeConfig, RandomControl
 from kvnotes.harness.readout import PairRun, first_token_scores
 from kvnotes.harness.selection import pair_rng, sample_instances, selection_source
+from kvnotes.kv import cache as kvcache
+from kvnotes.kv.engine import BACKENDS, Engine, Intervention, Site
+from kvnotes.records.figures import Curves
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.schema import CircuitResult
 
 SCOPES = ("all", "family", "scenario")
 ABLATE_TO = ("all", "old")
@@ -90,7 +34,7 @@ NEC = ("direction", "random")
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/direction.yaml`` (defaults there; see the module docstring)."""
+    """Keys of ``conf/probe/direction.yaml`` (defaults there; see the specification)."""
 
     backend: Annotated[str, one_of(*BACKENDS)] = "nnsight"
     layers: Optional[list[NonNegative]] = None
@@ -521,7 +465,7 @@ def _checks(w: _Work, chosen: dict, held_rows: list[dict], held_ids: set, scope:
 
 def run(ctx) -> dict:
     """Difference-of-means conclusion direction: sufficiency, necessity, controls, layer chosen on
-    the selection split; see the module docstring. Stages: clean residuals and fits
+    the selection split; see the specification. Stages: clean residuals and fits
     (:func:`_capture_residuals`), the selection scan (:func:`_selection_scan`) and layer choice, the
     held-out scan (:func:`_heldout_scan`), summaries and checks.
 

@@ -1,57 +1,31 @@
 """``heads``: which attention heads read and write the notes (docs/design.md §6).
 
-Per-head outputs (the ``o_proj`` input slice of head ``h``, :mod:`kvnotes.kv.engine`) are patched
-from the clean **new** run into the corrupt **old** run of every flipping pair; recovery
-``r = (s_patched - s_old) / (s_new - s_old)`` (docs/design.md §3, first-token score, unclipped).
-
-- **read** heads: head outputs at the decision position ``d`` only. The old prefix cache ``[0, d)``
-  is reused and only token ``d`` is fed, so one forward covers a chunk of head variants.
-  Patching every head at ``d`` gives recovery 1 (the residual at ``d`` becomes the new run's; a
-  check recorded as ``r_read_all``).
-- **write** heads: head outputs at the note positions ``[b, d)`` during the prefill. The prefill
-  resumes at ``b`` on a copy (view) of the old run's clean prefix cache ``[0, b)`` (docs/design.md §4)
-  and feeds ``[b, d]``. Patching every head there equals patching the downstream KV of every
-  layer (``r_write_all``; tests/circuits/test_heads.py checks it against :mod:`kvnotes.kv.cache` patching).
-
-Single-head sweeps batch ``chunk_heads`` head variants per forward (a per-variant ``where`` mask
-of one intervention per layer). Selection (docs/design.md §10): instances are split per scenario
-(:func:`kvnotes.harness.selection.split_instances`, ``selection_fraction``, ``ctx.seed``). Single-head maps
-are computed on **selection** pairs (and, with ``heldout_maps``, on held-out pairs for figures
-only); the ranking of heads per family is the mean single-head recovery over that family's
-selection pairs (a family without selection pairs uses every selection pair), and the top-k sets
-for ``k`` in ``ks`` are patched **jointly** on **held-out** pairs only. Controls: ``n_draws``
-k-matched random head sets per ``k`` (distinct heads drawn uniformly from all ``n_layers *
-n_heads`` by a ``numpy.random.Generator`` seeded with ``(ctx.seed, crc32(pair id))``), patched
-jointly; a pair's control value is the mean over its draws.
+Specification: ``docs/probes/heads.md``.
 """
 
 from __future__ import annotations
 
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import Curves
-
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Optional
 
-from annotated_types import Len
-
-from collections.abc import Sequence
-
 import numpy as np
 import torch
+from annotated_types import Len
 from tqdm import tqdm
 
 from kvnotes.circuits import start_circuit
-from kvnotes.kv.engine import BACKENDS, Engine, Intervention, Site
 from kvnotes.errors import KvnotesError
-from kvnotes.records.schema import CircuitResult
-from kvnotes.harness.constraints import Count, Counts, OpenFraction, one_of
-from kvnotes.harness.kit import ProbeConfig
-from kvnotes.harness.kit import RandomControl
 from kvnotes.harness import kit as K
-from kvnotes.kv import cache as kvcache
+from kvnotes.harness.constraints import Count, Counts, OpenFraction, one_of
+from kvnotes.harness.kit import ProbeConfig, RandomControl
 from kvnotes.harness.readout import PairRun, first_token_scores
 from kvnotes.harness.selection import pair_rng, rank_by_mean, sample_instances, selection_source
+from kvnotes.kv import cache as kvcache
+from kvnotes.kv.engine import BACKENDS, Engine, Intervention, Site
+from kvnotes.records.figures import Curves
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.schema import CircuitResult
 
 #: Where head outputs are patched: at the decision position (read) or the note positions (write).
 HEAD_SITES = ("read", "write")
@@ -59,7 +33,7 @@ HEAD_SITES = ("read", "write")
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/heads.yaml`` (defaults there; see the module docstring)."""
+    """Keys of ``conf/probe/heads.yaml`` (defaults there; see the specification)."""
 
     backend: Annotated[str, one_of(*BACKENDS)] = "nnsight"
     chunk_heads: Count = 16
@@ -287,7 +261,7 @@ def _summaries(out_rows: list[dict], maps: dict, modes: list[str], ks: list[int]
 
 
 def run(ctx) -> dict:
-    """Read/write head patching, top-k transfer to held-out instances; see the module docstring.
+    """Read/write head patching, top-k transfer to held-out instances; see the specification.
     Stages: single-head maps on selection pairs (:func:`_single_head_maps`), rankings per family,
     top-k and random sets on held-out pairs (:func:`_topk_row`), summaries and checks."""
     engine, fs, rows, sel, held = start_circuit(ctx)

@@ -1,77 +1,10 @@
 """``agent``: an edit + compose agent loop, judged against a full prefill of the field-rewritten
 prompt (paper §5: precompiled chunks; §4: the appended erratum).
 
-For each instance of every scenario, a *trajectory* of ``turns`` field values is drawn (seeded by
-the run seed and the instance id; every turn changes the value) and run as one multi-turn
-conversation, the way an agent with a KV cache would:
-
-- **turn 1**: the chunked prompt of :mod:`kvnotes.harness.chunks` (``rule``, ``filler`` | ``context``
-  holding the field, ``request``, ``decision``). The rule and filler are precompiled once per
-  instance (behind ``sink``; the time is reported apart as ``precompile_ms``) and spliced with
-  their keys rotated to their positions and the first ``seam`` tokens recomputed
-  (:func:`kvnotes.ops.compose.compose`); the live part is forwarded on top. On a transcript suite
-  (``scenario.transcript``) turn 1 is the suite's agent transcript, its unrelated exchanges' tool
-  results the precompiled chunks (:func:`kvnotes.harness.chunks.transcript_layout`), and the later
-  turns follow its last user message.
-- the agent's **answer** closes the turn: the scenario candidate its decision prefers (highest
-  first-token log-prob among the candidates), written after the answer prefix.
-- **turn t >= 2**: a user message with a state update (the erratum of
-  :mod:`kvnotes.harness.edit_prompts` stating the turn's value) and the request and decision lines. It is
-  appended incrementally: only the tokens after the longest common token prefix with the cached
-  conversation are forwarded (:func:`kvnotes.kv.cache.continuation_logprobs`).
-
-Every decision (vocabulary top-1 at the decision position) is compared with
-
-- the **oracle**: a full prefill of the single-turn chunked prompt with the field *rewritten* to
-  the turn's value (what the conversation should now decide; never the agent's own tokens);
-- the **transcript**: a full prefill of the agent's own conversation tokens (no composition, no
-  reuse): agent vs transcript isolates the composition error, transcript vs oracle how well the
-  model follows the state update;
-- the **expected outcome**: the scenario's candidate for the turn's value (its first token).
-
-Times (:func:`kvnotes.harness.timing.elapsed_ms`, ``torch.utils.benchmark``; wall time, the device synchronised): ``agent_ms``
-is the compose call (turn 1) or the incremental forward (later turns); ``oracle_ms`` and
-``transcript_ms`` are full prefills computing only the last position's logits. A prompt met twice in
-a trajectory (the turn-1 transcript is the turn-1 oracle prompt; a value that comes back) is
-prefilled once (:func:`kvnotes.harness.kit.per_prompt`) and keeps that prefill's time. One untimed full
-prefill warms the model up first.
-
-Aggregates per family and ``all``, over all turns and over turn 1 and turns 2+ apart: accuracy of
-the agent, the oracle and the transcript (share whose top-1 is the expected candidate's first
-token), agreement of the agent with the oracle on turns whose oracle owns its decision, agreement
-with the transcript, KL(oracle || agent) and KL(transcript || agent) in nats (means with the
-interval that fits the number of scenario clusters, :func:`kvnotes.harness.stats.summarize`; turns of one
-trajectory are one instance cluster), and the time totals with the ratios oracle / agent and
-transcript / agent.
-
-**Chain of thought** (``scenario.variant=cot``; :mod:`kvnotes.kv.generate`). The prompt ends with the
-variant's reasoning opener and each decision is read right after the variant's answer marker in a
-generated chain (greedy, at most ``cot_max_new_tokens`` tokens; on a thinking model the model config's
-``thinking`` switch is applied to the rendering and the marker counts only after the think block). Each side's cache is built as above over its prompt *without its last token* (the
-agent: compose at turn 1, the incremental forward later; oracle and transcript: a full prefill), then
-the side decodes its chain from the last token (:func:`kvnotes.kv.generate.generate`, which leaves the
-cache as it was) and its decision distribution is the one after the marker. The agent's answer that
-closes the turn is its chain's text (decoded without special tokens) followed by the candidate its
-post-marker decision prefers (candidate ids tokenised in context after prompt + chain); the next turn
-forwards everything after the longest common token prefix with the cached ids (its last prompt
-token, the chain, the answer, the new user message). Rows add each side's chain
-(:meth:`kvnotes.kv.generate.Chain.record`), reached flag and ``<side>_generate_ms`` (the decoding, apart
-from ``agent_ms`` / ``oracle_ms`` / ``transcript_ms``, which stay the compose / incremental / full
-prefill times); top-1s, correctness, agreements and KLs come from the post-marker distributions. An
-oracle or transcript chain that misses its marker keeps the turn's row with that side's comparisons
-None: it is left out of their metrics and counted (``aggregates.n_unreached``), as is a side after
-whose chain the expected candidate merges with the text (``aggregates.n_candidate_merges``: that
-side's correctness None). An *agent* chain that misses its marker ends the trajectory (the
-conversation cannot go on without an answer): its earlier rows are kept and the trajectory is counted
-as excluded (``agent_no_marker`` or ``agent_truncated_in_think``, with the turn and the chain).
-``aggregates.readout`` is ``"generated"`` (``"direct"`` without cot).
+Specification: ``docs/probes/agent.md``.
 """
 
 from __future__ import annotations
-
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import Bars, agent_turns
-from kvnotes.records.tables import agent_table
 
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,19 +14,22 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kvnotes.kv import cache as kvcache
-from kvnotes.ops import compose as kvcompose
-from kvnotes.harness.chunks import CHUNK_NAMES, CHUNKED_ORDER, SINKS, layout_prompt, prompt_parts, sink_ids
-from kvnotes.harness.edit_prompts import common_prefix_length, erratum_text, render_layout, user_pieces
 from kvnotes.errors import KvnotesError
+from kvnotes.harness.chunks import CHUNK_NAMES, CHUNKED_ORDER, SINKS, layout_prompt, prompt_parts, sink_ids
 from kvnotes.harness.constraints import Count, NonNegative, one_of
+from kvnotes.harness.edit_prompts import common_prefix_length, erratum_text, render_layout, user_pieces
 from kvnotes.harness.kit import ProbeConfig, by_family, exclusion_counts, per_prompt, progress, summary
 from kvnotes.harness.pairs import transcript_turns
-from kvnotes.kv.generate import Generated, MarkerTest, answer_marker, generate, stop_tokens, unreached_label
-from kvnotes.records.schema import BaseResult, ExclusionRow, NotRequired, TypedDict
 from kvnotes.harness.selection import pair_rng
 from kvnotes.harness.timing import elapsed_ms
 from kvnotes.harness.tokens import CANDIDATE_MERGES, Prompt, build_conversation, continuation_ids, tokenize
+from kvnotes.kv import cache as kvcache
+from kvnotes.kv.generate import Generated, MarkerTest, answer_marker, generate, stop_tokens, unreached_label
+from kvnotes.ops import compose as kvcompose
+from kvnotes.records.figures import Bars, agent_turns
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.schema import BaseResult, ExclusionRow, NotRequired, TypedDict
+from kvnotes.records.tables import agent_table
 from kvnotes.scenarios.instances import Instance, draw_instances
 
 #: Exclusion reason: a later conversation re-tokenises earlier turns differently and the model
@@ -111,7 +47,7 @@ AGENT_UNREACHED = ("agent_no_marker", "agent_truncated_in_think")
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/agent.yaml`` (defaults there; see the module docstring)."""
+    """Keys of ``conf/probe/agent.yaml`` (defaults there; see the specification)."""
 
     turns: Count = 4
     seam: NonNegative = 4
@@ -140,7 +76,7 @@ class CotReadout:
 
 
 class TurnRow(TypedDict):
-    """One decision of a trajectory (see the module docstring)."""
+    """One decision of a trajectory (see the specification)."""
 
     trajectory: str
     scenario: str
@@ -293,7 +229,7 @@ def transcript_conversation(tok, instance: Instance, value: str, variant: str, l
 def run_trajectory(model, tok, instance: Instance, values: list[str], variant: str, seam: int, sink: str,
                    chat: bool, template_kwargs: dict, cot: CotReadout | None = None,
                    layout_turns: int | None = None) -> tuple[list[dict], dict | None]:
-    """Run one trajectory (see the module docstring).
+    """Run one trajectory (see the specification).
 
     Args:
         cot: the generated readout (``scenario.variant=cot``); None reads every decision directly at
@@ -490,7 +426,7 @@ def _times(rows: list[dict]) -> dict:
 
 
 def aggregate(rows: list[dict], families: list[str], n_boot: int, seed: int) -> dict:
-    """Per family (and ``all``) and turn scope (:data:`SCOPES`): see the module docstring. Comparisons
+    """Per family (and ``all``) and turn scope (:data:`SCOPES`): see the specification. Comparisons
     that are None (a side whose chain missed its marker) are left out of their metric."""
     out = {}
     for fam, frows in by_family(rows, families).items():
@@ -511,7 +447,7 @@ def aggregate(rows: list[dict], families: list[str], n_boot: int, seed: int) -> 
 
 
 def run(ctx) -> dict:
-    """Agent trajectories on every instance of the loaded scenarios; see the module docstring."""
+    """Agent trajectories on every instance of the loaded scenarios; see the specification."""
     cfg = ctx.cfg
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     if ctx.scenario_cfg is None:

@@ -1,44 +1,28 @@
 """``blast_radius``: how far a field change spreads through the KV cache (docs/design.md §5).
 
-For each token-aligned pair, per layer x position:
-
-- ``k_cos``/``v_cos``: cosine distance ``1 - cos(x_old, x_new)`` of keys/values, averaged over KV
-  heads; ``k_rel``/``v_rel``: relative L2 ``||x_new - x_old|| / ||x_old||``, averaged over KV heads.
-  Keys are post-RoPE as cached; captured from a full forward, so sliding layers are complete.
-- ``attn_rel``: attention-output deviation for the new run's queries when only the field's KV is
-  refreshed: ``||A(q_new, KV_fr) - A(q_new, KV_new)|| / ||A(q_new, KV_new)||`` over all heads,
-  where ``KV_fr`` is the old KV with the field positions taken from the new run, and ``A`` is the
-  model's own attention implementation (mask, scaling, soft-capping).
-
-Summaries over the downstream ``[b, d)``: p50/p95/max over layer x position cells, and the share of
-downstream positions whose layer-mean deviation reaches each threshold. Aggregated per family with
-cluster-bootstrap CIs, over all aligned pairs and over flipping pairs. Positions before the field
-must not move at all; the largest prefix deviation is recorded as a check.
+Specification: ``docs/probes/blast_radius.md``.
 """
 
 from __future__ import annotations
 
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import Bars, Curves
-
-from typing import Annotated, Any
-
-from annotated_types import Len
-
 from dataclasses import dataclass, field
+from typing import Annotated, Any
 
 import numpy as np
 import torch
+from annotated_types import Len
 from tqdm import tqdm
 
-from kvnotes.records.schema import BaseResult, PairRow
+from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import PositiveFloat
 from kvnotes.harness.kit import ProbeConfig
-from kvnotes.kv.capture import capture_attention
-from kvnotes.harness import kit as K
 from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import clean_decisions, first_token_score, pair_status, screen_pair
 from kvnotes.harness.stats import summarize_rows
+from kvnotes.kv.capture import capture_attention
+from kvnotes.records.figures import Bars, Curves
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.schema import BaseResult, PairRow
 
 METRICS = ("k_cos", "k_rel", "v_cos", "v_rel", "attn_rel")
 EPS = 1e-12
@@ -49,7 +33,7 @@ EMPTY = 1e-4
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/blast_radius.yaml`` (defaults there; see the module docstring)."""
+    """Keys of ``conf/probe/blast_radius.yaml`` (defaults there; see the specification)."""
 
     thresholds: Annotated[list[PositiveFloat], Len(min_length=1)] = field(
         default_factory=lambda: [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0])
@@ -150,7 +134,7 @@ class Result(BaseResult):
 
 
 def run(ctx) -> dict:
-    """Measure the blast radius of every aligned pair; see the module docstring."""
+    """Measure the blast radius of every aligned pair; see the specification."""
     cfg = ctx.cfg
     thresholds = [float(t) for t in cfg.thresholds]
     model = ctx.bundle.model

@@ -1,99 +1,37 @@
 """``compose``: does a prompt composed from precompiled chunks decide like its full prefill (paper §5)?
 
-Prompts use the chunked layout of :mod:`kvnotes.harness.chunks` (rule and filler precompiled as chunks;
-field, request and decision live; on a transcript suite, ``scenario.transcript``, the unrelated
-exchanges' tool results are the chunks and everything else is live, the record's tool result with
-the field among it: :func:`kvnotes.harness.chunks.transcript_layout`). Every distinct prompt of the token-aligned pairs (an instance
-with one field value; the pairs of an instance share prompts) is run
-
-- as a **full prefill** (the reference; same tokens, same layout), and
-- **composed** (:func:`kvnotes.ops.compose.compose`): the live prefix prefilled, each chunk precompiled
-  in isolation — behind no sink, behind the prompt's first token (``bos``), or behind the real live
-  prefix (``prefix``) — its keys rotated to their positions (``rotate``) or left where they were
-  precompiled (``no_rotate``, the control), the first ``s`` tokens of each chunk recomputed against
-  the real prefix (seam repair, ``s`` in ``seams``), and the live tokens computed on top.
-
-Per variant ``<rotate|no_rotate>/sink=<sink>/seam=<s>``, at the decision position (prompt-level
-metrics over distinct prompts, ``result.prompts``; recovery over pairs, ``result.rows``):
-
-- ``decision_agreement``: share of prompts whose full prefill *owns* its decision (vocabulary top-1
-  is the expected candidate's first token) where the composed run's vocabulary top-1 is the same
-  token (Wilson CI);
-- ``top1_agreement``: the same over every prompt;
-- ``kl``: KL(full || composed) in nats (mean of the pair's two prompts; cluster-bootstrap CI);
-- ``recovery`` on pairs that flip (:func:`kvnotes.harness.kit.flipping_pairs` on the chunked layout):
-  ``(s_composed_new - s_full_old) / (s_full_new - s_full_old)``, and the share whose composed new
-  run takes the new decision;
-- ``logit_cosine``: reported only for comparability with the paper (high for the control too).
-
-Check: seam repair over whole chunks recomputes them, so it must give the full prefill's logits
-(``checks.max_abs_logit_diff_full_seam``).
-
-**Image chunk** (``image_chunk: true``, M-RoPE vision-language models): every prompt also gets a
-synthetic image (:func:`kvnotes.ops.mrope.synthetic_image`: seeded random pixels on the grid
-``image_grid``) inserted after its first chunk. Its reference is the full prefill of that prompt
-with the image encoded; composed, the image is one more precompiled chunk (encoded once by the
-vision tower, behind each sink) spliced with the text chunks and moved by the model's 3-D
-bookkeeping (``rotate``) or not (``no_rotate``), seam 0. Per prompt ``prompts[*].image_chunk``
-holds KL / top-1 agreement / logit cosine vs that full prefill per variant; ``aggregates.image_chunk``
-says the arm ran (grid, tokens, seed, where) and summarises them.
-
-**Chain of thought** (``scenario.variant=cot``, the generated readout): the prompt ends with a reasoning
-opener, so the decision is not read at the decision position but after a generated chain. For at
-most ``cot_max_pairs`` chunked pairs (round-robin over scenarios; the rest counted
-``beyond_max_pairs``, no rows), every distinct prompt is cut before its last token ``L - 1``: the
-full prefill of ``[0, L-1)`` and every composed variant ``(rotate, sink, seam)``, ``seam`` in
-``cot_seams``, of the same tokens (one batched compose, dynamic cache) are fed token ``L - 1`` and
-decode greedily (the shared generated readout, :func:`kvnotes.kv.generate.generate`, at most
-``cot_max_new_tokens`` tokens) until the scenario's answer marker; the decision is read right after
-it. Per prompt (``result.prompts``): the full chain and each variant's chain (ids, length,
-``marker_at``), ``owned`` (the full chain's top-1 after its marker is the expected candidate's first
-token), per variant ``top1_agree`` and KL(full || composed) of the two decision distributions (only
-when both reached their markers) and ``same_chain`` (token for token the full chain). A full chain
-that misses its marker excludes its prompt (``full_no_marker`` / ``full_truncated_in_think``, kept
-in ``excluded`` with its chain; the prompt is never composed) and the pairs that use it
-(``old_no_marker`` / ``new_no_marker``); a composed chain that misses its marker is left out of
-that variant's metrics and counted (``n_unreached``). Per pair (``result.rows``): the generated
-flip (the full old chain names the old candidate, the full new chain the new one; others are kept
-with ``flips = False`` and counted ``no_cot_flip``) and per variant whether the composed new chain
-takes the new decision. ``aggregates.readout`` is ``"generated"``; ``exclusions`` counts prompts
-for the ``full_*`` reasons and pairs for every other reason. The edit arms and the image chunk read
-the decision position directly: the edit arms are skipped under cot (``aggregates.edit_arms`` None,
-``edit_arms_note``) and ``image_chunk: true`` is refused.
+Specification: ``docs/probes/compose.md``.
 """
 
 from __future__ import annotations
 
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import Curves, Reshaped, by_seam
-from kvnotes.records.tables import compose_table
-
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Optional
 
-from annotated_types import Len
-
-from dataclasses import dataclass, field, replace
-
 import torch
+from annotated_types import Len
 from tqdm import tqdm
 
-from kvnotes.kv import cache as kvcache
-from kvnotes.ops import compose as kvcompose
 from kvnotes.errors import KvnotesError
-from kvnotes.harness.constraints import Count, NonNegative, NonNegatives, one_of
 from kvnotes.harness import kit as K
-from kvnotes.harness.pairs import pair_row, transcript_turns
-from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
-from kvnotes.kv.generate import generate, owned_side, stop_tokens
-from kvnotes.records.schema import BaseResult
-from kvnotes.harness.stats import proportion
 from kvnotes.harness.chunks import SINKS, chunked_pairs, precompiled, prompt_parts, sink_ids
+from kvnotes.harness.constraints import Count, NonNegative, NonNegatives, one_of
+from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
+from kvnotes.harness.pairs import pair_row, transcript_turns
+from kvnotes.harness.stats import proportion
+from kvnotes.kv import cache as kvcache
+from kvnotes.kv.generate import generate, owned_side, stop_tokens
+from kvnotes.ops import compose as kvcompose
 from kvnotes.probes.compose_edit import aggregate_arms, edit_arms
+from kvnotes.records.figures import Curves, Reshaped, by_seam
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.schema import BaseResult
+from kvnotes.records.tables import compose_table
 
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/compose.yaml`` (defaults there; see the module docstring)."""
+    """Keys of ``conf/probe/compose.yaml`` (defaults there; see the specification)."""
 
     seams: NonNegatives = field(default_factory=lambda: [0, 1, 2, 4, 8])
     sinks: Annotated[list[Annotated[str, one_of(*SINKS)]], Len(min_length=1)] = field(
@@ -452,7 +390,7 @@ def _prompts_to_read(pairs: list, at: int, memo: dict, batch_later: bool) -> dic
 
 def run(ctx) -> dict:
     """Composed vs full prefill for every chunked pair and variant under the run's readout; see the
-    module docstring.
+    the specification.
 
     Returns:
         ``rows`` (pairs; generated: those whose full chains both reached their markers), ``prompts``

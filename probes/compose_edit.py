@@ -1,13 +1,7 @@
 """The ``compose`` probe's edit arms: editing inside a composition (paper §4 on §5's composed
 caches), judged against a full prefill of the **edited text**, never of the same tokens.
 
-- ``erratum``: an erratum appended to a composed prompt (chunks precompiled behind the prompt's
-  first token, keys rotated, seam repair);
-- ``field_in_chunk``: the field's chunk spliced stale and its field refreshed in place
-  (:func:`kvnotes.ops.edit.refresh_field`).
-
-Run by :func:`kvnotes.probes.compose.run` per chunked pair (``probe.edit_arm_seams``; not under
-``scenario.variant=cot``); rows ``rows[*].arms``, aggregates ``aggregates.edit_arms``.
+Specification: ``docs/probes/compose_edit.md``.
 """
 
 from __future__ import annotations

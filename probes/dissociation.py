@@ -1,50 +1,26 @@
 """``dissociation``: the polarity 2x2 — field fixed, the rule's trigger word flipped (docs/design.md §5).
 
-The polarity pairs come from ``run.py`` like every probe's pairs (``pairs: polarity`` in
-``conf/probe/dissociation.yaml``; :func:`kvnotes.harness.pairs.prepare_polarity_pairs`). A scenario with a
-``polarity`` block has a trigger slot in its rule whose ``normal``/``inverted``
-word swaps the two outcomes. For every instance and every field value ``v`` a *polarity pair* is
-rendered: old = the normal rule, new = the inverted rule, same ``v`` (the 2x2 is field value x
-trigger). The prompts differ only in the trigger span ``[t0, t1)`` (token-aligned; pairs whose
-trigger words tokenise to different lengths are excluded with reason ``unequal_trigger_length``).
-The field ``[a, b)`` lies before the rule, so its KV is identical in both runs.
-
-Patching the normal run's prefix cache towards the inverted run (every layer):
-
-- ``trigger``: the trigger's KV only, ``[t0, t1)`` (trigger-only recovery);
-- ``notes``: the positions after the trigger, ``[t1, d)`` (the notes that carry the inverted gate);
-- ``both``: ``[t0, d)`` — everything that differs, so recovery must be 1;
-- ``prefix``: ``[0, t0)`` — identical KV, so the score must not move (a check).
-
-Recovery ``r = (s_patched - s_old) / (s_new - s_old)`` (unclipped) and the share of pairs whose
-decision the patch flips are aggregated per family over *flipping* polarity pairs only (flip rule,
-docs/design.md §3); every aligned pair keeps its raw score shifts ``s_patched - s_old`` (nats). The clean
-2x2 (scores of a fixed orientation in the four cells) is reported for all aligned pairs. Scenarios
-without a polarity block are skipped and counted by reason; a family without flipping pairs says so
-in ``notes`` with its counts instead of reporting an effect.
+Specification: ``docs/probes/dissociation.md``.
 """
 
 from __future__ import annotations
 
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import Bars
-
-from typing import Any, cast
-
-from dataclasses import dataclass
-
 from collections import Counter
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
-from kvnotes.records.schema import BaseResult, PairRow
-from kvnotes.harness.kit import ProbeConfig
-from kvnotes.kv import cache as kvcache
-from kvnotes.kv import patch as kvpatch
 from kvnotes.harness import kit as K
+from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.readout import PairRun, variant_scores
 from kvnotes.harness.stats import proportion
 from kvnotes.harness.tokens import PolarityPair
+from kvnotes.kv import cache as kvcache
+from kvnotes.kv import patch as kvpatch
+from kvnotes.records.figures import Bars
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.schema import BaseResult, PairRow
 from kvnotes.scenarios.instances import PolaritySpec
 
 VARIANTS = ("trigger", "notes", "both", "prefix")
@@ -53,7 +29,7 @@ REPORTED = ("trigger", "notes", "both")
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/dissociation.yaml`` (defaults there; see the module docstring)."""
+    """Keys of ``conf/probe/dissociation.yaml`` (defaults there; see the specification)."""
 
     pairs: str = "polarity"
 
@@ -164,7 +140,7 @@ class Result(BaseResult):
 
 def run(ctx) -> dict:
     """Patch trigger / notes / both of every polarity pair (``pairs: polarity`` in the probe config:
-    ``run.py`` prepares them, :func:`kvnotes.harness.pairs.prepare_polarity_pairs`); see the module docstring.
+    ``run.py`` prepares them, :func:`kvnotes.harness.pairs.prepare_polarity_pairs`); see the specification.
 
     Returns:
         ``rows`` (every aligned polarity pair: spans, clean status, per-variant scores, shifts,

@@ -2,80 +2,35 @@
 registry (:mod:`kvnotes.ops.methods`, operations of :mod:`kvnotes.ops.edit`) and measure quality
 against cost (paper "Models Take Notes at Prefill", §editing; ``docs/editing.md``).
 
-For each flipping pair (old -> new; :func:`kvnotes.harness.kit.flipping_pairs`) the old prompt is
-prefilled into an all-slot cache (the *stale* cache, not counted as cost) and edited by every
-registered method (:class:`PairEditor` renders the prompts they name); today:
-
-- ``full`` (re-prefill of the new prompt, the reference), ``stale`` (no edit), ``refresh_field``;
-- ``erratum`` / ``field_plus_erratum``: :data:`kvnotes.harness.edit_prompts.ERRATUM_TEMPLATE` with the new value
-  inserted at ``placement``, forwarding only what follows the longest common token prefix;
-- ``hoist``: the new value in the hoisted layout, reusing the old hoisted prompt's cache up to the
-  field (that cache is what one would have stored with that layout; not counted);
-- ``selective@K`` for each ranking in ``rankings`` and ``K`` in ``ks`` (capped at the downstream
-  length): field refresh + true recompute of the top-K downstream positions;
-- ``oracle_copy@K`` (ranking ``oracle_ranking``): an UPPER BOUND that copies K/V from the full
-  re-prefill; never a cheap method;
-- controls on the same pairs: ``wrong_erratum`` (restates the old value) and ``irrelevant_notice``
-  (length-matched) must not move the decision from the stale one.
-
-Per method and pair: score ``s = log p(cand_new) - log p(cand_old)`` at the decision position,
-recovery ``(s - s_old) / (s_new - s_old)``, ``agree`` (its candidate decision equals full's: on
-flipping pairs, deciding the new outcome), ``KL(full || method)`` (nats, whole vocabulary),
-``top1`` (same vocabulary top-1 as full), ``tokens`` recomputed, ``frac`` = tokens / d, FLOPs and
-wall time relative to full. Over-correction: the correct erratum applied to control pairs (old and
-new clean runs take the same candidate decision) must keep that decision.
-
-**Transcripts** (``scenario.transcript``): every prompt is rendered as the suite's agent transcript,
-the erratum inside it at the same ``placement`` and the hoisted layout moving the record's exchange
-to just before the last user message (:mod:`kvnotes.harness.edit_prompts`).
-
-**K sweep selection.** The rankings are per-pair rules (no fitted parameters); the data-driven
-choice is *which ranking* to use: it is chosen by mean agreement over K on the selection instances
-(:func:`kvnotes.harness.selection.split_instances`) and its curve is reported on the held-out instances.
-
-**Readout** (a parameter of the run, :mod:`kvnotes.harness.protocol`): pairs are screened by the
-harness's pair loop and every method's cache is read by its readout hook
-(:func:`kvnotes.harness.protocol.read_caches`). Under ``scenario.variant=cot`` (the generated
-readout) the clean runs and each method's cache decode greedily (at most ``cot_max_new_tokens``)
-to the scenario's answer marker and the decision is read right after it: a pair counts when the
-old chain names the old candidate and the new chain the new one (exclusions ``old_no_marker``,
-``new_no_marker``, ``no_cot_flip``; at most ``cot_max_pairs`` pairs screened, round-robin); a
-method whose chain misses its marker has ``s``, ``r``, ``kl`` and ``top1`` None and does not
-agree (its ``reached`` is false; ``agreement`` counts it, ``recovery`` leaves it out). The K sweep
-then runs ``cot_ks`` on every pair without the upper bound, and there are no over-correction
-pairs (the screen's excluded rows carry no clean scores).
+Specification: ``docs/probes/edit.md``.
 """
 
 from __future__ import annotations
 
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import edit_frontier
-from kvnotes.records.tables import edit_table
-
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Optional
 
-from pydantic import AfterValidator
-
-from collections import Counter
-
 import numpy as np
 import torch
+from pydantic import AfterValidator
 from tqdm import tqdm
 
+from kvnotes.errors import KvnotesError
+from kvnotes.harness import edit_prompts as sedits
+from kvnotes.harness import kit as K
+from kvnotes.harness.constraints import Count, NonNegative, OpenFraction, one_of
+from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, summaries_by_family
+from kvnotes.harness.protocol import GeneratedReadout, Read, ScreenedPair, pair_loop, read_caches, readout_aggregates
+from kvnotes.harness.selection import pair_rng, round_robin, split_instances
+from kvnotes.harness.stats import proportion
 from kvnotes.kv.cache import AllSlotCache
 from kvnotes.ops import edit, methods
 from kvnotes.ops.methods import EditSource, Prompted
-from kvnotes.errors import KvnotesError
-from kvnotes.harness.constraints import Count, NonNegative, OpenFraction, one_of
-from kvnotes.harness import kit as K
-from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, summaries_by_family
-from kvnotes.harness.protocol import (GeneratedReadout, Read, ScreenedPair, pair_loop, read_caches,
-                                      readout_aggregates)
+from kvnotes.records.figures import edit_frontier
+from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import BaseResult
-from kvnotes.harness.selection import pair_rng, round_robin, split_instances
-from kvnotes.harness.stats import proportion
-from kvnotes.harness import edit_prompts as sedits
+from kvnotes.records.tables import edit_table
 
 #: With ``scenario.variant=cot`` this probe decodes the reasoning before reading the decision.
 SUPPORTS_COT = True
@@ -93,7 +48,7 @@ Ranking = Annotated[str, AfterValidator(_ranking)]
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
-    """Keys of ``conf/probe/edit.yaml`` (defaults there; see the module docstring); ``cot_ks``: the K
+    """Keys of ``conf/probe/edit.yaml`` (defaults there; see the specification); ``cot_ks``: the K
     sweep under the generated readout (every ranking of ``rankings``, no upper bound)."""
 
     rankings: list[Ranking] = field(default_factory=lambda: ["attention", "kv_deviation", "last", "random"])
@@ -347,7 +302,7 @@ def choose_ranking(rows, rankings, ks, seed, fraction) -> dict:
 # --------------------------------------------------------------------------------------------- run
 
 def run(ctx) -> dict:
-    """Every edit method on every flipping pair under the run's readout; see the module docstring."""
+    """Every edit method on every flipping pair under the run's readout; see the specification."""
     cfg = ctx.cfg
     generated = K.is_cot(ctx)
     kwargs = dict(cfg.chat_template_kwargs or ctx.template_kwargs or {})

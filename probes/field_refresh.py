@@ -1,60 +1,28 @@
 """``field_refresh``: how much of a field change the field's own KV carries (docs/design.md §3, §5).
 
-For every flipping pair (flip rule of docs/design.md §3; the rest are counted by reason) the old run's
-prefix cache ``[0, d)`` is patched from the new run's, all layers, at these position sets:
-
-- ``none`` (nothing; recovery 0 by definition) and ``all`` (``[0, d)``; recovery 1) — checks;
-- ``field``: the field span ``[a, b)`` only — the finding: recovery of refreshing only the field;
-- ``downstream``: ``[b, d)`` only;
-- ``field_downstream``: ``[a, d)``. The prefix ``[0, a)`` is identical in both runs (causal
-  attention over identical tokens), so this equals ``all``: recovery 1 **by construction**. It is
-  reported as a check (``checks.max_abs_field_downstream_minus_1``), not as a finding.
-
-Recovery ``r = (s_patched - s_old) / (s_new - s_old)`` (docs/design.md §3), unclipped.
-
-**Exact refresh.** Copying the new run's field KV into the old cache is exact because the field
-only attends to ``[0, a)``, identical in both runs. The probe verifies that instead of assuming
-it: the new field tokens are run at positions ``a .. b-1`` on a view of the old cache truncated to
-``[0, a)`` (:func:`kvnotes.kv.cache.prefix_view`; for a sliding-window layer whose window already dropped part
-of ``[0, a)`` the prefix is prefilled instead, recorded as ``exact_method``), and the recomputed
-field KV (:func:`recompute_span`) is compared to the copied one (``k_max_abs_diff``,
-``v_max_abs_diff``: max over layers, KV heads, field positions and head dims) and patched into the
-old cache in its place (``r_field_exact``; ``score_abs_diff_exact`` is ``|s_exact - s_field|`` in
-nats).
-
-All variants of a pair are scored in one batched call of
-:func:`kvnotes.harness.readout.variant_scores` (variant caches chunked to ``ctx.budget_bytes``).
-Aggregates per family (and ``all``) come from :func:`kvnotes.harness.kit.summaries_by_family`: mean,
-median, cluster-bootstrap CIs (scenarios, then instances) and the share of pairs whose decision the
-patch flipped (Wilson CI).
+Specification: ``docs/probes/field_refresh.md``.
 """
 
 from __future__ import annotations
 
-from kvnotes.records.tables import FIELD_REFRESH_RESULTS
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import Bars, FLIPPED
-
-from typing import Any
-
-from kvnotes.records.schema import TypedDict
-
-from dataclasses import dataclass
-
 from collections import Counter
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from kvnotes.records.schema import BaseResult, PairRow, Summary
-from kvnotes.harness.kit import ProbeConfig
+from kvnotes.harness import kit as K
+from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, summaries_by_family
+from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, patch_columns, readout_aggregates, run_patches
+from kvnotes.harness.readout import PairRun, variant_scores
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv import patch as kvpatch
-from kvnotes.harness import kit as K
-from kvnotes.harness.kit import exclusions_by_family, families_of, summaries_by_family
-from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, patch_columns, run_patches, readout_aggregates
-from kvnotes.harness.readout import PairRun, variant_scores
+from kvnotes.records.figures import FLIPPED, Bars
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.schema import BaseResult, PairRow, Summary, TypedDict
+from kvnotes.records.tables import FIELD_REFRESH_RESULTS
 
 #: Position sets patched (all layers) from the new run into the old run, in scoring order.
 VARIANTS = ("none", "field", "downstream", "field_downstream", "all")
@@ -66,7 +34,7 @@ CHECK_VARIANTS = ("none", "field_downstream", "all")
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
-    """Keys of ``conf/probe/field_refresh.yaml`` (defaults there; see the module docstring); with
+    """Keys of ``conf/probe/field_refresh.yaml`` (defaults there; see the specification); with
     ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
 
     exact: bool = True
@@ -237,7 +205,7 @@ class Result(BaseResult):
 
 def run(ctx) -> dict:
     """Field-only vs field+downstream refresh of every flipping pair under the run's readout
-    (:func:`kvnotes.harness.protocol.run_patches`); see the module docstring.
+    (:func:`kvnotes.harness.protocol.run_patches`); see the specification.
 
     Under the direct readout each flipping pair is refreshed right after its clean run (its prefix
     caches are used once and dropped), so every pair is prefilled once per job, and the exact field

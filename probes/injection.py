@@ -1,59 +1,28 @@
 """``injection``: write the other run's downstream notes over a self-consistent cache — does the
 decision follow the notes or the field? (docs/design.md §3, §5)
 
-For each token-aligned pair, two injections into prefix caches over ``[0, d)``:
-
-- ``old_notes_into_new``: the new run's cache (new field) with every layer's downstream positions
-  ``[b, d)`` overwritten by the old run's KV;
-- ``new_notes_into_old``: the old run's cache (old field) with the new run's downstream KV.
-
-The decision token is then fed at ``d`` (it reads the edited cache). The decision *follows the
-notes* when the sign of the injected score equals that of the run the notes came from (the notes'
-source); otherwise it follows the field (for a flipping pair the two runs' decisions differ, so
-exactly one holds). Score-based: ``r_notes = (s_inj - s_base) / (s_source - s_base)``, 1 = the
-notes fully decide, 0 = the field fully decides; never clipped.
-
-**Chain of thought** (``scenario.variant=cot``, issue #20): the same injections under the
-harness's generated readout (:mod:`kvnotes.harness.protocol`: at most ``cot_max_new_tokens``
-tokens per chain, on at most ``cot_max_pairs`` aligned pairs round-robin over scenarios, the rest
-counted ``beyond_max_pairs``). A pair is screened by its clean chains: a clean chain that misses the
-answer marker excludes the pair (``old_no_marker`` / ``new_no_marker``); a pair whose old chain
-does not name the old candidate and new chain the new one is kept with ``flips = False``
-(``no_cot_flip``). The four injected caches decode in one batch. The decision follows the notes
-when the injected chain names the notes' source candidate (the owned top-1 after the marker),
-follows the field when it names the base run's; an injected chain without its marker is not
-scored (``<D>_follows_notes`` None) and counted per direction (``n_unreached``). ``r_notes`` uses
-the clean chains' scores after their markers. Rows keep every chain (ids, length, ``marker_at``);
-``aggregates.readout`` is ``"generated"``. Check: field + notes reproduces the source run's chain
-(``n_field_and_notes_chain_mismatch``) and, where it does, its score.
-
-Follow rates (Wilson CIs) and ``r_notes`` (cluster-bootstrap CIs) are reported only over flipping
-pairs (the flip rule, docs/design.md §3); the rest are excluded and counted by reason. As a check, each
-direction also injects field + downstream ``[a, d)``, which must reproduce the source run exactly
-(``r = 1``).
+Specification: ``docs/probes/injection.md``.
 """
 
 from __future__ import annotations
 
-from kvnotes.records.tables import INJECTION_RESULTS
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import Bars
-
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from collections import Counter
-
 import torch
 
-from kvnotes.records.schema import BaseResult, PairRow
-from kvnotes.harness.kit import ProbeConfig
-from kvnotes.kv import cache as kvcache
-from kvnotes.kv import patch as kvpatch
 from kvnotes.harness import kit as K
+from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.protocol import GeneratedPair, GeneratedReadout, ScreenedPair, pair_loop, readout_aggregates
 from kvnotes.harness.readout import PairRun, run_pair
 from kvnotes.harness.stats import proportion
+from kvnotes.kv import cache as kvcache
+from kvnotes.kv import patch as kvpatch
+from kvnotes.records.figures import Bars
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.schema import BaseResult, PairRow
+from kvnotes.records.tables import INJECTION_RESULTS
 
 DIRECTIONS = {
     # name: (base run = whose field stays, source run = whose notes are written)
@@ -68,7 +37,7 @@ SUPPORTS_COT = True
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
-    """Keys of ``conf/probe/injection.yaml`` (defaults there; see the module docstring); with
+    """Keys of ``conf/probe/injection.yaml`` (defaults there; see the specification); with
     ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
 
 

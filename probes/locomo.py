@@ -1,32 +1,6 @@
 """``locomo``: LoCoMo question answering with transplanted conversation memory against a full prefill.
 
-    python run.py probe=locomo scenario=locomo scenario.locomo=locomo10.json [probe.max_questions=50]
-    kvnotes locomo --data locomo10.json [--model smollm2-135m] [--max-questions 50] [--json out.json]
-
-The dataset is not shipped: pass a copy of LoCoMo's ``data/locomo10.json``
-(https://github.com/snap-research/locomo; format in :mod:`kvnotes.scenarios.locomo`) as the
-scenario's ``locomo`` file (a record's inputs include its content). Everything runs offline.
-
-Per conversation, each session's text is precompiled once as a chunk behind the conversation's
-header (the sink: the chunk's keys are at the positions they take after the header). For each
-question, two arms answer the same token sequence ``[header, session_1 .. session_N, question]``:
-
-- ``composed``: the session chunks spliced in order with :func:`kvnotes.ops.compose.compose` (keys
-  rotated into place, ``--seam`` tokens of each recomputed), the question computed live;
-- ``full``: one full prefill of the same tokens.
-
-Both decode greedily (:func:`kvnotes.kv.generate.generate`) until a newline, an end token or
-``max_new_tokens``. Answers are scored against the gold answer by SQuAD token F1 and normalised
-containment (:mod:`kvnotes.scenarios.locomo`); the arms are compared on the first-step next-token
-log-probs (KL(full || composed) in nats), on whether they give the same answer, by an exact McNemar
-test on containment-correctness and by a TOST on F1 over conversation clusters
-(:mod:`kvnotes.harness.paired`). The first session's chunk sits where it was precompiled, so with
-one session the composed arm equals the full prefill up to float error; later sessions were
-precompiled without the sessions before them, which is what the comparison measures.
-
-Context: when a conversation does not fit ``max_context`` (default: the model's
-``max_position_embeddings``) with the question and the answer budget, only its latest sessions that
-fit are kept and a line on stderr says how many.
+Specification: ``docs/probes/locomo.md``.
 """
 
 from __future__ import annotations
@@ -43,7 +17,6 @@ from kvnotes.harness.constraints import Count, Counts, NonNegative, PositiveFloa
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import TypedDict
-
 
 #: The conversation header (the live prefix every session chunk is precompiled behind).
 HEADER = "A conversation between {a} and {b} over several sessions.\n\n"
@@ -247,7 +220,7 @@ def format_summary(result: dict, name: str = "model") -> str:
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/locomo.yaml`` (see the module docstring).
+    """Keys of ``conf/probe/locomo.yaml`` (see the specification).
 
     Attributes:
         data: the LoCoMo file; ``scenario.locomo`` sets it (a scenario input of the record).
@@ -283,7 +256,7 @@ class Result(TypedDict):
 
 
 def run(ctx) -> dict:
-    """Answer the questions of the scenario's LoCoMo file on both arms (see the module docstring).
+    """Answer the questions of the scenario's LoCoMo file on both arms (see the specification).
 
     Raises:
         KvnotesError: no LoCoMo file (``scenario.locomo``).

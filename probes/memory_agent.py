@@ -1,51 +1,26 @@
 """``memory_agent`` (E5): the memory agent over many turns (issue #21 part 2; paper §editing,
 external validity: a user memory kept as an editable cache across a session).
 
-Per persona and memory length, the session is an :class:`kvnotes.context.EditableContext` whose user
-message is the memory of :func:`kvnotes.harness.memory.build_prompt` (same lines and filler), with
-every fact that has a value as a field, and the turn's question as the request. It is prefilled once.
-Each turn toggles one fact (round robin over the facts with a one-fact query: the edit's value of
-the suite, else the query's next candidate, then back) and asks that fact's query. Every arm keeps
-its own session and updates it by its mode (``in_place``, ``erratum``, ``auto``: the context's edit
-modes, then :meth:`~kvnotes.context.EditableContext.set_request`); the reference re-prefills the
-rewritten prompt (every fact at its current value, no errata, the turn's question) every turn.
-
-Two runs:
-
-- **sessions** (``turns``, at every length of ``lengths``): the time to first token per turn (the
-  edit, the new request and the decision read; the reference: re-prefill and read), cumulative over
-  the session, and the ratio of the reference's to each arm's;
-- **long horizon** (``long_turns`` at ``long_length``): the per-turn curve of decision agreement
-  and KL(full || arm) against the rewritten prompt's re-prefill. Edits accumulate in the cache,
-  so a drift would show as a KL trend; the slope of KL on the turn index (least squares over the
-  turns' persona means, :func:`scipy.stats.linregress`) is reported with its p-value.
-
-Rows have :class:`kvnotes.harness.memory.MemoryRow`'s columns (``answer`` = the toggled value's
-candidate) plus ``run``, ``turn``, ``fact``, ``value``, ``ttft_full`` and per arm ``ttft`` and
-``applied``. Statistics: :func:`kvnotes.harness.memory.paired_tests` per ``run/length/arm`` with
-Benjamini-Hochberg over the cells.
+Specification: ``docs/probes/memory_agent.md``.
 """
 
 from __future__ import annotations
 
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.memory_tables import memory_agent_table
-
-from typing import Annotated, Optional
-
-from annotated_types import Len
-
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Annotated, Optional
 
 import numpy as np
 import torch
+from annotated_types import Len
 from scipy.stats import linregress
 from tqdm import tqdm
 
 from kvnotes.context import EditableContext
-from kvnotes.harness.constraints import Count, one_of
 from kvnotes.harness import memory as mem
+from kvnotes.harness.constraints import Count, one_of
+from kvnotes.records.memory_tables import memory_agent_table
+from kvnotes.records.presentation import Presentation
 from kvnotes.scenarios.memory import filler_lines, memory_lines
 
 #: Session arms (edit modes of :class:`kvnotes.context.EditableContext`).
@@ -122,7 +97,7 @@ def _query(suite, persona, qid: str, answer: str, ctx: EditableContext) -> tuple
 @torch.no_grad()
 def run_session(model, tokenizer, suite, persona, prompt: mem.MemoryPrompt, cfg, n_turns: int, run: str,
                 template_kwargs: dict | None = None) -> list[dict]:
-    """One session of ``n_turns`` turns (module docstring): one row per turn."""
+    """One session of ``n_turns`` turns (the specification): one row per turn."""
     plan = schedule(suite, persona)
     if not plan:
         return []
@@ -201,7 +176,7 @@ def aggregate(rows: list[dict], cfg, seed: int) -> tuple[dict, dict, dict]:
 
 
 def run(ctx) -> dict:
-    """E5: timed sessions at every length and the long-horizon run; module docstring."""
+    """E5: timed sessions at every length and the long-horizon run; see the specification."""
     cfg = ctx.cfg
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     suite = mem.load_suite(cfg)

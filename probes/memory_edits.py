@@ -1,35 +1,10 @@
 """``memory_edits`` (E3): a fact of the user memory changes mid-session; how well does each way of
 updating the cache match a re-prefill? (issue #21 part 2; paper §editing, external validity.)
 
-Per persona, memory length and edit of the suite (:mod:`kvnotes.scenarios.memory`; at most
-``max_edits_per_persona``), the session is an :class:`kvnotes.context.EditableContext` whose user
-message is ``header, memory before the value, the fact's value (a field), the rest of the memory,
-the query`` — the memory lines and filler of :func:`kvnotes.harness.memory.build_prompt` at that
-length — prefilled once (the stale cache). The fact then takes its new value, and each arm updates a
-fork of the session:
-
-- ``stale``, ``in_place``, ``selective@K`` (K in ``ks``), ``erratum`` and ``full``: the context's
-  edit modes (:meth:`kvnotes.context.EditableContext.edit`; ``full`` re-prefills the edited text and
-  is the reference);
-- ``recompile_chunk``: the memory as a chunk (:meth:`kvnotes.context.EditableContext.add_chunk`) is
-  precompiled again with the new fact behind BOS and spliced after the live prefix with
-  ``recompile_seam`` tokens recomputed; the query after it is computed live.
-
-Per arm, against ``full`` on the query the edit concerns (whose expected answer is the edit's new
-answer): decision agreement on queries ``full`` owns, top-1 agreement, accuracy, KL(full || arm),
-the cost (tokens forwarded through every layer, a ranking's partial forwards in full-token
-equivalents; wall seconds) and its ratio to ``full``'s, and the paired tests of
-:func:`kvnotes.harness.memory.paired_tests` per length with Benjamini-Hochberg over ``length x arm``.
-``applied`` records what an in-place edit actually did (``reprefill_from_field`` when the new
-value's tokens shift the prompt). ``checks.recompile_same_tokens`` counts rows where the chunked
-prompt has the full prompt's exact tokens (else the two arms read different token sequences).
+Specification: ``docs/probes/memory_edits.md``.
 """
 
 from __future__ import annotations
-
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import Bars
-from kvnotes.records.memory_tables import memory_edits_table
 
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,8 +13,11 @@ import torch
 from tqdm import tqdm
 
 from kvnotes.context import EditableContext
-from kvnotes.harness.constraints import Count, Counts, NonNegative
 from kvnotes.harness import memory as mem
+from kvnotes.harness.constraints import Count, Counts, NonNegative
+from kvnotes.records.figures import Bars
+from kvnotes.records.memory_tables import memory_edits_table
+from kvnotes.records.presentation import Presentation
 from kvnotes.scenarios.memory import filler_lines, memory_lines
 
 #: The arms besides ``selective@K``, in report order (``full`` last: the reference).
@@ -87,7 +65,7 @@ def _texts(suite, persona, prompt: mem.MemoryPrompt, fact: str, value: str | Non
 @torch.no_grad()
 def edit_session(model, tokenizer, suite, persona, prompt: mem.MemoryPrompt, edit, ks: list[int], seam: int,
                  chat_template: bool = True, template_kwargs: dict | None = None) -> dict:
-    """E3 for one edit on one prompt: every arm and the reference (module docstring).
+    """E3 for one edit on one prompt: every arm and the reference (the specification).
 
     Returns:
         the row: :func:`kvnotes.harness.memory.reference` columns (``answer`` = the edit's new
@@ -160,7 +138,7 @@ def aggregate(rows: list[dict], names: list[str], cfg, seed: int) -> tuple[dict,
 
 
 def run(ctx) -> dict:
-    """E3 over every persona, length and (up to ``max_edits_per_persona``) edit; module docstring."""
+    """E3 over every persona, length and (up to ``max_edits_per_persona``) edit; see the specification."""
     cfg = ctx.cfg
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     suite = mem.load_suite(cfg)

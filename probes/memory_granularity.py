@@ -1,34 +1,10 @@
 """``memory_granularity`` (E4): the user memory split into ``S`` independently precompiled blocks
 (issue #21 part 2; paper §composition, external validity).
 
-Per persona and memory length (:mod:`kvnotes.harness.memory`, "Layout"), the memory lines are
-partitioned into ``S`` contiguous blocks of about equal token count (:func:`partition`; ``S`` in
-``blocks``), each block precompiled on its own behind the BOS token and all of them spliced in
-order after the live prefix (:func:`kvnotes.ops.compose.compose`, keys rotated, ``seam`` tokens of
-each block recomputed). ``S = 1`` is E2's one-chunk transplant. Three measurements:
-
-- ``rows``: every query answered on each ``S``'s cache against the full prefill of the same tokens
-  (decision agreement on owned queries, top-1 agreement, accuracy, KL, paired tests);
-- ``edit_rows``: the persona's first edit (its fact takes the new value); only the block holding
-  the fact is precompiled again and the blocks are spliced anew. Every query is compared with the
-  full prefill of the edited memory; the edit's cost is the tokens forwarded (the block and its
-  sink, the live prefix, every block's seam) and its wall seconds, against that full prefill's;
-- ``cross_rows``: each cross-referential query (two facts, the second directly after the first)
-  for ``S >= 2`` with the two facts in one block (``together``: a boundary between them moves to
-  after the second) and in two blocks (``split``: the boundary nearest to them moves between them),
-  both against the full prefill. Their paired correctness is compared by an exact McNemar test
-  (pooled over ``S``: rows of one query at several ``S`` share a persona cluster, so read it as
-  descriptive).
-
-Tests per ``"<L>/S=<S>"`` (``rows``) and ``"<L>/edit/S=<S>"`` (``edit_rows``) cell, with
-Benjamini-Hochberg over all cells of each kind.
+Specification: ``docs/probes/memory_granularity.md``.
 """
 
 from __future__ import annotations
-
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import Curves
-from kvnotes.records.memory_tables import memory_granularity_table
 
 from collections import Counter
 from dataclasses import dataclass, field
@@ -36,13 +12,16 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from kvnotes.harness.constraints import Counts, NonNegative
+from kvnotes.errors import KvnotesError
 from kvnotes.harness import memory as mem
+from kvnotes.harness.constraints import Counts, NonNegative
 from kvnotes.harness.paired import mcnemar_exact
 from kvnotes.harness.stats import proportion
-from kvnotes.errors import KvnotesError
 from kvnotes.ops import compose as kvcompose
 from kvnotes.ops.edit import stack
+from kvnotes.records.figures import Curves
+from kvnotes.records.memory_tables import memory_granularity_table
+from kvnotes.records.presentation import Presentation
 
 
 @dataclass
@@ -147,7 +126,7 @@ def _read_all(model, prompt: mem.MemoryPrompt, caches: list) -> dict[str, torch.
 @torch.no_grad()
 def granularity(model, tokenizer, prompt: mem.MemoryPrompt, Ss: list[int], seam: int,
                 edited: mem.MemoryPrompt | None = None, fact: str | None = None) -> dict:
-    """E4 on one prompt (module docstring).
+    """E4 on one prompt (the specification).
 
     Args:
         edited: the prompt with the edited fact (same filler), or None for no edit measurement.
@@ -264,7 +243,7 @@ def aggregate(out: dict, Ss: list[int], cfg, seed: int) -> tuple[dict, dict, dic
 
 
 def run(ctx) -> dict:
-    """E4 over every persona and length; module docstring."""
+    """E4 over every persona and length; see the specification."""
     cfg = ctx.cfg
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     suite = mem.load_suite(cfg)

@@ -1,37 +1,10 @@
 """``memory_placement`` (E1): does it matter where the user memory sits in a long prompt? Memory
 early vs late, by integration depth (issue #21 part 2; paper §composition, external validity).
 
-Per persona and memory length ``L`` (:mod:`kvnotes.harness.memory`, "Layout"), the memory ``[M]``
-(facts spread through diary filler, about ``L`` tokens) and a neutral **document** ``[D]`` of about
-``L`` tokens: diary lines from the suite's filler generator on a stream of its own (persona id +
-``"/document"``, day numbers restarting at 1), so it holds no user fact. ``D`` is clipped so the
-longest prompt fits the model's context (``document_tokens`` in the record). Two placements of the
-same tokens, read on the same queries:
-
-- ``early`` = ``[prefix | memory | document | query]``;
-- ``late``  = ``[prefix | document | memory | query]``.
-
-Both are full prefills (no cache reuse across placements: direct readout). ``[prefix | memory |
-document]`` (or the late order) is prefilled once per persona, length and placement and each query's
-suffix is forwarded on top (:func:`kvnotes.harness.memory.read`, the same computation as a prefill of
-the whole prompt).
-
-Per query: each placement's decision (vocabulary top-1 = the expected answer's first token:
-``owned`` for early, ``arms.late.correct`` for late) and the answer's log-prob; KL(early || late)
-(nats) as a descriptive. Rows follow :class:`kvnotes.harness.memory.MemoryRow` with ``early`` as the
-reference and ``late`` as the one arm, so :func:`kvnotes.harness.memory.paired_tests` gives the exact
-McNemar of late vs early correctness (paired on queries), the TOST of accuracy(late) -
-accuracy(early) within ``margin_accuracy`` over persona clusters and the TOST of mean
-KL(early || late) within ``margin_kl``. Cells are ``length x integration depth`` (the number of facts
-a query uses: 1 for direct queries, 2 for the cross-referential one), BH over the cells of each test
-kind.
+Specification: ``docs/probes/memory_placement.md``.
 """
 
 from __future__ import annotations
-
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import Bars
-from kvnotes.records.memory_tables import memory_placement_table
 
 from collections import Counter
 from dataclasses import dataclass
@@ -41,10 +14,13 @@ import torch
 from tqdm import tqdm
 
 from kvnotes.errors import KvnotesError
-from kvnotes.harness.constraints import Count
 from kvnotes.harness import memory as mem
+from kvnotes.harness.constraints import Count
 from kvnotes.harness.stats import proportion, summarize
 from kvnotes.ops.edit import stack
+from kvnotes.records.figures import Bars
+from kvnotes.records.memory_tables import memory_placement_table
+from kvnotes.records.presentation import Presentation
 from kvnotes.scenarios.memory import MemorySuite, Persona, filler_lines
 
 #: The two placements, in the order of the batch read.
@@ -178,7 +154,7 @@ def context_of(model) -> int | None:
 
 
 def run(ctx) -> dict:
-    """E1 over every persona and length of the suite; see the module docstring."""
+    """E1 over every persona and length of the suite; see the specification."""
     cfg = ctx.cfg
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     suite = mem.load_suite(cfg)

@@ -1,28 +1,10 @@
 """``memory_transplant`` (E2): is a precompiled user memory spliced into a prompt as good as
 prefilling it there? (issue #21 part 2; paper §composition, external validity.)
 
-Per persona and memory length (:mod:`kvnotes.harness.memory`, "Layout"), the memory ``[M]`` is
-precompiled **once** behind the BOS token (:func:`kvnotes.ops.compose.precompile`) and spliced after
-the live prefix (chat template + header) by :func:`kvnotes.ops.compose.compose`, in the arms
-
-- ``rotate/seam=s`` for ``s`` in ``seams``: keys rotated to their positions, the first ``s`` memory
-  tokens recomputed against the real prefix (seam repair);
-- ``no_rotate/seam=0``: the control, keys left where they were precompiled (``p - 1`` positions
-  early, ``p`` the prefix length).
-
-Every query of the persona is then answered on each arm's cache and on the full prefill of the same
-tokens. Per length and arm: decision agreement on owned queries, top-1 agreement, accuracy of arm
-and full, KL(full || arm) over persona clusters, and the paired tests of
-:func:`kvnotes.harness.memory.paired_tests` (exact McNemar, TOST on correctness and on KL), with
-Benjamini-Hochberg over all ``length x arm`` cells of each test kind. ``costs`` gives per persona and
-length the wall seconds of the full prefill, of the one precompilation and of each arm's splice.
+Specification: ``docs/probes/memory_transplant.md``.
 """
 
 from __future__ import annotations
-
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import Bars
-from kvnotes.records.memory_tables import memory_transplant_table
 
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,10 +12,13 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from kvnotes.harness.constraints import NonNegatives
 from kvnotes.harness import memory as mem
+from kvnotes.harness.constraints import NonNegatives
 from kvnotes.ops import compose as kvcompose
 from kvnotes.ops.edit import stack
+from kvnotes.records.figures import Bars
+from kvnotes.records.memory_tables import memory_transplant_table
+from kvnotes.records.presentation import Presentation
 
 
 @dataclass
@@ -105,7 +90,7 @@ def aggregate(rows: list[dict], costs: list[dict], names: list[str], cfg, seed: 
 
 
 def run(ctx) -> dict:
-    """E2 over every persona and length of the suite; see the module docstring."""
+    """E2 over every persona and length of the suite; see the specification."""
     cfg = ctx.cfg
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     suite = mem.load_suite(cfg)

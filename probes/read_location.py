@@ -1,98 +1,35 @@
 """``read_location``: where the decision query reads, and what a knockout of that read does
 (docs/design.md §3, §5).
 
-**Attention masses.** For each token-aligned pair and each run (old, new), the decision token is
-fed at position ``d`` on the run's prefix cache ``[0, d)``. Inside :func:`kvnotes.kv.capture.attention_hook`
-the decision row's attention probabilities are computed with the model's own eager attention
-function (its scaling, logit soft-capping and GQA grouping; the mask the model built, which carries
-the sliding window), called with keyword arguments, in fp32. Mean over heads, per layer, the
-probability mass is summed over five disjoint key groups that cover every visible key:
-
-- ``sinks``: positions ``[0, n_sinks)`` (the first token(s), e.g. BOS; clipped at the field start);
-- ``prefix``: the rest of the prefix before the field, ``[n_sinks, a)``;
-- ``field``: ``[a, b)``;  ``downstream``: ``[b, d)``;  ``decision``: the decision token itself.
-
-Masses sum to 1 per layer (keys outside a sliding window carry no mass). As a check, the eager
-output is compared with the output of the implementation the model actually ran (``recon_err``).
-
-**Knockout.** For a key group (or a union of groups) and a layer band, the attention mask that the
-decision query (row ``d`` only) sees is changed inside the hook so that it cannot attend to those
-keys in the band's layers (sdpa and eager implementations); every other row and layer is untouched
-(with ``readout=full`` the teacher-forced continuation tokens read the cache unmodified). All
-variants of a run go through one batched forward on its one prefix cache, no variant cache built
-(:func:`kvnotes.kv.knockout.decision_forward`). Reported per run: the score change ``delta = s_knock - s_clean`` (nats) and
-``delta_toward_other`` (the same, signed so that positive moves towards the other run's clean
-score). A knockout can change the decision merely by destroying the readout, so each
-(pair, run, variant) is classified:
-
-- ``collapsed`` (readout destroyed): both candidates' first-token log-probs fall by at least
-  ``collapse.drop_nats`` below their clean values, OR neither candidate is in the knocked
-  distribution's top-``collapse.top_k`` while at least one was in the clean top-k;
-- ``decision_changed``: the sign of the score differs from the clean run's;
-- ``flip_intact``: decision changed and not collapsed — the only case that counts as a flip.
-
-Aggregates are per family (and ``all``), over flipping pairs and over all aligned pairs, with
-cluster-bootstrap CIs (scenarios, then instances; docs/design.md §8).
-
-**Chain of thought** (``scenario.variant=cot``, issue #20; the harness's generated readout,
-:mod:`kvnotes.harness.protocol`). The decision is read
-after a generated chain (the shared generated readout, :mod:`kvnotes.kv.generate`), greedy, at most
-``cot_max_new_tokens`` tokens, on at most ``cot_max_pairs`` aligned pairs (round-robin over
-scenarios; the rest counted ``beyond_max_pairs``). Each pair is screened by its clean chains (old
-and new decoded in one batch): a chain that never reaches the answer marker excludes the pair
-(``old_no_marker`` / ``new_no_marker``; ``*_truncated_in_think`` on thinking models); a pair whose
-old chain does not name the old candidate and new chain the new one is kept with ``flips = False``
-(``no_cot_flip``), as the direct probe keeps its non-flipping pairs. Then per run one batch decodes
-the clean chain and every knockout variant from the run's one prefix cache; a knockout holds on
-every decode step: the knocked prompt keys are hidden from the decision query **and from every
-generated token's query** in the band's layers (:func:`kvnotes.kv.knockout.generate_knocked`).
-Each knocked chain is read after its own marker (its score against the clean chain's, the same
-collapse rule on the log-probs after the marker); one that misses its marker is left out of the
-knockout rows, listed in ``knockout_unreached`` with its chain and counted per cell
-(``n_unreached``). Attention is captured for every query of every chain: ``mass_<run>`` is the
-clean chain's generated tokens' mean ``[L, 6]`` mass over :data:`CHAIN_GROUPS` (the prompt groups
-plus ``chain``, the generated tokens), ``mass_decision_<run>`` the decision query's (as in the
-direct probe) and ``mass_marker_<run>`` the query of the marker's last token (the one the decision
-is read after); ``aggregates.chain_attention`` compares the chain's field and downstream mass, per
-key as well (mass / span length, relative to uniform over the visible keys), with the decision
-query's field mass: does the reasoning re-read the field? Rows keep each chain (ids, length,
-``marker_at``: the index in the chain where the marker completed); ``aggregates.readout`` is
-``"generated"``.
+Specification: ``docs/probes/read_location.md``.
 """
 
 from __future__ import annotations
 
-from kvnotes.records.presentation import Presentation
-
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pydantic import AfterValidator
-
-from kvnotes.records.schema import TypedDict
-
-from collections import Counter
-
 import numpy as np
 import torch
+from pydantic import AfterValidator
 
-from kvnotes.records.schema import BaseResult, PairRow
+from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Count, NonNegative, NonNegativeFloat, one_of
 from kvnotes.harness.kit import ProbeConfig
-from kvnotes.kv import cache as kvcache
-from kvnotes.harness import kit as K
-from kvnotes.kv.knockout import DecisionRead, decision_forward, generate_knocked, knockout_masks
 from kvnotes.harness.protocol import GeneratedReadout, pair_loop, readout_aggregates
-from kvnotes.kv.generate import owned_side
-from kvnotes.harness.readout import first_token_scores
-from kvnotes.records.schema import NotRequired
-from kvnotes.harness.readout import candidate_scores
+from kvnotes.harness.readout import candidate_scores, first_token_scores
 from kvnotes.harness.stats import bootstrap_weights, proportion
+from kvnotes.kv import cache as kvcache
+from kvnotes.kv.generate import owned_side
+from kvnotes.kv.knockout import DecisionRead, decision_forward, generate_knocked, knockout_masks
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.schema import BaseResult, NotRequired, PairRow, TypedDict
 
 GROUPS = ("sinks", "prefix", "field", "downstream", "decision")
 RUNS = ("old", "new")
 #: With ``scenario.variant=cot`` the knockouts hold while the chain is generated and the decision is
-#: read after it (see "Chain of thought" in the module docstring).
+#: read after it (see "Chain of thought" in the specification).
 SUPPORTS_COT = True
 #: Key groups of a generated chain's queries: :data:`GROUPS`, then ``chain`` (the generated tokens
 #: themselves, ``(d, d + 1 + step]``).
@@ -118,7 +55,7 @@ def _knockout_groups(groups: Any) -> Any:
 
 @dataclass
 class Collapse:
-    """Readout-destroyed criterion (see the module docstring)."""
+    """Readout-destroyed criterion (see the specification)."""
 
     drop_nats: NonNegativeFloat = 2.3
     top_k: Count = 10
@@ -126,7 +63,7 @@ class Collapse:
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
-    """Keys of ``conf/probe/read_location.yaml`` (defaults there; see the module docstring); with
+    """Keys of ``conf/probe/read_location.yaml`` (defaults there; see the specification); with
     ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
 
     n_sinks: NonNegative = 1
@@ -507,7 +444,7 @@ def _chain_attention(rows: list[dict], n_boot: int, seed: int) -> dict:
 
 def run(ctx) -> dict:
     """Attention masses and knockouts of every screened pair under the run's readout
-    (:func:`kvnotes.harness.protocol.pair_loop`, every pair measured); see the module docstring.
+    (:func:`kvnotes.harness.protocol.pair_loop`, every pair measured); see the specification.
 
     Returns:
         ``rows`` (one per pair: clean status, per-run ``[L, G]`` masses ``mass_old``/``mass_new``,
@@ -517,7 +454,7 @@ def run(ctx) -> dict:
         ``aggregates`` (``attention``, ``knockout``, checks), ``exclusions``/``excluded``
         (tokenisation exclusions and pairs that do not flip, which are left out of the ``flipping``
         aggregates), ``groups``, ``bands``, ``variants``, ``collapse``. Under the generated readout
-        (module docstring) rows also keep the chains (``chain_old``/``chain_new``), the generated
+        (the specification) rows also keep the chains (``chain_old``/``chain_new``), the generated
         tokens' masses ``mass_<run>`` (``[L, 6]``, :data:`CHAIN_GROUPS`), the decision query's
         ``mass_decision_<run>`` and the marker query's ``mass_marker_<run>``; knockout rows carry
         their chain; ``knockout_unreached`` lists knocked chains without a marker;

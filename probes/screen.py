@@ -1,35 +1,25 @@
 """``screen``: which pairs flip, per model, family and scenario, under both flip rules.
 
-For every token-aligned pair: the clean scores ``s_old``/``s_new`` (logit difference of the two
-candidates' first tokens, in nats), each clean run's vocabulary top-1 token, its probability and
-the candidates' probability mass, and whether the pair flips under the ``relative`` rule (the
-candidates' sign changes and ``|s_new - s_old| >= min_effect``) and under the ``owned`` rule (that,
-and each clean run's top-1 is its expected candidate: the model's own answer). ``flips`` follows the
-configured ``flip_rule``. Whether a flip was expected comes from the scenario (the two field values
-imply different outcomes); control scenarios must not flip (``unexpected_flips``).
+Specification: ``docs/probes/screen.md``.
 """
 
 from __future__ import annotations
 
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import Bars
-from kvnotes.records.tables import SCREEN_RESULTS, screen_table
-
+from dataclasses import dataclass
 from typing import Any
 
-from kvnotes.records.schema import TypedDict
-
-from dataclasses import dataclass
-
-from kvnotes.records.schema import BaseResult, PairRow, Summary
-from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness import kit as K
+from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.stats import proportion, summarize_rows
+from kvnotes.records.figures import Bars
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.schema import BaseResult, PairRow, Summary, TypedDict
+from kvnotes.records.tables import SCREEN_RESULTS, screen_table
 
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/screen.yaml`` (defaults there; see the module docstring)."""
+    """Keys of ``conf/probe/screen.yaml`` (defaults there; see the specification)."""
 
     pass
 
@@ -95,7 +85,7 @@ def token_name(tokenizer, token_id: int) -> str:
 
 
 def run(ctx) -> dict:
-    """Screen every pair; see the module docstring."""
+    """Screen every pair; see the specification."""
     tok = ctx.bundle.tokenizer
     rows = [row | {"top1_old": token_name(tok, row["top1_id_old"]), "top1_new": token_name(tok, row["top1_id_new"])}
             for _, row in K.each_pair(ctx, desc="screen")]

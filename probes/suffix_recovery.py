@@ -1,92 +1,39 @@
 """``suffix_recovery``: where in the downstream the notes live (docs/design.md §3, §5).
 
-For every flipping pair (flip rule of docs/design.md §3; the others are counted by reason) the old
-run's prefix cache ``[0, d)`` is patched from the new run's at sets of **downstream** positions
-``[b, d)``, every layer; the field ``[a, b)`` itself is **not** patched in these sets (they measure
-what the downstream KV carries on its own). Recovery ``r = (s_patched - s_old) / (s_new - s_old)``,
-unclipped.
-
-Position-set families, each on a grid of sizes ``k`` (``grid.fractions`` of the downstream length
-``n = d - b``, rounded up, and absolute ``grid.counts``; a count above ``n`` is skipped for that
-pair and counted):
-
-- ``suffix``: the last ``k`` downstream positions ``[d - k, d)``;
-- ``prefix``: the first ``k`` after the field ``[b, b + k)``;
-- ``topk``: the ``k`` positions ranked highest by single-position recovery — ranked on the
-  **selection** split and evaluated on **held-out** instances only (see below);
-- ``random``: ``random.n_draws`` sets of ``k`` distinct downstream positions drawn uniformly
-  without replacement by a ``numpy.random.Generator`` seeded with ``(ctx.seed, crc32(pair id))``;
-  a pair's value is the mean recovery over its draws, its ``decision_flipped`` is true when most
-  draws flipped the decision (``draw_flip_share`` keeps the mean share over draws).
-
-With ``with_field``, every set is also patched together with the field (``field+suffix``, ...), a
-secondary curve. Reference variants of every pair: ``none`` (nothing; 0 by definition),
-``field`` (the field only), ``downstream`` (all of ``[b, d)``) and ``field_downstream``
-(``[a, d)``: 1 by construction, a check).
-
-**Single-position map**: every downstream position alone, all layers, one batched sweep per pair.
-**Layer bands**: all downstream positions in one band of layers (``layer_bands``: a number of
-equal bands, or explicit ``[lo, hi)`` layer ranges).
-
-**Top-k selection and transfer.** Instances are split per scenario into selection and held-out
-sets (:func:`kvnotes.harness.selection.split_instances`, ``selection_fraction``, ``ctx.seed``). Positions
-differ between instances, so a position is described by its offset from an anchor
-(``topk_anchor``): ``decision`` (default; offset ``d - p``, 1 = the last downstream position — the
-chat-template tail, request and answer prefix are shared text aligned from the end) or
-``field_end`` (offset ``p - b``). The ranking profile of a scenario is the mean single-position
-recovery per offset over its **selection** pairs only; a scenario without selection pairs uses its
-family's selection pairs. A held-out pair ranks its downstream positions by the profile value of
-their offsets, descending (offsets the profile lacks rank last; ties go to the smaller offset),
-and the top ``k`` form its set. Held-out maps never enter a profile: every held-out row records
-the pair ids its profile was built from (``topk_profile_pairs``).
-
-All variants of one pair are evaluated in one call of :func:`kvnotes.harness.readout.variant_scores` on
-batched variant caches (chunked to ``ctx.budget_bytes``); identical masks are evaluated once.
-Aggregates per family (and ``all``) come from :func:`kvnotes.harness.kit.summaries_by_family`.
-
-**Chain of thought** (``scenario.variant=cot``, the harness's generated readout,
-:mod:`kvnotes.harness.protocol`): the coarse curves only. Pairs are screened by generation (the
-clean old chain names the old candidate and the new chain the new one, each read after its answer
-marker; ``cot_max_pairs`` round-robin over scenarios, the rest counted ``beyond_max_pairs``; pairs
-whose chains do not flip are excluded, ``no_cot_flip``). Each screened pair's
-references, ``suffix`` / ``prefix`` sets at ``cot_fractions`` of its downstream (with the field too
-when ``with_field``) and layer bands decode their reasoning from their patched caches in one batch
-(:func:`kvnotes.kv.generate.generate`), and recovery is read after each chain's marker against the
-clean chains' scores. A variant whose chain misses its marker is left out of that curve point and
-counted (``n_unreached``). The single-position map, and ``topk`` / ``random`` sets that need it or
-many draws, stay direct-readout only: asking for them under cot is refused in one line.
+Specification: ``docs/probes/suffix_recovery.md``.
 """
 
 from __future__ import annotations
 
-from kvnotes.records.tables import SUFFIX_RECOVERY_RESULTS
-from kvnotes.records.presentation import Presentation
-from kvnotes.records.figures import Bars, Curves
-
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from annotated_types import Len
-from pydantic import AfterValidator
-
-from kvnotes.records.schema import NotRequired, TypedDict
-
-import math
-from collections.abc import Sequence
-
 import numpy as np
 import torch
+from annotated_types import Len
+from pydantic import AfterValidator
 from tqdm import tqdm
 
-from kvnotes.records.schema import BaseResult, PairRow
-from kvnotes.harness.constraints import Counts, OpenFraction, Share, one_of
-from kvnotes.harness.kit import ProbeConfig
-from kvnotes.harness.kit import RandomControl
 from kvnotes.harness import kit as K
-from kvnotes.harness.kit import exclusions_by_family, families_of, summaries_by_family
+from kvnotes.harness.constraints import Counts, OpenFraction, Share, one_of
+from kvnotes.harness.kit import ProbeConfig, RandomControl, exclusions_by_family, families_of, summaries_by_family
 from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, pair_loop, readout_aggregates
+from kvnotes.harness.selection import (
+    ANCHORS,
+    offset_profiles,
+    offsets,
+    pair_rng,
+    profile_for,
+    rank_positions,
+    split_instances,
+)
 from kvnotes.kv.masks import FactoredMasks, patched_positions
-from kvnotes.harness.selection import ANCHORS, offset_profiles, offsets, pair_rng, profile_for, rank_positions, split_instances
+from kvnotes.records.figures import Bars, Curves
+from kvnotes.records.presentation import Presentation
+from kvnotes.records.schema import BaseResult, NotRequired, PairRow, TypedDict
+from kvnotes.records.tables import SUFFIX_RECOVERY_RESULTS
 
 SET_FAMILIES = ("suffix", "prefix", "topk", "random")
 #: Set families of the chain-of-thought curves (the others need the direct single-position map).
@@ -120,7 +67,7 @@ class Grid:
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
-    """Keys of ``conf/probe/suffix_recovery.yaml`` (defaults there; see the module docstring); with
+    """Keys of ``conf/probe/suffix_recovery.yaml`` (defaults there; see the specification); with
     ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
 
     grid: Grid = field(default_factory=Grid)
@@ -495,7 +442,7 @@ def _cot_aggregates(rows: list[dict], grid: list[dict], bands: list[dict], fams:
 def run(ctx) -> dict:
     """Suffix / prefix / top-k / random recovery curves, single-position map and layer bands of
     every flipping pair under the direct readout, the coarse curves and bands under the generated
-    one (:func:`kvnotes.harness.protocol.pair_loop`); see the module docstring."""
+    one (:func:`kvnotes.harness.protocol.pair_loop`); see the specification."""
     cfg = ctx.cfg
     generated = K.is_cot(ctx)
     n_layers = ctx.bundle.model.config.get_text_config().num_hidden_layers
