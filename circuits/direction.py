@@ -14,14 +14,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kvnotes.circuits import start_circuit
 from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Count, NonNegative, OpenFraction, one_of
-from kvnotes.harness.kit import ProbeConfig, RandomControl
+from kvnotes.harness.kit import ProbeConfig, RandomControl, scan_layers
+from kvnotes.harness.protocol import start_circuit
 from kvnotes.harness.readout import PairRun, first_token_scores
 from kvnotes.harness.selection import pair_rng, sample_instances, selection_source
+from kvnotes.harness.steering import ablations, added_scores, capture_notes, injections, random_directions
 from kvnotes.kv import cache as kvcache
-from kvnotes.kv.engine import BACKENDS, Engine, Intervention, Site
+from kvnotes.kv.engine import BACKENDS
 from kvnotes.records.figures import Curves
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import CircuitResult
@@ -44,43 +45,6 @@ class Config(ProbeConfig):
     random: RandomControl = field(default_factory=lambda: RandomControl(3))
     selection_fraction: OpenFraction = 0.5
     max_pairs_per_family: Optional[Count] = 3
-
-
-def scan_layers(n_layers: int, layers: Sequence[int] | None, n_scan: int | None) -> list[int]:
-    """Layers to scan: ``layers`` (sorted, deduplicated) or ``n_scan`` evenly spaced over
-    ``[0, n_layers - 2]`` (all of them when ``n_scan`` is None or larger).
-
-    Raises:
-        ValueError: a layer outside ``[0, n_layers)``, or a model with a single layer.
-    """
-    if layers is not None:
-        out = sorted({int(l) for l in layers})
-        if any(not 0 <= l < n_layers for l in out):
-            raise ValueError(f"layers {out} outside [0, {n_layers})")
-        return out
-    if n_layers < 2:
-        raise ValueError("the direction probe needs at least two layers")
-    top = n_layers - 2
-    if n_scan is None or int(n_scan) >= top + 1:
-        return list(range(top + 1))
-    return sorted({int(round(x)) for x in np.linspace(0, top, max(1, int(n_scan)))})
-
-
-def capture_notes(engine: Engine, ids: torch.Tensor, prefix, b: int, d: int, layers: Sequence[int]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residuals (site ``resid_post``) at the note positions ``[b, d)`` of a clean run, resumed at ``b``.
-
-    Args:
-        ids: ``[T]`` prompt ids (``T > d``).
-        prefix: the run's clean prefix cache over ``[0, b)`` (batch 1; not modified).
-        layers: decoder layers to capture.
-
-    Returns:
-        (``[len(layers), d - b, hidden]`` fp32 residuals, ``[1, vocab]`` fp32 log-probs at ``d``).
-    """
-    out = engine.run(ids[b: d + 1], capture=[Site("resid_post", l) for l in layers], cache=prefix, start=b)
-    acts = torch.stack([out.acts[Site("resid_post", l)][0, : d - b].float() for l in layers])
-    return acts, out.logprobs[:, -1]
 
 
 def outcomes(run: PairRun) -> tuple[str, str]:
@@ -194,70 +158,6 @@ def fit_direction(stats: dict, row: dict, outs: tuple[str, str], scope: str = "a
         return None
     return Fit(mean_old, mean_new, diff / norm, sorted({stats[i]["scenario"] for i in src}), src,
                sum(e["n_pairs"] for e in entries), n)
-
-
-def random_directions(rng: np.random.Generator, n: int, dim: int) -> torch.Tensor:
-    """``[n, dim]`` fp32 unit vectors, isotropic (normalised standard Gaussian draws from ``rng``)."""
-    g = torch.from_numpy(rng.standard_normal((n, dim))).float()
-    return g / g.norm(dim=-1, keepdim=True)
-
-
-def injections(delta: torch.Tensor, u: torch.Tensor, rand: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Sufficiency additions at one layer.
-
-    Args:
-        delta: ``[P, hidden]`` clean-minus-corrupt residual difference at the note positions.
-        u: ``[hidden]`` unit direction.
-        rand: ``[R, hidden]`` unit random directions.
-
-    Returns:
-        ``direction`` ``[P, hidden]`` = ``(delta·u) u``; ``orthogonal`` = ``delta - direction``;
-        ``full`` = ``delta``; ``random`` ``[R, P, hidden]`` = ``(delta·u) r̂`` (same norm as
-        ``direction`` at every position, hence per pair); ``random_subspace`` ``[R, P, hidden]`` =
-        ``(delta·r̂) r̂``, the part of the difference inside a random one-dimensional subspace,
-        rescaled per draw to the total norm of ``direction`` (zero where that norm is zero).
-    """
-    c = delta @ u                                             # [P]
-    along = c[:, None] * u[None]
-    sub = (delta @ rand.T).T[:, :, None] * rand[:, None, :]   # [R, P, hidden]
-    scale = along.norm() / sub.flatten(1).norm(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
-    return {"direction": along, "orthogonal": delta - along, "full": delta,
-            "random": c[None, :, None] * rand[:, None, :], "random_subspace": sub * scale[:, None, None]}
-
-
-def ablations(x: torch.Tensor, dirs: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
-    """Necessity additions: ``(mu_k - x_p·e_k) e_k`` per direction ``e_k``, so the projection of
-    every note residual on ``e_k`` becomes ``mu_k``.
-
-    Args:
-        x: ``[P, hidden]`` clean note residuals.
-        dirs: ``[K, hidden]`` unit directions; mu: ``[K]`` target projections.
-
-    Returns:
-        ``[K, P, hidden]``.
-    """
-    proj = x @ dirs.T                                         # [P, K]
-    return ((mu[None] - proj).T)[:, :, None] * dirs[:, None, :]
-
-
-def added_scores(engine: Engine, run: PairRun, ids: torch.Tensor, prefix, layer: int, values: torch.Tensor
-                 ) -> torch.Tensor:
-    """Scores of variants of a run resumed at ``b`` with ``values`` added to the residual (site
-    ``resid_post`` of ``layer``) at the note positions ``[b, d)``.
-
-    Args:
-        ids: ``[T]`` prompt ids of the run (old for sufficiency, new for necessity).
-        prefix: that run's clean prefix cache over ``[0, b)``.
-        values: ``[V, d - b, hidden]``.
-
-    Returns:
-        ``[V]`` fp32 first-token scores (nats).
-    """
-    pair = run.pair
-    b, d = pair.field[1], pair.decision
-    iv = Intervention(Site("resid_post", layer), list(range(b, d)), values, mode="add")
-    lp = engine.run(ids[b: d + 1][None].expand(values.shape[0], -1), [iv], cache=prefix, start=b).logprobs
-    return first_token_scores(lp[:, -1], pair).float().cpu()
 
 
 def eval_pairs(rows: list[dict], per_family: int | None, seed: int) -> set[str]:
@@ -503,13 +403,12 @@ def run(ctx) -> dict:
         curves, at_chosen = _summaries(held_rows, layers, families, n_boot, ctx.seed)
     sel_ids = {r["pair"] for r in rows if r["split"] == "selection"}
     held_ids = {r["pair"] for r in rows if r["split"] == "heldout"}
-    aggregates = {
-        "n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows),
+    aggregates = K.pair_counts(ctx, rows, fs.excluded, families) | {
         "n_selection": len(sel_ids), "n_heldout": len(held_ids),
         "n_evaluated": {"selection": sum(r["pair"] in w.evaluated for r in rows if r["split"] == "selection"),
                         "heldout": len(held_rows)},
         "n_skipped": {"no_shared_outcome_pair": sum(r.get("skipped") == "no_shared_outcome_pair" for r in rows)},
-        "families": families, "layers": layers, "n_layers": L, "fit_scope": scope, "ablate_to": ablate_to,
+        "layers": layers, "n_layers": L, "fit_scope": scope, "ablate_to": ablate_to,
         "n_draws": n_draws, "note_positions": "downstream [b, d)", "site": "resid_post (decoder layer output)",
         "chosen_layers": chosen, "curves": curves, "at_chosen": at_chosen,
         "checks": _checks(w, chosen, held_rows, held_ids, scope),
@@ -518,7 +417,6 @@ def run(ctx) -> dict:
         "outcome_pairs": {f: sorted({outcome_pair(*r["outcomes"]) for r in rows if r["family"] == f and "outcomes" in r})
                           for f in families},
         "per_family": K.no_circuit_note(families, rows, fs.excluded),
-        "exclusions_by_family": K.exclusions_by_family(fs.excluded, families),
     }
     return {"rows": rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
             "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates}

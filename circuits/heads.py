@@ -5,30 +5,27 @@ Specification: ``docs/probes/heads.md``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Optional
 
 import numpy as np
-import torch
 from annotated_types import Len
 from tqdm import tqdm
 
-from kvnotes.circuits import start_circuit
 from kvnotes.errors import KvnotesError
 from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Count, Counts, OpenFraction, one_of
+from kvnotes.harness.head_patch import (HEAD_SITES, clean_residuals, head_outputs, patched_scores, set_masks,
+                                        single_head_map)
 from kvnotes.harness.kit import ProbeConfig, RandomControl
-from kvnotes.harness.readout import PairRun, first_token_scores
-from kvnotes.harness.selection import pair_rng, rank_by_mean, sample_instances, selection_source
+from kvnotes.harness.protocol import start_circuit
+from kvnotes.harness.readout import PairRun
+from kvnotes.harness.selection import pair_rng, random_head_sets, rank_by_mean, sample_instances, selection_source
 from kvnotes.kv import cache as kvcache
-from kvnotes.kv.engine import BACKENDS, Engine, Intervention, Site
+from kvnotes.kv.engine import BACKENDS, Engine
 from kvnotes.records.figures import Curves
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import CircuitResult
-
-#: Where head outputs are patched: at the decision position (read) or the note positions (write).
-HEAD_SITES = ("read", "write")
 
 
 @dataclass
@@ -43,103 +40,6 @@ class Config(ProbeConfig):
     max_map_pairs_per_family: Optional[Count] = 2
     heldout_maps: bool = False
     modes: Annotated[list[Annotated[str, one_of(*HEAD_SITES)]], Len(min_length=1)] = field(default_factory=lambda: list(HEAD_SITES))
-
-
-def head_outputs(engine: Engine, ids: torch.Tensor) -> torch.Tensor:
-    """Per-head outputs of a full forward of ``ids`` (``[T]``).
-
-    Returns:
-        ``[n_layers, T, n_heads, head_dim]`` (the o_proj input, model dtype).
-    """
-    L = engine.adapter.n_layers
-    out = engine.run(ids, capture=[Site("hook_z", l) for l in range(L)])
-    return torch.stack([out.acts[Site("hook_z", l)][0] for l in range(L)])
-
-
-def set_masks(sets: Sequence[Sequence[tuple[int, int]]], n_layers: int, n_heads: int) -> torch.Tensor:
-    """Bool ``[V, n_layers, n_heads]``: variant ``v`` patches the (layer, head) pairs of ``sets[v]``.
-
-    Raises:
-        IndexError: a head or layer out of range.
-    """
-    m = torch.zeros(len(sets), n_layers, n_heads, dtype=torch.bool)
-    for v, s in enumerate(sets):
-        for l, h in s:
-            m[v, l, h] = True
-    return m
-
-
-def clean_residuals(engine: Engine, run: PairRun, prefix) -> torch.Tensor:
-    """The old run's residual stream entering every layer at the write positions ``[b, d]``
-    (resumed on ``prefix``, the clean old cache ``[0, b)``): ``[n_layers, d - b + 1, hidden]``.
-    A write variant whose heads all lie in layers ``>= l`` starts from ``[l]`` (:meth:`Engine.run`
-    ``resume``): below ``l`` it is the clean run."""
-    pair = run.pair
-    b, d = pair.field[1], pair.decision
-    L = engine.adapter.n_layers
-    out = engine.run(pair.old.ids[b: d + 1], capture=[Site("resid_pre", l) for l in range(L)], cache=prefix, start=b)
-    return torch.stack([out.acts[Site("resid_pre", l)][0] for l in range(L)])
-
-
-def patched_scores(engine: Engine, run: PairRun, source: torch.Tensor, masks: torch.Tensor, mode: str,
-                   prefix, chunk: int, resid: torch.Tensor | None = None) -> torch.Tensor:
-    """Scores of head-patch variants of the old run, ``chunk`` variants per forward.
-
-    Args:
-        source: ``[n_layers, T, n_heads, head_dim]`` new-run head outputs (:func:`head_outputs`).
-        masks: bool ``[V, n_layers, n_heads]`` (:func:`set_masks`).
-        mode: ``"read"`` (positions ``[d]``, prefix = old cache ``[0, d)``) or ``"write"``
-            (positions ``[b, d)``, prefix = old cache ``[0, b)``).
-        prefix: the clean old prefix cache of the mode (batch 1; not modified).
-        resid: write mode: :func:`clean_residuals`; variants are then run in order of their
-            lowest patched layer and each chunk starts at its lowest layer (the layers below are
-            the clean run), else every chunk runs every layer.
-
-    Returns:
-        ``[V]`` fp32 scores (nats), in the order of ``masks``.
-
-    Raises:
-        ValueError: unknown mode.
-    """
-    pair = run.pair
-    d, b = pair.decision, pair.field[1]
-    if mode not in HEAD_SITES:
-        raise ValueError(f"mode must be one of {HEAD_SITES}")
-    start = d if mode == "read" else b
-    positions = list(range(start, d))if mode == "write" else [d]
-    ids = pair.old.ids[start: d + 1]
-    P = len(positions)
-    L = masks.shape[1]
-    lowest = torch.where(masks.any(2), torch.arange(L), L).min(1).values          # [V]; L: patches nothing
-    order = torch.argsort(lowest, stable=True) if resid is not None else torch.arange(masks.shape[0])
-    out = torch.empty(masks.shape[0])
-    for s in range(0, masks.shape[0], chunk):
-        idx = order[s: s + chunk]
-        m = masks[idx]
-        ivs = [Intervention(Site("hook_z", l), positions, source[l, positions][None],
-                            where=m[:, l][:, None, :].expand(-1, P, -1))
-               for l in range(m.shape[1]) if bool(m[:, l].any())]
-        l0 = min(int(lowest[idx].min()), L - 1)
-        resume = (l0, resid[l0][None]) if resid is not None and l0 > 0 else None
-        lp = engine.run(ids[None].expand(m.shape[0], -1), ivs, cache=prefix, start=start, resume=resume).logprobs
-        out[idx] = first_token_scores(lp[:, -1], pair).float().cpu()
-    return out
-
-
-def single_head_map(engine: Engine, run: PairRun, source: torch.Tensor, mode: str, prefix, chunk: int,
-                    resid: torch.Tensor | None = None) -> np.ndarray:
-    """Recovery of patching each head alone: ``[n_layers, n_heads]`` (``resid``: see
-    :func:`patched_scores`)."""
-    L, H = engine.adapter.n_layers, engine.adapter.n_heads
-    sets = [[(l, h)] for l in range(L) for h in range(H)]
-    s = patched_scores(engine, run, source, set_masks(sets, L, H), mode, prefix, chunk, resid)
-    return run.recovery(s).view(L, H).numpy()
-
-
-def random_head_sets(rng: np.random.Generator, n_layers: int, n_heads: int, k: int, n_draws: int) -> list[list[tuple[int, int]]]:
-    """``n_draws`` sets of ``k`` distinct (layer, head) pairs drawn uniformly without replacement."""
-    flat = [(l, h) for l in range(n_layers) for h in range(n_heads)]
-    return [[flat[i] for i in sorted(rng.choice(len(flat), size=k, replace=False))] for _ in range(n_draws)]
 
 
 def map_pairs(rows: list[dict], per_family: int | None, seed: int) -> set[str]:
@@ -167,7 +67,7 @@ def _ranking_by_family(rows: list[dict], maps: dict, mode: str, families: list[s
 def _mode_start(engine: Engine, model, run: PairRun, mode: str):
     """(prefix cache, clean residuals or None) a mode's sweep starts from: read heads decode on the
     old cache ``[0, d)``; write heads resume the prefill at ``b`` on its view ``[0, b)``, each chunk
-    from its lowest patched layer (:func:`clean_residuals`)."""
+    from its lowest patched layer (:func:`kvnotes.harness.head_patch.clean_residuals`)."""
     if mode == "read":
         return run.old_cache, None
     prefix = kvcache.prefix_cache(model, run.old_cache, run.pair.old.ids, run.pair.field[1])
@@ -297,15 +197,14 @@ def run(ctx) -> dict:
         "random_set_sizes_match_k": all(all(sz == int(k) for sz in v["k_sizes"]) for r in held_rows
                                         for m in modes for k, v in r.get(f"random_{m}", {}).items()),
     }
-    aggregates = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(out_rows),
+    aggregates = K.pair_counts(ctx, out_rows, fs.excluded, families) | {
                   "n_selection": sum(r["split"] == "selection" for r in out_rows), "n_heldout": len(held_rows),
-                  "families": families, "ks": ks, "modes": modes, "n_layers": L, "n_heads": H, "curves": curves,
+                  "ks": ks, "modes": modes, "n_layers": L, "n_heads": H, "curves": curves,
                   "selection_maps": sel_maps, "checks": checks,
                   "per_family": K.no_circuit_note(families, out_rows, fs.excluded),
                   "rankings": {m: {f: {"top": [list(x) for x in rk["order"][:max(ks, default=0)]],
                                        "pairs": rk["pairs"], "source": rk["source"]}
-                                   for f, rk in rankings[m].items()} for m in modes},
-                  "exclusions_by_family": K.exclusions_by_family(fs.excluded, families)}
+                                   for f, rk in rankings[m].items()} for m in modes}}
     return {"rows": out_rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
             "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates}
 

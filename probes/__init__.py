@@ -5,15 +5,7 @@ here, so ``kvnotes.probes.get(name)`` and ``from kvnotes.probes import ProbeCont
 ``docs/adding_a_probe.md``.
 """
 
-from kvnotes.harness.registry import (
-                                      CONF_DIR,
-                                      ProbeContext,
-                                      check_variant,
-                                      get,
-                                      load_config,
-                                      module,
-                                      names,
-                                      typed_config,
-)
+from kvnotes.harness.registry import (CONF_DIR, ProbeContext, check_variant, get, load_config, module, names,
+                                      typed_config)
 
 __all__ = ["CONF_DIR", "ProbeContext", "check_variant", "get", "load_config", "module", "names", "typed_config"]

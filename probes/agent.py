@@ -6,7 +6,6 @@ Specification: ``docs/probes/agent.md``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -17,14 +16,14 @@ from tqdm import tqdm
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.chunks import CHUNK_NAMES, CHUNKED_ORDER, SINKS, layout_prompt, prompt_parts, sink_ids
 from kvnotes.harness.constraints import Count, NonNegative, one_of
-from kvnotes.harness.edit_prompts import common_prefix_length, erratum_text, render_layout, user_pieces
+from kvnotes.harness.edit_prompts import common_prefix_length, render_layout
 from kvnotes.harness.kit import ProbeConfig, by_family, exclusion_counts, per_prompt, progress, summary
 from kvnotes.harness.pairs import transcript_turns
-from kvnotes.harness.selection import pair_rng
 from kvnotes.harness.timing import elapsed_ms
-from kvnotes.harness.tokens import CANDIDATE_MERGES, Prompt, build_conversation, continuation_ids, tokenize
+from kvnotes.harness.tokens import CANDIDATE_MERGES, Prompt, build_conversation, candidates_after, continuation_ids
+from kvnotes.harness.trajectory import trajectory_values, transcript_conversation, update_text
 from kvnotes.kv import cache as kvcache
-from kvnotes.kv.generate import Generated, MarkerTest, answer_marker, generate, stop_tokens, unreached_label
+from kvnotes.kv.generate import CotReadout, Generated, answer_marker, decode_after, stop_tokens, unreached_label
 from kvnotes.ops import compose as kvcompose
 from kvnotes.records.figures import Bars, agent_turns
 from kvnotes.records.presentation import Presentation
@@ -54,25 +53,6 @@ class Config(ProbeConfig):
     sink: Annotated[str, one_of(*SINKS)] = "bos"
     #: ``scenario.variant=cot``: most tokens generated per chain
     cot_max_new_tokens: NonNegative = 40
-
-
-@dataclass(frozen=True)
-class CotReadout:
-    """The generated readout of one trajectory under ``scenario.variant=cot``.
-
-    Attributes:
-        max_new_tokens: most tokens generated per chain (0: the decision is read after the prompt's
-            last token, which is the direct readout).
-        marker: the answer-marker test (:func:`kvnotes.kv.generate.answer_marker`); may be None only
-            with ``max_new_tokens == 0``.
-        stop_ids: end tokens that stop a chain unreached (:func:`kvnotes.kv.generate.stop_tokens`).
-        thinking: the model reasons in a think block (for the unreached reason).
-    """
-
-    max_new_tokens: int
-    marker: MarkerTest | None
-    stop_ids: tuple[int, ...] = ()
-    thinking: bool = False
 
 
 class TurnRow(TypedDict):
@@ -125,26 +105,6 @@ class Result(BaseResult):
     excluded: list[ExclusionRow]
 
 
-def trajectory_values(instance: Instance, turns: int, seed: int) -> list[str]:
-    """``turns`` field values of the instance's scenario: the first drawn at random, each next one
-    drawn among the values other than the previous (a ``numpy`` generator seeded by the run seed
-    and the instance id, :func:`kvnotes.harness.selection.pair_rng`)."""
-    values = list(instance.scenario.values)
-    rng = pair_rng(seed, instance.id)
-    out = [values[int(rng.integers(len(values)))]]
-    for _ in range(turns - 1):
-        others = [v for v in values if v != out[-1]]
-        out.append(others[int(rng.integers(len(others)))])
-    return out
-
-
-def update_text(instance: Instance, value: str, variant: str) -> str:
-    """The user message of a later turn: the state update for ``value``, then the request and
-    decision lines of the scenario."""
-    pieces, _, _ = user_pieces(instance, value, variant)
-    return "\n".join(p for p in (erratum_text(instance, value), pieces["request"], pieces["decision"]) if p)
-
-
 def _timed(fn):
     box = []
     ms = elapsed_ms(lambda: box.append(fn()))
@@ -154,75 +114,6 @@ def _timed(fn):
 def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
     """KL(p || q) in nats of two ``[vocab]`` log-prob vectors (:func:`kvnotes.ops.compose.decision_metrics`)."""
     return float(kvcompose.decision_metrics(p_log[None], q_log[None])["kl"][0])
-
-
-def candidates_after(tok, prompt: Prompt, chain_ids: Sequence[int], candidates) -> tuple[str, dict]:
-    """The candidates' token ids in context after ``prompt`` followed by a generated chain.
-
-    Args:
-        prompt: the prompt the chain was generated from.
-        chain_ids: the generated token ids (decoded without special tokens).
-        candidates: candidate strings.
-
-    Returns:
-        (the chain's text, ``{candidate: ids tuple, or None when it merges with prompt + chain}``,
-        :func:`kvnotes.harness.tokens.continuation_ids`). An empty chain tokenises after ``prompt``
-        itself.
-    """
-    text = tok.decode(list(chain_ids), skip_special_tokens=True) if len(chain_ids) else ""
-    where = prompt
-    if text:
-        ids, offsets = tokenize(tok, prompt.text + text)
-        where = Prompt(prompt.text + text, ids, offsets, prompt.field_chars, prompt.field)
-    return text, {c: continuation_ids(tok, where, c) for c in candidates}
-
-
-def decode_after(model, cache, ids: torch.Tensor, cot: CotReadout) -> Generated:
-    """Decode one chain from a cache over ``ids[:-1]`` fed ``ids[-1]`` (the prompt's last token) and
-    read the decision after its marker (:func:`kvnotes.kv.generate.generate`; ``cache`` is left
-    unchanged).
-
-    Args:
-        cache: batch-1 cache over ``[0, len(ids) - 1)``.
-        ids: ``[T]`` the prompt's token ids.
-
-    Returns:
-        :class:`kvnotes.kv.generate.Generated` with one chain; its ``logprobs[0]`` (fp32 ``[vocab]``, on
-        the CPU) is NaN when the chain did not reach its marker.
-
-    Raises:
-        ValueError: ``cot.max_new_tokens > 0`` without a marker test.
-    """
-    return generate(model, cache, int(ids[-1]), len(ids) - 1, cot.max_new_tokens, cot.marker, cot.stop_ids)
-
-
-def transcript_conversation(tok, instance: Instance, value: str, variant: str, layout_turns: int,
-                            users: Sequence[str], answers: Sequence[str], chat: bool, template_kwargs: dict) -> Prompt:
-    """The conversation of a trajectory on a transcript suite: the transcript of ``instance`` with the
-    field set to ``value`` (:func:`kvnotes.scenarios.transcript.render_transcript`, ``layout_turns``
-    unrelated exchanges), then for each of ``answers`` the assistant's answer (after the answer
-    prefix) and the next user message of ``users`` (``users[0]`` is the transcript's own last user
-    message and is not repeated), ending at the answer prefix. The field is the transcript's.
-
-    A later turn only appends to the earlier ones: with a chat template the answer closes the
-    assistant's turn; in the plain rendering (a tokenizer without a template), which ends each
-    prompt at the bare answer prefix, the answer follows that prefix and the next message is a
-    ``User:`` line, as :func:`kvnotes.models.text.render_messages` writes messages."""
-    from kvnotes.harness.tokens import prompt_at
-    from kvnotes.models.text import render_messages, rendering
-    from kvnotes.scenarios.transcript import Message, render_transcript
-
-    messages, where, prefix = render_transcript(instance, value, variant, layout_turns)
-    later = list(zip(answers, users[1:], strict=True))
-    if rendering(tok, chat) == "chat_template":
-        for answer, user in later:
-            messages += [Message("assistant", prefix + answer), Message("user", user)]
-        text, starts = render_messages(tok, messages, prefix, chat, template_kwargs)
-    else:
-        text, starts = render_messages(tok, messages, prefix, chat, template_kwargs)
-        text += "".join(f"{answer}\nUser: {user}\n{prefix}" for answer, user in later)
-    ((m, a, b),) = where[instance.scenario.field_slot]
-    return prompt_at(tok, text, (starts[m] + a, starts[m] + b))
 
 
 @torch.no_grad()

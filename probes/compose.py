@@ -14,15 +14,14 @@ from tqdm import tqdm
 
 from kvnotes.errors import KvnotesError
 from kvnotes.harness import kit as K
-from kvnotes.harness.chunks import SINKS, chunked_pairs, precompiled, prompt_parts, sink_ids
+from kvnotes.harness.chunks import SINKS, chunked_pairs
+from kvnotes.harness.composed import compose_prompts, cot_generate, edit_arms, image_arm, variant_name
 from kvnotes.harness.constraints import Count, NonNegative, NonNegatives, one_of
 from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
 from kvnotes.harness.pairs import pair_row, transcript_turns
 from kvnotes.harness.stats import proportion
-from kvnotes.kv import cache as kvcache
-from kvnotes.kv.generate import generate, owned_side, stop_tokens
+from kvnotes.kv.generate import owned_side, stop_tokens
 from kvnotes.ops import compose as kvcompose
-from kvnotes.probes.compose_edit import aggregate_arms, edit_arms
 from kvnotes.records.figures import Curves, Reshaped, by_seam
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import BaseResult
@@ -47,7 +46,7 @@ class Config(ProbeConfig):
 
 
 #: With ``scenario.variant=cot`` the full prefill and every composed variant generate their reasoning and
-#: the decision is read after the answer marker (:func:`cot_generate`).
+#: the decision is read after the answer marker (:func:`kvnotes.harness.composed.cot_generate`).
 SUPPORTS_COT = True
 
 
@@ -57,109 +56,6 @@ class Result(BaseResult):
 
     rows: list[dict[str, Any]]
     excluded: list[dict[str, Any]]
-
-def variant_name(rotate: bool, sink: str, seam: int) -> str:
-    return f"{'rotate' if rotate else 'no_rotate'}/sink={sink}/seam={seam}"
-
-
-def compose_variants(model, ids: torch.Tensor, prefix: torch.Tensor, chunks: tuple, variants: list[tuple[bool, str, int]],
-                     chunk_memo: dict | None = None, **kw) -> tuple[dict, tuple]:
-    """Every composed variant ``(rotate, sink, seam)`` of prompts that share their chunks, in one
-    batched :func:`kvnotes.ops.compose.compose` (rows ``v * P + j``: variant ``v`` of prompt ``j``).
-
-    Args:
-        ids: ``[P, L]`` the prompts' tokens (the chunks and the sinks are read from the first).
-        prefix: ``[P, L']`` the tokens composed (``ids`` or a prefix of them holding every chunk).
-        chunk_memo: precompiled chunks by their tokens (:func:`kvnotes.harness.chunks.precompiled`).
-        kw: passed to :func:`kvnotes.ops.compose.compose` (``static``).
-
-    Returns:
-        (sink -> its precompiled chunks, compose's ``(cache, logits)``).
-    """
-    first = chunks[0][0]
-    compiled = {sink: [precompiled(model, ids[0, a:b], sink_ids(ids[0], sink, first), chunk_memo) for a, b in chunks]
-                for sink in dict.fromkeys(v[1] for v in variants)}
-    per_row = [v for v in variants for _ in range(ids.shape[0])]
-    parts = prompt_parts(prefix.repeat(len(variants), 1), chunks,
-                         [[compiled[sink][k] for _, sink, _ in per_row] for k in range(len(chunks))])
-    return compiled, kvcompose.compose(model, parts, [r for r, _, _ in per_row], [s for _, _, s in per_row], **kw)
-
-
-@torch.no_grad()
-def compose_prompts(model, prompts: list, chunks: tuple, variants: list[tuple[bool, str, int]],
-                    chunk_memo: dict | None = None) -> list[dict]:
-    """Full prefill and every composed variant of prompts that share their chunks (the prompts of
-    one instance), all variants of all prompts in one batched :func:`kvnotes.ops.compose.compose`.
-
-    Args:
-        prompts: :class:`kvnotes.harness.tokens.Prompt` objects of equal length, identical at the chunk spans.
-        chunks: token spans of the chunks.
-        chunk_memo: precompiled chunks by their tokens (:func:`kvnotes.harness.chunks.precompiled`), shared
-            with :func:`kvnotes.probes.compose_edit.edit_arms`.
-
-    Returns:
-        per prompt: ``full`` (fp32 log-softmax ``[vocab]`` of the full prefill at the decision
-        position), ``variants``: name -> ``{kl, top1_agree, logit_cosine, logprobs}`` (composed
-        log-softmax ``[vocab]``), and ``max_abs_logit_diff_full_seam`` (whole chunks recomputed vs
-        full prefill: a check).
-    """
-    ids = torch.stack([p.ids for p in prompts])
-    P = len(prompts)
-    full = kvcompose.full_logits(model, ids)
-    compiled, (_, logits) = compose_variants(model, ids, ids, chunks, variants, chunk_memo)
-    m = kvcompose.decision_metrics(full.repeat(len(variants), 1), logits)
-    lps = torch.log_softmax(logits, -1)
-    whole = max(b - a for a, b in chunks)
-    _, check = kvcompose.compose(model, prompt_parts(ids, chunks, compiled[variants[0][1]]), True, whole)
-    out = []
-    for j in range(P):
-        res = {"full": torch.log_softmax(full[j], -1), "variants": {},
-               "max_abs_logit_diff_full_seam": float((check[j] - full[j]).abs().max())}
-        for i, v in enumerate(variants):
-            r = i * P + j
-            res["variants"][variant_name(*v)] = {"kl": float(m["kl"][r]), "top1_agree": bool(m["top1_agree"][r]),
-                                                 "logit_cosine": float(m["logit_cosine"][r]), "logprobs": lps[r]}
-        out.append(res)
-    return out
-
-
-@torch.no_grad()
-def image_arm(model, prompt_ids: torch.Tensor, spans: tuple, sinks: list[str], image: tuple) -> dict:
-    """The image-chunk arm of one prompt: the image inserted after its first chunk.
-
-    Args:
-        prompt_ids: ``[T]`` the chunked prompt's tokens (ends at the decision position).
-        spans: token spans of its chunks.
-        image: ``(ids [n], inputs)`` of :func:`kvnotes.ops.mrope.synthetic_image`.
-
-    Returns:
-        ``{variant: {kl, top1_agree, logit_cosine}}`` vs the full prefill with the image encoded, for
-        ``rotate`` / ``no_rotate`` x ``sinks`` at seam 0, and ``full_top1``.
-    """
-    from kvnotes.ops import mrope
-
-    img, inputs = image
-    n, at = len(img), spans[0][1]
-    ids = torch.cat([prompt_ids[:at], img, prompt_ids[at:]])
-    spans2 = [spans[0], (at, at + n)] + [(a + n, b + n) for a, b in spans[1:]]
-    grid = inputs["image_grid_thw"]
-    pos = mrope.positions(model, ids, image_grid_thw=grid)
-    out = model(input_ids=ids.view(1, -1).to(model.device), position_ids=pos.unsqueeze(1), logits_to_keep=1, **inputs)
-    full = out.logits[:, -1].float()
-    rows = [(rot, sink) for rot in (True, False) for sink in sinks]
-    compiled = {}
-    for sink in sinks:
-        before = sink_ids(ids, sink, spans2[0][0])
-        compiled[sink] = [kvcompose.precompile(model, ids[a:b], before, **(inputs if (a, b) == spans2[1] else {}))
-                          for a, b in spans2]
-    parts = prompt_parts(ids.view(1, -1).expand(len(rows), -1), spans2,
-                         [[compiled[sink][k] for _, sink in rows] for k in range(len(spans2))])
-    _, logits = kvcompose.compose(model, parts, [r for r, _ in rows], 0)
-    m = kvcompose.decision_metrics(full.expand(len(rows), -1), logits)
-    res: dict = {variant_name(rot, sink, 0): {"kl": float(m["kl"][i]), "top1_agree": bool(m["top1_agree"][i]),
-                                              "logit_cosine": float(m["logit_cosine"][i])}
-                 for i, (rot, sink) in enumerate(rows)}
-    return {"full_top1": int(full.argmax()), "variants": res}
 
 
 def image_summary(prompt_rows: list[dict], image: tuple, cpairs, families: list[str], n_boot: int,
@@ -183,60 +79,8 @@ def image_summary(prompt_rows: list[dict], image: tuple, cpairs, families: list[
 # chain of thought (scenario.variant=cot): the decision read after a generated chain
 
 
-@torch.no_grad()
-def cot_generate(model, ids: torch.Tensor, chunks: tuple, variants: list[tuple[bool, str, int]], max_new: int,
-                 marker, stop_ids) -> list[dict]:
-    """Generated readout of prompts that share their chunks (the prompts of one instance): the full
-    prefill and every composed variant of each prompt without its last token decode a chain from
-    that token (fed at ``L - 1``, greedy, :func:`kvnotes.kv.generate.generate`) and the decision is
-    read after each chain's answer marker.
-
-    The full chains decode first, in one batch (each prompt prefilled with
-    :func:`kvnotes.kv.cache.prefill`); a prompt whose full chain misses its marker is not composed.
-    The rest are composed as :func:`compose_prompts` composes them (:func:`compose_variants`) over
-    ``[0, L-1)``, ``static=False`` (a cache generation can grow), and decode in one batch.
-
-    Args:
-        ids: ``[P, L]`` token ids of ``P`` prompts of equal length, identical at the chunk spans and
-            before the first chunk; every chunk ends before ``L - 1``.
-        chunks: token spans ``(a, b)`` of the chunks.
-        variants: ``(rotate, sink, seam)`` of each composed variant (names :func:`variant_name`).
-        max_new: most tokens generated per chain; 0 reads the decision after the fed token (the
-            direct readout).
-        marker: the marker test (:func:`kvnotes.kv.generate.answer_marker`); None only with
-            ``max_new == 0``.
-        stop_ids: end tokens that stop a chain unreached.
-
-    Returns:
-        per prompt ``{"full": (Chain, logprobs), "variants": {name: (Chain, logprobs)}}``: the chains
-        (:class:`kvnotes.kv.generate.Chain`) and fp32 ``[vocab]`` log-probs after their markers (NaN
-        where a chain did not reach it); ``variants`` is empty when the full chain missed its marker.
-
-    Raises:
-        ValueError: ``max_new > 0`` without a marker test (:func:`kvnotes.kv.generate.generate`), or
-            from :func:`kvnotes.ops.compose.compose`.
-        KvnotesError: an unknown sink (:func:`kvnotes.harness.chunks.sink_ids`); from
-            :func:`kvnotes.ops.compose.compose` (a rope type without a delta rotation).
-    """
-    P, L = ids.shape
-    d = L - 1
-    full = generate(model, kvcache.prefill(model, ids[:, :d]), ids[:, d], d,
-                    max_new, marker, stop_ids)
-    out: list[dict] = [{"full": (full.chains[j], full.logprobs[j]), "variants": {}} for j in range(P)]
-    keep = [j for j in range(P) if full.chains[j].reached]
-    if not keep:
-        return out
-    sub, n = ids[keep], len(keep)
-    _, (cache, _) = compose_variants(model, sub, sub[:, :d], chunks, variants, static=False)
-    gen = generate(model, cache, sub[:, d].repeat(len(variants)), d, max_new, marker, stop_ids)
-    for i, v in enumerate(variants):
-        for jj, j in enumerate(keep):
-            out[j]["variants"][variant_name(*v)] = (gen.chains[i * n + jj], gen.logprobs[i * n + jj])
-    return out
-
-
 def cot_prompt_row(ctx, cols: dict, res: dict, expected: int) -> dict:
-    """One prompt's row from its :func:`cot_generate` result.
+    """One prompt's row from its :func:`kvnotes.harness.composed.cot_generate` result.
 
     Args:
         cols: identifying columns (``prompt``, ``scenario``, ``family``, ``instance``, ``value``).
@@ -272,8 +116,8 @@ def cot_prompt_row(ctx, cols: dict, res: dict, expected: int) -> dict:
 
 
 def cot_pair_row(pair, ro: dict, rn: dict, names: list[str]) -> dict:
-    """A pair's row from its prompts' :func:`cot_generate` results (both full chains reached their
-    markers).
+    """A pair's row from its prompts' :func:`kvnotes.harness.composed.cot_generate` results (both
+    full chains reached their markers).
 
     Returns:
         :func:`kvnotes.harness.pairs.pair_row` columns, the chunk spans, ``s_old`` / ``s_new`` /
@@ -344,13 +188,34 @@ def aggregate(prompt_rows: list[dict], pair_rows: list[dict], names: list[str], 
     return out
 
 
+def aggregate_arms(rows: list[dict], seams: list[int], families: list[str], n_boot: int, seed: int) -> dict:
+    """Per arm, method and seam: agreement with the edited-text oracle on pairs whose oracle owns its
+    decision, share with the new value's candidate as top-1 (accuracy), and mean KL(oracle || method)."""
+    out = {}
+    for arm, methods in (("erratum", ("composed", "full")), ("field_in_chunk", ("refreshed", "stale"))):
+        rs = [r for r in rows if "excluded" not in r["arms"][arm]]
+        out[arm] = {"n": len(rs), "excluded": len(rows) - len(rs)}
+        for meth in methods:
+            for i, seam in enumerate(seams):
+                if arm == "erratum" and meth == "full" and i:
+                    continue
+                key = meth if (arm == "erratum" and meth == "full") else f"{meth}/seam={seam}"
+                owned = [r for r in rs if r["arms"][arm]["oracle_owned"]]
+                out[arm][key] = {
+                    "agreement_owned": proportion(sum(r["arms"][arm][meth]["top1_agree"][i] for r in owned), len(owned)),
+                    "accuracy": proportion(sum(r["arms"][arm][meth]["correct"][i] for r in rs), len(rs)),
+                    "kl": summaries_by_family(rs, lambda r, a=arm, m=meth, i=i: r["arms"][a][m]["kl"][i], None,
+                                              families, n_boot, seed)["all"]}
+    return out
+
+
 #: ``aggregates.edit_arms_note`` of a cot record.
 EDIT_ARMS_COT_NOTE = ("edit arms not run under scenario.variant=cot: they read the decision position directly "
                       "(no generated reasoning)")
 
 
 def _direct_prompt_row(cols: dict, res: dict, expected: int) -> dict:
-    """One prompt's row from its :func:`compose_prompts` result (the direct readout)."""
+    """One prompt's row from its :func:`kvnotes.harness.composed.compose_prompts` result (the direct readout)."""
     top1 = int(res["full"].argmax())
     return cols | {"expected_first_token": expected, "full_top1": top1, "owned": top1 == expected,
                    "max_abs_logit_diff_full_seam": res["max_abs_logit_diff_full_seam"],
@@ -358,8 +223,9 @@ def _direct_prompt_row(cols: dict, res: dict, expected: int) -> dict:
 
 
 def _direct_pair_row(pair, ro: dict, rn: dict, names: list[str], flips: bool) -> dict:
-    """A pair's row from its prompts' :func:`compose_prompts` results (the direct readout): the full
-    prefills' scores and per variant the composed runs' scores and recovery."""
+    """A pair's row from its prompts' :func:`kvnotes.harness.composed.compose_prompts` results (the
+    direct readout): the full prefills' scores and per variant the composed runs' scores and
+    recovery."""
     co, cn = pair.cand_old[0], pair.cand_new[0]
     s_old, s_new = float(ro["full"][cn] - ro["full"][co]), float(rn["full"][cn] - rn["full"][co])
     row = pair_row(pair) | {"chunks": [list(c) for c in pair.chunks], "chunk_names": list(pair.chunk_names),
@@ -514,3 +380,4 @@ PRESENTATION = Presentation(plot="kvnotes.plots.compose:plot_compose", figures=(
     Reshaped(Curves("seam-kl", "kl/*/#/@", "compose: KL(full || composed) by seam (mean, 95% interval)",
                     "seam tokens", "KL (nats)", ylog=True), by_seam)),
     table=compose_table)
+

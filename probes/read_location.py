@@ -18,31 +18,24 @@ from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Count, NonNegative, NonNegativeFloat, one_of
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.protocol import GeneratedReadout, pair_loop, readout_aggregates
-from kvnotes.harness.readout import candidate_scores, first_token_scores
-from kvnotes.harness.stats import bootstrap_weights, proportion
+from kvnotes.harness.readout import candidate_scores, collapse_flags, first_token_scores
+from kvnotes.harness.stats import matrix_summary, proportion
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.generate import owned_side
-from kvnotes.kv.knockout import DecisionRead, decision_forward, generate_knocked, knockout_masks
+from kvnotes.kv.knockout import (CHAIN_GROUPS, GROUPS, DecisionRead, chain_spans, decision_forward, generate_knocked,
+                                 group_masses, key_groups, knockout_masks)
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import BaseResult, NotRequired, PairRow, TypedDict
 
-GROUPS = ("sinks", "prefix", "field", "downstream", "decision")
 RUNS = ("old", "new")
 #: With ``scenario.variant=cot`` the knockouts hold while the chain is generated and the decision is
 #: read after it (see "Chain of thought" in the specification).
 SUPPORTS_COT = True
-#: Key groups of a generated chain's queries: :data:`GROUPS`, then ``chain`` (the generated tokens
-#: themselves, ``(d, d + 1 + step]``).
-CHAIN_GROUPS = GROUPS + ("chain",)
-
-
-# --------------------------------------------------------------------------------------------
-# key groups
 
 
 def _knockout_groups(groups: Any) -> Any:
-    """A non-empty list of knockout variants, each a group name of :data:`GROUPS` or a non-empty
-    list of them (knocked out together)."""
+    """A non-empty list of knockout variants, each a group name of :data:`kvnotes.kv.knockout.GROUPS`
+    or a non-empty list of them (knocked out together)."""
     if not isinstance(groups, list) or not groups:
         raise ValueError("must be a non-empty list of groups (each a name or a list of names)")
     for g in groups:
@@ -75,39 +68,6 @@ class Config(ProbeConfig, GeneratedReadout):
     collapse: Collapse = field(default_factory=Collapse)
 
 
-def key_groups(field: tuple[int, int], decision: int, n_sinks: int) -> dict[str, tuple[int, int]]:
-    """Disjoint position ranges ``[start, end)`` of the key groups, covering ``[0, d]``.
-
-    Args:
-        field: token span ``(a, b)`` of the field.
-        decision: decision position ``d``.
-        n_sinks: number of leading positions counted as attention sinks (clipped at ``a``).
-
-    Raises:
-        ValueError: ``n_sinks < 0`` or a span outside ``[0, d)``.
-    """
-    a, b = field
-    if n_sinks < 0:
-        raise ValueError(f"n_sinks must be >= 0, got {n_sinks}")
-    if not 0 <= a <= b <= decision:
-        raise ValueError(f"field {field} is not inside [0, {decision})")
-    s = min(n_sinks, a)
-    return {"sinks": (0, s), "prefix": (s, a), "field": (a, b), "downstream": (b, decision),
-            "decision": (decision, decision + 1)}
-
-
-def group_masses(probs: torch.Tensor, groups: dict[str, tuple[int, int]]) -> torch.Tensor:
-    """Sum probabilities over each key group.
-
-    Args:
-        probs: ``[..., d + 1]`` probabilities by position.
-
-    Returns:
-        ``[..., len(GROUPS)]`` in :data:`GROUPS` order.
-    """
-    return torch.stack([probs[..., s:e].sum(-1) for s, e in (groups[g] for g in GROUPS)], dim=-1)
-
-
 def _scores(model, pair, cache, knock, mode: str, capture: bool,
             budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES, source=None) -> tuple[torch.Tensor, DecisionRead]:
     """Scores ``[V]`` of knockout variants (:func:`kvnotes.harness.readout.candidate_scores`) and the first
@@ -120,42 +80,8 @@ def _scores(model, pair, cache, knock, mode: str, capture: bool,
     return candidate_scores(forward, pair, mode)
 
 
-def collapse_flags(lp: torch.Tensor, cands: tuple[int, int], drop_nats: float, top_k: int) -> dict[str, torch.Tensor]:
-    """Readout-destroyed criterion per variant against variant 0 (the clean, nothing-knocked run).
-
-    Args:
-        lp: fp32 ``[V, vocab]`` first-token log-probs at the decision position; row 0 is clean.
-        cands: first tokens of the two candidates.
-        drop_nats: both candidates must fall by at least this much (nats) for ``drop``.
-        top_k: ``topk_lost`` when neither candidate is in the top-k but one was in the clean top-k.
-
-    Returns:
-        bool ``[V]`` tensors ``drop``, ``topk_lost``, ``collapsed`` (either).
-    """
-    c = torch.tensor(cands, device=lp.device)
-    cl = lp[:, c]                                                  # [V, 2]
-    drop = ((cl[0:1] - cl) >= drop_nats).all(dim=1)
-    kth = lp.topk(min(top_k, lp.shape[1]), dim=1).values[:, -1:]   # [V, 1]
-    in_top = (cl >= kth).any(dim=1)
-    lost = in_top[0] & ~in_top
-    return {"drop": drop, "topk_lost": lost, "collapsed": drop | lost}
-
-
 # --------------------------------------------------------------------------------------------
 # the probe
-
-
-def _mass_matrix_summary(rows: list[dict], key: str, n_boot: int, seed: int, level: float = 0.95) -> dict:
-    """Mean ``[L, G]`` mass matrix over rows with cluster-bootstrap percentile CIs per cell."""
-    if not rows:
-        return {"n": 0, "n_scenarios": 0, "mean": None, "ci_low": None, "ci_high": None}
-    X = np.asarray([r[key] for r in rows], dtype=float)             # [n, L, G]
-    w = bootstrap_weights([r["scenario"] for r in rows], [r["instance"] for r in rows], n_boot, seed).astype(float)
-    reps = np.einsum("bn,nlg->blg", w, X) / w.sum(1)[:, None, None]
-    alpha = (1 - level) / 2
-    lo, hi = np.quantile(reps, [alpha, 1 - alpha], axis=0)
-    return {"n": len(rows), "n_scenarios": len({r["scenario"] for r in rows}), "mean": X.mean(0).tolist(),
-            "ci_low": lo.tolist(), "ci_high": hi.tolist(), "ci_level": level}
 
 
 def _attention_aggregates(rows, bands, n_boot, seed, groups=GROUPS) -> dict:
@@ -174,7 +100,7 @@ def _attention_aggregates(rows, bands, n_boot, seed, groups=GROUPS) -> dict:
                     band_stats[band["name"]] = {
                         g: K.summary(rs, lambda r, gi=gi: float(np.mean([m[gi] for m in r[key][l0:l1]])), n_boot, seed)
                         for gi, g in enumerate(groups)}
-                entry[run] = {"layers": _mass_matrix_summary(rs, key, n_boot, seed), "bands": band_stats}
+                entry[run] = {"layers": matrix_summary(rs, key, n_boot, seed), "bands": band_stats}
             out[subset][fam] = entry
     return out
 
@@ -326,12 +252,6 @@ def _knockout_pair(ctx, pr, row: dict, variants: list[dict], n_sinks: int, drop_
 # chain of thought (scenario.variant=cot)
 
 
-def chain_spans(groups: dict[str, tuple[int, int]], decision: int) -> list[tuple[int, int]]:
-    """Key ranges of :data:`CHAIN_GROUPS` for a generated chain's queries: the prompt's groups
-    (:func:`key_groups`) and ``chain``, every generated position after the decision token."""
-    return [groups[g] for g in GROUPS] + [(decision + 1, 1 << 62)]
-
-
 def _per_key(mass: list[list[float]], group: str, size: int, visible: float) -> float | None:
     """Layer-mean mass of ``group`` per key, relative to uniform attention over the ``visible``
     keys: ``(mass / size) * visible`` (1 = as much as an average key, > 1 = read above it; None for
@@ -355,7 +275,7 @@ def _knockout_chains(ctx, sp, row: dict, variants: list[dict], n_sinks: int, dro
     Per run, one batch from the run's one prefix cache decodes the clean chain and one chain per
     knockout variant (:func:`kvnotes.kv.knockout.generate_knocked`: the knocked keys are hidden from
     the decision query and from every generated token's query, in the variant's layers, on every
-    decode step), capturing the attention mass of every query per layer and :data:`CHAIN_GROUPS`
+    decode step), capturing the attention mass of every query per layer and :data:`kvnotes.kv.knockout.CHAIN_GROUPS`
     group; each decision is read after its chain's marker. The pair's columns are written into
     ``row``.
 
@@ -455,7 +375,7 @@ def run(ctx) -> dict:
         (tokenisation exclusions and pairs that do not flip, which are left out of the ``flipping``
         aggregates), ``groups``, ``bands``, ``variants``, ``collapse``. Under the generated readout
         (the specification) rows also keep the chains (``chain_old``/``chain_new``), the generated
-        tokens' masses ``mass_<run>`` (``[L, 6]``, :data:`CHAIN_GROUPS`), the decision query's
+        tokens' masses ``mass_<run>`` (``[L, 6]``, :data:`kvnotes.kv.knockout.CHAIN_GROUPS`), the decision query's
         ``mass_decision_<run>`` and the marker query's ``mass_marker_<run>``; knockout rows carry
         their chain; ``knockout_unreached`` lists knocked chains without a marker;
         ``aggregates.readout = "generated"``, ``aggregates.chain_attention`` and per knockout cell

@@ -5,31 +5,22 @@ Specification: ``docs/probes/suffix_recovery.md``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import numpy as np
-import torch
 from annotated_types import Len
 from pydantic import AfterValidator
 from tqdm import tqdm
 
 from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Counts, OpenFraction, Share, one_of
-from kvnotes.harness.kit import ProbeConfig, RandomControl, exclusions_by_family, families_of, summaries_by_family
+from kvnotes.harness.kit import ProbeConfig, RandomControl, families_of, summaries_by_family
 from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, pair_loop, readout_aggregates
-from kvnotes.harness.selection import (
-    ANCHORS,
-    offset_profiles,
-    offsets,
-    pair_rng,
-    profile_for,
-    rank_positions,
-    split_instances,
-)
-from kvnotes.kv.masks import FactoredMasks, patched_positions
+from kvnotes.harness.selection import (ANCHORS, grid_points, k_for, offset_profiles, offsets, pair_rng, position_sets,
+                                       profile_for, rank_positions, split_instances)
+from kvnotes.kv.masks import VariantPlan, patched_positions
 from kvnotes.records.figures import Bars, Curves
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import BaseResult, NotRequired, PairRow, TypedDict
@@ -42,10 +33,6 @@ COT_FAMILIES = ("suffix", "prefix")
 SUPPORTS_COT = True
 REFERENCES = ("none", "field", "downstream", "field_downstream")
 NO_DOWNSTREAM = "no_downstream"
-
-
-# ---------------------------------------------------------------------------------------------
-# position sets
 
 
 def _cot_family(name: str) -> str:
@@ -83,113 +70,8 @@ class Config(ProbeConfig, GeneratedReadout):
     cot_families: Annotated[list[Annotated[str, AfterValidator(_cot_family)]], Len(min_length=1)] = field(default_factory=lambda: list(COT_FAMILIES))
 
 
-def grid_points(fractions: Sequence[float], counts: Sequence[int]) -> list[dict]:
-    """The k grid: ``{"kind": "fraction", "value": f}`` then ``{"kind": "count", "value": c}``.
-
-    Raises:
-        ValueError: a fraction outside ``(0, 1]`` or a count below 1.
-    """
-    pts = []
-    for f in fractions:
-        if not 0 < float(f) <= 1:
-            raise ValueError(f"grid fractions must lie in (0, 1], got {f}")
-        pts.append({"kind": "fraction", "value": float(f)})
-    for c in counts:
-        if int(c) < 1:
-            raise ValueError(f"grid counts must be >= 1, got {c}")
-        pts.append({"kind": "count", "value": int(c)})
-    return pts
-
-
-def k_for(point: dict, n_downstream: int) -> int | None:
-    """Set size of a grid point for a downstream of ``n_downstream`` positions.
-
-    Fractions give ``ceil(f * n)`` (at least 1); counts give ``c``, or None when ``c > n``.
-    """
-    if point["kind"] == "fraction":
-        return max(1, min(n_downstream, math.ceil(point["value"] * n_downstream - 1e-9)))
-    return point["value"] if point["value"] <= n_downstream else None
-
-
-def suffix_set(downstream: tuple[int, int], k: int) -> list[int]:
-    """The last ``k`` positions of ``[b, d)``."""
-    b, d = downstream
-    return list(range(d - k, d))
-
-
-def prefix_set(downstream: tuple[int, int], k: int) -> list[int]:
-    """The first ``k`` positions of ``[b, d)``."""
-    b, _ = downstream
-    return list(range(b, b + k))
-
-
-def random_sets(rng: np.random.Generator, downstream: tuple[int, int], k: int, n_draws: int) -> list[list[int]]:
-    """``n_draws`` sets of ``k`` distinct positions drawn uniformly from ``[b, d)`` (sorted).
-
-    Raises:
-        ValueError: ``k`` exceeds the downstream length.
-    """
-    b, d = downstream
-    if not 0 <= k <= d - b:
-        raise ValueError(f"cannot draw {k} distinct positions from [{b}, {d})")
-    return [sorted(int(p) for p in rng.choice(np.arange(b, d), size=k, replace=False)) for _ in range(n_draws)]
-
-
 # ---------------------------------------------------------------------------------------------
 # one pair
-
-
-class VariantPlan:
-    """Named patch variants of one pair, deduplicated by mask.
-
-    ``add(name, positions, layers)`` registers a variant (all layers when ``layers`` is None) and
-    returns its index into the unique masks; :meth:`masks` gives the unique masks, factored
-    (:class:`kvnotes.kv.masks.FactoredMasks`: the single-position map of an 8k-token prompt is
-    thousands of variants, gigabytes as a dense mask).
-    """
-
-    def __init__(self, n_layers: int, d: int) -> None:
-        self.n_layers, self.d = n_layers, d
-        self.index: dict[tuple, int] = {}
-        self.specs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-
-    def add(self, positions: Sequence[int], layers: Sequence[int] | None = None) -> int:
-        layer_key = tuple(range(self.n_layers)) if layers is None else tuple(layers)
-        key = (tuple(sorted(int(p) for p in positions)), layer_key)
-        if key not in self.index:
-            self.index[key] = len(self.specs)
-            self.specs.append(key)
-        return self.index[key]
-
-    def masks(self) -> FactoredMasks:
-        positions = torch.zeros(len(self.specs), self.d, dtype=torch.bool)
-        layers = torch.zeros(len(self.specs), self.n_layers, dtype=torch.bool)
-        for v, (pos, lay) in enumerate(self.specs):
-            positions[v, list(pos)] = True
-            layers[v, list(lay)] = True
-        return FactoredMasks(positions, layers)
-
-
-@torch.no_grad()
-def _position_sets(fams: list[str], ks: list[int | None], down: tuple[int, int], rng: np.random.Generator,
-                   n_draws: int, topk_order: list[int] | None) -> dict[str, list]:
-    """Per set family and grid point, the downstream position sets to patch (None where ``k`` was
-    skipped): one set for suffix/prefix/topk, ``n_draws`` seeded random sets for ``random``."""
-    sets: dict[str, list] = {f: [] for f in fams}
-    for k in ks:
-        for f in fams:
-            if k is None:
-                sets[f].append(None)
-            elif f == "suffix":
-                sets[f].append([suffix_set(down, k)])
-            elif f == "prefix":
-                sets[f].append([prefix_set(down, k)])
-            elif f == "topk":
-                assert topk_order is not None
-                sets[f].append([sorted(topk_order[:k])])
-            else:
-                sets[f].append(random_sets(rng, down, k, n_draws))
-    return sets
 
 
 def _curves(idx: dict, rec: list[float], flip: list[bool]) -> tuple[dict, dict]:
@@ -220,7 +102,7 @@ def evaluate_pair(sp: ScreenedPair, grid: list[dict], bands: list[dict], rng: np
 
     Args:
         sp: the screened pair (:class:`kvnotes.harness.protocol.ScreenedPair`).
-        grid: :func:`grid_points`.
+        grid: :func:`kvnotes.harness.selection.grid_points`.
         bands: :func:`kvnotes.harness.kit.layer_bands`.
         rng: the pair's generator for random sets (:func:`pair_rng`).
         n_draws: random sets per grid point.
@@ -256,7 +138,7 @@ def evaluate_pair(sp: ScreenedPair, grid: list[dict], bands: list[dict], rng: np
     names |= {f"band@{i}": v for i, v in enumerate(band_idx)}
     ks = [k_for(pt, n) for pt in grid]
     fams = [f for f in families if f != "topk" or topk_order is not None]
-    sets = _position_sets(fams, ks, down, rng, n_draws, topk_order)
+    sets = position_sets(fams, ks, down, rng, n_draws, topk_order)
     idx = {f: [None if s is None else [plan.add(x) for x in s] for s in sets[f]] for f in fams}
     if with_field:
         idx |= {f"field+{f}": [None if s is None else [plan.add(field + x) for x in s] for s in sets[f]] for f in fams}
@@ -481,8 +363,7 @@ def run(ctx) -> dict:
         out_rows[i] = row
     rows = [r for r in out_rows if r is not None]
     families = families_of(ctx, rows + excluded)
-    common = {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows), "families": families,
-              "exclusions_by_family": exclusions_by_family(excluded, families)}
+    common = K.pair_counts(ctx, rows, excluded, families)
     out = {"rows": rows, "exclusions": pr.exclusions, "excluded": excluded, "grid": grid, "layer_bands": bands,
            "topk_anchor": anchor}
     if generated:

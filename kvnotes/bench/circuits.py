@@ -42,7 +42,7 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from kvnotes.kv import cache as kvcache
-    from kvnotes.circuits.heads import head_outputs, patched_scores, set_masks
+    from kvnotes.harness.head_patch import head_outputs, patched_scores, set_masks
     from kvnotes.kv.engine import make_engine
     from kvnotes.models.loading import load_model
     from kvnotes.harness.readout import run_pair

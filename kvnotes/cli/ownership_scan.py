@@ -8,7 +8,7 @@ The scan is ``probe=screen`` on the given files, run through ``kvnotes run``'s o
 under ``--out-root``, reused while the files, model and settings are unchanged), shown per scenario:
 owned / expected-flip pairs, and for every clean run whose top-1 is not its candidate the top-1
 token, its probability and the candidates' probability mass
-(:func:`kvnotes.probes.screen.ownership_lines`).
+(:func:`kvnotes.records.ownership.ownership_lines`).
 
     OMP_NUM_THREADS=1 kvnotes ownership-scan scenarios/suites/lookup scenarios/suites/language
     kvnotes ownership-scan scenarios/suites/lookup --n-instances 4 --seed 0 --quiet
@@ -63,7 +63,7 @@ def main() -> None:
     import torch
 
     from kvnotes.cli.run import compose_jobs, run_or_reuse
-    from kvnotes.probes.screen import ownership, ownership_lines
+    from kvnotes.records.ownership import ownership, ownership_lines
     from kvnotes.records.store import load_record
 
     torch.set_num_threads(args.threads)

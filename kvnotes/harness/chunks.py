@@ -214,7 +214,6 @@ def chunked_pairs(tokenizer, scenario_cfg: Any, template_kwargs: dict | None = N
                       template_kwargs, turns=transcript_turns(scenario_cfg))
 
 
-
 #: Line order of the layout whose field lies inside a precompiled chunk (the record chunk).
 FIELD_CHUNK_ORDER = ("rule", "context", "filler", "request", "decision")
 #: Line order of the chunked layout (rule and filler chunks, then the live field and question).

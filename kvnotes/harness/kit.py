@@ -316,6 +316,14 @@ def exclusions_by_family(excluded: list[dict], families: list[str]) -> dict:
     return {f: exclusion_counts([r for r in excluded if r.get("family") == f]) for f in families}
 
 
+def pair_counts(ctx, rows: list[dict], excluded: list[dict], families: list[str]) -> dict:
+    """The counts a pair probe's aggregates carry: ``n_pairs`` (the suite's pairs, aligned and
+    excluded), ``n_flip`` (``rows``: the pairs measured), ``families`` and ``exclusions_by_family``
+    (:func:`exclusions_by_family` of ``excluded``)."""
+    return {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_flip": len(rows), "families": families,
+            "exclusions_by_family": exclusions_by_family(excluded, families)}
+
+
 def no_circuit_note(families: list[str], rows: list[dict], excluded: list[dict]) -> dict:
     """Per family: ``"no flipping pairs: no circuit to find"`` where a family has no flipping pair
     (e.g. policy_gate on a 135M model), else the number of flipping pairs."""
@@ -430,3 +438,23 @@ def cot_screen(ctx, pair, old_cache, new_cache, max_new: int) -> tuple[dict, str
             return cols | {"flips": False}, cot_unreached(ctx, side, chain)
     flips = sides == ["old", "new"]
     return cols | {"flips": flips, "reason": None if flips else "no_cot_flip"}, None
+
+
+def scan_layers(n_layers: int, layers: Sequence[int] | None, n_scan: int | None) -> list[int]:
+    """Layers to scan: ``layers`` (sorted, deduplicated) or ``n_scan`` evenly spaced over
+    ``[0, n_layers - 2]`` (all of them when ``n_scan`` is None or larger).
+
+    Raises:
+        ValueError: a layer outside ``[0, n_layers)``, or a model with a single layer.
+    """
+    if layers is not None:
+        out = sorted({int(l) for l in layers})
+        if any(not 0 <= l < n_layers for l in out):
+            raise ValueError(f"layers {out} outside [0, {n_layers})")
+        return out
+    if n_layers < 2:
+        raise ValueError("the direction probe needs at least two layers")
+    top = n_layers - 2
+    if n_scan is None or int(n_scan) >= top + 1:
+        return list(range(top + 1))
+    return sorted({int(round(x)) for x in np.linspace(0, top, max(1, int(n_scan)))})

@@ -46,6 +46,8 @@ from kvnotes.harness.constraints import Count, NonNegative
 from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
 from kvnotes.kv import cache as kvcache
+from kvnotes.harness.selection import with_split
+from kvnotes.kv.engine import make_engine
 from kvnotes.kv.masks import KVSite, Masks, site_masks
 from kvnotes.kv import patch as kvpatch
 from kvnotes.kv import generate as kvgen
@@ -452,3 +454,22 @@ def run_patches(ctx, variants: Variants, desc: str, keep_caches: bool = False,
     pr = pair_loop(ctx, desc, measure, keep=keep_caches, keep_caches=keep_caches)
     pr.variants = names
     return pr
+
+
+def start_circuit(ctx):
+    """The common start of a circuit probe: the first-token readout check, the engine of the
+    config's ``backend``, the flipping pairs with their prefix caches, and their selection /
+    held-out split (``selection_fraction``, ``ctx.seed``).
+
+    Returns:
+        (engine, :class:`kvnotes.harness.kit.FlippingSet`, rows tagged with ``split``, selection instance
+        ids, held-out instance ids).
+
+    Raises:
+        KvnotesError: a readout other than ``first_token``.
+    """
+    K.require_first_token(ctx)
+    engine = make_engine(ctx.bundle.model, ctx.cfg.backend)
+    fs = K.flipping_pairs(ctx, keep_caches=True)
+    rows, sel, held = with_split(fs.rows, float(ctx.cfg.selection_fraction), ctx.seed)
+    return engine, fs, rows, sel, held

@@ -277,3 +277,24 @@ def screen_pair(model, pair: TokenizedPair, mode: ReadoutMode = "first_token", m
     """
     run = run_pair(model, pair, mode)
     return run, run.status(min_effect, flip_rule)
+
+
+def collapse_flags(lp: torch.Tensor, cands: tuple[int, int], drop_nats: float, top_k: int) -> dict[str, torch.Tensor]:
+    """Readout-destroyed criterion per variant against variant 0 (the clean, nothing-knocked run).
+
+    Args:
+        lp: fp32 ``[V, vocab]`` first-token log-probs at the decision position; row 0 is clean.
+        cands: first tokens of the two candidates.
+        drop_nats: both candidates must fall by at least this much (nats) for ``drop``.
+        top_k: ``topk_lost`` when neither candidate is in the top-k but one was in the clean top-k.
+
+    Returns:
+        bool ``[V]`` tensors ``drop``, ``topk_lost``, ``collapsed`` (either).
+    """
+    c = torch.tensor(cands, device=lp.device)
+    cl = lp[:, c]                                                  # [V, 2]
+    drop = ((cl[0:1] - cl) >= drop_nats).all(dim=1)
+    kth = lp.topk(min(top_k, lp.shape[1]), dim=1).values[:, -1:]   # [V, 1]
+    in_top = (cl >= kth).any(dim=1)
+    lost = in_top[0] & ~in_top
+    return {"drop": drop, "topk_lost": lost, "collapsed": drop | lost}

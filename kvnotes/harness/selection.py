@@ -8,10 +8,16 @@ selection rows only (:func:`rank_by_mean`, :func:`selection_source`) and reports
 rows. Capped sweeps draw whole instances across scenarios (:func:`sample_instances`). Positions are
 ranked by their offset from an anchor (:func:`offsets`) with profiles learned on selection rows
 (:func:`offset_profiles`, :func:`profile_for`, :func:`rank_positions`).
+
+Position sets of a downstream span ``[b, d)`` on a grid of sizes (:func:`grid_points`,
+:func:`k_for`): the last or first ``k`` positions (:func:`suffix_set`, :func:`prefix_set`) and their
+k-matched random control (:func:`random_sets`), per set family (:func:`position_sets`); the random
+control of a set of attention heads (:func:`random_head_sets`).
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections import Counter
 from collections.abc import Sequence
@@ -214,3 +220,84 @@ def rank_positions(profile: dict, downstream: tuple[int, int], anchor: str) -> l
     vals = np.array([profile["offset"].get(int(o), -np.inf) for o in offs])
     order = sorted(range(len(offs)), key=lambda i: (-vals[i], offs[i]))
     return [b + i for i in order]
+
+
+def grid_points(fractions: Sequence[float], counts: Sequence[int]) -> list[dict]:
+    """The k grid: ``{"kind": "fraction", "value": f}`` then ``{"kind": "count", "value": c}``.
+
+    Raises:
+        ValueError: a fraction outside ``(0, 1]`` or a count below 1.
+    """
+    pts = []
+    for f in fractions:
+        if not 0 < float(f) <= 1:
+            raise ValueError(f"grid fractions must lie in (0, 1], got {f}")
+        pts.append({"kind": "fraction", "value": float(f)})
+    for c in counts:
+        if int(c) < 1:
+            raise ValueError(f"grid counts must be >= 1, got {c}")
+        pts.append({"kind": "count", "value": int(c)})
+    return pts
+
+
+def k_for(point: dict, n_downstream: int) -> int | None:
+    """Set size of a grid point for a downstream of ``n_downstream`` positions.
+
+    Fractions give ``ceil(f * n)`` (at least 1); counts give ``c``, or None when ``c > n``.
+    """
+    if point["kind"] == "fraction":
+        return max(1, min(n_downstream, math.ceil(point["value"] * n_downstream - 1e-9)))
+    return point["value"] if point["value"] <= n_downstream else None
+
+
+def suffix_set(downstream: tuple[int, int], k: int) -> list[int]:
+    """The last ``k`` positions of ``[b, d)``."""
+    b, d = downstream
+    return list(range(d - k, d))
+
+
+def prefix_set(downstream: tuple[int, int], k: int) -> list[int]:
+    """The first ``k`` positions of ``[b, d)``."""
+    b, _ = downstream
+    return list(range(b, b + k))
+
+
+def random_sets(rng: np.random.Generator, downstream: tuple[int, int], k: int, n_draws: int) -> list[list[int]]:
+    """``n_draws`` sets of ``k`` distinct positions drawn uniformly from ``[b, d)`` (sorted).
+
+    Raises:
+        ValueError: ``k`` exceeds the downstream length.
+    """
+    b, d = downstream
+    if not 0 <= k <= d - b:
+        raise ValueError(f"cannot draw {k} distinct positions from [{b}, {d})")
+    return [sorted(int(p) for p in rng.choice(np.arange(b, d), size=k, replace=False)) for _ in range(n_draws)]
+
+
+def random_head_sets(rng: np.random.Generator, n_layers: int, n_heads: int, k: int, n_draws: int) -> list[list[tuple[int, int]]]:
+    """``n_draws`` sets of ``k`` distinct (layer, head) pairs drawn uniformly without replacement."""
+    flat = [(l, h) for l in range(n_layers) for h in range(n_heads)]
+    return [[flat[i] for i in sorted(rng.choice(len(flat), size=k, replace=False))] for _ in range(n_draws)]
+
+
+def position_sets(fams: list[str], ks: list[int | None], down: tuple[int, int], rng: np.random.Generator,
+                  n_draws: int, topk_order: list[int] | None) -> dict[str, list]:
+    """Per set family (``suffix``, ``prefix``, ``topk``, ``random``) and set size ``k`` of ``ks``, the
+    positions of the downstream span ``down`` = ``[b, d)`` to patch (None where ``k`` is None, a
+    skipped grid point): one set for suffix / prefix / topk (the first ``k`` of ``topk_order``, sorted),
+    ``n_draws`` seeded random sets of ``rng`` for ``random`` (:func:`random_sets`)."""
+    sets: dict[str, list] = {f: [] for f in fams}
+    for k in ks:
+        for f in fams:
+            if k is None:
+                sets[f].append(None)
+            elif f == "suffix":
+                sets[f].append([suffix_set(down, k)])
+            elif f == "prefix":
+                sets[f].append([prefix_set(down, k)])
+            elif f == "topk":
+                assert topk_order is not None
+                sets[f].append([sorted(topk_order[:k])])
+            else:
+                sets[f].append(random_sets(rng, down, k, n_draws))
+    return sets

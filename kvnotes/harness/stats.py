@@ -218,3 +218,23 @@ def summarize_rows(rows: Sequence[dict], key: str, group: str | None = "family",
         for g in sorted({r[group] for r in rows}):
             out[g] = one([r for r in rows if r[group] == g])
     return out
+
+
+def matrix_summary(rows: list[dict], key: str, n_boot: int, seed: int, level: float = 0.95) -> dict:
+    """Mean of a per-row matrix (e.g. ``[n_layers, n_groups]`` attention masses) over ``rows``, with
+    cluster-bootstrap percentile intervals per cell (:func:`bootstrap_weights`: scenarios, then
+    instances; rows need ``scenario`` and ``instance`` columns).
+
+    Returns:
+        ``n``, ``n_scenarios``, ``mean``, ``ci_low``, ``ci_high`` (nested lists of the matrix's shape;
+        None without rows) and ``ci_level``.
+    """
+    if not rows:
+        return {"n": 0, "n_scenarios": 0, "mean": None, "ci_low": None, "ci_high": None}
+    X = np.asarray([r[key] for r in rows], dtype=float)             # [n, L, G]
+    w = bootstrap_weights([r["scenario"] for r in rows], [r["instance"] for r in rows], n_boot, seed).astype(float)
+    reps = np.einsum("bn,nlg->blg", w, X) / w.sum(1)[:, None, None]
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(reps, [alpha, 1 - alpha], axis=0)
+    return {"n": len(rows), "n_scenarios": len({r["scenario"] for r in rows}), "mean": X.mean(0).tolist(),
+            "ci_low": lo.tolist(), "ci_high": hi.tolist(), "ci_level": level}

@@ -259,3 +259,32 @@ def tokenize_polarity_pair(tokenizer, spec: PolaritySpec, chat_template: bool = 
     if value_field != char_span_to_tokens(new.offsets, *value_chars[1]):
         return MISALIGNED_TOKENS
     return PolarityPair(spec, old, new, *aligned, value_field)
+
+
+def candidates_after(tok, prompt: Prompt, chain_ids: Sequence[int], candidates) -> tuple[str, dict]:
+    """The candidates' token ids in context after ``prompt`` followed by a generated chain.
+
+    Args:
+        prompt: the prompt the chain was generated from.
+        chain_ids: the generated token ids (decoded without special tokens).
+        candidates: candidate strings.
+
+    Returns:
+        (the chain's text, ``{candidate: ids tuple, or None when it merges with prompt + chain}``,
+        :func:`kvnotes.harness.tokens.continuation_ids`). An empty chain tokenises after ``prompt``
+        itself.
+    """
+    text = tok.decode(list(chain_ids), skip_special_tokens=True) if len(chain_ids) else ""
+    where = prompt
+    if text:
+        ids, offsets = tokenize(tok, prompt.text + text)
+        where = Prompt(prompt.text + text, ids, offsets, prompt.field_chars, prompt.field)
+    return text, {c: continuation_ids(tok, where, c) for c in candidates}
+
+
+def token_name(tokenizer, token_id: int) -> str:
+    """The tokenizer's name of ``token_id``, or ``<id N>`` for an id it does not have (a random-weight
+    model of a full-size shape has its own vocabulary size, wider than the tokenizer that renders
+    its prompts: ``model.random_init``)."""
+    name = tokenizer.convert_ids_to_tokens(token_id)
+    return name if name is not None else f"<id {token_id}>"

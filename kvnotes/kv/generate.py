@@ -205,3 +205,42 @@ def stop_tokens(tokenizer) -> list[int]:
     """End-of-turn token ids that stop a chain (``eos`` and ChatML's ``<|im_end|>`` where known)."""
     ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
     return sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != tokenizer.unk_token_id)
+
+
+@dataclass(frozen=True)
+class CotReadout:
+    """The generated readout of one chain at a time (the ``agent`` probe's trajectories under
+    ``scenario.variant=cot``; :func:`decode_after`).
+
+    Attributes:
+        max_new_tokens: most tokens generated per chain (0: the decision is read after the prompt's
+            last token, which is the direct readout).
+        marker: the answer-marker test (:func:`kvnotes.kv.generate.answer_marker`); may be None only
+            with ``max_new_tokens == 0``.
+        stop_ids: end tokens that stop a chain unreached (:func:`kvnotes.kv.generate.stop_tokens`).
+        thinking: the model reasons in a think block (for the unreached reason).
+    """
+
+    max_new_tokens: int
+    marker: MarkerTest | None
+    stop_ids: tuple[int, ...] = ()
+    thinking: bool = False
+
+
+def decode_after(model, cache, ids: torch.Tensor, cot: CotReadout) -> Generated:
+    """Decode one chain from a cache over ``ids[:-1]`` fed ``ids[-1]`` (the prompt's last token) and
+    read the decision after its marker (:func:`kvnotes.kv.generate.generate`; ``cache`` is left
+    unchanged).
+
+    Args:
+        cache: batch-1 cache over ``[0, len(ids) - 1)``.
+        ids: ``[T]`` the prompt's token ids.
+
+    Returns:
+        :class:`kvnotes.kv.generate.Generated` with one chain; its ``logprobs[0]`` (fp32 ``[vocab]``, on
+        the CPU) is NaN when the chain did not reach its marker.
+
+    Raises:
+        ValueError: ``cot.max_new_tokens > 0`` without a marker test.
+    """
+    return generate(model, cache, int(ids[-1]), len(ids) - 1, cot.max_new_tokens, cot.marker, cot.stop_ids)

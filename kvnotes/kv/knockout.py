@@ -420,3 +420,49 @@ def generate_knocked(model, cache, token: int, max_new_tokens: int, reached, sto
     with attention_hook(model, hook):
         gen = generate(model, cache, token, d, max_new_tokens, reached, stop_ids, n_variants=V)
     return gen, hook
+
+
+#: The disjoint key groups that cover the decision row's keys ``[0, d]`` (:func:`key_groups`).
+GROUPS = ("sinks", "prefix", "field", "downstream", "decision")
+#: Key groups of a generated chain's queries: :data:`GROUPS`, then ``chain`` (the generated tokens
+#: themselves, ``(d, d + 1 + step]``).
+CHAIN_GROUPS = GROUPS + ("chain",)
+
+
+def key_groups(field: tuple[int, int], decision: int, n_sinks: int) -> dict[str, tuple[int, int]]:
+    """Disjoint position ranges ``[start, end)`` of the key groups, covering ``[0, d]``.
+
+    Args:
+        field: token span ``(a, b)`` of the field.
+        decision: decision position ``d``.
+        n_sinks: number of leading positions counted as attention sinks (clipped at ``a``).
+
+    Raises:
+        ValueError: ``n_sinks < 0`` or a span outside ``[0, d)``.
+    """
+    a, b = field
+    if n_sinks < 0:
+        raise ValueError(f"n_sinks must be >= 0, got {n_sinks}")
+    if not 0 <= a <= b <= decision:
+        raise ValueError(f"field {field} is not inside [0, {decision})")
+    s = min(n_sinks, a)
+    return {"sinks": (0, s), "prefix": (s, a), "field": (a, b), "downstream": (b, decision),
+            "decision": (decision, decision + 1)}
+
+
+def group_masses(probs: torch.Tensor, groups: dict[str, tuple[int, int]]) -> torch.Tensor:
+    """Sum probabilities over each key group.
+
+    Args:
+        probs: ``[..., d + 1]`` probabilities by position.
+
+    Returns:
+        ``[..., len(GROUPS)]`` in :data:`GROUPS` order.
+    """
+    return torch.stack([probs[..., s:e].sum(-1) for s, e in (groups[g] for g in GROUPS)], dim=-1)
+
+
+def chain_spans(groups: dict[str, tuple[int, int]], decision: int) -> list[tuple[int, int]]:
+    """Key ranges of :data:`CHAIN_GROUPS` for a generated chain's queries: the prompt's groups
+    (:func:`key_groups`) and ``chain``, every generated position after the decision token."""
+    return [groups[g] for g in GROUPS] + [(decision + 1, 1 << 62)]

@@ -13,7 +13,8 @@ substituted slots) took seconds; the factored one takes 66 MB.
 The functions below read either kind, so the readout (:mod:`kvnotes.kv.patch`,
 :func:`kvnotes.kv.cache.build_variants`) and the knockout hooks take both: position patches, head
 patches and knockouts are written in one vocabulary (:func:`site_masks`) and executed by the
-:mod:`kvnotes.kv` layer.
+:mod:`kvnotes.kv` layer. A probe that names many position sets collects them in a
+:class:`VariantPlan`, which deduplicates them and gives one factored mask.
 """
 
 from __future__ import annotations
@@ -188,3 +189,34 @@ def site_masks(n_layers: int, T: int, sites: Sequence[Sequence], kv_heads: int |
             heads[v] = False
             heads[v][:, list(hs)] = True
     return FactoredMasks(positions, layers, heads)
+
+
+class VariantPlan:
+    """Named patch variants of one pair, deduplicated by mask.
+
+    ``add(positions, layers)`` registers a variant (all layers when ``layers`` is None) and
+    returns its index into the unique masks; :meth:`masks` gives the unique masks, factored
+    (:class:`kvnotes.kv.masks.FactoredMasks`: the single-position map of an 8k-token prompt is
+    thousands of variants, gigabytes as a dense mask).
+    """
+
+    def __init__(self, n_layers: int, d: int) -> None:
+        self.n_layers, self.d = n_layers, d
+        self.index: dict[tuple, int] = {}
+        self.specs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def add(self, positions: Sequence[int], layers: Sequence[int] | None = None) -> int:
+        layer_key = tuple(range(self.n_layers)) if layers is None else tuple(layers)
+        key = (tuple(sorted(int(p) for p in positions)), layer_key)
+        if key not in self.index:
+            self.index[key] = len(self.specs)
+            self.specs.append(key)
+        return self.index[key]
+
+    def masks(self) -> FactoredMasks:
+        positions = torch.zeros(len(self.specs), self.d, dtype=torch.bool)
+        layers = torch.zeros(len(self.specs), self.n_layers, dtype=torch.bool)
+        for v, (pos, lay) in enumerate(self.specs):
+            positions[v, list(pos)] = True
+            layers[v, list(lay)] = True
+        return FactoredMasks(positions, layers)

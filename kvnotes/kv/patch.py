@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 from transformers import DynamicCache
 
+from kvnotes.kv import cache as kvcache
 from kvnotes.kv.cache import DEFAULT_BUDGET_BYTES, expand_cache, seq_length, slot_positions, variant_bytes
 from kvnotes.kv.masks import Masks, head_layer_mask, layer_heads, layer_key, layer_mask, most_slots, query_heads, union_slots
 
@@ -432,3 +433,89 @@ def position_masks(n_layers: int, T: int, position_sets: Sequence[Sequence[int]]
             pos = torch.as_tensor(list(positions), dtype=torch.long)
             masks[v, layer_idx[:, None], pos[None, :]] = True
     return masks
+
+
+@torch.no_grad()
+def recompute_span(model, prefix: DynamicCache, ids: torch.Tensor, start: int) -> DynamicCache:
+    """Run ``ids`` at positions ``start .. start + n - 1`` on top of ``prefix`` (extended in place).
+
+    This is the write-side resume of docs/design.md §4: the prefill continues from ``start`` on a cache
+    of ``[0, start)`` instead of re-running the prefix. Explicit ``position_ids`` and a full-length
+    attention mask, as every forward on an edited cache.
+
+    Args:
+        prefix: batch-1 cache over ``[0, start)`` (pass a view if it must be reused).
+        ids: ``[n]`` token ids.
+
+    Returns:
+        ``prefix``, now over ``[0, start + n)``.
+    """
+    ids = ids.view(1, -1).to(model.device)
+    n = ids.shape[1]
+    pos = torch.arange(start, start + n, device=model.device).unsqueeze(0)
+    mask = torch.ones(1, start + n, dtype=torch.long, device=model.device)
+    model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=prefix, use_cache=True,
+          logits_to_keep=1)
+    return prefix
+
+
+def _span_slots(layer, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot indices, positions) of a layer's slots whose positions lie in ``[a, b)``."""
+    pos = kvcache.slot_positions(layer)
+    idx = ((pos >= a) & (pos < b)).nonzero().flatten()
+    return idx, pos[idx]
+
+
+@torch.no_grad()
+def exact_field_source(model, run) -> tuple[DynamicCache, dict]:
+    """The old prefix cache with the field's KV recomputed from the new field tokens: the exact
+    patch source of a field refresh (``field_refresh``, ``docs/probes/field_refresh.md``).
+
+    ``run`` is a pair's clean run (:class:`kvnotes.harness.readout.PairRun`: its ``pair`` with the
+    field span and both prompts' ids, and the batch-1 ``old_cache`` / ``new_cache`` over ``[0, d)``).
+
+    The new field tokens ``new.ids[a:b]`` are run at positions ``a .. b-1`` on the old cache
+    truncated to ``[0, a)`` (:func:`kvnotes.kv.cache.prefix_view`, else a prefill of ``old.ids[:a]``); the
+    resulting K/V of the field positions replace the old ones in a copy of the old cache.
+
+    Returns:
+        (the batch-1 source cache over ``[0, d)``, ``{k_max_abs_diff, v_max_abs_diff, method}``):
+        the largest absolute difference between recomputed and copied (new-run) field keys and
+        values over layers, KV heads, field positions and head dims; ``method`` is
+        ``"truncated_view"`` or ``"prefix_prefill"``.
+
+    Raises:
+        RuntimeError: a field position held by the old cache is missing from the recomputation
+            (cannot happen for caches built by :func:`kvnotes.kv.cache.prefill`).
+    """
+    pair = run.pair
+    a, b = pair.field
+    config = model.config
+    prefix = kvcache.prefix_view(run.old_cache, config, a)
+    method = "truncated_view"
+    if prefix is None:
+        prefix = kvcache.prefill(model, pair.old.ids[:a])
+        method = "prefix_prefill"
+    rec = recompute_span(model, prefix, pair.new.ids[a:b], a)
+    keys, values = [], []
+    k_diff = v_diff = 0.0
+    for lo, ln, lr in zip(run.old_cache.layers, run.new_cache.layers, rec.layers, strict=True):
+        k, v = lo.keys.clone(), lo.values.clone()
+        idx_o, pos_o = _span_slots(lo, a, b)
+        idx_r, pos_r = _span_slots(lr, a, b)
+        idx_n, pos_n = _span_slots(ln, a, b)
+        if not torch.equal(pos_o, pos_r[torch.isin(pos_r, pos_o)]) or not torch.isin(pos_o, pos_r).all():
+            raise RuntimeError(f"field positions {pos_o.tolist()} not all recomputed ({pos_r.tolist()})")
+        take = idx_r[torch.isin(pos_r, pos_o)]
+        k[:, :, idx_o] = lr.keys[:, :, take]
+        v[:, :, idx_o] = lr.values[:, :, take]
+        both = torch.isin(pos_r, pos_n)
+        match_n = idx_n[torch.isin(pos_n, pos_r)]
+        if len(match_n):
+            dk = lr.keys[:, :, idx_r[both]].float() - ln.keys[:, :, match_n].float()
+            dv = lr.values[:, :, idx_r[both]].float() - ln.values[:, :, match_n].float()
+            k_diff, v_diff = max(k_diff, float(dk.abs().max())), max(v_diff, float(dv.abs().max()))
+        keys.append(k)
+        values.append(v)
+    source = kvcache.cache_from_tensors(config, keys, values, kvcache.seq_length(run.old_cache))
+    return source, {"k_max_abs_diff": k_diff, "v_max_abs_diff": v_diff, "exact_method": method}

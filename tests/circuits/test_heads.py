@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvnotes.kv.engine import Intervention, NNsightEngine, Site
-from kvnotes.harness.selection import pair_rng, rank_by_mean, with_split
-from kvnotes.circuits.heads import (clean_residuals, head_outputs, map_pairs, patched_scores, random_head_sets, set_masks,
-                            single_head_map)
+from kvnotes.harness.selection import pair_rng, random_head_sets, rank_by_mean, with_split
+from kvnotes.circuits.heads import map_pairs
+from kvnotes.harness.head_patch import clean_residuals, head_outputs, patched_scores, set_masks, single_head_map
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv import patch as kvpatch
 from kvnotes.harness.readout import first_token_scores, run_pair, variant_scores

@@ -125,7 +125,7 @@ def test_ownership_scan_is_a_view_of_a_screen_record(tmp_path, monkeypatch, caps
     """``kvnotes ownership-scan`` runs ``probe=screen`` on its files through the job path and prints
     the record's per-scenario ownership; its counts are the record's rows; a second scan reuses the
     record."""
-    from kvnotes.probes.screen import ownership
+    from kvnotes.records.ownership import ownership
 
     suite = ROOT / "scenarios" / "suites" / "recall" / "home_city.yaml"
     args = ["ownership-scan", str(suite), "--n-instances", "1", "--threads", "2", "--json", str(tmp_path / "scan.json")]

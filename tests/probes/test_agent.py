@@ -15,7 +15,9 @@ import torch
 import transformers as T
 from kvnotes.kv.generate import token_marker
 from kvnotes.probes import agent as agent_mod
-from kvnotes.probes.agent import CotReadout, aggregate, run_trajectory, trajectory_values
+from kvnotes.harness.trajectory import trajectory_values
+from kvnotes.kv.generate import CotReadout
+from kvnotes.probes.agent import aggregate, run_trajectory
 from tests.helpers import job_record, ARCHS, tiny_config
 
 #: fp32 on CPU: with whole chunks recomputed (seam >= chunk length) the agent's composed-then-

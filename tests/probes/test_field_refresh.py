@@ -14,7 +14,8 @@ from kvnotes.harness.pairs import PairSet
 from kvnotes.plots import plot_record
 from kvnotes.harness.readout import PairRun, variant_scores
 from kvnotes.probes import ProbeContext
-from kvnotes.probes.field_refresh import VARIANTS, exact_field_source, refresh_pair, variant_positions
+from kvnotes.kv.patch import exact_field_source
+from kvnotes.probes.field_refresh import VARIANTS, refresh_pair, variant_positions
 from kvnotes.probes.field_refresh import run as run_probe
 from tests.helpers import VOCAB, WINDOW, check_schema, recall_pairs, record_of
 

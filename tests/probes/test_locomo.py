@@ -177,7 +177,8 @@ def test_runner_one_session_equals_full_prefill(arch, tiny_samples):
     """With one session the chunk sits where it was precompiled (behind the header as its sink), so the
     composed arm's first-step log-probs equal the full prefill's; with two, the second session's chunk
     was precompiled without the first and differs."""
-    from kvnotes.probes.locomo import format_summary, run_locomo_qa
+    from kvnotes.harness.locomo import run_locomo_qa
+    from kvnotes.probes.locomo import format_summary
 
     model = build_tiny(arch)
     res = run_locomo_qa(model, CharTokenizer(), tiny_samples, max_new_tokens=4, rotate=True, seam=0)
@@ -203,7 +204,7 @@ def test_runner_one_session_equals_full_prefill(arch, tiny_samples):
 def test_runner_full_seam_and_truncation(tiny_samples):
     """A seam covering the whole chunk recomputes it, which is the full prefill (two sessions too);
     a context that holds only the last session keeps it and says so."""
-    from kvnotes.probes.locomo import run_locomo_qa
+    from kvnotes.harness.locomo import run_locomo_qa
 
     model = build_tiny("llama")
     res = run_locomo_qa(model, CharTokenizer(), tiny_samples[1:], max_questions=1, max_new_tokens=2, seam=10_000)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import kvnotes.probes
-from kvnotes.probes.memory_agent import drift, schedule
+from kvnotes.harness.memory import toggle_schedule
+from kvnotes.probes.memory_agent import drift
 from kvnotes.scenarios.memory import load_memory
 from tests.probes.test_memory import SUITE, check_record_fields, fake_ctx, llama, threads, tok  # noqa: F401
 
@@ -21,7 +22,7 @@ SELF_KL_TOL = 1e-6
 def test_schedule_toggles_single_fact_queries():
     suite = load_memory(SUITE, ["maria"])
     persona = suite.personas[0]
-    plan = schedule(suite, persona)
+    plan = toggle_schedule(suite, persona)
     assert plan and all(orig != other for _, _, orig, other in plan)
     for fid, qid, orig, other in plan:
         q = persona.query(qid)
@@ -42,7 +43,7 @@ def test_sessions_and_long_horizon_on_a_tiny_model(llama, tok):  # noqa: F811
     assert len(session) == 2 * 3 and len(long) == 2 * 5
     for persona in ("maria", "tom"):
         rows = sorted((r for r in long if r["persona"] == persona), key=lambda r: r["turn"])
-        plan = schedule(load_memory(SUITE, [persona]), load_memory(SUITE, [persona]).personas[0])
+        plan = toggle_schedule(load_memory(SUITE, [persona]), load_memory(SUITE, [persona]).personas[0])
         # turn t toggles plan[t % n]; a fact's first toggle takes the other value, the next one restores it
         assert [r["fact"] for r in rows] == [plan[t % len(plan)][0] for t in range(5)]
         assert rows[0]["value"] == plan[0][3]

@@ -18,18 +18,13 @@ from kvnotes.kv.capture import attention_hook
 from kvnotes.harness.pairs import prepare_pairs
 from kvnotes.probes import ProbeContext
 from kvnotes.harness.kit import layer_bands
-from kvnotes.kv.knockout import DecisionRowHook, decision_forward, knockout_masks
-from kvnotes.probes.read_location import (
-    GROUPS,
-    collapse_flags,
-    group_masses,
-    key_groups,
-)
+from kvnotes.harness.readout import collapse_flags
+from kvnotes.kv.knockout import GROUPS, DecisionRowHook, decision_forward, group_masses, key_groups, knockout_masks
 from kvnotes.probes.read_location import run as run_read_location
 from tests.helpers import ARCHS, VOCAB, WINDOW, build_tiny, check_figures
 from kvnotes.kv.generate import token_marker
 from kvnotes.kv.knockout import generate_knocked
-from kvnotes.probes.read_location import CHAIN_GROUPS, chain_spans
+from kvnotes.kv.knockout import CHAIN_GROUPS, chain_spans
 from tests.helpers import job_record
 
 T = 3 * WINDOW            # prefix length (longer than the sliding window)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+import kvnotes.harness.selection as S
 import kvnotes.probes.suffix_recovery as sr
 from kvnotes.harness.kit import layer_bands
 from kvnotes.harness.pairs import PairSet
@@ -35,28 +36,28 @@ N_DRAWS = 3
 
 
 def test_grid_and_k():
-    grid = sr.grid_points([0.1, 1.0], [3, 50])
-    assert [sr.k_for(p, 40) for p in grid] == [4, 40, 3, None]
-    assert sr.k_for({"kind": "fraction", "value": 0.01}, 40) == 1          # at least one position
+    grid = S.grid_points([0.1, 1.0], [3, 50])
+    assert [S.k_for(p, 40) for p in grid] == [4, 40, 3, None]
+    assert S.k_for({"kind": "fraction", "value": 0.01}, 40) == 1          # at least one position
     with pytest.raises(ValueError):
-        sr.grid_points([0.0], [])
+        S.grid_points([0.0], [])
     with pytest.raises(ValueError):
-        sr.grid_points([], [0])
+        S.grid_points([], [0])
 
 
 def test_suffix_prefix_sets():
-    assert sr.suffix_set((10, 20), 3) == [17, 18, 19]
-    assert sr.prefix_set((10, 20), 3) == [10, 11, 12]
+    assert S.suffix_set((10, 20), 3) == [17, 18, 19]
+    assert S.prefix_set((10, 20), 3) == [10, 11, 12]
 
 
 def test_random_sets_are_k_matched_and_seeded():
-    sets = sr.random_sets(sr.pair_rng(0, "p/0:a->b"), (10, 30), 7, 5)
+    sets = S.random_sets(S.pair_rng(0, "p/0:a->b"), (10, 30), 7, 5)
     assert len(sets) == 5 and all(len(set(s)) == 7 == len(s) and min(s) >= 10 and max(s) < 30 for s in sets)
     assert len({tuple(s) for s in sets}) > 1                                   # draws differ
-    assert sets == sr.random_sets(sr.pair_rng(0, "p/0:a->b"), (10, 30), 7, 5)  # reproducible
-    assert sets != sr.random_sets(sr.pair_rng(1, "p/0:a->b"), (10, 30), 7, 5)  # the seed matters
+    assert sets == S.random_sets(S.pair_rng(0, "p/0:a->b"), (10, 30), 7, 5)  # reproducible
+    assert sets != S.random_sets(S.pair_rng(1, "p/0:a->b"), (10, 30), 7, 5)  # the seed matters
     with pytest.raises(ValueError):
-        sr.random_sets(sr.pair_rng(0, "x"), (10, 12), 3, 1)
+        S.random_sets(S.pair_rng(0, "x"), (10, 12), 3, 1)
 
 
 def test_layer_bands():
@@ -69,16 +70,16 @@ def test_layer_bands():
 
 
 def test_offsets_and_ranking_transfer_between_lengths():
-    assert sr.offsets((10, 14), "decision").tolist() == [4, 3, 2, 1]
-    assert sr.offsets((10, 14), "field_end").tolist() == [0, 1, 2, 3]
+    assert S.offsets((10, 14), "decision").tolist() == [4, 3, 2, 1]
+    assert S.offsets((10, 14), "field_end").tolist() == [0, 1, 2, 3]
     # selection pair with downstream [10, 14): the position right before d is the note
     sel = [{"pair": "s/0:x", "scenario": "s", "family": "f", "downstream": [10, 14], "single": [0.0, 0.1, 0.0, 0.9]}]
-    prof = sr.offset_profiles(sel, "decision")
+    prof = S.offset_profiles(sel, "decision")
     assert prof["scenario"]["s"]["pairs"] == ["s/0:x"] and prof["family"]["f"]["offset"][1] == 0.9
     # a held-out pair with a longer downstream [20, 26): offsets 6, 5 are unknown and rank last
-    order = sr.rank_positions(prof["scenario"]["s"], (20, 26), "decision")
+    order = S.rank_positions(prof["scenario"]["s"], (20, 26), "decision")
     assert order[:2] == [25, 23] and order[-2:] == [21, 20]
-    assert sr.profile_for(prof, "other", "f")[1] == "family" and sr.profile_for(prof, "other", "g") == (None, None)
+    assert S.profile_for(prof, "other", "f")[1] == "family" and S.profile_for(prof, "other", "g") == (None, None)
 
 
 # ----------------------------------------------------------------------------- the embedded run
@@ -99,7 +100,7 @@ def spied(smol):
     """One probe run through ``run(ctx)`` with spies on the profile builder and the per-pair
     evaluation, recording exactly which rows built the top-k ranking and which pairs got top-k sets."""
     calls = {"profiles": [], "evaluate": []}
-    orig_prof, orig_eval = sr.offset_profiles, sr.evaluate_pair
+    orig_prof, orig_eval = S.offset_profiles, sr.evaluate_pair
 
     def spy_prof(rows, anchor):
         calls["profiles"].append([dict(r) for r in rows])
@@ -138,14 +139,14 @@ def test_heldout_never_used_for_selection(spied):
     first_held = next(i for i, c in enumerate(calls["evaluate"]) if c[1] in held)
     assert all(c[1] in sel for c in calls["evaluate"][:first_held])     # all selection pairs came first
     # the top-k sets actually evaluated are reproduced from the selection rows alone
-    prof = sr.offset_profiles([r for r in res["rows"] if r["split"] == "selection"], res["topk_anchor"])
+    prof = S.offset_profiles([r for r in res["rows"] if r["split"] == "selection"], res["topk_anchor"])
     held_rows = [r for r in res["rows"] if r["split"] == "heldout"]
     assert held_rows and all(r["instance"] in held for r in held_rows)
     for r in held_rows:
         assert set(r["topk_profile_pairs"]) <= set(res["selection_pairs"])
-        p, src = sr.profile_for(prof, r["scenario"], r["family"])
+        p, src = S.profile_for(prof, r["scenario"], r["family"])
         assert src == r["topk_profile_source"] == "scenario"
-        order = sr.rank_positions(p, tuple(r["downstream"]), res["topk_anchor"])
+        order = S.rank_positions(p, tuple(r["downstream"]), res["topk_anchor"])
         for k, s in zip(r["k"], r["topk_sets"], strict=True):
             assert s == (None if k is None else sorted(order[:k]))
     assert res["aggregates"]["checks"]["heldout_profile_pairs_not_in_selection"] == 0
@@ -264,7 +265,7 @@ def test_zero_new_tokens_is_the_direct_readout(tiny, tiny_ctx, monkeypatch):
     pair = owned_pair(tiny)
     n_layers = len(kvcache.prefill(tiny, pair.old.ids[:2]).layers)
     bands = kit.layer_bands(n_layers, 2)
-    grid = sr.grid_points(FRACTIONS, [])
+    grid = S.grid_points(FRACTIONS, [])
     sp, row = screen_generated(tiny_ctx, pair, 0)
     assert sp is not None and row["flips"]
     row |= sr.evaluate_pair(sp, grid, bands, np.random.default_rng(0), 1, None, True, families=sr.COT_FAMILIES,
