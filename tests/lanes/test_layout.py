@@ -164,3 +164,20 @@ def test_no_module_is_over_the_line_limit():
     assert {"kvnotes.probes.compose", "kvnotes.circuits.direction", "kvnotes.ops.compose"} <= set(sizes)
     long = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_every_probe_module_links_its_specification_page():
+    """Each probe and circuit module's docstring is a summary that names its specification page,
+    ``docs/probes/<name>.md``, which exists, is in the site's navigation and names the module
+    back (the specification lives in the docs, the module keeps what is the probe's own)."""
+    nav = (ROOT / "mkdocs.yml").read_text()
+    modules = sorted(p for folder in ("probes", "circuits") for p in (ROOT / folder).glob("*.py")
+                     if p.name != "__init__.py")
+    assert {p.stem for p in modules} >= {"field_refresh", "read_location", "heads", "direction"}
+    for path in modules:
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        page = f"docs/probes/{path.stem}.md"
+        assert page in doc, f"{path.relative_to(ROOT)}: its docstring does not link {page}"
+        assert (ROOT / page).is_file(), f"{page} is missing"
+        assert f"probes/{path.stem}.md" in nav, f"{page} is not in mkdocs.yml's nav"
+        assert f"`{path.parent.name}/{path.name}`" in (ROOT / page).read_text(), f"{page} does not name {path.name}"
