@@ -256,7 +256,7 @@ def _prompts_to_read(pairs: list, at: int, memo: dict, batch_later: bool) -> dic
 
 def run(ctx) -> dict:
     """Composed vs full prefill for every chunked pair and variant under the run's readout; see the
-    the specification.
+    specification.
 
     Returns:
         ``rows`` (pairs; generated: those whose full chains both reached their markers), ``prompts``

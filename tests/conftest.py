@@ -8,7 +8,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")      # before huggingface_hub reads
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+#: Torch threads per test process: the machine's cores (at most 2), shared out among pytest-xdist's
+#: workers (``-n``), so parallel workers do not oversubscribe the cores.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 
 from tests.helpers import ARCHS, build_tiny, fruit_scenario  # noqa: E402
 
@@ -17,12 +20,34 @@ from tests.helpers import ARCHS, build_tiny, fruit_scenario  # noqa: E402
 EMBEDDED_FIXTURES = {"smol", "gemma", "sweep"}
 
 
-def pytest_terminal_summary(terminalreporter):
-    """The zoo conformance lane's one line per zoo entry (tests/lanes/test_zoo.py)."""
+def _lane_lines() -> list[str]:
+    """The zoo conformance lane's lines written in this process (tests/lanes/test_zoo.py)."""
     import sys
 
     lane = sys.modules.get("test_zoo") or sys.modules.get("tests.lanes.test_zoo")
-    for line in getattr(lane, "LANE_LINES", []):
+    return list(getattr(lane, "LANE_LINES", []))
+
+
+#: Lane lines the pytest-xdist workers handed back (:func:`pytest_testnodedown`).
+_WORKER_LANE_LINES: list[str] = []
+
+
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its lane lines to the controller."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["lane_lines"] = _lane_lines()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller collects a finished worker's lane lines (pytest-xdist)."""
+    _WORKER_LANE_LINES.extend(getattr(node, "workeroutput", {}).get("lane_lines", []))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The zoo conformance lane's one line per zoo entry (tests/lanes/test_zoo.py), in one process or
+    gathered from the workers."""
+    for line in sorted(_lane_lines() + _WORKER_LANE_LINES):
         terminalreporter.write_line(line)
 
 
