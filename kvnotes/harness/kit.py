@@ -453,7 +453,7 @@ def scan_layers(n_layers: int, layers: Sequence[int] | None, n_scan: int | None)
             raise ValueError(f"layers {out} outside [0, {n_layers})")
         return out
     if n_layers < 2:
-        raise ValueError("the direction probe needs at least two layers")
+        raise ValueError(f"a layer scan needs at least two layers, the model has {n_layers}")
     top = n_layers - 2
     if n_scan is None or int(n_scan) >= top + 1:
         return list(range(top + 1))

@@ -45,8 +45,8 @@ from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Count, NonNegative
 from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
-from kvnotes.kv import cache as kvcache
 from kvnotes.harness.selection import with_split
+from kvnotes.kv import cache as kvcache
 from kvnotes.kv.engine import make_engine
 from kvnotes.kv.masks import KVSite, Masks, site_masks
 from kvnotes.kv import patch as kvpatch

@@ -192,7 +192,7 @@ def site_masks(n_layers: int, T: int, sites: Sequence[Sequence], kv_heads: int |
 
 
 class VariantPlan:
-    """Named patch variants of one pair, deduplicated by mask.
+    """Position-patch variants of one pair, deduplicated by mask.
 
     ``add(positions, layers)`` registers a variant (all layers when ``layers`` is None) and
     returns its index into the unique masks; :meth:`masks` gives the unique masks, factored
