@@ -14,6 +14,9 @@ import transformers as T
 
 #: The repository's top level (its docs, examples and configs).
 ROOT = Path(__file__).resolve().parents[1]
+#: Seconds after which a subprocess a test waits for has hung (not merely run slowly): no test waits on
+#: wall-clock time for its result, so a loaded machine (load average 8) slows the suite but fails nothing.
+HANG_S = 1800
 
 VOCAB = 96
 WINDOW = 8  # sliding window smaller than the test prompts, so windows fill

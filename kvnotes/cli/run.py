@@ -113,7 +113,13 @@ def _hydra_message(exc: Exception) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
     if key and any("not in struct" in ln for ln in lines):
-        return f"unknown key '{key}' (a misspelt key? to add a new key use +{key}=...)"
+        if key.startswith("probe."):        # a key the probe's Config declares but its YAML omits
+            return f"unknown key '{key}' (a misspelt key? to add a key the probe declares use +{key}=...)"
+        from kvnotes.harness.runconfig import known_keys, nearest_key
+
+        parent, _, last = key.rpartition(".")
+        near = nearest_key(last, known_keys(tuple(parent.split(".")) if parent else ()))
+        return f"unknown key '{key}'" + (f"; did you mean {parent + '.' if parent else ''}{near}?" if near else "")
     return lines[0] if not key else f"{key}: {lines[0]}"
 
 
@@ -133,7 +139,10 @@ def precheck(argv: list[str]) -> None:
     except Exception as exc:  # hydra's OverrideParseException and friends
         fail(f"cannot parse the overrides: {str(exc).splitlines()[0]}")
     # a job that runs on another machine (a SLURM launcher) checks its device and quantization there
-    local = not any(o.key_or_group == "hydra/launcher" and "slurm" in str(o.value()) for o in overrides)
+    launchers = [str(o.value()) for o in overrides if o.key_or_group == "hydra/launcher"]
+    local = not any("slurm" in name for name in launchers)
+    if not local:
+        check_slurm(launchers[0])
     multirun = "-m" in argv or "--multirun" in argv
     fixed, sweeps = [], []
     for o in overrides:
@@ -156,9 +165,25 @@ def precheck(argv: list[str]) -> None:
             except Exception as exc:  # ConfigCompositionException, OmegaConf errors
                 fail(_hydra_message(exc))
             try:
+                note_out_root(str(cfg.out_root))
                 check_run_config(cfg, machine=local)
             except USER_ERRORS as exc:
                 fail(str(exc))
+
+
+def check_slurm(launcher: str) -> None:
+    """A SLURM launcher can submit from here: submitit calls ``sbatch`` (and the job ``srun``).
+
+    Raises:
+        SystemExit: (exit 2) neither is on this machine's PATH; nothing is written.
+    """
+    import shutil
+
+    missing = [cmd for cmd in ("sbatch", "srun") if shutil.which(cmd) is None]
+    if missing:
+        fail(f"hydra/launcher={launcher} submits jobs to SLURM, but {' and '.join(missing)} "
+             f"{'is' if len(missing) == 1 else 'are'} not on this machine's PATH: run from a SLURM login node, "
+             f"or drop hydra/launcher to run here")
 
 
 #: Longest record-directory part spelled out in full; longer ones keep a prefix and a hash.
@@ -229,16 +254,21 @@ def compose_jobs(points: Sequence[Sequence[str]], dirs: Sequence[Path] = ()) -> 
                     "output_dir": str(out_dir), "mode": str(RunMode.RUN)}
             with open_dict(cfg):
                 del cfg["hydra"]
+            note_out_root(str(cfg.out_root))
             check_run_config(cfg)
             jobs.append(Job(cfg, out_dir, info))
     return jobs
 
 
 def main() -> None:
+    from kvnotes.errors import stop_message, terminate_as_interrupt
+
+    terminate_as_interrupt()
     try:
         _main()
-    except KeyboardInterrupt:
-        fail("interrupted; no record written", status=130)
+    except KeyboardInterrupt as exc:
+        what, status = stop_message(exc)
+        fail(f"{what}; no record written", status=status)
 
 
 def _main() -> None:
@@ -312,9 +342,12 @@ def run_or_reuse(cfg, out_dir: Path, hydra_info: dict) -> Path:
     except USER_ERRORS as exc:
         _clean(out_dir, record_path, Path(cfg.out_root))
         fail(str(exc))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:            # Ctrl-C, or SIGTERM (kvnotes.errors.Terminated)
+        from kvnotes.errors import stop_message
+
         _clean(out_dir, record_path, Path(cfg.out_root))
-        fail("interrupted; no record written", status=130)
+        what, status = stop_message(exc)
+        fail(f"{what}; no record written", status=status)
     except BaseException:                       # a bug: its traceback, and nothing of this job left behind
         _clean(out_dir, record_path, Path(cfg.out_root))
         raise
@@ -335,11 +368,26 @@ def _lock_removed_when_complete(lock: Path, record_path: Path):
 
 
 def _clean(out_dir: Path, record_path: Path, out_root: Path) -> None:
-    """Remove this job's lock file (when no record is there) and its directories while empty."""
+    """Remove this job's lock file (when no record is there) and its directories while empty, up to
+    the folder that existed before this command ran (``out_root`` itself when this command made it:
+    :data:`PREEXISTING`)."""
     lock = Path(str(record_path) + ".lock")
     if lock.exists() and not record_path.exists():
         lock.unlink(missing_ok=True)
-    remove_empty_dirs(out_dir, out_root)
+    remove_empty_dirs(out_dir, PREEXISTING.get(str(out_root), out_root))
+
+
+#: ``out_root`` -> the nearest of its folders that existed when this process first checked it
+#: (:func:`note_out_root`): what a refused or interrupted job may remove stops there.
+PREEXISTING: dict[str, Path] = {}
+
+
+def note_out_root(out_root: str) -> None:
+    """Remember the nearest existing folder of ``out_root`` (itself when it exists), before any job
+    of this process creates it (:data:`PREEXISTING`)."""
+    from kvnotes.harness.runconfig import existing_ancestor
+
+    PREEXISTING.setdefault(str(out_root), existing_ancestor(Path(out_root)))
 
 
 if __name__ == "__main__":

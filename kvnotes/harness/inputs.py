@@ -16,7 +16,13 @@ same model name (a checkpoint directory rewritten, a new embedded package), or t
   hub id, the id, the requested revision and the commit of the local snapshot (None when not in the
   local cache); for random weights, the seed and shape switches (already in the config) and the
   tokenizer's own inputs;
-- ``kvnotes``: the installed kvnotes version.
+- ``kvnotes``: the installed kvnotes version;
+- ``code``: the code that computes the result (:func:`code_inputs`): the sha256 over the kvnotes
+  package's source (every ``.py`` file, the linked ``probes/``, ``circuits/`` and ``scenarios/``
+  included, and the adapter table) and over the probe's own module (its file, or its package's files),
+  which may live in a user's project outside kvnotes. The content is the identity, so an edit to any
+  of them, committed or not, makes the next run recompute; the git commit and dirty flag are recorded
+  beside it in the record's envelope (``git``).
 
 :func:`inputs_diff` names the parts in which two records' inputs differ. The job path stores the
 inputs in the record (``record["inputs"]``) and runs a job again when a complete record's inputs
@@ -176,12 +182,66 @@ def weights_inputs(model_cfg: Any) -> dict:
             "commit": _local_snapshot_commit(str(hf_id), model_cfg.get("revision")) if hf_id else None}
 
 
-def record_inputs(cfg: Any) -> dict:
-    """What decides a run's numbers besides its config (module docstring): ``{scenario: {sha256,
-    files}, weights: {...}, kvnotes: version}``.
+#: The kvnotes package directory (``probes/``, ``circuits/``, ``scenarios/`` are linked into it).
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+#: Files of the package besides its ``.py`` files whose content can change a result.
+_PACKAGE_DATA = ("models/adapters.yaml",)
+
+
+def source_files(root: Path) -> list[tuple[str, Path]]:
+    """``(name relative to root, path)`` of every ``.py`` file below ``root`` (links followed, caches
+    and hidden folders skipped), sorted: the source a digest of code covers."""
+    out = []
+    for top, dirs, files in os.walk(root, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
+        out += [(str(Path(top, f).relative_to(root)), Path(top, f)) for f in files if f.endswith(".py")]
+    return sorted(out)
+
+
+def _plain_sha256(files: list[tuple[str, Path]]) -> str:
+    """sha256 over ``(name, content)`` of small files (no digest cache: source files are read whole)."""
+    h = hashlib.sha256()
+    for name, path in files:
+        h.update(name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest() + b"\n")
+    return h.hexdigest()
+
+
+def code_inputs(probe_cfg: Any = None) -> dict:
+    """The code part of :func:`record_inputs`: ``{kvnotes: sha256 of the package source, probe:
+    {module, sha256} | None}``. The probe's module is found from its config's ``_target_``
+    (:func:`kvnotes.harness.registry.module`); a module that is a package's ``__init__`` counts with
+    every ``.py`` file of that package.
 
     Args:
-        cfg: a composed run config (``model`` and ``scenario`` keys).
+        probe_cfg: the run's ``probe`` config, or None (no probe part).
+
+    Raises:
+        KvnotesError: the probe's module cannot be imported.
+    """
+    import inspect
+
+    files = source_files(PACKAGE_DIR) + [(n, PACKAGE_DIR / n) for n in _PACKAGE_DATA if (PACKAGE_DIR / n).is_file()]
+    out: dict[str, Any] = {"kvnotes": _plain_sha256(files), "probe": None}
+    if probe_cfg is not None and probe_cfg.get("_target_"):
+        from kvnotes.harness import registry
+
+        mod = registry.module(probe_cfg)
+        path = Path(inspect.getsourcefile(mod) or mod.__file__ or "")
+        if path.name == "__init__.py":
+            probe_files = source_files(path.parent)
+        else:
+            probe_files = [(path.name, path)] if path.is_file() else []
+        out["probe"] = {"module": mod.__name__, "sha256": _plain_sha256(probe_files)}
+    return out
+
+
+def record_inputs(cfg: Any) -> dict:
+    """What decides a run's numbers besides its config (module docstring): ``{scenario: {sha256,
+    files}, weights: {...}, kvnotes: version, code: {kvnotes, probe}}``.
+
+    Args:
+        cfg: a composed run config (``model`` and ``scenario`` keys; ``probe``, when present, adds its
+            module to the code part).
 
     Raises:
         KvnotesError: an unreadable checkpoint directory; ScenarioError is left to the loaders.
@@ -191,14 +251,30 @@ def record_inputs(cfg: Any) -> dict:
         scenario = {"sha256": tree_sha256(files), "files": len(files)}
     except OSError as exc:
         raise KvnotesError(f"scenario file unreadable: {exc.filename} ({exc.strerror})") from None
-    return {"scenario": scenario, "weights": weights_inputs(cfg.model), "kvnotes": _package_version("kvnotes")}
+    return {"scenario": scenario, "weights": weights_inputs(cfg.model), "kvnotes": _package_version("kvnotes"),
+            "code": code_inputs(cfg.get("probe"))}
 
 
 def inputs_diff(old: dict | None, new: dict) -> list[str]:
     """The parts of :func:`record_inputs` in which a record's ``old`` inputs differ from ``new``,
-    in words (``"scenario files"``, ``"weights"``, ``"kvnotes version"``); a record written before
-    inputs were recorded gives ``["inputs not recorded"]``."""
+    in words (``"scenario files"``, ``"weights"``, ``"kvnotes version"``, ``"kvnotes source"``,
+    ``"probe module <name>"``, ``"code not recorded"``); a record written before inputs were
+    recorded gives ``["inputs not recorded"]``."""
     if not old:
         return ["inputs not recorded"]
     names = {"scenario": "scenario files", "weights": "weights", "kvnotes": "kvnotes version"}
-    return [names.get(k, k) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    out = []
+    for k in sorted(set(old) | set(new)):
+        if old.get(k) == new.get(k):
+            continue
+        if k != "code":
+            out.append(names.get(k, k))
+        elif not old.get(k):
+            out.append("code not recorded")
+        else:
+            if old[k].get("kvnotes") != (new.get(k) or {}).get("kvnotes"):
+                out.append("kvnotes source")
+            if old[k].get("probe") != (new.get(k) or {}).get("probe"):
+                module = ((new.get(k) or {}).get("probe") or old[k].get("probe") or {}).get("module")
+                out.append(f"probe module {module}")
+    return out

@@ -47,9 +47,9 @@ class RandomInit(BaseModel):
 
 class ModelSettings(BaseModel):
     """The model keys (``conf/model/_base.yaml``); entry-specific blocks (``embedded``,
-    ``architecture``) are kept as they are."""
+    ``architecture``, ``planted``) are kept as they are. A key no loader reads is refused."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     name: str
     hf_id: str | None = None
     revision: str | None = None
@@ -64,6 +64,12 @@ class ModelSettings(BaseModel):
     quantization: Literal["nf4", "int8"] | None = None
     cpu_linear: Literal["onednn", "torch"] = "onednn"
     random_init: RandomInit = Field(default_factory=RandomInit)
+    #: the published config.json of the entry (:mod:`kvnotes.models.zoo`), as data
+    architecture: dict[str, Any] | None = None
+    #: an embedded model's packaged weights (:mod:`kvnotes.models.loading`)
+    embedded: dict[str, Any] | None = None
+    #: a planted model's construction (:mod:`kvnotes.models.planted`)
+    planted: dict[str, Any] | None = None
 
 
 class Transcript(BaseModel):
@@ -76,9 +82,10 @@ class Transcript(BaseModel):
 
 class ScenarioSettings(BaseModel):
     """The scenario keys (``conf/scenario/default.yaml``): the one place their defaults and allowed
-    values are declared (:attr:`kvnotes.harness.registry.ProbeContext.scenario` reads them)."""
+    values are declared (:attr:`kvnotes.harness.registry.ProbeContext.scenario` reads them). A key
+    nobody reads is refused."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     name: str = "default"
     paths: list[str] = Field(default_factory=list)
     families: list[str] | None = None
@@ -94,9 +101,10 @@ class ScenarioSettings(BaseModel):
 
 class RunSettings(BaseModel):
     """The top-level keys of ``conf/config.yaml`` (the ``probe`` group is typed by the probe's
-    ``Config``, the scenario files by the scenario loader)."""
+    ``Config``, the scenario files by the scenario loader). A key nobody reads (``+min_efect=2``) is
+    refused, naming the nearest known key."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     out_root: str
     device: str = "auto"
     seed: int = Field(default=0, ge=0)
@@ -108,6 +116,8 @@ class RunSettings(BaseModel):
     budget_mb: float | Literal["auto"] = "auto"
     model: ModelSettings
     scenario: ScenarioSettings = Field(default_factory=ScenarioSettings)
+    #: typed by the probe's own ``Config`` (:func:`kvnotes.harness.registry.typed_config`)
+    probe: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("min_effect")
     @classmethod
@@ -130,11 +140,38 @@ class RunSettings(BaseModel):
         return mb
 
 
+def nearest_key(key: str, known: list[str]) -> str | None:
+    """The known key closest in spelling to ``key`` (:func:`difflib.get_close_matches`), or None."""
+    import difflib
+
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    return close[0] if close else None
+
+
+def known_keys(loc: tuple) -> list[str]:
+    """The declared keys of the settings model at ``loc`` (the path of an unknown key's parent)."""
+    model: Any = RunSettings
+    for part in loc:
+        field = model.model_fields.get(str(part)) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        ann = getattr(field, "annotation", None)
+        model = next((a for a in (ann, *getattr(ann, "__args__", ())) if isinstance(a, type) and issubclass(a, BaseModel)),
+                     None)
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
 def _one_line(exc: ValidationError) -> str:
     err = exc.errors()[0]
     key = ".".join(str(p) for p in err["loc"])
     got = err.get("input")
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    if err["type"] == "extra_forbidden":
+        parent = err["loc"][:-1]
+        near = nearest_key(str(err["loc"][-1]), known_keys(parent))
+        prefix = ".".join(str(p) for p in parent)
+        hint = f"; did you mean {prefix + '.' if prefix else ''}{near}?" if near else ""
+        return f"unknown key '{key}': no part of kvnotes reads it{hint}{more}"
     return f"{key}: {err['msg'].rstrip('.')}, got {got!r}{more}"
 
 
@@ -160,16 +197,34 @@ def typed(cfg: Any) -> RunSettings:
         raise KvnotesError(_one_line(exc)) from None
 
 
+def existing_ancestor(path: Path) -> Path:
+    """``path`` itself when it exists, else the nearest of its parents that does (absolute)."""
+    path = Path(os.path.abspath(os.path.expanduser(str(path))))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def check_out_root(out_root: str) -> None:
-    """``out_root`` can hold records: it is created if needed and a file can be written in it.
+    """``out_root`` can hold records: it is a folder, or can be made one, in which a file can be
+    written. Nothing is created: the write test runs in the nearest folder that exists (a refused
+    run leaves no empty ``out_root`` behind).
 
     Raises:
-        KvnotesError: it cannot be created or written.
+        KvnotesError: empty, the file system's root, an existing file, under a file, or not writable.
     """
-    root = Path(out_root)
+    if not str(out_root).strip():
+        raise KvnotesError("out_root is empty: name the folder the records go to (e.g. out_root=runs)")
+    root = Path(os.path.abspath(os.path.expanduser(str(out_root))))
+    if root == root.parent:
+        raise KvnotesError(f"out_root={out_root} is the file system's root: name a folder for the records "
+                           f"(e.g. out_root=runs)")
+    base = existing_ancestor(root)
+    if not base.is_dir():
+        where = "is a file" if base == root else f"is under a file ({base})"
+        raise KvnotesError(f"out_root={out_root} {where}: name a folder for the records")
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=".kvnotes-write-test-", dir=root)
+        fd, name = tempfile.mkstemp(prefix=".kvnotes-write-test-", dir=base)
         os.close(fd)
         os.unlink(name)
     except OSError as exc:
@@ -181,7 +236,9 @@ def check_model_path(model: ModelSettings) -> None:
     entry's own weights are then not used) and cannot be combined with random weights.
 
     Raises:
-        KvnotesError: random weights asked for too, or the path has no ``config.json``.
+        KvnotesError: random weights asked for too, the path has no ``config.json``, or its
+            ``model_type`` (or its ``text_config``'s) is not the entry's ``architecture.model_type``
+            (a record named after one model computed on another).
     """
     if not model.path:
         return
@@ -193,6 +250,19 @@ def check_model_path(model: ModelSettings) -> None:
         what = "does not exist" if not path.exists() else "has no config.json"
         raise KvnotesError(f"model.path={model.path} {what}: give a checkpoint directory (config.json, "
                            f"weights, tokenizer)")
+    expected = (model.architecture or {}).get("model_type")
+    if not expected:                      # an entry without a published architecture: nothing to hold it to
+        return
+    try:
+        found = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise KvnotesError(f"model.path={model.path}: config.json is not readable JSON ({exc})") from None
+    types = {found.get("model_type"), (found.get("text_config") or {}).get("model_type")} - {None}
+    if expected not in types:
+        raise KvnotesError(f"model.path={model.path} holds a {found.get('model_type') or 'checkpoint without model_type'} "
+                           f"checkpoint, but model={model.name} is {expected}: the record would carry the wrong "
+                           f"name; choose the model entry of that architecture, write your own conf/model entry, or add "
+                           f"model.architecture=null to run it under this entry's name")
 
 
 def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import ROOT
+from tests.helpers import HANG_S, ROOT
 
 import pytest
 import yaml
@@ -17,7 +17,7 @@ from tests.harness.test_tokens import BASE
 
 
 
-def run(*args, env=None, timeout=600):
+def run(*args, env=None, timeout=HANG_S):
     e = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
     return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], capture_output=True, text=True,
                           timeout=timeout, env=e, cwd=ROOT)
@@ -131,7 +131,7 @@ def test_notebook_executes_on_sweep_records(sweep):
     nb = nbformat.read(ROOT / "notebooks" / "inspect_records.ipynb", as_version=4)
     os.environ["KVNOTES_RUNS"] = str(out)
     try:
-        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+        NotebookClient(nb, timeout=HANG_S, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
     finally:
         os.environ.pop("KVNOTES_RUNS")
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
@@ -145,8 +145,12 @@ def test_recurrent_architecture_is_refused_before_loading(tmp_path):
 
     ckpt = tmp_path / "qwen3-next"
     T.Qwen3NextConfig(num_hidden_layers=4).save_pretrained(ckpt)
-    one_line_error(run("model=qwen3-8b", f"model.path={ckpt}", f"out_root={tmp_path / 'runs'}"),
+    one_line_error(run("model=qwen3-8b", f"model.path={ckpt}", "model.architecture=null", f"out_root={tmp_path / 'runs'}"),
                    "qwen3_next", "'linear_attention' layers (3 of 4 layers)")
+    # under the entry's own architecture, the checkpoint's model_type is refused first: a record named
+    # Qwen3-8B would hold another model
+    one_line_error(run("model=qwen3-8b", f"model.path={ckpt}", f"out_root={tmp_path / 'runs'}"),
+                   "holds a qwen3_next checkpoint, but model=qwen3-8b is qwen3")
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("record.json"))
 
 

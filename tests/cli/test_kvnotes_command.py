@@ -14,13 +14,13 @@ from kvnotes.records.envelope import check_record, json_schema
 from kvnotes.records.store import find_records, load_record
 from kvnotes.records.presentation import presentation
 from kvnotes.records.tables import record_table, screen_table
-from tests.helpers import ROOT, run_kvnotes
+from tests.helpers import HANG_S, ROOT, run_kvnotes
 
 
 
 def kvnotes(*args):
     return subprocess.run([sys.executable, "-c", "from kvnotes.cli import main; main()", *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+                          capture_output=True, text=True, cwd=ROOT, timeout=HANG_S)
 
 
 def test_help_lists_every_subcommand():

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from kvnotes.harness.inputs import (cached_file_sha256, inputs_diff, record_inputs, scenario_files,
                                     weights_inputs)
-from tests.helpers import fruit_scenario
+from tests.helpers import ROOT, fruit_scenario
 from tests.cli.test_cli import one_line_error, run
 
 
@@ -155,3 +155,85 @@ def test_edited_scenario_file_runs_again_and_model_path_is_honoured(tmp_path):
     assert local["inputs"]["weights"]["source"] == "local"
     assert [r["s_old"] for r in local["result"]["rows"]] == pytest.approx([r["s_old"] for r in second["result"]["rows"]],
                                                                            abs=1e-5)
+
+
+@pytest.mark.parametrize("model_type, refused", [("llama", True), ("gemma3_text", False), ("gemma3", False)])
+def test_model_path_of_another_architecture_is_refused(model_type, refused, tmp_path, monkeypatch, capsys):
+    """``model=gemma-3-270m model.path=<a Llama checkpoint>`` would write a record named Gemma-3-270M
+    computed on a Llama: refused before loading, naming both. A multimodal Gemma 3 checkpoint (its text
+    model's ``model_type`` in ``text_config``) is the entry's architecture."""
+    from kvnotes.harness.runconfig import ModelSettings, check_model_path
+    from kvnotes.errors import KvnotesError
+
+    config = {"model_type": model_type} | ({"text_config": {"model_type": "gemma3_text"}} if model_type == "gemma3" else {})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = ModelSettings(name="gemma-3-270m", path=str(tmp_path), architecture={"model_type": "gemma3_text"})
+    if not refused:
+        check_model_path(model)
+        return
+    with pytest.raises(KvnotesError) as err:
+        check_model_path(model)
+    assert "holds a llama checkpoint, but model=gemma-3-270m is gemma3_text" in str(err.value)
+    check_model_path(model.model_copy(update={"architecture": None}))       # the user's explicit choice
+
+
+# ------------------------------------------------------------------ the code is an input
+
+def test_code_digest_follows_the_package_source_and_the_probe_module(tmp_path, monkeypatch):
+    """An edit to any source file of the package (a harness module, a linked probe) or to the probe's
+    own module, committed or not, changes the code part of the inputs and is named by the diff; a
+    file that is not source (a cache) does not."""
+    import shutil
+
+    from kvnotes.harness import inputs
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(inputs.PACKAGE_DIR / "harness", pkg / "harness")
+    monkeypatch.setattr(inputs, "PACKAGE_DIR", pkg)
+    (tmp_path / "own").mkdir()
+    (tmp_path / "own" / "my_probe.py").write_text("from kvnotes.probes.screen import Config, Result, run  # noqa\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "own"))
+    probe = OmegaConf.create({"name": "my_probe", "_target_": "my_probe.run"})
+    before = inputs.code_inputs(probe)
+    assert before["probe"]["module"] == "my_probe" and before == inputs.code_inputs(probe)
+    (pkg / "harness" / "__pycache__").mkdir(exist_ok=True)
+    (pkg / "harness" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")          # not source
+    assert inputs.code_inputs(probe) == before
+    with (pkg / "harness" / "stats.py").open("a") as f:
+        f.write("# an edit\n")
+    edited = inputs.code_inputs(probe)
+    assert inputs_diff({"code": before}, {"code": edited}) == ["kvnotes source"]
+    (tmp_path / "own" / "my_probe.py").write_text("from kvnotes.probes.screen import Config, Result, run  # edited\n")
+    assert inputs_diff({"code": edited}, {"code": inputs.code_inputs(probe)}) == ["probe module my_probe"]
+    assert inputs_diff({"weights": 1}, {"weights": 1, "code": edited}) == ["code not recorded"]
+
+
+@pytest.mark.embedded
+def test_editing_ones_own_probe_makes_the_next_run_recompute(tmp_path):
+    """The command line end to end, on a planted model: a user's probe (its own module and YAML, in
+    their project folder) runs, an unchanged rerun skips, and after an edit to the module (a
+    comment is enough: the source is the identity) the same command runs again."""
+    import subprocess
+
+    project = tmp_path / "project"
+    (project / "conf" / "probe").mkdir(parents=True)
+    module = project / "my_screen.py"
+    module.write_text('"""My screen."""\nfrom kvnotes.probes.screen import Config, Result, run  # noqa: F401\n')
+    (project / "conf" / "probe" / "my_screen.yaml").write_text(
+        "defaults:\n  - screen\n  - _self_\nname: my_screen\n_target_: my_screen.run\n")
+    cmd = [sys.executable, str(ROOT / "run.py"), "--config-dir", str(project / "conf"), "probe=my_screen",
+           "model=planted-notes", "scenario=planted", "scenario.n_instances=1", "plot=false", "probe.progress=false",
+           f"out_root={tmp_path / 'runs'}"]
+
+    def run_here():
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=project, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout
+
+    assert "wrote" in run_here()
+    assert "is complete; skipping" in run_here()
+    module.write_text(module.read_text() + "# tuned\n")
+    again = run_here()
+    assert "(probe module my_screen changed); running again" in again and "wrote" in again
+    rec = json.loads(next((tmp_path / "runs").rglob("record.json")).read_text())
+    assert rec["inputs"]["code"]["probe"]["module"] == "my_screen"

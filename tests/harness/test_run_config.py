@@ -16,7 +16,7 @@ import torch
 
 from kvnotes.errors import KvnotesError
 from tests.cli.test_cli import ROOT, one_line_error, run, run_main
-from tests.helpers import fruit_scenario
+from tests.helpers import HANG_S, fruit_scenario
 
 
 # ------------------------------------------------------------------ bad input: one line, before loading
@@ -27,6 +27,15 @@ from tests.helpers import fruit_scenario
     ("readout=last", ("readout", "'last'")),
     ("budget_mb=-5", ("budget_mb", "greater than 0")),
     ("out_root=/proc/nope", ("out_root=/proc/nope", "not writable")),
+    ("out_root=", ("out_root is empty",)),
+    ("out_root=/", ("out_root=/", "file system's root")),
+    ("out_root=/etc/hostname/runs", ("out_root=/etc/hostname/runs", "under a file")),
+    ("+min_efect=2", ("unknown key 'min_efect'", "no part of kvnotes reads it", "did you mean min_effect?")),
+    ("min_efect=2", ("unknown key 'min_efect'", "did you mean min_effect?")),
+    ("+foo=bar", ("unknown key 'foo'",)),
+    ("+model.xyz=1", ("unknown key 'model.xyz'",)),
+    ("+scenario.n_instance=3", ("unknown key 'scenario.n_instance'", "did you mean scenario.n_instances?")),
+    ("+model.random_init.sed=1", ("unknown key 'model.random_init.sed'", "did you mean model.random_init.seed?")),
     ("probe.exactt=false", ("unknown key 'probe.exactt'",)),
     ("scenario.paths=[/no/such/dir]", ("scenario path not found", "/no/such/dir")),
     ("model.device_map=everywhere", ("model.device_map 'everywhere'", "balanced")),
@@ -38,7 +47,8 @@ from tests.helpers import fruit_scenario
 ])
 def test_bad_input_is_one_line_before_the_model_loads(override, needles, tmp_path, monkeypatch, capsys):
     """``run.py``'s own ``main`` in this process (a subprocess per case would cost seconds each; the
-    subprocess path is covered below): exit status 2, one ``kvnotes: error:`` line, nothing written."""
+    subprocess path is covered below): exit status 2, one ``kvnotes: error:`` line, nothing written
+    (no out_root folder either). A key nobody reads (``+min_efect``) is refused with the nearest known key."""
     from kvnotes.cli import run as cli
 
     out = tmp_path / "runs" if "out_root" not in override else None
@@ -48,7 +58,7 @@ def test_bad_input_is_one_line_before_the_model_loads(override, needles, tmp_pat
         cli.main()
     err = capsys.readouterr().err
     one_line_error(subprocess.CompletedProcess(args, stop.value.code, "", err), *needles)
-    assert not out or not out.exists() or not any(out.rglob("record.json"))
+    assert not out or not out.exists()                      # not even an empty out_root is left
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -77,7 +87,8 @@ def test_architecture_without_adapter_is_one_line(tmp_path):
 
     cfg = T.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
     T.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
-    proc = run(f"model.path={tmp_path / 'gpt2'}", "model=qwen3-0.6b", f"out_root={tmp_path / 'runs'}")
+    proc = run(f"model.path={tmp_path / 'gpt2'}", "model=qwen3-0.6b", "model.architecture=null",
+               f"out_root={tmp_path / 'runs'}")
     one_line_error(proc, "no architecture adapter", "gpt2")
 
 
@@ -306,20 +317,27 @@ def test_record_of_another_config_is_never_returned_and_a_truncated_one_is_rerun
 
 
 @pytest.mark.embedded
-def test_interrupted_job_leaves_no_record(fruit, tmp_path):
+@pytest.mark.parametrize("sig, status, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_interrupted_job_leaves_no_record(fruit, tmp_path, sig, status, word):
+    """Ctrl-C and ``kill`` (SIGTERM: a batch system's time limit, a container stop) alike leave no
+    record, no lock file and no empty folder, with one line. The signal goes when the job holds its
+    record's lock (an event, not a time: the test holds on a loaded machine)."""
     e = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *fruit, f"out_root={tmp_path}"], cwd=ROOT,
+    out = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *fruit, f"out_root={out}"], cwd=ROOT,
                             env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not list(tmp_path.rglob("record.json.lock")) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
-    assert "interrupted" in err and "Traceback" not in err
-    assert not list(tmp_path.rglob("record.json")) and not list(tmp_path.rglob("*.tmp"))
-    assert run(*fruit, f"out_root={tmp_path}").returncode == 0      # the next run starts clean
-    assert json.loads(next(tmp_path.rglob("record.json")).read_text())["status"] == "complete"
+    deadline = time.monotonic() + HANG_S
+    while not list(tmp_path.rglob("record.json.lock")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the job never took its record's lock"
+        time.sleep(0.02)
+    assert proc.poll() is None, "the job ended before it could be interrupted"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == status, err[-2000:]
+    assert f"kvnotes: error: {word}; no record written" in err and "Traceback" not in err
+    assert not out.exists() or not list(out.rglob("*")), sorted(out.rglob("*"))     # nothing, not even folders
+    assert run(*fruit, f"out_root={out}").returncode == 0      # the next run starts clean
+    assert json.loads(next(out.rglob("record.json")).read_text())["status"] == "complete"
 
 
 @pytest.mark.embedded
@@ -328,7 +346,7 @@ def test_two_processes_on_one_record_never_mix(fruit, tmp_path):
     cmd = [sys.executable, str(ROOT / "run.py"), *fruit, f"out_root={tmp_path}"]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    outs = [p.communicate(timeout=HANG_S) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-1500:] for o in outs]
     assert sorted("skipping" in o[0] for o in outs) == [False, True]      # one ran, the other found its record
     recs = list(tmp_path.rglob("record.json"))
@@ -336,11 +354,18 @@ def test_two_processes_on_one_record_never_mix(fruit, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_slurm_jobs_check_device_and_quantization_where_they_run(capsys):
+def test_slurm_jobs_check_device_and_quantization_where_they_run(capsys, monkeypatch):
     """Submitted from a login node without GPUs, a SLURM sweep is not refused for asking for CUDA or
-    nf4: each job checks its own device on the node it runs on. Locally the same request is refused."""
+    nf4: each job checks its own device on the node it runs on. Locally the same request is refused;
+    so is a SLURM launcher on a machine without SLURM's commands (nothing written)."""
+    import shutil
+
     from kvnotes.cli import run as cli
 
+    with pytest.raises(SystemExit) as stop:
+        cli.precheck(["-m", "hydra/launcher=slurm", "model=smollm2-135m"])
+    assert stop.value.code == 2 and "sbatch and srun are not on this machine's PATH" in capsys.readouterr().err
+    monkeypatch.setattr(shutil, "which", lambda cmd: f"/usr/bin/{cmd}")      # a login node
     cli.precheck(["-m", "hydra/launcher=slurm_multigpu", "model=llama-3.1-70b", "model.quantization=nf4", "device=cuda"])
     with pytest.raises(SystemExit):
         cli.precheck(["model=llama-3.1-70b", "model.quantization=nf4", "device=cuda"])

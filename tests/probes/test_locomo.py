@@ -13,7 +13,7 @@ import pytest
 
 from kvnotes.scenarios.errors import ScenarioError
 from kvnotes.scenarios.locomo import contains, load_locomo, normalize_answer, render_session, token_f1
-from tests.helpers import LOGPROB_TOL, VOCAB, build_tiny, run_kvnotes
+from tests.helpers import HANG_S, LOGPROB_TOL, VOCAB, build_tiny, run_kvnotes
 
 ROOT = Path(__file__).resolve().parents[2]
 #: F1 values computed by hand from token counts.
@@ -108,7 +108,7 @@ def test_command_rejects_malformed_file_in_one_line(tmp_path):
     """``kvnotes locomo`` reports a malformed file as one line and exit status 2 (before any model loads)."""
     path = write(tmp_path / "bad.json", _broken("category_type"))
     proc = subprocess.run([sys.executable, "-c", "from kvnotes.cli import main; main()", "locomo", "--data",
-                           str(path)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                           str(path)], capture_output=True, text=True, cwd=ROOT, timeout=HANG_S)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"kvnotes: error: {path}: [0].qa[1].category")
