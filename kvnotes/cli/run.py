@@ -203,6 +203,43 @@ def variant_dir(override_dirname: str) -> str:
     return f"{name[:MAX_VARIANT_CHARS - 13]}~{hashlib.sha1(name.encode()).hexdigest()[:12]}"
 
 
+#: Scenario keys naming the files a suite is read from: given on the command line, they name the record
+#: directory's suite part (:func:`suite_dir`) instead of its overrides part.
+SUITE_KEYS = ("scenario.paths", "scenario.memory", "scenario.locomo")
+
+
+def suite_dir(name: str, overrides: Sequence[str]) -> str:
+    """The record directory's suite part: the scenario config's ``name``, or, when the job's
+    ``overrides`` give the suite's files (:data:`SUITE_KEYS`: a user's own suite, a LoCoMo file), the
+    files' names and a hash of their absolute paths, ``<stem>[+<stem>...]~<hash>`` (two folders of one
+    name never share a directory). ``name`` is kept only when no such key is overridden.
+
+    Args:
+        name: ``scenario.name`` of the composed config.
+        overrides: the job's command-line overrides (``hydra.overrides.task``).
+    """
+    import hashlib
+    import re
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from kvnotes.scenarios.schema import resolve_path
+
+    given = [o for o in overrides if o.lstrip("+~").partition("=")[0] in SUITE_KEYS]
+    if not given:
+        return name
+    files: list[str] = []
+    for o in OverridesParser.create().parse_overrides(given):
+        value = o.value()
+        files += [str(v) for v in (value if isinstance(value, list) else [value]) if v not in (None, "")]
+    if not files:
+        return name
+    stems = [re.sub(r"[^A-Za-z0-9._-]+", "_", Path(f.rstrip("/")).stem or "suite") for f in files]
+    shown = "+".join(stems[:3]) + (f"+{len(stems) - 3}more" if len(stems) > 3 else "")
+    digest = hashlib.sha1("\0".join(str(resolve_path(f).resolve()) for f in files).encode()).hexdigest()[:8]
+    return f"{shown[:60]}~{digest}"
+
+
 def quiet_job(out_root: str, device: str) -> list[str]:
     """The overrides of a job a command runs for its numbers (``kvnotes battery``, ``ownership-scan``,
     ``locomo``): no progress bars or figures (keys that name no record directory), records under
@@ -248,7 +285,8 @@ def compose_jobs(points: Sequence[Sequence[str]], dirs: Sequence[Path] = ()) -> 
             except Exception as exc:  # ConfigCompositionException, OmegaConf errors
                 raise KvnotesError(_hydra_message(exc)) from None
             hc = cfg.hydra
-            out_dir = (Path(cfg.out_root) / cfg.model.name / cfg.probe.name / cfg.scenario.name
+            out_dir = (Path(cfg.out_root) / cfg.model.name / cfg.probe.name
+                       / suite_dir(str(cfg.scenario.name), list(hc.overrides.task))
                        / variant_dir(str(hc.job.override_dirname)))
             info = {"choices": OmegaConf.to_container(hc.runtime.choices), "overrides": list(hc.overrides.task),
                     "output_dir": str(out_dir), "mode": str(RunMode.RUN)}
@@ -258,6 +296,17 @@ def compose_jobs(points: Sequence[Sequence[str]], dirs: Sequence[Path] = ()) -> 
             check_run_config(cfg)
             jobs.append(Job(cfg, out_dir, info))
     return jobs
+
+
+def register_resolvers() -> None:
+    """The resolvers ``conf/config.yaml`` names the record directory with (:func:`variant_dir`,
+    :func:`suite_dir`), registered once."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("kvnotes_variant"):
+        OmegaConf.register_new_resolver("kvnotes_variant", variant_dir)
+    if not OmegaConf.has_resolver("kvnotes_suite"):
+        OmegaConf.register_new_resolver("kvnotes_suite", lambda name, task: suite_dir(str(name), list(task)))
 
 
 def main() -> None:
@@ -285,8 +334,7 @@ def _main() -> None:
     import hydra
     from omegaconf import OmegaConf
 
-    if not OmegaConf.has_resolver("kvnotes_variant"):
-        OmegaConf.register_new_resolver("kvnotes_variant", variant_dir)
+    register_resolvers()
     hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")(job)()
 
 

@@ -281,11 +281,12 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
         KvnotesError, ScenarioError: the first problem, in one line.
     """
     from kvnotes.harness import registry
-    from kvnotes.models.loading import placement_kwargs, resolve_device, resolve_dtype
+    from kvnotes.models.loading import cache_dir, placement_kwargs, resolve_device, resolve_dtype
     from kvnotes.harness.readout import check_flip_rule
     from kvnotes.scenarios.schema import resolve_path
 
     settings = typed(cfg)
+    cache_dir()                              # a KVNOTES_CACHE that names a file, before anything is cached
     check_flip_rule(settings.flip_rule, settings.model.random_init.enabled, settings.model.name)
     check_model_path(settings.model)
     probe_cfg = registry.typed_config(cfg.probe)
@@ -320,7 +321,7 @@ def check_scenario_files(scenario: ScenarioSettings) -> None:
     if key in _CHECKED_SCENARIOS:            # a sweep's points share their files: each set is read once
         return
     if scenario.paths:
-        load_suite(scenario.paths, scenario.families, scenario.ids)
+        check_pair_count(scenario, load_suite(scenario.paths, scenario.families, scenario.ids))
     if scenario.memory:
         load_memory(scenario.memory)
     if scenario.locomo:
@@ -329,6 +330,33 @@ def check_scenario_files(scenario: ScenarioSettings) -> None:
 
         load_locomo(resolve_path(scenario.locomo))
     _CHECKED_SCENARIOS.add(key)
+
+
+#: Memory one prepared pair holds (token ids, spans, texts of both prompts): 10.6 KB measured on the
+#: default suite with the SmolLM2 tokenizer (``prepare_for_probe``, 2,200 pairs), with headroom for
+#: longer prompts. The probe's own buffers come on top.
+PAIR_BYTES = 16 * 1024
+
+
+def check_pair_count(scenario: ScenarioSettings, scenarios: list) -> int:
+    """The number of pairs ``scenario.n_instances`` instances of ``scenarios`` make, refused when
+    preparing them alone could not fit in this machine's available memory (:data:`PAIR_BYTES` a
+    pair), before a model loads.
+
+    Raises:
+        KvnotesError: the estimate exceeds the available memory (the message gives both).
+    """
+    import psutil
+
+    per_instance = sum(len(sc.pairs) for sc in scenarios)
+    n_pairs = scenario.n_instances * per_instance
+    need, have = n_pairs * PAIR_BYTES, psutil.virtual_memory().available
+    if need > have:
+        raise KvnotesError(f"scenario.n_instances={scenario.n_instances} makes {n_pairs:,} pairs "
+                           f"({per_instance} an instance): preparing them needs about {need / 2**30:,.1f} GiB "
+                           f"({PAIR_BYTES // 1024} KiB a pair) and this machine has {have / 2**30:.1f} GiB available; "
+                           f"lower scenario.n_instances")
+    return n_pairs
 
 
 #: Scenario file sets :func:`check_scenario_files` found valid in this process, keyed by each file's

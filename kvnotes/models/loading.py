@@ -34,8 +34,34 @@ from kvnotes.errors import KvnotesError
 
 
 def cache_dir() -> Path:
-    """Root for kvnotes' own caches: ``$KVNOTES_CACHE`` or ``~/.cache/kvnotes``."""
-    return Path(os.environ.get("KVNOTES_CACHE", Path.home() / ".cache" / "kvnotes"))
+    """Root for kvnotes' own caches: ``$KVNOTES_CACHE`` or ``~/.cache/kvnotes``.
+
+    Raises:
+        KvnotesError: the path, or a folder on it, is a file (nothing could be cached there).
+    """
+    root = Path(os.path.expanduser(os.environ.get("KVNOTES_CACHE") or Path.home() / ".cache" / "kvnotes"))
+    for p in (root, *root.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "is a file" if p == root else f"is under a file ({p})"
+                raise KvnotesError(f"kvnotes' cache folder {root} {where}: set KVNOTES_CACHE to a folder "
+                                   f"(default ~/.cache/kvnotes)")
+            break
+    return root
+
+
+def damaged_checkpoint(name: str, source: str, exc: BaseException) -> KvnotesError:
+    """The one-line error of a checkpoint whose files do not load (a truncated ``model.safetensors``,
+    a broken ``config.json``): it names the folder, and for a copy kvnotes built in its cache (an
+    embedded or planted model) says how to rebuild it."""
+    detail = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+    try:
+        cached = Path(source).resolve().is_relative_to(cache_dir().resolve())
+    except (OSError, KvnotesError):
+        cached = False
+    how = (f"delete it (rm -r {source}) and run again: kvnotes rebuilds it" if cached
+           else "check or replace its files")
+    return KvnotesError(f"model '{name}': the checkpoint at {source} does not load ({type(exc).__name__}: {detail}); {how}")
 
 
 @dataclass
@@ -513,8 +539,8 @@ def load_model(cfg: Any, device: str = "auto") -> ModelBundle:
 
     Raises:
         KvnotesError: the model cannot be found (see :func:`_locate_hub_model`), has no adapter,
-            its placement or quantization cannot run here (:func:`placement_kwargs`), or an
-            unknown ``cpu_linear``.
+            its placement or quantization cannot run here (:func:`placement_kwargs`), an
+            unknown ``cpu_linear``, or its checkpoint's files do not load (:func:`damaged_checkpoint`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -532,9 +558,14 @@ def load_model(cfg: Any, device: str = "auto") -> ModelBundle:
         if placement.get("device_map") is not None:
             model = _dispatch(model, placement)
     else:
+        from safetensors import SafetensorError
+
         source, extra = _checkpoint_source(cfg)
         info.update(extra)
-        config = AutoConfig.from_pretrained(source)
+        try:
+            config = AutoConfig.from_pretrained(source)
+        except (OSError, ValueError) as exc:
+            raise damaged_checkpoint(cfg.name, source, exc) from None
         Adapter.check_config(config)                  # before any weights load
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
@@ -544,7 +575,12 @@ def load_model(cfg: Any, device: str = "auto") -> ModelBundle:
         if isinstance(placement.get("device_map"), dict):
             with torch.device("meta"):
                 check_device_map(AutoModelForCausalLM.from_config(config), placement["device_map"])
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn, **placement)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn, **placement)
+        except KvnotesError:
+            raise
+        except (SafetensorError, OSError, EOFError) as exc:          # truncated or damaged weight files
+            raise damaged_checkpoint(cfg.name, source, exc) from None
         if not placement:
             model.to(dev)
     model.eval()

@@ -194,3 +194,27 @@ def test_quoted_override_values_round_trip():
     round_trip()
     for value in ("/a/b c.json", "it's,=x", "C:\\runs\\", "a\\'b", "[x]"):
         assert parser.parse_overrides([f"key={quoted(value)}"])[0].value() == value
+
+
+def test_a_users_suite_names_its_record_folder(tmp_path):
+    """A suite given by its files (``scenario.paths``, as ``kvnotes ownership-scan`` and a user's own
+    suite do) names the record folder's suite part after them, readably (no quotes, brackets or
+    cut-off path), with a hash that keeps two folders of one name apart, for a command composing its
+    jobs in-process (:func:`kvnotes.cli.run.compose_jobs`) as for ``run.py`` (the same function names
+    Hydra's folder: ``conf/config.yaml``)."""
+    from kvnotes.cli.run import compose_jobs, quoted, suite_dir
+
+    mine, other = tmp_path / "my suite,v2", tmp_path / "elsewhere" / "my suite,v2"
+    name = suite_dir("default", [f"scenario.paths=[{quoted(str(mine))}]", "probe.n_boot=10"])
+    assert name.startswith("my_suite_v2~") and len(name) == len("my_suite_v2~") + 8
+    assert suite_dir("default", [f"scenario.paths=[{quoted(str(other))}]"]) != name
+    assert suite_dir("default", ["probe.n_boot=10"]) == "default"
+    assert suite_dir("locomo", ["scenario.locomo=/data/locomo10.json"]).startswith("locomo10~")
+    suite = tmp_path / "recall_copy"
+    suite.mkdir()
+    for f in (ROOT / "scenarios" / "suites" / "recall").glob("*.yaml"):
+        (suite / f.name).write_text(f.read_text())
+    (job,) = compose_jobs([["probe=screen", f"scenario.paths=[{quoted(str(suite))}]", "scenario.n_instances=2",
+                            f"out_root={tmp_path / 'runs'}"]])
+    assert job.out_dir.relative_to(tmp_path / "runs").parts[2].startswith("recall_copy~")
+    assert job.out_dir.name == "scenario.n_instances=2"                       # the paths are not repeated there

@@ -237,3 +237,27 @@ def test_editing_ones_own_probe_makes_the_next_run_recompute(tmp_path):
     assert "(probe module my_screen changed); running again" in again and "wrote" in again
     rec = json.loads(next((tmp_path / "runs").rglob("record.json")).read_text())
     assert rec["inputs"]["code"]["probe"]["module"] == "my_screen"
+
+
+def test_a_damaged_cached_checkpoint_is_one_line_naming_how_to_rebuild_it(tmp_path, monkeypatch):
+    """A truncated ``model.safetensors`` in kvnotes' cache (an interrupted copy, a full disk) is one
+    line naming the folder and how to rebuild it, not a safetensors traceback; a ``KVNOTES_CACHE``
+    that names a file is refused before anything is cached."""
+    from kvnotes.errors import KvnotesError
+    from kvnotes.models.loading import cache_dir, load_model
+    from kvnotes.models.zoo import zoo_config
+
+    monkeypatch.setenv("KVNOTES_CACHE", str(tmp_path / "cache"))
+    cfg = zoo_config("planted-notes")
+    load_model(cfg, "cpu")                                                   # built into the cache
+    (weights,) = (tmp_path / "cache").rglob("model.safetensors")
+    with weights.open("r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(KvnotesError) as err:
+        load_model(cfg, "cpu")
+    msg = str(err.value)
+    assert "\n" not in msg and f"rm -r {weights.parent}" in msg and "kvnotes rebuilds it" in msg
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KVNOTES_CACHE", str(tmp_path / "file" / "sub"))
+    with pytest.raises(KvnotesError, match="is under a file"):
+        cache_dir()

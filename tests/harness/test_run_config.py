@@ -35,6 +35,8 @@ from tests.helpers import HANG_S, fruit_scenario
     ("+foo=bar", ("unknown key 'foo'",)),
     ("+model.xyz=1", ("unknown key 'model.xyz'",)),
     ("+scenario.n_instance=3", ("unknown key 'scenario.n_instance'", "did you mean scenario.n_instances?")),
+    ("scenario.n_instances=12345678901234567890", ("scenario.n_instances=12345678901234567890", "GiB available",
+                                                   "lower scenario.n_instances")),
     ("+model.random_init.sed=1", ("unknown key 'model.random_init.sed'", "did you mean model.random_init.seed?")),
     ("probe.exactt=false", ("unknown key 'probe.exactt'",)),
     ("scenario.paths=[/no/such/dir]", ("scenario path not found", "/no/such/dir")),
@@ -59,6 +61,14 @@ def test_bad_input_is_one_line_before_the_model_loads(override, needles, tmp_pat
     err = capsys.readouterr().err
     one_line_error(subprocess.CompletedProcess(args, stop.value.code, "", err), *needles)
     assert not out or not out.exists()                      # not even an empty out_root is left
+
+
+def test_cache_folder_that_is_a_file_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    (tmp_path / "cache").write_text("")
+    monkeypatch.setenv("KVNOTES_CACHE", str(tmp_path / "cache"))
+    one_line_error(run_main(monkeypatch, capsys, f"out_root={tmp_path / 'runs'}"), "cache folder", "is a file",
+                   "KVNOTES_CACHE")
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
