@@ -332,7 +332,6 @@ def _main() -> None:
         precheck(argv)
     sys.argv[1:] = argv
     import hydra
-    from omegaconf import OmegaConf
 
     register_resolvers()
     hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")(job)()
