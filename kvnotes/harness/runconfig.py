@@ -273,7 +273,7 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
     keys, types and allowed values (``registry.typed_config``), that it can read the prompt variant
     (``registry.check_variant``); every scenario file is valid (:func:`check_scenario_files`); the device exists
     (:func:`kvnotes.models.loading.resolve_device`); the model's device map and quantization can run on it
-    (:func:`kvnotes.models.loading.placement_kwargs`); ``out_root`` is writable; every scenario path exists.
+    (:func:`kvnotes.models.placement.placement_kwargs`); ``out_root`` is writable; every scenario path exists.
     With ``machine=False`` (a job that will run elsewhere, e.g. submitted to SLURM from a login node
     without GPUs) the device and quantization checks are left to the job itself.
 
@@ -281,7 +281,8 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
         KvnotesError, ScenarioError: the first problem, in one line.
     """
     from kvnotes.harness import registry
-    from kvnotes.models.loading import cache_dir, placement_kwargs, resolve_device, resolve_dtype
+    from kvnotes.models.loading import cache_dir, resolve_device, resolve_dtype
+    from kvnotes.models.placement import placement_kwargs
     from kvnotes.harness.readout import check_flip_rule
     from kvnotes.scenarios.schema import resolve_path
 

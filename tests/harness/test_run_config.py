@@ -137,7 +137,7 @@ def test_identity_ignores_only_non_result_keys():
 def test_explicit_device_map_naming_unknown_module_is_refused():
     import transformers as T
 
-    from kvnotes.models.loading import check_device_map
+    from kvnotes.models.placement import check_device_map
 
     cfg = T.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                         num_key_value_heads=1, vocab_size=64)
@@ -152,7 +152,7 @@ def test_explicit_device_map_naming_unknown_module_is_refused():
 def test_placement_kwargs_refuse_bad_devices_and_quantization_on_cpu():
     from omegaconf import OmegaConf
 
-    from kvnotes.models.loading import placement_kwargs
+    from kvnotes.models.placement import placement_kwargs
 
     cpu = torch.device("cpu")
     base = {"name": "x", "device_map": None, "max_memory": None, "offload_folder": None, "quantization": None}
