@@ -22,6 +22,7 @@ they are the top-level folders ``probes/``, ``circuits/``, ``scenarios/`` and ``
 package, and a wheel holds them as ordinary files (``docs/guide/own-project.md``).
 """
 
+import os
 from pathlib import Path
 
 from kvnotes.errors import KvnotesError
@@ -30,4 +31,15 @@ from kvnotes.errors import KvnotesError
 #: config directory of ``kvnotes run``; a user's own configs join it with ``--config-dir``.
 CONF_DIR = Path(__file__).parent / "conf"
 
-__all__ = ["CONF_DIR", "KvnotesError"]
+
+
+def existing_ancestor(path: str | Path) -> Path:
+    """``path`` itself when it exists, else the nearest of its parents that does (absolute, ``~``
+    expanded): where an output that does not exist yet would be created, checked before any work."""
+    path = Path(os.path.abspath(os.path.expanduser(str(path))))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+__all__ = ["CONF_DIR", "KvnotesError", "existing_ancestor"]

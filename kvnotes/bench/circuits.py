@@ -84,6 +84,7 @@ def main() -> None:
         import json
         from pathlib import Path
 
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)      # checked writable before the model loaded
         Path(args.json).write_text(json.dumps(out, indent=1))
 
 

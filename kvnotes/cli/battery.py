@@ -12,7 +12,8 @@ for a before/after comparison). Then each probe runs through ``run.py``'s own jo
 (:func:`kvnotes.cli.run.compose_jobs`, :func:`kvnotes.harness.jobs.run_job`): the config ``run.py``
 composes for ``model=``, ``probe=``, ``scenario=`` (and ``device=`` when not ``auto``), checked
 before the model loads, the probe's result checked against its schema, the record's envelope
-checked; its probe time is printed as it finishes, with the total at the end (a probe whose pairs the suite cannot give, such as
+checked; a line is printed before the model loads (``battery: loading <model> ...``) and as each
+probe starts, its probe time as it finishes, with the total at the end (a probe whose pairs the suite cannot give, such as
 ``dissociation`` without polarity scenarios, is skipped with one line). ``--floor`` also prints each probe's roofline floor: every
 call of a linear layer (a forward hook on each ``nn.Linear``) costs at least its FLOPs at this
 machine's best GEMM rate or its weight's bytes at its best weight-read rate, whichever is larger
@@ -256,7 +257,7 @@ def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None
     from kvnotes.harness.kit import CleanRuns
     from kvnotes.harness.pairs import prepare_for_probe
     from kvnotes.records.diff import result_diff
-    from kvnotes.records.store import load_record
+    from kvnotes.records.store import load_record, record_problem
     from kvnotes.harness.peak_memory import PeakMemory
     from kvnotes.harness.roofline import Roofline, machine_rates, plain_equivalent, plain_forward, plain_ratios, row_grid
 
@@ -274,6 +275,8 @@ def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None
     t0 = time.perf_counter()
     first = jobs[names[0]].cfg
     loaded = {} if loaded is None else loaded
+    if not loaded.get("bundle"):                # minutes for a large model: say so before the first probe's line
+        print(f"battery: loading {args.model} ...", flush=True)
     bundle = loaded["bundle"] = loaded.get("bundle") or load_bundle(first)
     pair_sets = {"field": prepare_for_probe(bundle.tokenizer, "field", first.scenario, first.model)}
     setup = time.perf_counter() - t0
@@ -286,7 +289,7 @@ def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None
     times, seen, diffs, peaks, measured = {}, {}, {}, {}, {}
     roof = loaded.setdefault("roof", Roofline(bundle.model)) if args.floor else None
     rates = [machine_rates(bundle.model)] if roof else []
-    for name in names:
+    for i, name in enumerate(names, 1):
         job = jobs[name]
         kind = kvnotes.probes.typed_config(job.cfg.probe).pairs
         if kind not in pair_sets:
@@ -296,6 +299,7 @@ def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None
                 print(f"  {name:16s}  skipped: {exc}", flush=True)
                 continue
         done = roof.calls.copy() if roof else None
+        print(f"  {name:16s} running (probe {i} of {len(names)}) ...", flush=True)
         # the job path of run.py: the probe, its result checked against its schema, the record's envelope
         with PeakMemory(bundle.model.device, interval_s=0.01) as rss:
             path = run_job(job.cfg, job.out_dir, job.hydra_info, log=lambda _: None, bundle=bundle, clean_runs=store,
@@ -311,8 +315,9 @@ def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None
               f"(load average {os.getloadavg()[0]:.1f})", flush=True)
         if args.compare:
             ref = Path(args.compare) / path.relative_to(out_root)
-            diffs[name] = (result_diff(record["result"], load_record(ref)["result"]).summary()
-                           if ref.is_file() else f"no earlier record at {ref}")
+            earlier, why = record_problem(ref) if ref.is_file() else (None, None)
+            diffs[name] = (result_diff(record["result"], earlier["result"]).summary() if earlier is not None
+                           else f"earlier record {ref} not read: {why}" if why else f"no earlier record at {ref}")
             print(f"  {'':16s} vs {args.compare}: {diffs[name]}", flush=True)
     if scratch is not None:
         scratch.cleanup()

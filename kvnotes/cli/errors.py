@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from kvnotes import CONF_DIR
+from kvnotes import CONF_DIR, existing_ancestor
 from kvnotes.errors import KvnotesError
 from kvnotes.scenarios.errors import ScenarioError
 
@@ -51,18 +51,21 @@ def one_line(msg: object) -> str:
 
 def guarded(main: Callable[[], object]) -> None:
     """Run ``main()`` inside the error boundary: a :data:`USER_ERRORS` exception becomes one
-    ``kvnotes: error:`` line and exit status 2, Ctrl-C one line and exit status 130. Other exceptions
+    ``kvnotes: error:`` line and exit status 2, Ctrl-C one line and exit status 130 (SIGTERM: 143). Other exceptions
     (bugs) propagate with their traceback; ``SystemExit`` (argparse's errors, exit 2) passes through.
 
     Raises:
         SystemExit: on a user error (2) or an interrupt (130), or as ``main`` exits.
     """
+    from kvnotes.errors import stop_message, terminate_as_interrupt
+
+    terminate_as_interrupt()                 # SIGTERM cleans up as Ctrl-C does (exit 143)
     try:
         main()
     except USER_ERRORS as exc:
         fail(str(exc))
-    except KeyboardInterrupt:
-        fail("interrupted", STATUS_INTERRUPTED)
+    except KeyboardInterrupt as exc:
+        fail(*stop_message(exc))
 
 
 # ----------------------------------------------------------------------- argparse value checks
@@ -177,21 +180,17 @@ def existing_path(flag: str, kind: str = "any") -> Callable[[str], str]:
     return parse
 
 
-def existing_ancestor(path: Path) -> Path:
-    """The nearest of ``path`` and its parents that exists (the current directory at worst)."""
-    path = Path(os.path.abspath(path))
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def check_writable(path: str | Path, flag: str, directory: bool = False) -> None:
-    """Check that ``path`` can be written: an existing, writable file (or, with ``directory``,
-    directory), or a new one whose nearest existing ancestor is a writable directory.
+    """Check that ``path`` can be written, by trying: an existing file (or, with ``directory``,
+    directory) that opens for writing (a file is opened for appending and closed unchanged; a
+    directory takes a new file); or a new one whose nearest existing ancestor is a directory that
+    takes a new entry. The trial entry is removed at once, so nothing is left behind. Trying, not
+    ``os.access``, is what refuses a path root cannot write either (under ``/proc``, on a read-only
+    file system) and a path under a regular file.
 
     Raises:
-        KvnotesError: ``path`` exists and is of the other kind or is not writable, or cannot be
-            created (an ancestor is a file, or not writable); the message names ``flag``.
+        KvnotesError: ``path`` exists and is of the other kind or cannot be written, or cannot be
+            created (an ancestor is a file, or does not take new entries); the message names ``flag``.
     """
     p = Path(path)
     if p.exists():
@@ -199,14 +198,45 @@ def check_writable(path: str | Path, flag: str, directory: bool = False) -> None
             raise KvnotesError(f"{flag}: {path} exists and is not a directory")
         if not directory and p.is_dir():
             raise KvnotesError(f"{flag}: {path} is a directory")
-        if not os.access(p, os.W_OK | (os.X_OK if directory else 0)):
-            raise KvnotesError(f"{flag}: cannot write {path}: permission denied")
+        try:
+            if directory:
+                _try_new_entry(p, directory=False)
+            elif p.is_file():
+                os.close(os.open(p, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))     # changes nothing
+            elif not os.access(p, os.W_OK):             # a device or a pipe (/dev/null): not opened here
+                raise PermissionError(13, "Permission denied")
+        except OSError as exc:
+            raise KvnotesError(f"{flag}: cannot write {path}: {_why(exc)}") from None
         return
     base = existing_ancestor(p.parent)
     if not base.is_dir():
         raise KvnotesError(f"{flag}: cannot create {path}: {base} is not a directory")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise KvnotesError(f"{flag}: cannot create {path}: {base} is not writable")
+    try:
+        # the same kind of entry the command makes in ``base``: a directory when it creates folders
+        _try_new_entry(base, directory=directory or base != Path(os.path.abspath(p.parent)))
+    except OSError as exc:
+        raise KvnotesError(f"{flag}: cannot create {path}: {base} does not take new files ({_why(exc)})") from None
+
+
+def _try_new_entry(folder: Path, directory: bool) -> None:
+    """Create a hidden file (or directory) in ``folder`` and remove it.
+
+    Raises:
+        OSError: it cannot be created.
+    """
+    import tempfile
+
+    if directory:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvnotes-write-test-", dir=folder))
+    else:
+        fd, name = tempfile.mkstemp(prefix=".kvnotes-write-test-", dir=folder)
+        os.close(fd)
+        os.unlink(name)
+
+
+def _why(exc: OSError) -> str:
+    """An ``OSError``'s reason in a few words (``permission denied``)."""
+    return (exc.strerror or type(exc).__name__).lower()
 
 
 def output_file(flag: str) -> Callable[[str], str]:

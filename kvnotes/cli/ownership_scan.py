@@ -76,6 +76,7 @@ def main() -> None:
     record = load_record(run_or_reuse(job.cfg, job.out_dir, job.hydra_info))
     print("\n".join(ownership_lines(record, args.quiet)))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)      # checked writable before the model loaded
         Path(args.json).write_text(json.dumps({"model": args.model, "record": str(job.out_dir),
                                                "scenarios": ownership(record)}, indent=1))
 

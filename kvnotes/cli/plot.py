@@ -24,7 +24,8 @@ def main() -> None:
             is not a writable directory.
         SystemExit: 2 on a flag error (argparse).
     """
-    from kvnotes.cli.errors import check_writable, existing_ancestor
+    from kvnotes import existing_ancestor
+    from kvnotes.cli.errors import check_writable
     from kvnotes.errors import KvnotesError
     from kvnotes.records.envelope import read_record, reading
 

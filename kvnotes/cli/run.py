@@ -432,7 +432,7 @@ PREEXISTING: dict[str, Path] = {}
 def note_out_root(out_root: str) -> None:
     """Remember the nearest existing folder of ``out_root`` (itself when it exists), before any job
     of this process creates it (:data:`PREEXISTING`)."""
-    from kvnotes.harness.runconfig import existing_ancestor
+    from kvnotes import existing_ancestor
 
     PREEXISTING.setdefault(str(out_root), existing_ancestor(Path(out_root)))
 

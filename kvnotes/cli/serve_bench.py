@@ -414,9 +414,21 @@ def _num(x) -> str:
 
 
 def main(argv=None) -> None:
+    """Run the experiment (see the module docstring).
+
+    Raises:
+        KvnotesError: a bad flag (:func:`parse_args`), an ``--out-root`` or ``--store`` that cannot be
+            written as a directory; before vLLM is imported or any model loads.
+        SystemExit: 2 when vLLM is not installed, the model is unknown or a setting is refused.
+    """
     import importlib.util
 
+    from kvnotes.cli.errors import check_writable
+
     args = parse_args(argv)
+    check_writable(args.out_root, "--out-root", directory=True)        # the record is written at the end
+    if args.store:
+        check_writable(args.store, "--store", directory=True)
     if importlib.util.find_spec("vllm") is None:
         fail("vLLM is not installed in this environment: install the serving environment with "
              "`bash scripts/install.sh --serving` and run this script with .venv-serving/bin/python")
@@ -430,8 +442,6 @@ def main(argv=None) -> None:
     if not cfg_path.is_file():
         fail(f"unknown model '{args.model}' (no conf/model/{args.model}.yaml)")
     model_cfg = OmegaConf.load(cfg_path)
-    if args.store and Path(args.store).exists() and not Path(args.store).is_dir():
-        fail(f"--store {args.store} is a file, not a directory")
     out_dir = Path(args.out_root) / args.model / args.name
     if is_complete(out_dir / RECORD_NAME) and not args.force:
         print(f"kvnotes: {out_dir / RECORD_NAME} is complete; skipping (--force to re-run)")

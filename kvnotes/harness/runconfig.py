@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvnotes import existing_ancestor
 from kvnotes.errors import KvnotesError
 from kvnotes.records.store import NON_RESULT_KEYS
 from kvnotes.scenarios.errors import ScenarioError
@@ -195,14 +196,6 @@ def typed(cfg: Any) -> RunSettings:
         return RunSettings.model_validate(data)
     except ValidationError as exc:
         raise KvnotesError(_one_line(exc)) from None
-
-
-def existing_ancestor(path: Path) -> Path:
-    """``path`` itself when it exists, else the nearest of its parents that does (absolute)."""
-    path = Path(os.path.abspath(os.path.expanduser(str(path))))
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 def check_out_root(out_root: str) -> None:

@@ -7,8 +7,7 @@ import html
 import os
 from pathlib import Path
 
-
-
+#: The site's one copy of plotly.js, relative to the site's root; every page with figures loads it.
 PLOTLY_JS = "assets/plotly.min.js"
 
 _CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1400px}table{border-collapse:collapse;
@@ -61,3 +60,11 @@ def _md(text: str) -> str:
     return markdown.markdown(text, extensions=["tables"])
 
 
+
+
+def not_read_list(skipped) -> str:
+    """The index's "Records not read" section: each ``record.json`` the report skipped
+    (:class:`kvnotes.records.store.Unreadable`), with why."""
+    items = "".join(f"<li><code>{html.escape(str(u.path))}</code>: {html.escape(u.reason)}</li>" for u in skipped)
+    return (f"<h2 id='not-read'>Records not read ({len(skipped)})</h2><p class='note'>These <code>record.json</code> "
+            f"files are not in the report: each could not be read as a complete record.</p><ul>{items}</ul>")

@@ -18,10 +18,14 @@ its probe's presentation names (``PRESENTATION``, :mod:`kvnotes.records.presenta
 whose keys a record lacks (older versions) is left out; a page without decoded tokens or without any
 figure says so.
 
-Every record is checked before anything is written (:func:`kvnotes.records.envelope.read_record`);
-an unreadable record, or one that lacks a key its page reads, is one ``kvnotes: error:`` line naming
-the file and the key, with exit status 2. The site is written into a temporary directory beside
-the target and moved into place only when complete, so a failure writes nothing.
+Every ``record.json`` under the roots is read before anything is written
+(:func:`kvnotes.records.store.scan_records`). One that cannot be read as a complete record (not JSON,
+not a kvnotes record, not complete, an invalid envelope, no ``result``) gets no page: it is named on
+stderr, one line each (``kvnotes: skipped runs/a/record.json: not JSON (Expecting value at line 1
+column 1)``), and in the index's "Records not read" list. When none can be read it is one
+``kvnotes: error:`` line (naming the files not read) with exit status 2; so is a record that was
+read but lacks a key its page reads (naming the file and the key). The site is written into a temporary directory beside the target and
+moved into place only when complete, so a failure writes nothing.
 """
 
 from __future__ import annotations
@@ -34,16 +38,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kvnotes.records.envelope import read_record, reading
-from kvnotes.records.store import find_records, record_overrides
+from kvnotes import existing_ancestor
+from kvnotes.records.envelope import reading
+from kvnotes.records.store import RecordScan, Unreadable, record_overrides, scan_records
 from kvnotes.records.tables import ci, record_table, summaries
 from kvnotes.records.figures import _figures, _summary_bars
-from kvnotes.records.pages import PLOTLY_JS, _Page, _md, write_plotly_js
+from kvnotes.records.pages import PLOTLY_JS, _Page, _md, not_read_list, write_plotly_js
 from kvnotes.records.presentation import presentation
 
 
-
-#: The site's one copy of plotly.js, relative to the site's root; every page with figures loads it.
 def _page_name(rec: dict, i: int) -> str:
     return f"r{i:03d}-{rec['model']['name']}-{rec['probe']}-{rec['scenario']['name']}"
 
@@ -130,47 +133,44 @@ def record_page(rec: dict, name: str) -> _Page:
     return page
 
 
-def build_report(roots: list[str | Path], out: str | Path) -> dict:
+def build_report(roots: list[str | Path], out: str | Path, scan: RecordScan | None = None) -> dict:
     """Write the site for every complete record under ``roots`` into ``out``.
 
-    Every record is read and checked first (:func:`kvnotes.records.envelope.read_record`: its
-    envelope and a ``result``), then the whole site is written into a temporary directory beside
-    ``out`` and moved into place only when complete: a failure leaves ``out`` as it was. A new or
-    empty ``out`` is replaced by the site in one rename; an ``out`` that already holds files gets the
-    site's files moved into it (same names replaced, other files kept).
+    Every ``record.json`` is read first (:func:`kvnotes.records.store.scan_records`, or the given
+    ``scan`` of ``roots``): the complete, valid ones get pages, the others are listed on the index
+    as not read (the manifest's ``skipped``; :func:`main` prints them). Then the whole site is
+    written into a temporary directory beside ``out`` and moved into place only when complete: a
+    failure leaves ``out`` as it was. A new or empty ``out`` is replaced by the site in one rename; an
+    ``out`` that already holds files gets the site's files moved into it (same names replaced, other
+    files kept).
 
     Returns:
-        the manifest written to ``out/report.json``: ``{"pages": [{page, record, probe, figures}]}``.
+        the manifest written to ``out/report.json``: ``{"pages": [{page, record, probe, figures}],
+        "skipped": [{record, reason}]}``.
 
     Raises:
-        KvnotesError: a root that does not exist, no complete record under the roots, a record that
-            is unreadable or lacks what its page needs (naming the file and the key), an ``out``
-            that is not a writable directory.
+        KvnotesError: a root that does not exist, no record under the roots that can be read (naming
+            the files not read), a record that lacks what its page needs (naming the file and the
+            key), an ``out`` that cannot be written as a directory.
     """
     from kvnotes.errors import KvnotesError
 
-    for root in roots:
-        if not Path(root).exists():
-            raise KvnotesError(f"{root}: no such file or directory")
-    paths = [p for root in roots for p in find_records(root)]
-    if not paths:
-        raise KvnotesError(f"no complete record under {', '.join(map(str, roots))}")
+    scan = (scan or scan_records(roots)).require()
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise KvnotesError(f"cannot write the report to {out}: it exists and is not a directory")
-    base = _existing_ancestor(out.parent)
+    base = existing_ancestor(out.parent)
     if not base.is_dir():
         raise KvnotesError(f"cannot write the report to {out}: {base} is not a directory")
     if not os.access(base, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK | os.X_OK)):
         raise KvnotesError(f"cannot write the report to {out}: permission denied")
-    records = [(path, read_record(path)) for path in paths]         # every record checked before any page
-    tmp = None
+    tmp = None                # the temporary site below is the real test (root passes os.access under /proc)
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name or 'report'}.tmp-", dir=base))
         umask = os.umask(0o022)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)          # mkdtemp's 0700 would stay on a site renamed into place
-        manifest = _write_site(records, tmp)
+        manifest = _write_site(scan.records, tmp, scan.skipped)
         _move_into_place(tmp, out)
     except OSError as exc:
         raise KvnotesError(f"cannot write the report to {out}: {exc}") from exc
@@ -180,27 +180,21 @@ def build_report(roots: list[str | Path], out: str | Path) -> dict:
     return manifest
 
 
-def _existing_ancestor(path: Path) -> Path:
-    """The nearest of ``path`` and its parents that exists."""
-    path = Path(os.path.abspath(path))
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def _write_site(records: list[tuple[Path, dict]], out: Path) -> dict:
-    """Write the index, one page and one raw JSON per record into the (new, empty) directory ``out``;
-    returns the manifest (see :func:`build_report`).
+def _write_site(records: list[tuple[Path, dict]], out: Path, skipped: list[Unreadable] = ()) -> dict:
+    """Write the index (with the ``skipped`` files in a "Records not read" list), one page and one
+    raw JSON per record into the (new, empty) directory ``out``; returns the manifest (see
+    :func:`build_report`).
 
     Raises:
         KvnotesError: a record lacks a key its page reads (:func:`kvnotes.records.envelope.reading`).
     """
     (out / "records").mkdir()
     index = _Page("kvnotes report")
-    rows = ["<h1>kvnotes report</h1>", f"<p>{len(records)} records.</p>",
+    not_read = f"; {len(skipped)} record files not read (listed below)" if skipped else ""
+    rows = ["<h1>kvnotes report</h1>", f"<p>{len(records)} records{not_read}.</p>",
             "<table><tr><th>model</th><th>probe</th><th>suite</th><th>overrides</th><th>flip rule</th>"
             "<th>created</th><th>commit</th><th>torch / transformers</th><th>headline</th><th></th></tr>"]
-    manifest: dict = {"pages": []}
+    manifest: dict = {"pages": [], "skipped": [{"record": str(u.path), "reason": u.reason} for u in skipped]}
     for i, (path, rec) in enumerate(records):
         with reading(path, "report page"):
             name = _page_name(rec, i)
@@ -221,6 +215,8 @@ def _write_site(records: list[tuple[Path, dict]], out: Path) -> dict:
         manifest["pages"].append({"page": f"{name}.html", "record": str(path), "probe": rec["probe"],
                                   "figures": page.figures})
     rows.append("</table>")
+    if skipped:
+        rows.append(not_read_list(skipped))
     index.add("\n".join(rows))
     index.write(out / "index.html", out)
     if any(p["figures"] for p in manifest["pages"]):
@@ -282,15 +278,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("-o", "--out", default="report", help="output directory (default: report)")
     args = ap.parse_args(argv)
     try:
-        manifest = build_report(args.roots, args.out)
+        scan = scan_records(args.roots).require()
+        manifest = build_report(args.roots, args.out, scan)
     except KvnotesError as exc:
         print(f"kvnotes: error: {' '.join(str(exc).split())}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("kvnotes: error: interrupted; no report written", file=sys.stderr)
         sys.exit(130)
+    scan.warn()                                     # every record.json not read, one line each
     n_fig = sum(len(p["figures"]) for p in manifest["pages"])
-    print(f"kvnotes: wrote {Path(args.out) / 'index.html'} ({len(manifest['pages'])} record pages, {n_fig} figures)")
+    not_read = f", {len(scan.skipped)} record files not read" if scan.skipped else ""
+    print(f"kvnotes: wrote {Path(args.out) / 'index.html'} ({len(manifest['pages'])} record pages, {n_fig} figures"
+          f"{not_read})")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ import platform
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -188,15 +190,23 @@ def records_frame(root: str | Path):
     ``suite``, ``overrides`` (:func:`record_overrides`: what distinguishes records of one model,
     probe and suite), ``schema_version`` and ``record`` (path) identifying where it came from. Records of
     every version in :data:`READABLE_VERSIONS` are read (the row layout did not change); others
-    are skipped.
+    are skipped, as are unreadable files (:func:`scan_records` names them).
     """
+    records = []
+    for path in find_records(root):
+        rec = json.loads(path.read_text())
+        if rec.get("schema_version", 1) in READABLE_VERSIONS:
+            records.append((path, rec))
+    return rows_frame(records)
+
+
+def rows_frame(records: list[tuple[Path, dict]]):
+    """The per-pair rows of ``records`` (``(path, record)`` pairs) as one ``pandas.DataFrame``, with
+    the columns :func:`records_frame` describes; records without rows add none."""
     import pandas as pd
 
     frames = []
-    for path in find_records(root):
-        rec = json.loads(path.read_text())
-        if rec.get("schema_version", 1) not in READABLE_VERSIONS:
-            continue
+    for path, rec in records:
         rows = rec.get("result", {}).get("rows", [])
         if not rows:
             continue
@@ -209,3 +219,166 @@ def records_frame(root: str | Path):
         df["record"] = str(path)
         frames.append(df)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+# ------------------------------------------------------- reading a tree, naming what is not read
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A ``record.json`` a reader skipped, and why (``not JSON (Expecting value at line 1 column 1)``)."""
+
+    path: Path
+    reason: str
+
+    def line(self) -> str:
+        """``kvnotes: skipped <path>: <reason>``: the line the readers print on stderr."""
+        return f"kvnotes: skipped {self.path}: {self.reason}"
+
+
+@dataclass
+class RecordScan:
+    """Every ``record.json`` under some roots: the complete, readable records and the others."""
+
+    roots: list[Path]
+    #: ``(path, record)`` of every complete record whose envelope and ``result`` are valid, sorted
+    records: list[tuple[Path, dict]] = field(default_factory=list)
+    #: every other ``record.json`` (not JSON, not a record, not complete, an invalid envelope), sorted
+    skipped: list[Unreadable] = field(default_factory=list)
+
+    def require(self) -> RecordScan:
+        """This scan, when it holds a record.
+
+        Raises:
+            KvnotesError: no record could be read; one line naming the roots and (the first three of)
+                the files not read, with why.
+        """
+        from kvnotes.errors import KvnotesError
+
+        if not self.records:
+            where = ", ".join(map(str, self.roots))
+            raise KvnotesError(f"no complete record under {where}" + (f": {self.not_read()}" if self.skipped else ""))
+        return self
+
+    def not_read(self, most: int = 3) -> str:
+        """The files not read, in one line: ``N record files not read (path: reason; ...)``."""
+        shown = "; ".join(f"{u.path}: {u.reason}" for u in self.skipped[:most])
+        more = f"; and {len(self.skipped) - most} more" if len(self.skipped) > most else ""
+        n = len(self.skipped)
+        return f"{n} record file{'s' if n != 1 else ''} not read ({shown}{more})"
+
+    def warn(self, file=None) -> None:
+        """Print :meth:`Unreadable.line` of every skipped file (to ``file``, default stderr)."""
+        import sys
+
+        for u in self.skipped:
+            print(u.line(), file=file or sys.stderr, flush=True)
+
+    def frame(self):
+        """The per-pair rows of the records (:func:`rows_frame`)."""
+        return rows_frame(self.records)
+
+    def summary(self) -> str:
+        """``N records under ROOT[; K not read]``."""
+        where = ", ".join(map(str, self.roots))
+        n, k = len(self.records), len(self.skipped)
+        return (f"{n} record{'s' if n != 1 else ''} under {where}"
+                + (f"; {k} record file{'s' if k != 1 else ''} not read" if k else ""))
+
+
+def record_problem(path: Path) -> tuple[dict | None, str | None]:
+    """Read ``path`` as a reader does: ``(record, None)`` for a complete record with a valid envelope
+    and a ``result`` (:func:`kvnotes.records.envelope.check_record`), else ``(None, why)``: it
+    cannot be read, is not JSON (with the line), is not a JSON object, is not a kvnotes record (no
+    ``"schema": "kvnotes.record"``), is not complete (its job did not finish), or names its first
+    missing or mistyped envelope key."""
+    from kvnotes.errors import KvnotesError
+    from kvnotes.records.envelope import check_record
+
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        return None, f"cannot read it ({(exc.strerror or type(exc).__name__).lower()})"
+    except UnicodeDecodeError:
+        return None, "not a text file"
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return None, f"not JSON ({exc.msg.removesuffix(' at')} at line {exc.lineno} column {exc.colno})"
+    if not isinstance(rec, dict):
+        return None, f"a JSON {type(rec).__name__}, not a record object"
+    if rec.get("schema") != SCHEMA:
+        return None, f"not a kvnotes record (no \"schema\": \"{SCHEMA}\")"
+    if rec.get("status") != "complete":
+        return None, f"not complete (status {rec.get('status')!r}: its job has not finished)"
+    try:
+        check_record(rec)
+    except KvnotesError as exc:
+        return None, str(exc)
+    if "result" not in rec:
+        return None, "record.result: Field required"
+    return rec, None
+
+
+def scan_records(roots: Sequence[str | Path]) -> RecordScan:
+    """Every ``record.json`` under ``roots`` (directories searched recursively, or record files),
+    each read by :func:`record_problem`: a complete, valid record is kept, any other file is named
+    with why (:attr:`RecordScan.skipped`). Nothing is printed; see :meth:`RecordScan.warn` and
+    :meth:`RecordScan.require`.
+
+    Raises:
+        KvnotesError: a root that does not exist.
+    """
+    from kvnotes.errors import KvnotesError
+
+    scan = RecordScan([Path(r) for r in roots])
+    for root in scan.roots:
+        if not root.exists():
+            raise KvnotesError(f"{root}: no such file or directory")
+        for path in [root] if root.is_file() else sorted(root.rglob(RECORD_NAME)):
+            rec, why = record_problem(path)
+            if rec is None:
+                scan.skipped.append(Unreadable(path, why or "unreadable"))
+            else:
+                scan.records.append((path, rec))
+    return scan
+
+
+def runs_dir(value: str | Path | None = None, also: Sequence[str | Path] = ()) -> Path:
+    """The runs folder named by ``value`` (``$KVNOTES_RUNS``; default ``runs``), as an absolute path.
+
+    A relative ``value`` is resolved from where the command runs, which a notebook kernel does not
+    know for sure (``jupyter execute notebooks/x.ipynb`` starts it in ``notebooks/``): the first
+    folder that holds it of the shell's working directory (``$PWD``), the process's own, and the
+    folders ``also`` (the notebook passes the checkout it runs in).
+
+    Raises:
+        KvnotesError: it exists nowhere of those (the message lists where it was looked for), or is
+            not a directory.
+    """
+    from kvnotes.errors import KvnotesError
+
+    name = Path(os.path.expanduser(str(value or "runs")))
+    bases = [] if name.is_absolute() else [Path(b) for b in (os.environ.get("PWD"), os.getcwd(), *map(os.path.abspath, also))
+                                           if b and os.path.isabs(b)]
+    tried = list(dict.fromkeys(Path(os.path.abspath(b / name)) for b in bases)) if bases else [name]
+    for path in tried:
+        if path.exists():
+            if not path.is_dir():
+                raise KvnotesError(f"KVNOTES_RUNS={value or 'runs'}: {path} is not a directory")
+            return path
+    raise KvnotesError(f"KVNOTES_RUNS={value or 'runs'}: no such directory (looked for {', '.join(map(str, tried))})")
+
+
+def load_runs(value: str | Path | None = None, also: Sequence[str | Path] = (), warn: bool = True) -> RecordScan:
+    """The records of the runs folder ``value`` (:func:`runs_dir`, with ``also``; what the inspection
+    notebook loads): every complete, readable record, each other ``record.json`` named on stderr
+    with why (``warn``).
+
+    Raises:
+        KvnotesError: the folder does not exist, or holds no readable record (one line naming the
+            folder and the files not read).
+    """
+    scan = scan_records([runs_dir(value, also)])
+    if scan.records and warn:
+        scan.warn()
+    return scan.require()

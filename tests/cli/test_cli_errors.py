@@ -145,6 +145,15 @@ def test_failed_report_leaves_the_previous_site_as_it_was(work, monkeypatch, cap
         {k: v for k, v in before.items() if not k.startswith("runs")}
 
 
+def test_report_where_no_one_can_write_is_one_line(work, monkeypatch, capsys):
+    """``-o`` under ``/proc`` (root passes ``os.access`` there): one line, nothing written."""
+    write_record(work / "runs" / "m" / "blast_radius" / "s", BLAST, probe="blast_radius")
+    before = tree(work)
+    ran = run_kvnotes(monkeypatch, capsys, "report", work / "runs", "-o", "/proc/kvnotes-site")
+    one_line_error(ran, "cannot write the report to /proc/kvnotes-site")
+    assert ran.stdout == "" and tree(work) == before
+
+
 def test_report_on_a_missing_root_is_one_line(work, monkeypatch, capsys):
     ran = run_kvnotes(monkeypatch, capsys, "report", work / "nowhere", "-o", work / "site")
     one_line_error(ran, str(work / "nowhere"), "no such file or directory")
@@ -171,6 +180,19 @@ SCRIPT_CASES = [
     (["battery", "--model", "nope"], ["unknown model 'nope'"]),
     (["battery", "--records", "{bad}"], ["--records", "not a directory"]),
     (["battery", "--compare", "{missing}", "--records", "{tmp}/new"], ["--compare", "{missing}"]),
+    # output paths no one can write, root included (issue #54): refused before the model loads
+    (["battery", "--json", "/proc/kvnotes-battery.json"], ["--json", "/proc does not take new files"]),
+    (["battery", "--json", "{bad}/battery.json"], ["--json", "{bad} is not a directory"]),
+    (["battery", "--json", "{tmp}"], ["--json", "is a directory"]),
+    (["battery", "--records", "{bad}/runs"], ["--records", "{bad} is not a directory"]),
+    (["battery", "--records", "/proc/kvnotes-runs"], ["--records", "/proc does not take new files"]),
+    (["ownership-scan", SUITE, "--json", "/proc/kvnotes-scan.json"], ["--json", "/proc"]),
+    (["locomo", "--data", "{bad}", "--json", "{bad}/out.json"], ["--json", "not a directory"]),
+    (["serve-bench", "--out-root", "{bad}/runs"], ["--out-root", "{bad} is not a directory"]),
+    (["serve-bench", "--out-root", "/proc/kvnotes-serving"], ["--out-root", "/proc does not take new files"]),
+    (["serve-bench", "--store", "{bad}"], ["--store", "exists and is not a directory"]),
+    (["bench", "compose-plot", "{bad}", "--out", "/proc/ttft.png"], ["--out", "/proc does not take new files"]),
+    (["bench", "edit", "--json", "/proc/kvnotes-edit.json"], ["--json", "/proc"]),
     (["bench", "probes", "--n-pairs", "0"], ["--n-pairs"]),
     (["bench", "probes", "--random-init", "nope"], ["--random-init", "'nope'"]),
     (["bench", "probes", "--turns", "-1"], ["--turns"]),
@@ -231,7 +253,51 @@ def test_output_paths_are_checked_before_any_work(tmp_path):
         check_writable(tmp_path / "old.json", "-o", directory=True)
     with pytest.raises(KvnotesError, match="^--records: cannot create .*old.json is not a directory$"):
         check_writable(tmp_path / "old.json" / "runs", "--records", directory=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]
+    with pytest.raises(KvnotesError, match="^--json: cannot create .*old.json is not a directory$"):
+        check_writable(tmp_path / "old.json" / "deeper" / "out.json", "--json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]          # the trial entries are gone
+
+
+@pytest.mark.parametrize("path,directory", [("/proc/kvnotes-out.json", False), ("/proc/kvnotes/deeper/out.json", False),
+                                            ("/proc/kvnotes-runs", True)])
+def test_output_paths_are_tried_not_guessed(path, directory):
+    """``os.access`` says yes to root for ``/proc`` (mode 555): the check creates a trial entry
+    instead, which no one can there (it used to accept the path and the command failed at its end)."""
+    from kvnotes.cli.errors import check_writable
+    from kvnotes.errors import KvnotesError
+
+    with pytest.raises(KvnotesError, match="^-o: cannot create /proc/.*: /proc does not take new files"):
+        check_writable(path, "-o", directory=directory)
+
+
+def test_battery_says_what_it_does_before_the_model_loads(work, monkeypatch, capsys):
+    """``kvnotes battery`` prints a line before loading the model and as each probe starts (it used
+    to print nothing for minutes). The model load, pairs and probe are stand-ins here."""
+    import types
+
+    import torch
+
+    import kvnotes.harness.jobs
+    import kvnotes.harness.pairs
+    from kvnotes.errors import KvnotesError
+
+    loaded = []
+    model = types.SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]), device=torch.device("cpu"))
+
+    def load_bundle(cfg):
+        loaded.append(capsys.readouterr().out)                  # what was printed before the load
+        return types.SimpleNamespace(model=model, tokenizer=None)
+
+    def run_job(*args, **kwargs):
+        raise KvnotesError("stopped by the test")
+
+    monkeypatch.setattr(kvnotes.harness.jobs, "load_bundle", load_bundle)
+    monkeypatch.setattr(kvnotes.harness.jobs, "run_job", run_job)
+    monkeypatch.setattr(kvnotes.harness.pairs, "prepare_for_probe", lambda *a: types.SimpleNamespace(pairs=[]))
+    ran = run_kvnotes(monkeypatch, capsys, "battery", "--probes", "screen", "--scenario", "small", "--threads", "1")
+    one_line_error(ran, "stopped by the test")
+    assert loaded == ["battery: loading smollm2-135m ...\n"]
+    assert ran.stdout.splitlines()[-1] == f"  {'screen':16s} running (probe 1 of 1) ..."
 
 
 # ------------------------------------------------------------------------------- the boundary
