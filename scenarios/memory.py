@@ -198,8 +198,10 @@ def validate_memory(raw, source: str) -> MemorySuite:
     """
     if not isinstance(raw, dict):
         raise ScenarioError(f"{source}: a memory suite file must be a mapping")
+    if "source" in raw:                       # the loader sets it (the file's path): never the file
+        raise ScenarioError(f"{source}: key 'source': unknown key (the loader records the file's path there)")
     try:
-        suite = MemorySuite.model_validate({str(k): v for k, v in raw.items() if k != "source"})
+        suite = MemorySuite.model_validate({str(k): v for k, v in raw.items()})
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in {"str", "list", "dict", "none"}))
@@ -219,8 +221,13 @@ def load_memory(path: str | Path, personas: list[str] | None = None) -> MemorySu
     keeping only the personas ``personas`` when given.
 
     Raises:
-        ScenarioError: unreadable YAML, a schema violation, or a persona id not in the file.
+        ScenarioError: unreadable YAML, a key given twice in one mapping (at any depth:
+            :func:`kvnotes.scenarios.schema.read_yaml`), a schema violation, or a persona id not in the
+            file, or ``personas`` is an empty list (it selects nothing; None keeps every persona).
     """
+    if personas is not None and len(personas) == 0:
+        raise ScenarioError(f"{path}: personas=[] selects nothing: leave it unset (null) for every persona, "
+                            "or name at least one")
     p = resolve_path(path)
     if p.is_dir():
         files = sorted(p.glob("*.yaml"))
@@ -229,7 +236,7 @@ def load_memory(path: str | Path, personas: list[str] | None = None) -> MemorySu
         p = files[0]
     raw = read_yaml(p, "memory suite")
     suite = validate_memory(raw, str(p))
-    if personas:
+    if personas is not None:
         known = {x.id for x in suite.personas}
         missing = [x for x in personas if x not in known]
         if missing:

@@ -28,12 +28,16 @@ A scenario file is YAML with these keys (see ``scenarios/suites/*/*.yaml`` for e
 
 Pairs whose two values have different outcomes are expected to flip; a scenario whose values all
 share one outcome (family ``control``) is expected not to.
+
+Nothing is read silently wrong (issue #54): a key given twice in one mapping, two files with one id,
+identical bytes or the same scenario, and an empty ``families`` / ``ids`` list are each an error.
 """
 
 from __future__ import annotations
 
+import hashlib
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -309,14 +313,136 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping of a YAML document gives one key more than once (raised by :class:`UniqueKeyLoader`).
+
+    Attributes:
+        key: the dotted key (``field.values.admin``, ``personas[0].id``) as the file writes it.
+        problem: what is wrong and where, e.g. ``given twice (lines 7 and 9)``.
+    """
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"key '{key}': {problem}")
+        self.key, self.problem = key, problem
+
+
+def _times(n: int) -> str:
+    """``twice``, ``3 times``, ..."""
+    return "twice" if n == 2 else f"{n} times"
+
+
+def _and(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _positions(nodes: list[yaml.Node]) -> str:
+    """Where the key nodes stand: ``lines 7 and 9``, or ``line 7, columns 3 and 20`` (one line), or
+    ``7:3, 7:20 and 9:1 (line:column)``."""
+    marks = [(n.start_mark.line + 1, n.start_mark.column + 1) for n in nodes]
+    lines = [ln for ln, _ in marks]
+    if len(set(lines)) == len(lines):
+        return "lines " + _and([str(ln) for ln in lines])
+    if len(set(lines)) == 1:
+        return f"line {lines[0]}, columns " + _and([str(c) for _, c in marks])
+    return _and([f"{ln}:{c}" for ln, c in marks]) + " (line:column)"
+
+
+def _as_written(node: yaml.ScalarNode) -> str:
+    """A key scalar as the file writes it: quoted when the file quotes it (``'1'`` is not ``1``)."""
+    quote = node.style if node.style in ("'", '"') else ""
+    return f"{quote}{node.value}{quote}"
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping key given twice, at any depth (a plain ``safe_load``
+    keeps the last value and drops the other without a word).
+
+    Keys are one key when Python's dict would merge them (``1``, ``1.0``, ``true``) or when they read
+    as the same text (``1`` and ``'1'``: the scenario and memory schemas read every key as text). The
+    keys a merge (``<<: *anchor``) brings in may be overridden, as YAML intends; only the keys a
+    mapping writes itself must be unique. Each node's dotted key is recorded as the constructor
+    reaches it, so the error names where the mapping sits.
+    """
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self._paths: dict[yaml.Node, str] = {}
+        self._own: dict[yaml.Node, list] = {}
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        """Record the mapping's own pairs, then merge ``<<`` keys into it (PyYAML)."""
+        self._own.setdefault(node, [pair for pair in node.value if pair[0].tag != _MERGE])
+        super().flatten_mapping(node)
+
+    def construct_sequence(self, node: yaml.Node, deep: bool = False) -> list:
+        """The sequence's items (PyYAML), each item's dotted key recorded (``<key>[i]``)."""
+        if isinstance(node, yaml.SequenceNode):
+            base = self._paths.get(node, "")
+            for i, child in enumerate(node.value):
+                self._paths.setdefault(child, f"{base}[{i}]")
+        return super().construct_sequence(node, deep=deep)
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
+        """The mapping (PyYAML), after checking that no key is given twice.
+
+        Raises:
+            DuplicateKeyError: naming the dotted key and the lines (and columns) of its occurrences.
+        """
+        if isinstance(node, yaml.MappingNode):
+            self.flatten_mapping(node)        # records the mapping's own pairs first (idempotent)
+            own = self._own[node]
+            base = self._paths.get(node, "")
+            for key_node, value_node in own:
+                name = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+                self._paths.setdefault(value_node, f"{base}.{name}" if base else str(name))
+            self._check_unique(base, [k for k, _ in own])
+        return super().construct_mapping(node, deep=deep)
+
+    def _check_unique(self, base: str, keys: list[yaml.Node]) -> None:
+        """The scalar keys ``keys`` of the mapping at ``base`` are distinct (the rules of the class docstring).
+
+        Raises:
+            DuplicateKeyError: for the first key given more than once, with all its occurrences.
+        """
+        groups: list[list[yaml.Node]] = []
+        by_value: dict[Any, int] = {}
+        by_text: dict[str, int] = {}
+        for key_node in keys:
+            if not isinstance(key_node, yaml.ScalarNode):
+                continue                      # a list or mapping key: PyYAML refuses it (unhashable)
+            key = self.construct_object(key_node)
+            at = by_value.get(key, by_text.get(str(key)))
+            if at is None:
+                at = len(groups)
+                groups.append([])
+                by_value.setdefault(key, at)
+                by_text.setdefault(str(key), at)
+            groups[at].append(key_node)
+        for group in groups:
+            if len(group) > 1:
+                first = group[0].value
+                where = f"{base}.{first}" if base else str(first)
+                written = list(dict.fromkeys(_as_written(n) for n in group))
+                problem = f"given {_times(len(group))} ({_positions(group)})"
+                if len(written) > 1:
+                    problem += ", as " + _and(written) + ", which read as one key"
+                raise DuplicateKeyError(where, problem + ": remove all but one (YAML would silently keep the last)")
+
+
 def read_yaml(path: Path, what: str = "scenario") -> Any:
-    """The parsed content of a YAML file (``yaml.safe_load``).
+    """The parsed content of a YAML file (``yaml.safe_load``'s, through :class:`UniqueKeyLoader`: a key
+    given twice in one mapping is an error, not a silently dropped value).
 
     Raises:
-        ScenarioError: ``<path>: cannot read <what> (<reason>)`` in one line: the file cannot be read
-            (missing, a directory, no permission), is not UTF-8 text, or is not YAML that ``safe_load``
-            can build. PyYAML's constructors raise more than ``YAMLError`` on text that scans (an
-            impossible date ``2001-02-30`` or ``!!int abc``: ``ValueError``; ``!!bool maybe``:
+        ScenarioError: ``<path>: key '<dotted key>': given twice (lines 7 and 9): remove all but one ...``
+            in one line when a mapping repeats a key. ``<path>: cannot read <what> (<reason>)`` in one line when the file
+            cannot be read (missing, a directory, no permission), is not UTF-8 text, or is not YAML that
+            ``safe_load`` can build. PyYAML's constructors raise more than ``YAMLError`` on text that
+            scans (an impossible date ``2001-02-30`` or ``!!int abc``: ``ValueError``; ``!!bool maybe``:
             ``KeyError``; ``!!timestamp x``: ``AttributeError``) and deep nesting exhausts the stack
             (``RecursionError``); ``safe_load`` runs no code of the file's, so every failure is the
             file's fault and this error.
@@ -326,7 +452,9 @@ def read_yaml(path: Path, what: str = "scenario") -> Any:
     except (OSError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"{path}: cannot read {what} ({_first_line(exc)})") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
+    except DuplicateKeyError as exc:
+        raise ScenarioError(f"{path}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 -- safe_load builds plain data only: any failure is the text's
         raise ScenarioError(f"{path}: cannot read {what} ({_first_line(exc)})") from None
 
@@ -340,31 +468,108 @@ def resolve_path(path: str | Path) -> Path:
     return ROOT.parent / p
 
 
-def load_suite(paths: list[str], families: list[str] | None = None, ids: list[str] | None = None) -> list[Scenario]:
-    """Load every ``*.yaml`` under the given files/directories, sorted by path, optionally filtered.
+def _suite_files(paths: list[str]) -> list[Path]:
+    """Every ``*.yaml`` under the given files/directories, each directory's sorted by path.
 
     Raises:
-        ScenarioError: a path does not exist, a file is invalid, two files share an id, or the filter
-            leaves nothing.
+        ScenarioError: a path does not exist, or two paths reach one file (``[suites, suites/recall]``,
+            or a link to a file listed already).
     """
     files: list[Path] = []
+    reached: dict[Path, str] = {}
     for entry in paths:
         p = resolve_path(entry)
         if p.is_dir():
-            files.extend(sorted(p.rglob("*.yaml")))
+            found = sorted(p.rglob("*.yaml"))
         elif p.is_file():
-            files.append(p)
+            found = [p]
         else:
             raise ScenarioError(f"scenario path not found: {entry}")
+        for f in found:
+            real = f.resolve()
+            if real in reached:
+                raise ScenarioError(f"{f}: reached twice through the scenario paths ({reached[real]} and {entry}): "
+                                    "name each file once")
+            reached[real] = str(entry)
+            files.append(f)
+    return files
+
+
+def _check_distinct_content(files: list[Path]) -> None:
+    """No two files hold the same bytes (each would count as a scenario: the same one, twice).
+
+    Raises:
+        ScenarioError: ``<second>: identical content to <first>: ...``, in one line (a file that cannot
+            be read is skipped: :func:`read_yaml` reports it).
+    """
+    first: dict[bytes, Path] = {}
+    for f in files:
+        try:
+            digest = hashlib.sha256(f.read_bytes()).digest()
+        except OSError:
+            continue
+        if digest in first:
+            raise ScenarioError(f"{f}: identical content to {first[digest]}: the same scenario would count twice; "
+                                "remove one")
+        first[digest] = f
+
+
+def _check_distinct_scenarios(scenarios: list[Scenario]) -> None:
+    """No two scenarios are the same apart from their id (and the file's comments, layout and
+    ``description``): a copy under another name counts one scenario twice.
+
+    Raises:
+        ScenarioError: naming both files, in one line.
+    """
+    bare = [replace(s, id="", source="") for s in scenarios]
+    for j in range(len(bare)):
+        for i in range(j):
+            if bare[i] == bare[j]:
+                raise ScenarioError(f"{scenarios[j].source}: the same scenario as {scenarios[i].source} (they differ "
+                                    "only in id, description or layout): it would count twice; remove one")
+
+
+def _check_selection(families: list[str] | None, ids: list[str] | None) -> None:
+    """An empty ``families`` or ``ids`` list selects nothing (it is not "every").
+
+    Raises:
+        ScenarioError: ``scenario.families=[] selects nothing: ...`` (or ``ids``), in one line.
+    """
+    for key, chosen, every in (("families", families, "family"), ("ids", ids, "scenario")):
+        if chosen is not None and len(chosen) == 0:
+            raise ScenarioError(f"scenario.{key}=[] selects nothing: leave it unset (null) for every {every}, "
+                                "or name at least one")
+
+
+def load_suite(paths: list[str], families: list[str] | None = None, ids: list[str] | None = None) -> list[Scenario]:
+    """Load every ``*.yaml`` under the given files/directories, sorted by path, optionally filtered
+    (``families`` / ``ids``: None keeps every scenario; a list keeps those it names).
+
+    Raises:
+        ScenarioError: in one line, the first of: ``families`` or ``ids`` is an empty list, a path does
+            not exist, two paths reach one file, a file is invalid (a key given twice in a mapping
+            included), two files share an id, two files hold identical bytes, two files hold the same
+            scenario under different ids (or layouts), the filter leaves nothing.
+    """
+    _check_selection(families, ids)
+    files = _suite_files(paths)
     scenarios = [load_scenario(f) for f in files]
     seen: dict[str, str] = {}
     for s in scenarios:
         if s.id in seen:
             raise ScenarioError(f"{s.source}: key 'id': '{s.id}' already used by {seen[s.id]}")
         seen[s.id] = s.source
-    if families:
+    _check_distinct_content(files)
+    _check_distinct_scenarios(scenarios)
+    for key, asked, have in (("families", families, {s.family for s in scenarios}), ("ids", ids, seen)):
+        missing = [str(x) for x in asked or () if x not in have]
+        if missing:                       # a misspelt family would otherwise drop out without a word
+            raise ScenarioError(f"scenario.{key} names {', '.join(missing)}, which no scenario under {paths} has "
+                                f"({key} there: {', '.join(sorted(have))}); name those, or leave scenario.{key} "
+                                f"unset (null) for all")
+    if families is not None:
         scenarios = [s for s in scenarios if s.family in set(families)]
-    if ids:
+    if ids is not None:
         scenarios = [s for s in scenarios if s.id in set(ids)]
     if not scenarios:
         raise ScenarioError(f"no scenarios selected from {paths} (families={families}, ids={ids})")

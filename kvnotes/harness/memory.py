@@ -159,7 +159,7 @@ class MemoryPrompt:
 def load_suite(cfg) -> MemorySuite:
     """The memory suite of a probe config (``suite``, ``personas``)."""
     personas = cfg.get("personas")
-    return load_memory(str(cfg.suite), list(personas) if personas else None)
+    return load_memory(str(cfg.suite), None if personas is None else list(personas))   # [] is refused there
 
 
 def _ids(tokenizer, text: str) -> torch.Tensor:

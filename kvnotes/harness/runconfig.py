@@ -285,6 +285,9 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
     check_model_path(settings.model)
     probe_cfg = registry.typed_config(cfg.probe)
     registry.check_variant(probe_cfg, settings.scenario.variant, bool(settings.model.thinking))
+    if probe_cfg.get("pairs", "field") != "none" and not settings.scenario.paths:
+        raise ScenarioError(f"scenario.paths is empty: probe {probe_cfg.get('name')} runs on a scenario suite's pairs; "
+                            f"name at least one suite folder or file (e.g. scenario=default)")
     if machine:
         dev = resolve_device(settings.device)
         placement_kwargs(cfg.model, dev, resolve_dtype(settings.model.dtype, dev))
@@ -310,7 +313,8 @@ def check_scenario_files(scenario: ScenarioSettings) -> None:
     from kvnotes.harness.inputs import scenario_files
 
     files = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for _, p in scenario_files(scenario.model_dump()))
-    key = (files, tuple(scenario.paths), tuple(scenario.families or ()), tuple(scenario.ids or ()), scenario.memory,
+    key = (files, tuple(scenario.paths), None if scenario.families is None else tuple(scenario.families),
+           None if scenario.ids is None else tuple(scenario.ids), scenario.memory,
            scenario.locomo)
     if key in _CHECKED_SCENARIOS:            # a sweep's points share their files: each set is read once
         return

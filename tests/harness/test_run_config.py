@@ -37,6 +37,8 @@ from tests.helpers import HANG_S, fruit_scenario
     ("+scenario.n_instance=3", ("unknown key 'scenario.n_instance'", "did you mean scenario.n_instances?")),
     ("scenario.n_instances=12345678901234567890", ("scenario.n_instances=12345678901234567890", "GiB available",
                                                    "lower scenario.n_instances")),
+    ("scenario.paths=[]", ("scenario.paths is empty", "field_refresh")),
+    ("scenario.families=[recall,polcy_gate]", ("scenario.families names polcy_gate", "policy_gate")),
     ("+model.random_init.sed=1", ("unknown key 'model.random_init.sed'", "did you mean model.random_init.seed?")),
     ("probe.exactt=false", ("unknown key 'probe.exactt'",)),
     ("scenario.paths=[/no/such/dir]", ("scenario path not found", "/no/such/dir")),

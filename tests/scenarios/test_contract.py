@@ -263,6 +263,12 @@ def invalid_scenarios(draw):
     return doc
 
 
+#: The fruit file with ``field.values`` as a mapping whose key ``apple`` is given twice: ``safe_load`` kept
+#: the last (``apple: grape``), so the file loaded as a scenario whose pair no longer flips (issue #54).
+DUPLICATE_KEY = yaml.safe_dump({**FRUIT, "field": {"slot": SLOT, "values": {"apple": "apple", "grape": "grape"}}},
+                               sort_keys=False).replace("    grape: grape\n", "    grape: grape\n    apple: grape\n")
+
+
 # Each bug fixed in scenarios/ (each raised another exception, or let an unusable scenario through):
 @example(doc=b"\xff\xfe\x80garbage")                               # UnicodeDecodeError
 @example(doc="family: " + "[" * 3000 + "]" * 3000 + "\n")          # RecursionError
@@ -273,6 +279,7 @@ def invalid_scenarios(draw):
 @example(doc={**FRUIT, "unknown\nkey": 1})                         # a message of two lines
 @example(doc={**FRUIT, "context": "Profile of {name}. {a\nb} {colour}."})
 @example(doc={**FRUIT, "field": {"slot": SLOT, "values": ["", "grape"]}})
+@example(doc=DUPLICATE_KEY)                                        # loaded; the last value silently won
 @settings(max_examples=60, **COMMON)
 @given(doc=invalid_scenarios())
 def test_invalid_files_are_one_line_naming_the_file(doc):
