@@ -17,7 +17,7 @@ from kvnotes.harness.attribution import contributions, decomposition_error, logi
 from kvnotes.harness.constraints import OpenFraction, one_of
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.protocol import start_circuit
-from kvnotes.harness.selection import ANCHORS, offset_profiles, profile_for, rank_positions
+from kvnotes.harness.selection import ANCHORS, offset_profiles, profile_for, rank_positions, split_warnings
 from kvnotes.kv.engine import BACKENDS
 from kvnotes.records.figures import Curves
 from kvnotes.records.presentation import Presentation
@@ -47,9 +47,11 @@ class ComponentsRow(SplitRow):
 
 
 class Result(CircuitResult):
-    """What ``run`` returns (record ``result``)."""
+    """What ``run`` returns (record ``result``); ``warnings``: what could not be measured and why,
+    one line each (also said on stderr)."""
 
     rows: list[ComponentsRow]
+    warnings: list[str]
 
 
 def run(ctx) -> dict:
@@ -123,8 +125,13 @@ def run(ctx) -> dict:
                   "note_offsets": offsets, "contributions": contrib, "checks": checks,
                   "post_norms": engine.adapter.has_post_norms,
                   "per_family": K.no_circuit_note(families, rows, fs.excluded)}
+    warnings = split_warnings("components", rows, "contributions at the top note position",
+                              sum("at_note" in r for r in held_rows),
+                              "have no selection pairs of their scenario or family to place the note by, or no "
+                              "downstream position")
     return {"rows": rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
-            "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates}
+            "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates,
+            "warnings": warnings}
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

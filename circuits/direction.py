@@ -15,11 +15,11 @@ import torch
 from tqdm import tqdm
 
 from kvnotes.harness import kit as K
-from kvnotes.harness.constraints import Count, NonNegative, OpenFraction, one_of
+from kvnotes.harness.constraints import Count, NonNegatives, OpenFraction, one_of, require_instances
 from kvnotes.harness.kit import ProbeConfig, RandomControl, scan_layers
 from kvnotes.harness.protocol import start_circuit
 from kvnotes.harness.readout import PairRun, first_token_scores
-from kvnotes.harness.selection import pair_rng, sample_instances, selection_source
+from kvnotes.harness.selection import pair_rng, sample_instances, selection_source, split_warnings
 from kvnotes.harness.steering import ablations, added_scores, capture_notes, injections, random_directions
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.engine import BACKENDS
@@ -38,13 +38,22 @@ class Config(ProbeConfig):
     """Keys of ``conf/probe/direction.yaml`` (defaults there; see the specification)."""
 
     backend: Annotated[str, one_of(*BACKENDS)] = "nnsight"
-    layers: Optional[list[NonNegative]] = None
+    layers: Optional[NonNegatives] = None
     n_layers_scan: Optional[Count] = 5
     fit_scope: Annotated[str, one_of(*SCOPES)] = "all"
     ablate_to: Annotated[str, one_of(*ABLATE_TO)] = "all"
     random: RandomControl = field(default_factory=lambda: RandomControl(3))
     selection_fraction: OpenFraction = 0.5
     max_pairs_per_family: Optional[Count] = 3
+
+    def check_run(self, run) -> None:
+        """The direction is fitted and its layer chosen on selection instances, every number is held out.
+
+        Raises:
+            KvnotesError: ``scenario.n_instances < 2``.
+        """
+        require_instances(run, 2, "direction", "fits the direction and chooses its layer on selection instances "
+                          "and tests it on held-out ones")
 
 
 def outcomes(run: PairRun) -> tuple[str, str]:
@@ -235,7 +244,10 @@ def _heldout_layer(engine, run_, x_old, x_new, fit, li, layer, rand, ablate_to, 
 
 class Result(CircuitResult):
     """What ``run`` returns (record ``result``): evaluated held-out rows carry ``layers`` (per
-    scanned layer: sufficiency and necessity of every variant)."""
+    scanned layer: sufficiency and necessity of every variant); ``warnings``: what could not be
+    measured and why, one line each (also said on stderr)."""
+
+    warnings: list[str]
 
 
 @dataclass
@@ -375,7 +387,9 @@ def run(ctx) -> dict:
 
     Raises:
         KvnotesError: a readout other than ``first_token``.
-        ValueError: bad ``fit_scope`` / ``ablate_to`` / ``layers``, or ``random.n_draws < 1``.
+        ModelFitError: (a ``KvnotesError`` and ``ValueError``) a layer of ``layers`` outside the model,
+            raised before any work (:func:`kvnotes.harness.kit.scan_layers`).
+        ValueError: bad ``fit_scope`` / ``ablate_to``, or ``random.n_draws < 1``.
     """
     cfg = ctx.cfg
     L = ctx.bundle.adapter.n_layers
@@ -419,7 +433,22 @@ def run(ctx) -> dict:
         "per_family": K.no_circuit_note(families, rows, fs.excluded),
     }
     return {"rows": rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
-            "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates}
+            "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates,
+            "warnings": _warnings(rows, held_rows, chosen, aggregates["n_skipped"]["no_shared_outcome_pair"])}
+
+
+def _warnings(rows: list[dict], held_rows: list[dict], chosen: dict, n_unfitted: int) -> list[str]:
+    """What the run could not measure, one line each: no selection pair, no evaluated held-out
+    pair with a fit, no layer chosen."""
+    out = split_warnings("direction", rows, "held-out numbers")
+    if out or not rows:
+        return out
+    if not held_rows:
+        return [f"direction: no held-out pair was evaluated: {n_unfitted} pairs share no outcome pair with a "
+                f"selection fit (aggregates.n_skipped)"]
+    if not chosen:
+        return ["direction: no layer was chosen: no evaluated selection pair has a fit, so the at_chosen numbers are empty"]
+    return []
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

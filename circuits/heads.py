@@ -12,15 +12,16 @@ import numpy as np
 from annotated_types import Len
 from tqdm import tqdm
 
-from kvnotes.errors import KvnotesError
+from kvnotes.errors import KvnotesError, ModelFitError
 from kvnotes.harness import kit as K
-from kvnotes.harness.constraints import Count, Counts, OpenFraction, one_of
+from kvnotes.harness.constraints import Count, Counts, OpenFraction, one_of, require_instances
 from kvnotes.harness.head_patch import (HEAD_SITES, clean_residuals, head_outputs, patched_scores, set_masks,
                                         single_head_map)
 from kvnotes.harness.kit import ProbeConfig, RandomControl
 from kvnotes.harness.protocol import start_circuit
 from kvnotes.harness.readout import PairRun
-from kvnotes.harness.selection import pair_rng, random_head_sets, rank_by_mean, sample_instances, selection_source
+from kvnotes.harness.selection import (pair_rng, random_head_sets, rank_by_mean, sample_instances, selection_source,
+                                       split_warnings)
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.engine import BACKENDS, Engine
 from kvnotes.records.figures import Curves
@@ -40,6 +41,29 @@ class Config(ProbeConfig):
     max_map_pairs_per_family: Optional[Count] = 2
     heldout_maps: bool = False
     modes: Annotated[list[Annotated[str, one_of(*HEAD_SITES)]], Len(min_length=1)] = field(default_factory=lambda: list(HEAD_SITES))
+
+    def check_run(self, run) -> None:
+        """Every number is a held-out transfer of a ranking made on selection instances.
+
+        Raises:
+            KvnotesError: ``scenario.n_instances < 2``.
+        """
+        require_instances(run, 2, "heads", "ranks heads on selection instances and patches them on held-out ones")
+
+
+def head_ks(ks, n_layers: int, n_heads: int) -> tuple[list[int], list[int]]:
+    """The top-k sizes of ``ks`` the model's ``n_layers * n_heads`` heads can fill (sorted, distinct)
+    and those they cannot (dropped; the run says so in its ``warnings``).
+
+    Raises:
+        ModelFitError: no size fits, before any work.
+    """
+    total = n_layers * n_heads
+    fit, over = sorted({int(k) for k in ks if int(k) <= total}), sorted({int(k) for k in ks if int(k) > total})
+    if not fit:
+        raise ModelFitError(f"probe.ks={list(ks)}: every k exceeds the model's {total} heads "
+                            f"({n_layers} layers x {n_heads})")
+    return fit, over
 
 
 def map_pairs(rows: list[dict], per_family: int | None, seed: int) -> set[str]:
@@ -76,7 +100,10 @@ def _mode_start(engine: Engine, model, run: PairRun, mode: str):
 
 class Result(CircuitResult):
     """What ``run`` returns (record ``result``): held-out rows carry ``topk_<mode>`` and
-    ``random_<mode>`` (mode ``read`` / ``write``), mapped selection rows ``maps``."""
+    ``random_<mode>`` (mode ``read`` / ``write``), mapped selection rows ``maps``; ``warnings``:
+    what could not be measured and why, one line each (also said on stderr)."""
+
+    warnings: list[str]
 
 
 def _single_head_maps(ctx, engine, fs, rows, modes: list[str], chunk: int, progress: bool) -> dict[str, dict]:
@@ -163,12 +190,17 @@ def _summaries(out_rows: list[dict], maps: dict, modes: list[str], ks: list[int]
 def run(ctx) -> dict:
     """Read/write head patching, top-k transfer to held-out instances; see the specification.
     Stages: single-head maps on selection pairs (:func:`_single_head_maps`), rankings per family,
-    top-k and random sets on held-out pairs (:func:`_topk_row`), summaries and checks."""
-    engine, fs, rows, sel, held = start_circuit(ctx)
+    top-k and random sets on held-out pairs (:func:`_topk_row`), summaries and checks.
+
+    Raises:
+        KvnotesError: a readout other than ``first_token``, or bad ``modes``.
+        ModelFitError: every k of ``ks`` exceeds the model's heads (before any work).
+    """
     cfg = ctx.cfg
+    ks, dropped = head_ks(cfg.ks, ctx.bundle.adapter.n_layers, ctx.bundle.adapter.n_heads)    # before any work
+    engine, fs, rows, sel, held = start_circuit(ctx)
     L, H = engine.adapter.n_layers, engine.adapter.n_heads
     chunk = int(cfg.chunk_heads)
-    ks = sorted({int(k) for k in cfg.ks if 0 < int(k) <= L * H})
     n_draws = int(cfg.random.n_draws)
     n_boot = int(cfg.n_boot)
     progress = bool(cfg.progress)
@@ -205,8 +237,14 @@ def run(ctx) -> dict:
                   "rankings": {m: {f: {"top": [list(x) for x in rk["order"][:max(ks, default=0)]],
                                        "pairs": rk["pairs"], "source": rk["source"]}
                                    for f, rk in rankings[m].items()} for m in modes}}
+    warnings = split_warnings("heads", out_rows, "held-out top-k head curves",
+                              sum(any(f"topk_{m}" in r for m in modes) for r in held_rows),
+                              "have no head ranking of their family or of all selection pairs")
+    if dropped:
+        warnings.append(f"heads: probe.ks {dropped} exceed the model's {L * H} heads and were dropped")
     return {"rows": out_rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
-            "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates}
+            "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates,
+            "warnings": warnings}
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

@@ -21,7 +21,7 @@ from kvnotes.harness.constraints import Count, NonNegative, OpenFraction, one_of
 from kvnotes.harness.kit import ProbeConfig, families_of, summaries_by_family
 from kvnotes.harness.pair_editor import CONTROLS, EDIT_METHODS, RANKINGS, PairEditor, sweep_methods
 from kvnotes.harness.protocol import GeneratedReadout, Read, ScreenedPair, pair_loop, read_caches, readout_aggregates
-from kvnotes.harness.selection import round_robin, split_instances
+from kvnotes.harness.selection import SELECTION, alternate_splits, round_robin, with_split
 from kvnotes.harness.stats import proportion
 from kvnotes.ops import edit, methods
 from kvnotes.records.figures import edit_frontier
@@ -63,10 +63,12 @@ class Config(ProbeConfig, GeneratedReadout):
 
 class Result(BaseResult):
     """What ``run`` returns (record ``result``): ``rows`` of edited flipping pairs with each
-    method's recovery and agreement (CoT: generated decisions), ``aggregates`` per method."""
+    method's recovery and agreement (CoT: generated decisions), ``aggregates`` per method,
+    ``warnings`` (one line each, also on stderr: e.g. why no ranking was chosen)."""
 
     rows: list[dict[str, Any]]
     excluded: list[dict[str, Any]]
+    warnings: list[str]
 
 
 def _metrics(read: Read, full: Read, e: edit.Edited, ref: edit.Edited, sp: ScreenedPair) -> dict:
@@ -157,17 +159,28 @@ def method_summary(rows, key: str, families, n_boot, seed, section: str = "metho
     return out
 
 
-def choose_ranking(rows, rankings, ks, seed, fraction) -> dict:
-    """Pick the ranking with the highest mean agreement over K on selection instances; report every
-    ranking's agreement curve on the held-out instances (the chosen one is the claim)."""
-    sel, held = split_instances(rows, fraction, seed)
+def choose_ranking(rows, rankings, ks, n_instances: int | None = None) -> dict:
+    """Pick the ranking with the highest mean agreement over K on the swept selection pairs; report
+    every ranking's agreement curve on the swept held-out pairs (the chosen one is the claim).
 
-    rows = [r for r in rows if r["swept"]]
+    Args:
+        rows: the edited rows, tagged with ``split`` (over every flipping pair, before the caps) and
+            ``swept``.
+        n_instances: the run's ``scenario.n_instances``, for the reason when nothing is chosen.
+
+    Returns:
+        ``selection_instances`` / ``held_out_instances`` (of the edited rows), ``n_swept`` per side,
+        ``selection_score`` per ranking, ``chosen`` (None when nothing could be chosen, then
+        ``reason`` says why; else ``reason`` is None) and ``held_out`` curves.
+    """
+    sel = {r["instance"] for r in rows if r["split"] == SELECTION}
+    held = {r["instance"] for r in rows if r["split"] != SELECTION}
+    swept = [r for r in rows if r["swept"]]
 
     def curve(name, ids):
         pts = {}
         for k in ks:
-            vals = [r["sweep"][f"selective_{name}@{k}"]["agree"] for r in rows
+            vals = [r["sweep"][f"selective_{name}@{k}"]["agree"] for r in swept
                     if r["instance"] in ids and f"selective_{name}@{k}" in r["sweep"]]
             pts[str(k)] = proportion(sum(vals), len(vals))
         return pts
@@ -178,8 +191,28 @@ def choose_ranking(rows, rankings, ks, seed, fraction) -> dict:
         score[name] = float(np.mean(ps)) if ps else None
     valid = {n: s for n, s in score.items() if s is not None}
     chosen = max(valid, key=valid.get) if valid else None          # ties: the first in `rankings`
-    return {"selection_instances": sorted(sel), "held_out_instances": sorted(held), "selection_score": score,
-            "chosen": chosen, "held_out": {n: curve(n, held) for n in rankings}}
+    n_swept = {"selection": sum(r["instance"] in sel for r in swept), "heldout": sum(r["instance"] in held for r in swept)}
+    return {"selection_instances": sorted(sel), "held_out_instances": sorted(held), "n_swept": n_swept,
+            "selection_score": score, "chosen": chosen,
+            "reason": None if chosen else _no_choice(rows, rankings, n_swept, n_instances),
+            "held_out": {n: curve(n, held) for n in rankings}}
+
+
+def _no_choice(rows, rankings, n_swept: dict, n_instances: int | None) -> str:
+    """Why :func:`choose_ranking` chose no ranking, in words."""
+    if not rankings:
+        return "probe.rankings is empty: there is no ranking to choose"
+    if not rows:
+        return "no flipping pair was edited"
+    if not any(r["split"] == SELECTION for r in rows):
+        if n_instances == 1:
+            return ("scenario.n_instances=1: every instance is held out, so no ranking is chosen on selection "
+                    "instances (run with scenario.n_instances >= 2)")
+        return ("no edited pair is on a selection instance: a scenario's instances split into selection and "
+                "held-out only when two or more of them have flipping pairs")
+    if not n_swept["selection"]:
+        return "the K sweep ran on no selection pair (probe.sweep_max_pairs)"
+    return "no selective@K variant ran on a selection pair: every K of probe.ks exceeds their downstream length"
 
 
 # --------------------------------------------------------------------------------------------- run
@@ -194,16 +227,19 @@ def run(ctx) -> dict:
     oracle_ranking = None if generated else cfg.oracle_ranking
     n_boot, seed = int(cfg.n_boot), ctx.seed
     pr = pair_loop(ctx, "edit: clean runs", keep=True)        # every flipping row first: the cap is round-robin
-    order = round_robin(pr.rows)
+    # the split is over every flipping pair's instances, before the caps (a cap that keeps one instance
+    # of a scenario would put it on the held-out side); the sweep takes both sides in turn
+    split_rows, _, _ = with_split(pr.rows, float(cfg.selection_fraction), seed)
+    order = round_robin(split_rows)
     limit, sweep_limit = cfg.max_pairs, None if generated else cfg.sweep_max_pairs
     if limit is not None and len(order) > int(limit):
         pr.exclusions["beyond_max_pairs"] = pr.exclusions.get("beyond_max_pairs", 0) + len(order) - int(limit)
         order = order[: int(limit)]
-    swept = set(order if sweep_limit is None else order[: int(sweep_limit)])
+    swept = set(order if sweep_limit is None else alternate_splits(split_rows, order)[: int(sweep_limit)])
     rows = []
     for i in tqdm(order, desc="edit", disable=not cfg.progress):
         with ctx.timer("edits"):
-            rows.append(pr.rows[i] | {"swept": i in swept}
+            rows.append(split_rows[i] | {"swept": i in swept}
                         | edit_pair(ctx, pr.pairs[i], kwargs, rankings, ks, oracle_ranking, i in swept))
     families = families_of(ctx, rows + pr.excluded)
     with ctx.timer("controls"):
@@ -217,15 +253,17 @@ def run(ctx) -> dict:
                                       sum(1 for r in rows if g in ("all", r["family"]))) for g in ["all", *families]}
                     for m in CONTROLS}
         controls["overcorrection"] = proportion(sum(r["overcorrected"] for r in ctrl_rows), len(ctrl_rows))
-        choice = choose_ranking(rows, rankings, ks, seed, float(cfg.selection_fraction))
+        choice = choose_ranking(rows, rankings, ks, ctx.scenario.n_instances)
     aggregates = K.pair_counts(ctx, rows, pr.excluded, families) | {
                   "variant": "cot" if generated else "direct", "methods": named, "sweep": sweep,
                   "sweep_index": {n: {"ranking": index[n][0], "k": index[n][1]} for n in sweep_names},
                   "ranking_choice": choice, "controls": controls, "control_pairs_skipped": ctrl_skipped,
                   "upper_bounds": [n for n, m in methods.METHODS.items() if m.upper_bound and oracle_ranking]
                   } | readout_aggregates(ctx, pr)
+    warnings = ([f"edit: no ranking chosen for the K sweep: {choice['reason']}"]
+                if choice["reason"] and rows and rankings else [])
     return {"rows": rows, "control_rows": ctrl_rows, "exclusions": pr.exclusions, "excluded": pr.excluded,
-            "aggregates": aggregates}
+            "aggregates": aggregates, "warnings": warnings}
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

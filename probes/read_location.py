@@ -15,7 +15,7 @@ import torch
 from pydantic import AfterValidator
 
 from kvnotes.harness import kit as K
-from kvnotes.harness.constraints import Count, NonNegative, NonNegativeFloat, one_of
+from kvnotes.harness.constraints import BandList, Count, NonNegative, NonNegativeFloat, one_of
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.protocol import GeneratedReadout, pair_loop, readout_aggregates
 from kvnotes.harness.readout import candidate_scores, collapse_flags, first_token_scores
@@ -61,7 +61,7 @@ class Config(ProbeConfig, GeneratedReadout):
 
     n_sinks: NonNegative = 1
     band_units: Annotated[str, one_of("fraction", "layer")] = "fraction"
-    bands: Any = field(
+    bands: BandList = field(
         default_factory=lambda: [[0.0, 0.25], [0.25, 0.5], [0.5, 0.75], [0.75, 1.0], [0.0, 1.0]])
     knockout_groups: Annotated[Any, AfterValidator(_knockout_groups)] = field(
         default_factory=lambda: [["field"], ["downstream"], ["sinks"], ["field", "downstream"]])

@@ -15,11 +15,11 @@ from pydantic import AfterValidator
 from tqdm import tqdm
 
 from kvnotes.harness import kit as K
-from kvnotes.harness.constraints import Counts, OpenFraction, Share, one_of
+from kvnotes.harness.constraints import Counts, LayerBands, OpenFraction, Share, one_of, require_instances
 from kvnotes.harness.kit import ProbeConfig, RandomControl, families_of, summaries_by_family
 from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, pair_loop, readout_aggregates
 from kvnotes.harness.selection import (ANCHORS, grid_points, k_for, offset_profiles, offsets, pair_rng, position_sets,
-                                       profile_for, rank_positions, split_instances)
+                                       profile_for, rank_positions, split_instances, split_warnings)
 from kvnotes.kv.masks import VariantPlan, patched_positions
 from kvnotes.records.figures import Bars, Curves
 from kvnotes.records.presentation import Presentation
@@ -61,13 +61,23 @@ class Config(ProbeConfig, GeneratedReadout):
     random: RandomControl = field(default_factory=lambda: RandomControl(5))
     topk_anchor: Annotated[str, one_of(*ANCHORS)] = "decision"
     selection_fraction: OpenFraction = 0.5
-    layer_bands: Any = 5
+    layer_bands: LayerBands = 5
     with_field: bool = True
     store_sets: bool = False
     keep_caches: bool = True
     #: ``scenario.variant=cot``: set sizes (fractions of the downstream) and set families
     cot_fractions: Annotated[list[Share], Len(min_length=1)] = field(default_factory=lambda: [0.1, 0.25, 0.5, 1.0])
     cot_families: Annotated[list[Annotated[str, AfterValidator(_cot_family)]], Len(min_length=1)] = field(default_factory=lambda: list(COT_FAMILIES))
+
+    def check_run(self, run) -> None:
+        """The held-out top-k curve needs a selection split (direct readout; the cot curves have none).
+
+        Raises:
+            KvnotesError: ``scenario.n_instances < 2`` under the direct readout.
+        """
+        if run.scenario.variant != "cot":
+            require_instances(run, 2, "suffix_recovery", "ranks positions on selection instances and tests them "
+                              "on held-out ones")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,6 +279,8 @@ class Result(BaseResult):
     split: dict[str, Any]
     selection_pairs: list[str]
     examples: dict[str, dict[str, Any]]
+    #: what could not be measured and why, one line each (also said on stderr)
+    warnings: list[str]
 
 
 def _checks(rows: list[dict], held_rows: list[dict], grid: list[dict], sel) -> dict:
@@ -370,7 +382,7 @@ def run(ctx) -> dict:
         with ctx.timer("statistics"):
             aggregates = _cot_aggregates(rows, grid, bands, fams, families, n_boot, ctx.seed)
         return out | {"aggregates": readout_aggregates(ctx, pr) | common | aggregates,
-                      "set_families": fams, "split": {}, "selection_pairs": [], "examples": {}}
+                      "set_families": fams, "split": {}, "selection_pairs": [], "examples": {}, "warnings": []}
     held_rows = [r for r in rows if r["split"] == "heldout" and "topk_sets" in r]
     examples = {}
     for r, sp in zip(rows, pr.pairs):
@@ -383,7 +395,9 @@ def run(ctx) -> dict:
     aggregates |= common | {"n_selection": sum(r["split"] == "selection" for r in rows), "n_heldout": len(held_rows),
                             "n_heldout_without_profile": sum(r["split"] == "heldout" and "topk_sets" not in r
                                                              for r in rows)}
-    return out | {"aggregates": aggregates, "set_families": list(SET_FAMILIES),
+    warnings = split_warnings("suffix_recovery", rows, "held-out top-k curve", len(held_rows),
+                              "have no selection pairs of their scenario or family to rank positions by")
+    return out | {"aggregates": aggregates, "set_families": list(SET_FAMILIES), "warnings": warnings,
                   "split": {"selection_fraction": float(cfg.selection_fraction), "seed": ctx.seed,
                             "selection": sorted(sel), "heldout": sorted(held)},
                   "selection_pairs": [r["pair"] for r in rows if r["split"] == "selection"], "examples": examples}

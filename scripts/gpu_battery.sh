@@ -29,7 +29,7 @@ device=${DEVICE:-cuda}
 
 common=(model.random_init.enabled=true "model.random_init.shrink=$shrink" "model.random_init.tokenizer=$tok"
         flip_rule=synthetic min_effect=0.005 scenario.families=null "scenario.ids=[favourite_colour]"
-        scenario.n_instances=1 probe.n_boot=50)
+        scenario.n_instances=2 probe.n_boot=50)   # 2: heads, direction and suffix_recovery need a held-out split
 bounds=("heads:probe.random.n_draws=1" "heads:probe.max_map_pairs_per_family=1" "heads:probe.ks=[1,4]"
         "suffix_recovery:probe.random.n_draws=1" "suffix_recovery:probe.grid.fractions=[0.5,1.0]"
         "suffix_recovery:probe.grid.counts=[1,4]" "suffix_recovery:probe.layer_bands=2"

@@ -10,7 +10,11 @@ enforces (:func:`check_values` validates the merged config with ``pydantic.TypeA
     sink: Annotated[str, one_of("bos", "none")] = "bos"
 
 The aliases below name the constraints the probes share; a probe may write its own with
-``annotated_types`` (``Ge``, ``Gt``, ``Interval``, ``Len``) or :func:`one_of`.
+``annotated_types`` (``Ge``, ``Gt``, ``Interval``, ``Len``) or :func:`one_of`. What a probe's keys
+alone cannot say it checks against the run's settings in ``Config.check_run``
+(:meth:`kvnotes.harness.kit.ProbeConfig.check_run`; e.g. :func:`require_instances`), also before any
+model loads; what depends on the model's shape (a layer index beyond its depth) is a
+:class:`kvnotes.errors.ModelFitError` raised as soon as the model is loaded, before any work.
 """
 
 from __future__ import annotations
@@ -49,6 +53,57 @@ def one_of(*choices: Any) -> AfterValidator:
         return value
 
     return AfterValidator(check)
+
+
+def _band_list(value: Any, integers: bool = False) -> Any:
+    """A non-empty list of ``[lo, hi]`` bands, numbers (integers with ``integers``) with ``0 <= lo < hi``."""
+    if not isinstance(value, list) or not value:
+        raise ValueError("must be a non-empty list of [lo, hi] bands")
+    kinds = int if integers else int | float
+    for band in value:
+        if (not isinstance(band, list) or len(band) != 2
+                or not all(isinstance(x, kinds) and not isinstance(x, bool) for x in band)
+                or not 0 <= band[0] < band[1]):
+            what = "layer indices" if integers else "numbers"
+            raise ValueError(f"band {band!r} is not [lo, hi] with {what} 0 <= lo < hi")
+    return value
+
+
+def _layer_bands(value: Any) -> Any:
+    """A number of equal bands (an int >= 1) or a list of ``[lo, hi)`` layer ranges (:func:`_band_list`)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    if not isinstance(value, list):
+        raise ValueError("must be a number of bands >= 1 or a non-empty list of [lo, hi] layer ranges")
+    return _band_list(value, integers=True)
+
+
+#: Layer bands as :func:`kvnotes.harness.kit.layer_bands` takes them in layer units: a number of
+#: equal bands, or a non-empty list of ``[lo, hi)`` layer ranges (``0 <= lo < hi``; ``hi`` is checked
+#: against the model's depth once it is loaded, a :class:`kvnotes.errors.ModelFitError`).
+LayerBands = Annotated[Any, AfterValidator(_layer_bands)]
+#: Bands as a non-empty list of ``[lo, hi]`` numbers (``0 <= lo < hi``), in fractions of depth or
+#: layers (the probe's units; checked against the model once it is loaded).
+BandList = Annotated[Any, AfterValidator(_band_list)]
+
+
+def require_instances(run: Any, least: int, probe: str, why: str) -> None:
+    """Refuse a run that draws fewer than ``least`` instances per scenario, for a probe whose point
+    is a split of each scenario's instances (selection / held-out,
+    :func:`kvnotes.harness.selection.split_instances`): with one instance every pair is held out
+    and nothing is selected. For :meth:`kvnotes.harness.kit.ProbeConfig.check_run`.
+
+    Args:
+        run: the typed run config (:class:`kvnotes.harness.runconfig.RunSettings`).
+        why: what the probe does with the split, e.g. ``"ranks positions on selection instances and
+            tests them on held-out ones"``.
+
+    Raises:
+        KvnotesError: ``scenario.n_instances < least``, in one line naming the key, the probe and why.
+    """
+    n = int(run.scenario.n_instances)
+    if n < least:
+        raise KvnotesError(f"scenario.n_instances={n}: {probe} {why}; it needs scenario.n_instances >= {least}")
 
 
 def check_values(schema: type, data: dict, prefix: str = "probe") -> None:

@@ -8,6 +8,7 @@ into one line and exit status 2. No record is written unless the probe completed
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,10 +44,13 @@ def run_job(cfg: Any, out_dir: Path, hydra_info: dict, log: Callable[[str], None
             prepares each kind once for all its probes), or None.
 
     Returns:
-        the record path.
+        the record path. The probe's ``warnings`` (what it could not measure, and why) are kept in
+        the record and said on stderr, one ``kvnotes: warning:`` line each (:func:`warning_lines`).
 
     Raises:
-        KvnotesError, ScenarioError: bad input (nothing written).
+        KvnotesError, ScenarioError: bad input (nothing written): among them the probe's own checks
+            of the run settings, before the model loads (:func:`kvnotes.harness.registry.check_run`),
+            and a probe value the loaded model cannot take (:class:`kvnotes.errors.ModelFitError`).
     """
     from omegaconf import OmegaConf
 
@@ -65,7 +69,10 @@ def run_job(cfg: Any, out_dir: Path, hydra_info: dict, log: Callable[[str], None
     probe_cfg = registry.typed_config(cfg.probe)
     probe_run = registry.get(probe_cfg)
     registry.check_variant(probe_cfg, cfg.scenario.get("variant", "direct"), bool(cfg.model.get("thinking")))
+    registry.check_run(probe_cfg, cfg)                                  # the probe's own checks of the run
     with timer("load_model"):
+        if bundle is None:
+            log(f"kvnotes: loading {cfg.model.name} ...")            # the first load of an embedded model takes minutes
         bundle = bundle if bundle is not None else load_bundle(cfg)
     inputs = record_inputs(cfg)                                         # after the load: a hub snapshot is local now
     with timer("pairs"):
@@ -89,12 +96,21 @@ def run_job(cfg: Any, out_dir: Path, hydra_info: dict, log: Callable[[str], None
     log(f"kvnotes: wrote {record_path}")
     for line in outcome_lines(result, pairs, bundle.tokenizer, str(cfg.flip_rule)):
         log(line)
+    for line in warning_lines(result):
+        print(line, file=sys.stderr)
     if cfg.plot:
         from kvnotes.plots import plot_record
 
         for path in plot_record(record, out_dir):
             log(f"kvnotes: wrote {path}")
     return record_path
+
+
+def warning_lines(result: dict) -> list[str]:
+    """``kvnotes: warning: <line>`` for each entry of the result's ``warnings``: what a probe could not
+    measure and why (e.g. an analysis left empty because no pair was on a selection instance), said
+    on stderr as well as kept in the record, each on one line."""
+    return [f"kvnotes: warning: {' '.join(str(w).split())}" for w in result.get("warnings") or ()]
 
 
 def complete_record(cfg: dict, hydra: dict, bundle, pairs, scenario_cfg, result: dict, timing: dict) -> dict:

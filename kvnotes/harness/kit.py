@@ -63,6 +63,20 @@ class ProbeConfig:
     progress: bool = True
     n_boot: Count = 2000
 
+    def check_run(self, run) -> None:
+        """This probe's checks against the run's settings, before any model loads
+        (:func:`kvnotes.harness.registry.check_run`): what its keys alone cannot say, e.g. that its
+        selection / held-out split needs two instances per scenario
+        (:func:`kvnotes.harness.constraints.require_instances`). None here; a probe overrides it.
+
+        Args:
+            run: the typed run config (:class:`kvnotes.harness.runconfig.RunSettings`: ``scenario``,
+                ``model``, ``readout``, ...).
+
+        Raises:
+            KvnotesError: a run this probe cannot analyse, in one line naming the run key.
+        """
+
 
 @dataclass
 class RandomControl:
@@ -354,8 +368,8 @@ def layer_bands(n_layers: int, spec, units: str = "layer") -> list[dict]:
             ``units="fraction"`` fractions of depth (``[floor(lo * L + 0.5), floor(hi * L + 0.5))``).
 
     Raises:
-        ModelFitError: (a ``ValueError``) unknown units, more bands than layers, or an empty /
-            out-of-range band.
+        ModelFitError: (a ``ValueError``) unknown units, more bands than layers, an empty /
+            out-of-range band, or a band in layer units that is not whole layers.
     """
     if isinstance(spec, int | np.integer):
         if not 1 <= spec <= n_layers:
@@ -367,6 +381,8 @@ def layer_bands(n_layers: int, spec, units: str = "layer") -> list[dict]:
         if units == "fraction":
             l0, l1 = math.floor(float(lo) * n_layers + 0.5), math.floor(float(hi) * n_layers + 0.5)
         elif units == "layer":
+            if float(lo) != int(lo) or float(hi) != int(hi):
+                raise ModelFitError(f"layer bands: band [{lo}, {hi}] in layer units must give whole layer indices")
             l0, l1 = int(lo), int(hi)
         else:
             raise ModelFitError(f"band units must be 'fraction' or 'layer', got {units!r}")
@@ -440,20 +456,29 @@ def cot_screen(ctx, pair, old_cache, new_cache, max_new: int) -> tuple[dict, str
     return cols | {"flips": flips, "reason": None if flips else "no_cot_flip"}, None
 
 
-def scan_layers(n_layers: int, layers: Sequence[int] | None, n_scan: int | None) -> list[int]:
+def scan_layers(n_layers: int, layers: Sequence[int] | None, n_scan: int | None, key: str = "probe.layers") -> list[int]:
     """Layers to scan: ``layers`` (sorted, deduplicated) or ``n_scan`` evenly spaced over
-    ``[0, n_layers - 2]`` (all of them when ``n_scan`` is None or larger).
+    ``[0, n_layers - 2]`` (all of them when ``n_scan`` is None or larger). A probe calls it before
+    any work, as soon as the model's depth is known.
+
+    Args:
+        key: the config key ``layers`` came from, for the message.
 
     Raises:
-        ValueError: a layer outside ``[0, n_layers)``, or a model with a single layer.
+        ModelFitError: (a ``ValueError``) an empty list, a layer outside ``[0, n_layers)`` (a negative
+            one too: no index wraps around), or a model with a single layer; one line naming ``key``.
     """
     if layers is not None:
         out = sorted({int(l) for l in layers})
-        if any(not 0 <= l < n_layers for l in out):
-            raise ValueError(f"layers {out} outside [0, {n_layers})")
+        if not out:
+            raise ModelFitError(f"{key}=[]: give at least one layer, or null to scan n_layers_scan of them")
+        bad = [l for l in out if not 0 <= l < n_layers]
+        if bad:
+            raise ModelFitError(f"{key}={list(layers)}: layer{'s' if len(bad) > 1 else ''} {bad} outside the "
+                                f"model's {n_layers} layers (0 to {n_layers - 1})")
         return out
     if n_layers < 2:
-        raise ValueError(f"a layer scan needs at least two layers, the model has {n_layers}")
+        raise ModelFitError(f"a layer scan needs at least two layers, the model has {n_layers}")
     top = n_layers - 2
     if n_scan is None or int(n_scan) >= top + 1:
         return list(range(top + 1))

@@ -28,7 +28,7 @@ from kvnotes.harness.kit import CleanRuns, ProbeConfig
 from kvnotes.models.loading import ModelBundle
 from kvnotes.harness.pairs import PairSet
 from kvnotes.harness.readout import check_flip_rule
-from kvnotes.harness.runconfig import ScenarioSettings
+from kvnotes.harness.runconfig import RunSettings, ScenarioSettings, typed
 from kvnotes.records.store import Timer
 
 #: The probe config group.
@@ -162,6 +162,25 @@ class ProbeContext:
 def get(cfg_or_name) -> Callable[[ProbeContext], dict]:
     """The ``run`` function of a probe, from its config or its name (see :func:`module`)."""
     return module(cfg_or_name).run
+
+
+def check_run(probe_cfg, run_cfg) -> None:
+    """The checks a probe declares against the run's settings, before any model loads: its
+    ``Config.check_run`` (:meth:`kvnotes.harness.kit.ProbeConfig.check_run`), e.g. a probe whose
+    selection / held-out split needs ``scenario.n_instances >= 2``.
+
+    Args:
+        probe_cfg: the typed probe config (:func:`typed_config`).
+        run_cfg: the composed run config (``conf/config.yaml``), or its :class:`RunSettings`.
+
+    Raises:
+        KvnotesError: a run setting the probe cannot work with (one line), or a run config of the
+            wrong type (:func:`kvnotes.harness.runconfig.typed`).
+    """
+    settings = run_cfg if isinstance(run_cfg, RunSettings) else typed(run_cfg)
+    check = getattr(OmegaConf.to_object(probe_cfg), "check_run", None)
+    if check is not None:
+        check(settings)
 
 
 def check_variant(cfg_or_name, variant: str, thinking: bool | None = None) -> None:

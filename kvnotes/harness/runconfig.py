@@ -264,7 +264,8 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
     Checks: :func:`typed` (and ``flip_rule=synthetic`` only with ``model.random_init``); ``model.path``
     (:func:`check_model_path`); the probe's
     keys, types and allowed values (``registry.typed_config``), that it can read the prompt variant
-    (``registry.check_variant``); every scenario file is valid (:func:`check_scenario_files`); the device exists
+    (``registry.check_variant``), its own checks of the run settings (``registry.check_run``: a split
+    needs two instances), that a pair probe has scenario paths; every scenario file is valid (:func:`check_scenario_files`); the device exists
     (:func:`kvnotes.models.loading.resolve_device`); the model's device map and quantization can run on it
     (:func:`kvnotes.models.placement.placement_kwargs`); ``out_root`` is writable; every scenario path exists.
     With ``machine=False`` (a job that will run elsewhere, e.g. submitted to SLURM from a login node
@@ -285,6 +286,7 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
     check_model_path(settings.model)
     probe_cfg = registry.typed_config(cfg.probe)
     registry.check_variant(probe_cfg, settings.scenario.variant, bool(settings.model.thinking))
+    registry.check_run(probe_cfg, settings)              # the probe's own checks of the run (its split's instances)
     if probe_cfg.get("pairs", "field") != "none" and not settings.scenario.paths:
         raise ScenarioError(f"scenario.paths is empty: probe {probe_cfg.get('name')} runs on a scenario suite's pairs; "
                             f"name at least one suite folder or file (e.g. scenario=default)")
@@ -317,9 +319,12 @@ def check_scenario_files(scenario: ScenarioSettings) -> None:
            None if scenario.ids is None else tuple(scenario.ids), scenario.memory,
            scenario.locomo)
     if key in _CHECKED_SCENARIOS:            # a sweep's points share their files: each set is read once
+        check_pair_count(scenario, _CHECKED_SCENARIOS[key])
         return
+    per_instance = 0
     if scenario.paths:
-        check_pair_count(scenario, load_suite(scenario.paths, scenario.families, scenario.ids))
+        per_instance = sum(len(sc.pairs) for sc in load_suite(scenario.paths, scenario.families, scenario.ids))
+        check_pair_count(scenario, per_instance)
     if scenario.memory:
         load_memory(scenario.memory)
     if scenario.locomo:
@@ -327,7 +332,7 @@ def check_scenario_files(scenario: ScenarioSettings) -> None:
         from kvnotes.scenarios.schema import resolve_path
 
         load_locomo(resolve_path(scenario.locomo))
-    _CHECKED_SCENARIOS.add(key)
+    _CHECKED_SCENARIOS[key] = per_instance
 
 
 #: Memory one prepared pair holds (token ids, spans, texts of both prompts): 10.6 KB measured on the
@@ -336,8 +341,9 @@ def check_scenario_files(scenario: ScenarioSettings) -> None:
 PAIR_BYTES = 16 * 1024
 
 
-def check_pair_count(scenario: ScenarioSettings, scenarios: list) -> int:
-    """The number of pairs ``scenario.n_instances`` instances of ``scenarios`` make, refused when
+def check_pair_count(scenario: ScenarioSettings, per_instance: int) -> int:
+    """The number of pairs ``scenario.n_instances`` instances make (``per_instance`` pairs an
+    instance, over the selected scenarios), refused when
     preparing them alone could not fit in this machine's available memory (:data:`PAIR_BYTES` a
     pair), before a model loads.
 
@@ -346,7 +352,6 @@ def check_pair_count(scenario: ScenarioSettings, scenarios: list) -> int:
     """
     import psutil
 
-    per_instance = sum(len(sc.pairs) for sc in scenarios)
     n_pairs = scenario.n_instances * per_instance
     need, have = n_pairs * PAIR_BYTES, psutil.virtual_memory().available
     if need > have:
@@ -358,8 +363,9 @@ def check_pair_count(scenario: ScenarioSettings, scenarios: list) -> int:
 
 
 #: Scenario file sets :func:`check_scenario_files` found valid in this process, keyed by each file's
-#: path, size and modification time (an edited file is checked again).
-_CHECKED_SCENARIOS: set = set()
+#: path, size and modification time (an edited file is checked again), with their pairs an instance
+#: (the instance count is checked on every call: it is not part of the key).
+_CHECKED_SCENARIOS: dict[tuple, int] = {}
 
 
 def _drop(tree: dict, dotted: str) -> None:

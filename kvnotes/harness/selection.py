@@ -21,6 +21,7 @@ import math
 import zlib
 from collections import Counter
 from collections.abc import Sequence
+from itertools import zip_longest
 
 import numpy as np
 
@@ -57,6 +58,41 @@ def with_split(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict]
     (:func:`split_instances`). Returns (rows, selection instance ids, held-out instance ids)."""
     sel, held = split_instances(rows, fraction, seed)
     return [r | {"split": SELECTION if r["instance"] in sel else HELDOUT} for r in rows], sel, held
+
+
+def alternate_splits(rows: list[dict], order: Sequence[int]) -> list[int]:
+    """Row indices of ``order`` with the two splits taking turns (selection first), each side in its
+    own ``order``, so that a cap on the result (e.g. a probe's sweep) keeps pairs of both sides;
+    once one side runs out the other follows. ``rows[i]["split"]`` is ``"selection"`` or ``"heldout"``."""
+    sides = ([i for i in order if rows[i]["split"] == SELECTION], [i for i in order if rows[i]["split"] != SELECTION])
+    out = []
+    for pair in zip_longest(*sides):
+        out += [i for i in pair if i is not None]
+    return out
+
+
+def split_warnings(probe: str, rows: list[dict], what: str, n_used: int | None = None, missing: str = "") -> list[str]:
+    """The warnings (a result's ``warnings``, said on stderr too) of a probe whose held-out numbers
+    ``what`` are empty or partial: none of its flipping ``rows`` is on a selection instance (every
+    scenario's flipping pairs come from a single instance, which is held out), or, with ``n_used``
+    (held-out rows that carry the numbers), some held-out rows lack them because they ``missing``.
+    Nothing when there are no rows (the run's outcome line says no pair flipped).
+
+    Returns:
+        at most one line, e.g. ``"suffix_recovery: no held-out top-k curve: none of the 6 flipping
+        pairs is on a selection instance (...)"``.
+    """
+    if not rows:
+        return []
+    n_sel = sum(r.get("split") == SELECTION for r in rows)
+    n_held = len(rows) - n_sel
+    if n_sel == 0:
+        return [f"{probe}: no {what}: none of the {len(rows)} flipping pairs is on a selection instance "
+                f"(a scenario's instances split into selection and held-out only when two or more of them have "
+                f"flipping pairs)"]
+    if n_used is not None and n_used < n_held:
+        return [f"{probe}: {what} for {n_used} of {n_held} held-out pairs only; the other {n_held - n_used} {missing}"]
+    return []
 
 
 def sample_instances(rows: list[dict], max_pairs: int | None, seed: int, by: tuple[str, ...] = ("family",)) -> set[str]:

@@ -67,6 +67,8 @@ class BaseResult(TypedDict):
     aggregates: dict[str, Any]
     exclusions: dict[str, int]
     excluded: list[ExclusionRow]
+    #: what the probe could not measure and why, one line each (also said on stderr by the job)
+    warnings: NotRequired[list[str]]
 
 
 class SplitRow(PairRow):

@@ -147,6 +147,9 @@ def edit_table(record: dict) -> str:
     w(f"\ncontrols (moved the stale decision): {moved}; over-correction (correct erratum flips "
       f"a same-decision control pair): {fmt_p(c['overcorrection'])}")
     ch = agg["ranking_choice"]
+    if ch.get("chosen") is None and ch.get("reason"):
+        w(f"\nno ranking chosen on selection instances: {ch['reason']}")
+        return w.text()
     w(f"\nranking chosen on selection instances: {ch['chosen']} (selection mean agreement over K: "
           f"{ {k: (None if v is None else round(v, 3)) for k, v in ch['selection_score'].items()} }); held-out agreement "
           f"by K: " + ", ".join(f"{k}: {fmt_p(p)}" for k, p in (ch["held_out"].get(ch["chosen"]) or {}).items()))

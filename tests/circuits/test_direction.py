@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 import kvnotes.circuits.direction as D
 import kvnotes.harness.steering as S
+from kvnotes.errors import KvnotesError
 from kvnotes.harness.kit import scan_layers
 from kvnotes.kv.engine import Intervention, NNsightEngine, Site
 from kvnotes.kv import cache as kvcache
@@ -147,6 +148,29 @@ def test_no_heldout_instance_in_layer_selection():
     assert scan_layers(4, None, None) == [0, 1, 2] and scan_layers(4, [2, 0, 2], 1) == [0, 2]
     with pytest.raises(ValueError):
         scan_layers(4, [4], None)
+    # a ModelFitError (one line at the command line), naming the key; no negative index wraps around
+    with pytest.raises(KvnotesError, match=r"probe.layers=\[-1, 2\]: layer \[-1\] outside the model's 4 layers"):
+        scan_layers(4, [-1, 2], None)
+    with pytest.raises(KvnotesError, match="give at least one layer"):
+        scan_layers(4, [], None)
+
+
+def test_a_layer_the_model_lacks_is_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    """``probe.layers=[99]`` is checked against the model's depth as soon as it is loaded, before
+    any pair is run: one line, exit 2, nothing left under ``out_root`` (issue #54: it was a
+    traceback). The planted model (6 layers) builds in a moment."""
+    from tests.cli.test_cli import one_line_error, run_main
+
+    def no_work(ctx):
+        raise AssertionError("the probe started work")
+
+    monkeypatch.setenv("KVNOTES_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(D, "start_circuit", no_work)
+    out = tmp_path / "runs"
+    proc = run_main(monkeypatch, capsys, "model=planted-notes", "scenario=planted", "probe=direction",
+                    "probe.layers=[2,99]", f"out_root={out}")
+    one_line_error(proc, "probe.layers=[2, 99]: layer [99] outside the model's 6 layers (0 to 5)")
+    assert not out.exists() or not any(out.rglob("*"))
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
@@ -254,6 +278,7 @@ def test_run_on_embedded_model_is_finite_and_clean(smol):
     assert agg["checks"]["max_resume_score_error"] < 1e-3
     assert agg["checks"]["max_random_norm_rel_error"] < 1e-4 and agg["checks"]["random_k_matched"]
     assert len(agg["layers"]) == 2 and agg["n_evaluated"]["heldout"] >= 1
+    assert res["warnings"] == []                              # selection, fits, held-out pairs and a chosen layer
     rows = [r for r in res["rows"] if "layers" in r]
     for r in rows:
         assert r["instance"] not in r["fit_instances"] and r["fit_scenarios"] == [r["scenario"]]

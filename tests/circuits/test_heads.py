@@ -127,6 +127,17 @@ def test_selection_never_uses_heldout_instances():
         rank_by_mean([])
 
 
+def test_top_k_sizes_the_model_cannot_fill_are_said_or_refused():
+    """``ks`` above the model's heads are dropped and the run's ``warnings`` say which; when none is
+    left the probe refuses in one line (a ``ModelFitError``) before any work."""
+    from kvnotes.circuits.heads import head_ks
+    from kvnotes.errors import ModelFitError
+
+    assert head_ks([8, 1, 4, 1, 32], 2, 4) == ([1, 4, 8], [32])
+    with pytest.raises(ModelFitError, match=r"probe.ks=\[16, 32\]: every k exceeds the model's 8 heads \(2 layers x 4\)"):
+        head_ks([16, 32], 2, 4)
+
+
 def test_random_head_sets_are_k_matched_distinct_and_seeded():
     draws = random_head_sets(pair_rng(0, "p"), 3, 4, 5, 6)
     assert len(draws) == 6 and all(len(d) == 5 and len(set(d)) == 5 for d in draws)

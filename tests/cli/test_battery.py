@@ -242,7 +242,7 @@ def test_battery_on_a_random_weight_shape_with_per_probe_overrides(tmp_path, mon
     random_init_tokenizer("smollm2-135m").save_pretrained(tok)
     common = ["--model", "qwen3-8b", "--scenario", "small", "--device", "cpu", "--threads", "2",
               "model.random_init.enabled=true", f"model.random_init.tokenizer={tok}", "flip_rule=synthetic",
-              "min_effect=0.005", "scenario.families=null", "scenario.ids=[favourite_colour]", "scenario.n_instances=1"]
+              "min_effect=0.005", "scenario.families=null", "scenario.ids=[favourite_colour]", "scenario.n_instances=2"]
     out, records = tmp_path / "run.json", tmp_path / "records"
     ran = run_kvnotes(monkeypatch, capsys, "battery", *common, "heads:probe.ks=[1,4]", "heads:probe.random.n_draws=1",
                       "--lengths", "240,600", "--records", records, "--json", out, "--probes", "screen", "heads")

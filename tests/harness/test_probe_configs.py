@@ -51,6 +51,13 @@ def test_yaml_mirrors_the_config_dataclass(name):
                                                                          "got ['field', 'elsewhere']")),
     ("heads", {"modes": []}, ("probe.modes", "at least 1")),
     ("direction", {"fit_scope": "galaxy"}, ("probe.fit_scope", "'scenario'")),
+    ("direction", {"layers": [-1]}, ("probe.layers.0", "greater than or equal to 0", "-1")),
+    ("direction", {"layers": []}, ("probe.layers", "at least 1")),
+    ("suffix_recovery", {"layer_bands": [[1]]}, ("probe.layer_bands", "band [1] is not [lo, hi]", "got [[1]]")),
+    ("suffix_recovery", {"layer_bands": [[0.5, 2]]}, ("probe.layer_bands", "layer indices 0 <= lo < hi")),
+    ("suffix_recovery", {"layer_bands": 0}, ("probe.layer_bands", "a number of bands >= 1", "got 0")),
+    ("read_location", {"bands": 5}, ("probe.bands", "non-empty list of [lo, hi] bands", "got 5")),
+    ("read_location", {"bands": [[-0.25, 0.5]]}, ("probe.bands", "band [-0.25, 0.5] is not [lo, hi]")),
     ("memory_edits", {"lengths": [1024, 0]}, ("probe.lengths.1", "greater than or equal to 1")),
     ("memory_placement", {"alpha": 1.5}, ("probe.alpha", "less than 1")),
 ])
@@ -93,3 +100,49 @@ def test_probe_interpolations_resolve_against_the_run_config():
     with initialize_config_dir(str(registry.CONF_DIR.parent), version_base="1.3"):
         cfg = compose("config", overrides=["probe=memory_edits", "scenario=memory", "scenario.memory=/tmp/other.yaml"])
     assert registry.typed_config(cfg.probe).suite == "/tmp/other.yaml"
+
+
+#: What a probe that needs a selection / held-out split says to ``scenario.n_instances=1``.
+SPLIT_REFUSALS = {
+    "suffix_recovery": "suffix_recovery ranks positions on selection instances and tests them on held-out ones",
+    "heads": "heads ranks heads on selection instances and patches them on held-out ones",
+    "direction": "direction fits the direction and chooses its layer on selection instances",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPLIT_REFUSALS))
+def test_a_probe_whose_point_is_the_split_refuses_one_instance_before_loading(name, tmp_path, monkeypatch, capsys):
+    """``scenario.n_instances=1`` leaves every instance held out: a probe whose numbers are all
+    chosen on selection instances and reported on held-out ones says so in one line, exit 2, before
+    the model loads (``Config.check_run``), and leaves nothing under ``out_root``."""
+    from kvnotes.cli import run as cli
+    from kvnotes.harness import jobs
+
+    def no_load(cfg):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(jobs, "load_bundle", no_load)
+    args = [f"probe={name}", "scenario.n_instances=1", f"out_root={tmp_path / 'runs'}"]
+    monkeypatch.setattr(sys, "argv", ["run.py", *args])
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    one_line_error(subprocess.CompletedProcess(args, stop.value.code, "", capsys.readouterr().err),
+                   "scenario.n_instances=1", SPLIT_REFUSALS[name], "it needs scenario.n_instances >= 2")
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*"))
+
+
+def test_run_checks_see_the_run_settings():
+    """``registry.check_run``: the probe's ``Config.check_run`` against the typed run settings; a
+    probe whose split is not its point (edit, components) runs with one instance and says so in its
+    record, and suffix_recovery's chain-of-thought curves have no split."""
+    from kvnotes.harness.runconfig import RunSettings
+
+    def settings(**scenario):
+        return RunSettings.model_validate({"out_root": "runs", "model": {"name": "m"}, "scenario": scenario})
+
+    for name in ("edit", "components", "screen"):
+        registry.check_run(registry.load_config(name), settings(n_instances=1))
+    registry.check_run(registry.load_config("suffix_recovery"), settings(n_instances=1, variant="cot"))
+    registry.check_run(registry.load_config("suffix_recovery"), settings(n_instances=2))
+    with pytest.raises(KvnotesError, match="scenario.n_instances=1: heads"):
+        registry.check_run(registry.load_config("heads"), settings(n_instances=1))

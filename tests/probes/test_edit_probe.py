@@ -59,6 +59,72 @@ def test_round_robin_keeps_every_scenario():
     assert [rows[i]["scenario"] for i in round_robin(rows)][:3] == ["a", "b", "c"]
 
 
+def _swept_row(scenario: str, instance: int, split: str, agree: bool | None, swept: bool = True) -> dict:
+    sweep = {} if agree is None else {f"selective_{n}@{k}": {"agree": agree if n == "last" else not agree}
+                                      for n in ("last", "random") for k in (0, 4)}
+    return {"scenario": scenario, "instance": f"{scenario}/{instance}", "split": split, "swept": swept, "sweep": sweep}
+
+
+def test_the_sweep_takes_both_sides_of_the_split():
+    """The K sweep's cap takes selection and held-out pairs in turn (each side round-robin over
+    scenarios): a cap that kept the first pairs of each scenario kept one side only, and the ranking
+    choice had nothing to choose on (issue #54: ``ranking_choice.chosen=null``)."""
+    from kvnotes.harness.selection import alternate_splits
+
+    rows = [{"scenario": s, "split": sp} for s, sp in zip("abcdab", ["heldout"] * 4 + ["selection"] * 2)]
+    order = round_robin(rows)
+    assert alternate_splits(rows, order) == [4, 0, 5, 1, 2, 3]
+    assert alternate_splits(rows, order)[:2] == [4, 0]                   # a cap of two: one of each side
+
+
+def test_the_ranking_choice_states_why_nothing_was_chosen():
+    """The ranking is chosen on swept selection pairs and its curve reported on swept held-out ones;
+    when nothing can be chosen, ``reason`` says why (and the probe warns), never a bare null."""
+    from kvnotes.probes.edit import choose_ranking
+
+    rows = [_swept_row("a", 0, "selection", True), _swept_row("a", 1, "heldout", False),
+            _swept_row("b", 0, "heldout", True)]
+    got = choose_ranking(rows, ["random", "last"], [0, 4])
+    assert got["chosen"] == "last" and got["reason"] is None and got["n_swept"] == {"selection": 1, "heldout": 2}
+    assert got["held_out"]["last"]["4"]["n"] == 2 and got["held_out"]["last"]["4"]["k"] == 1
+    one = [r | {"split": "heldout"} for r in rows]
+    assert choose_ranking(one, ["last"], [0, 4], n_instances=1)["reason"].startswith("scenario.n_instances=1: every instance is held out")
+    assert "no edited pair is on a selection instance" in choose_ranking(one, ["last"], [0, 4], n_instances=4)["reason"]
+    unswept = [rows[0] | {"swept": False}, *rows[1:]]
+    assert "the K sweep ran on no selection pair" in choose_ranking(unswept, ["last"], [0, 4])["reason"]
+    too_short = [rows[0] | {"sweep": {}}, *rows[1:]]
+    assert "every K of probe.ks exceeds" in choose_ranking(too_short, ["last"], [0, 4])["reason"]
+    assert "probe.rankings is empty" in choose_ranking(rows, [], [0, 4])["reason"]
+    # a result's warnings are said on stderr by the job, one line each
+    from kvnotes.harness.jobs import warning_lines
+
+    assert warning_lines({"warnings": ["edit: no ranking\nchosen"]}) == ["kvnotes: warning: edit: no ranking chosen"]
+    assert warning_lines({}) == []
+
+
+def test_one_instance_runs_and_says_why_no_ranking_is_chosen(tmp_path, monkeypatch, capsys):
+    """``scenario.n_instances=1`` holds every instance out: the edit methods still run (the split is
+    not their point), and the record's ``ranking_choice.reason`` and ``warnings`` and one stderr line
+    say why no ranking was chosen (issue #54: a bare ``chosen=null``). The planted model builds in
+    a moment."""
+    import json
+
+    from tests.cli.test_cli import run_main
+
+    monkeypatch.setenv("KVNOTES_CACHE", str(tmp_path / "cache"))
+    proc = run_main(monkeypatch, capsys, "model=planted-notes", "scenario=planted", "probe=edit", "scenario.n_instances=1",
+                    "plot=false", "probe.progress=false", "probe.n_boot=50", f"out_root={tmp_path / 'runs'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = (tmp_path / "runs").rglob("record.json")
+    res = json.loads(path.read_text())["result"]
+    choice = res["aggregates"]["ranking_choice"]
+    assert choice["chosen"] is None and choice["reason"].startswith("scenario.n_instances=1: every instance is held out")
+    assert choice["n_swept"]["selection"] == 0 and choice["n_swept"]["heldout"] > 0
+    assert res["warnings"] == [f"edit: no ranking chosen for the K sweep: {choice['reason']}"]
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("kvnotes: warning:")] == \
+        [f"kvnotes: warning: {res['warnings'][0]}"]
+
+
 @pytest.mark.embedded
 def test_prompt_edits_align_with_the_cached_prompt(smol):
     from kvnotes.harness import edit_prompts as edits
@@ -117,6 +183,10 @@ def test_edit_probe_end_to_end(smol, tmp_path, variant):
         assert s["sweep"]["selective_last@0"]["s"] == pytest.approx(s["methods"]["refresh_field"]["s"], abs=KL_TOL)
     assert agg["upper_bounds"] == ([] if cot else ["oracle_copy"])
     assert set(agg["controls"]) == {"wrong_erratum", "irrelevant_notice", "overcorrection"}
+    # one instance: nothing to choose a ranking on, and the record says why
+    choice = agg["ranking_choice"]
+    assert choice["chosen"] is None and "no edited pair is on a selection instance" in choice["reason"]
+    assert res["warnings"] == [f"edit: no ranking chosen for the K sweep: {choice['reason']}"]
     if cot:
         assert agg["readout"] == "generated" and agg["n_screened"] == 1 and not res["control_rows"]
         assert r["chain_old"]["reached"] and r["chain_new"]["reached"]

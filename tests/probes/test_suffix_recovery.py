@@ -67,6 +67,25 @@ def test_layer_bands():
     assert layer_bands(6, [[0, 2], [2, 6]]) == [{"name": "L0-1", "layers": [0, 2]}, {"name": "L2-5", "layers": [2, 6]}]
     with pytest.raises(ValueError):
         layer_bands(6, [[4, 8]])
+    with pytest.raises(KvnotesError, match="whole layer indices"):      # a ModelFitError: one line at the command line
+        layer_bands(6, [[0.5, 2]])
+
+
+def test_an_empty_or_partial_heldout_analysis_is_said():
+    """No silent wrongs (issue #54): when no flipping pair is on a selection instance (every
+    scenario's flipping pairs come from one instance, which is held out) the held-out curve is empty
+    and the result's ``warnings`` say so; a partial one says how many held-out pairs it covers."""
+    def rows(*splits):
+        return [{"split": s} for s in splits]
+
+    what, missing = "held-out top-k curve", "have no selection pairs of their scenario or family to rank positions by"
+    (empty,) = S.split_warnings("suffix_recovery", rows("heldout", "heldout"), what, 0, missing)
+    assert empty.startswith("suffix_recovery: no held-out top-k curve: none of the 2 flipping pairs "
+                            "is on a selection instance")
+    (partial,) = S.split_warnings("suffix_recovery", rows("selection", "heldout", "heldout"), what, 1, missing)
+    assert partial == f"suffix_recovery: {what} for 1 of 2 held-out pairs only; the other 1 {missing}"
+    assert S.split_warnings("suffix_recovery", rows("selection", "heldout"), what, 1, missing) == []
+    assert S.split_warnings("suffix_recovery", [], what, 0, missing) == []      # no flipping pair: the outcome line says it
 
 
 def test_offsets_and_ranking_transfer_between_lengths():
@@ -150,6 +169,7 @@ def test_heldout_never_used_for_selection(spied):
         for k, s in zip(r["k"], r["topk_sets"], strict=True):
             assert s == (None if k is None else sorted(order[:k]))
     assert res["aggregates"]["checks"]["heldout_profile_pairs_not_in_selection"] == 0
+    assert res["warnings"] == []                                # every held-out pair has its scenario's profile
     assert res["aggregates"]["n_heldout"] == len(held_rows)
     for g in res["aggregates"]["curves"]["heldout"]["topk"]:
         assert g["all"]["n"] <= len(held_rows)
