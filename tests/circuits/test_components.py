@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from kvnotes.circuits.components import top_offset
-from kvnotes.harness.attribution import (contributions, decomposition_error, direct_logit_attribution,
-                                         logit_diff_direction, residual_parts)
+from kvnotes.circuits.components import (
+    contributions,
+    decomposition_error,
+    direct_logit_attribution,
+    logit_diff_direction,
+    residual_parts,
+    top_offset,
+)
 from kvnotes.kv.engine import NNsightEngine
 from kvnotes.models.adapters import Adapter
 from tests.helpers import VOCAB, check_schema, recall_pairs

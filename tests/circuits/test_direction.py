@@ -12,7 +12,6 @@ import torch
 from omegaconf import OmegaConf
 
 import kvnotes.circuits.direction as D
-import kvnotes.harness.steering as S
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.kit import scan_layers
 from kvnotes.kv.engine import Intervention, NNsightEngine, Site
@@ -29,8 +28,8 @@ def test_random_controls_are_norm_and_k_matched():
     g = torch.Generator().manual_seed(0)
     delta = torch.randn(7, HID, generator=g) * torch.linspace(0.1, 5, 7)[:, None]   # uneven norms per position
     u = torch.nn.functional.normalize(torch.randn(HID, generator=g), dim=0)
-    rand = S.random_directions(pair_rng(3, "pair/x"), 4, HID)
-    inj = S.injections(delta, u, rand)
+    rand = D.random_directions(pair_rng(3, "pair/x"), 4, HID)
+    inj = D.injections(delta, u, rand)
     assert inj["random"].shape == (4,) + inj["direction"].shape                 # same positions, same width
     real = inj["direction"].norm(dim=-1)
     for k in range(4):
@@ -46,13 +45,13 @@ def test_random_controls_are_norm_and_k_matched():
     assert torch.allclose(inj["direction"] + inj["orthogonal"], delta, atol=1e-5)
     assert (inj["orthogonal"] @ u).abs().max() < 1e-4
     assert torch.allclose(rand.norm(dim=-1), torch.ones(4), atol=1e-6)
-    assert torch.equal(rand, S.random_directions(pair_rng(3, "pair/x"), 4, HID))
-    assert not torch.equal(rand, S.random_directions(pair_rng(4, "pair/x"), 4, HID))
+    assert torch.equal(rand, D.random_directions(pair_rng(3, "pair/x"), 4, HID))
+    assert not torch.equal(rand, D.random_directions(pair_rng(4, "pair/x"), 4, HID))
     # necessity: every variant sets the projection on its own direction to its target, same positions
     x = torch.randn(7, HID, generator=g)
     dirs = torch.cat([u[None], rand])
     mu = torch.arange(5, dtype=torch.float32)
-    add = S.ablations(x, dirs, mu)
+    add = D.ablations(x, dirs, mu)
     assert add.shape == (5, 7, HID)
     for k in range(5):
         assert torch.allclose((x + add[k]) @ dirs[k], mu[k].expand(7), atol=1e-4)
@@ -115,8 +114,8 @@ def test_random_subspace_control_is_norm_matched_and_inside_its_subspace():
     g = torch.Generator().manual_seed(5)
     delta = torch.randn(6, HID, generator=g)
     u = torch.nn.functional.normalize(torch.randn(HID, generator=g), dim=0)
-    rand = S.random_directions(pair_rng(1, "pair/y"), 3, HID)
-    inj = S.injections(delta, u, rand)
+    rand = D.random_directions(pair_rng(1, "pair/y"), 3, HID)
+    inj = D.injections(delta, u, rand)
     for k in range(3):
         sub = inj["random_subspace"][k]
         assert sub.norm() == pytest.approx(float(inj["direction"].norm()), rel=1e-5)
@@ -182,7 +181,7 @@ def tiny_run(request):
     b, d = pair.field[1], pair.decision
     pre = (kvcache.prefix_cache(model, run.old_cache, pair.old.ids, b), kvcache.prefix_cache(model, run.new_cache, pair.new.ids, b))
     layers = list(range(engine.adapter.n_layers))
-    caps = [S.capture_notes(engine, ids, p, b, d, layers) for ids, p in zip((pair.old.ids, pair.new.ids), pre)]
+    caps = [D.capture_notes(engine, ids, p, b, d, layers) for ids, p in zip((pair.old.ids, pair.new.ids), pre)]
     return model, engine, pair, run, pre, layers, caps
 
 
@@ -209,9 +208,9 @@ def test_full_difference_injection_reproduces_clean_run(tiny_run):
         assert (full[:a] - old_full[:a]).abs().max() < 1e-5          # nothing before the field moves
         # the probe's own variants: zero addition = old run, direction + orthogonal = full
         u = torch.nn.functional.normalize(delta.mean(0), dim=0)
-        inj = S.injections(delta, u, S.random_directions(pair_rng(0, "t"), 2, delta.shape[1]))
+        inj = D.injections(delta, u, D.random_directions(pair_rng(0, "t"), 2, delta.shape[1]))
         vals = torch.stack([torch.zeros_like(delta), inj["full"], inj["direction"] + inj["orthogonal"]])
-        s = S.added_scores(engine, run, pair.old.ids, pre[0], l, vals)
+        s = D.added_scores(engine, run, pair.old.ids, pre[0], l, vals)
         assert float(s[0]) == pytest.approx(run.s_old, abs=1e-4)
         assert float(s[1]) == pytest.approx(float(s[2]), abs=1e-4)
         ref = engine.run(pair.old.ids[b: d + 1], [iv], cache=pre[0], start=b).logprobs
@@ -219,7 +218,7 @@ def test_full_difference_injection_reproduces_clean_run(tiny_run):
         # necessity: after the ablation the captured note residuals of the new run project on u
         # exactly at the target mean, and everything orthogonal to u is untouched
         mu = torch.tensor([0.37])
-        add = S.ablations(x_new[li], u[None], mu)
+        add = D.ablations(x_new[li], u[None], mu)
         iv_n = Intervention(Site("resid_post", l), list(range(b, d)), add, mode="add")
         got = engine.run(pair.new.ids[b: d + 1], [iv_n], capture=[Site("resid_post", l)], cache=pre[1],
                          start=b).acts[Site("resid_post", l)][0, : d - b].float()

@@ -171,13 +171,37 @@ def test_every_probe_module_links_its_specification_page():
     ``docs/probes/<name>.md``, which exists, is in the site's navigation and names the module
     back (the specification lives in the docs, the module keeps what is the probe's own)."""
     nav = (ROOT / "mkdocs.yml").read_text()
-    modules = sorted(p for folder in ("probes", "circuits") for p in (ROOT / folder).glob("*.py")
-                     if p.name != "__init__.py")
-    assert {p.stem for p in modules} >= {"field_refresh", "read_location", "heads", "direction"}
-    for path in modules:
+    # a probe is a module (probes/heads.py) or a package (probes/compose/__init__.py: its name is the folder's)
+    modules = sorted((p, p.stem, f"{p.parent.name}/{p.name}") for folder in ("probes", "circuits")
+                     for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py")
+    modules += sorted((p, p.parent.name, f"{p.parent.parent.name}/{p.parent.name}/")
+                      for folder in ("probes", "circuits") for p in (ROOT / folder).glob("*/__init__.py"))
+    assert {name for _, name, _ in modules} >= {"field_refresh", "read_location", "heads", "direction", "compose"}
+    for path, name, shown in modules:
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-        page = f"docs/probes/{path.stem}.md"
+        page = f"docs/probes/{name}.md"
         assert page in doc, f"{path.relative_to(ROOT)}: its docstring does not link {page}"
         assert (ROOT / page).is_file(), f"{page} is missing"
-        assert f"probes/{path.stem}.md" in nav, f"{page} is not in mkdocs.yml's nav"
-        assert f"`{path.parent.name}/{path.name}`" in (ROOT / page).read_text(), f"{page} does not name {path.name}"
+        assert f"probes/{name}.md" in nav, f"{page} is not in mkdocs.yml's nav"
+        assert f"`{shown}`" in (ROOT / page).read_text(), f"{page} does not name {shown}"
+
+
+def _owner(module: str) -> str | None:
+    """The probe or circuit a module belongs to (``kvnotes.probes.compose.arms`` -> ``kvnotes.probes.compose``)."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if parts[:2] in (["kvnotes", "probes"], ["kvnotes", "circuits"]) and len(parts) > 2 else None
+
+
+def test_no_harness_module_serves_one_probe_alone():
+    """Probe-private code lives with its probe (issue #51): every harness module that a probe or
+    circuit imports is also imported by another probe, circuit, command, benchmark or harness module
+    (tests do not count). A module only one probe needs belongs in that probe's module or package."""
+    modules = dict((name, path) for path, name in _modules())
+    users: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        for dep in _imports(path, name):
+            target = dep if dep in modules else dep.rpartition(".")[0]
+            if target.startswith("kvnotes.harness.") and target != name:
+                users.setdefault(target, set()).add(_owner(name) or name)
+    private = {m: sorted(u) for m, u in users.items() if len(u) == 1 and _owner(next(iter(u)))}
+    assert not private, f"harness modules only one probe uses (move them into it): {private}"

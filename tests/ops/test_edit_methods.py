@@ -126,7 +126,7 @@ def test_the_registry_declares_each_method_once():
 
 
 def test_context_modes_and_the_probe_read_the_registry():
-    import kvnotes.harness.pair_editor as probe
+    import kvnotes.probes.edit as probe
     from kvnotes import context
     from kvnotes.bench import edit as bench_edit
 

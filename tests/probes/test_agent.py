@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
+import torch
+import transformers as T
 from omegaconf import OmegaConf
 
 from kvnotes import CONF_DIR
+from kvnotes.kv.generate import CotReadout, token_marker
 from kvnotes.probes import ProbeContext
-from tests.helpers import check_figures, check_schema
-import json
-import torch
-import transformers as T
-from kvnotes.kv.generate import token_marker
 from kvnotes.probes import agent as agent_mod
-from kvnotes.harness.trajectory import trajectory_values
-from kvnotes.kv.generate import CotReadout
-from kvnotes.probes.agent import aggregate, run_trajectory
-from tests.helpers import job_record, ARCHS, tiny_config
+from kvnotes.probes.agent import aggregate, run_trajectory, trajectory_values
+from tests.helpers import ARCHS, check_figures, check_schema, job_record, tiny_config
 
 #: fp32 on CPU: with whole chunks recomputed (seam >= chunk length) the agent's composed-then-
 #: appended cache is the transcript's full prefill computed in several forwards; measured KL ~1e-9.

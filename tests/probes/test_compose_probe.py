@@ -13,7 +13,7 @@ from tests.helpers import check_figures
 from types import SimpleNamespace
 import torch
 from kvnotes.kv.generate import Chain, token_marker
-from kvnotes.harness.composed import compose_prompts, cot_generate, variant_name
+from kvnotes.probes.compose.arms import compose_prompts, cot_generate, variant_name
 from kvnotes.probes.compose import aggregate, cot_prompt_row
 from tests.helpers import VOCAB, build_tiny
 
@@ -114,7 +114,7 @@ def test_edit_arms_shared_work_equals_each_pair_alone(smol, result):
     the composed prompts' full prefill, one stale cache per old value); each pair's arms must equal
     the arms computed for that pair alone, from scratch."""
     from kvnotes.harness.chunks import chunked_pairs
-    from kvnotes.harness.composed import edit_arms
+    from kvnotes.probes.compose.arms import edit_arms
 
     ps = chunked_pairs(smol.tokenizer, scenario_cfg())
     for pair, row in zip(ps.pairs, result["rows"]):
@@ -131,7 +131,7 @@ def test_edit_arms_shared_work_equals_each_pair_alone(smol, result):
 # -------------------- the generated readout (scenario.variant=cot)
 # ``compose`` under chain of thought (``scenario.variant=cot``): with zero new tokens the generated
 # readout of the full prefill and of every composed variant is the direct readout of
-# :func:`kvnotes.harness.composed.compose_prompts`; a composed variant whose seam recomputes whole chunks
+# :func:`kvnotes.probes.compose.arms.compose_prompts`; a composed variant whose seam recomputes whole chunks
 # generates the full prefill's chain token for token; a chain without its marker is excluded (full
 # chain) or counted unreached (composed chain), never scored; ``run.py`` writes a generated-readout
 # record on the embedded model.

@@ -177,7 +177,7 @@ def test_runner_one_session_equals_full_prefill(arch, tiny_samples):
     """With one session the chunk sits where it was precompiled (behind the header as its sink), so the
     composed arm's first-step log-probs equal the full prefill's; with two, the second session's chunk
     was precompiled without the first and differs."""
-    from kvnotes.harness.locomo import run_locomo_qa
+    from kvnotes.probes.locomo import run_locomo_qa
     from kvnotes.probes.locomo import format_summary
 
     model = build_tiny(arch)
@@ -204,7 +204,7 @@ def test_runner_one_session_equals_full_prefill(arch, tiny_samples):
 def test_runner_full_seam_and_truncation(tiny_samples):
     """A seam covering the whole chunk recomputes it, which is the full prefill (two sessions too);
     a context that holds only the last session keeps it and says so."""
-    from kvnotes.harness.locomo import run_locomo_qa
+    from kvnotes.probes.locomo import run_locomo_qa
 
     model = build_tiny("llama")
     res = run_locomo_qa(model, CharTokenizer(), tiny_samples[1:], max_questions=1, max_new_tokens=2, seam=10_000)
@@ -237,7 +237,8 @@ def test_command_on_embedded_model(tmp_path, monkeypatch, capsys):
     assert "\n# locomo QA: smollm2-135m; 3 question(s) from 2 conversation(s)" in stdout, stdout
     rec = json.loads(out.read_text())
     assert len(rec["records"]) == 3 and rec["records"][0]["first_step"]["max_abs_diff"] <= EMBEDDED_TOL
-    (path,) = (tmp_path / "runs" / "smollm2-135m" / "locomo" / "locomo").rglob("record.json")
+    (path,) = (tmp_path / "runs" / "smollm2-135m" / "locomo").rglob("record.json")
+    assert path.relative_to(tmp_path / "runs").parts[2].startswith("locomo~")    # the suite part names the data file
     record = json.loads(path.read_text())
     assert record["result"]["rows"] == rec["records"] and record["config"]["probe"]["data"] == str(data)
     assert "is complete; skipping" in run_kvnotes(monkeypatch, capsys, *args).stdout

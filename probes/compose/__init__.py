@@ -15,7 +15,7 @@ from tqdm import tqdm
 from kvnotes.errors import KvnotesError
 from kvnotes.harness import kit as K
 from kvnotes.harness.chunks import SINKS, chunked_pairs
-from kvnotes.harness.composed import compose_prompts, cot_generate, edit_arms, image_arm, variant_name
+from kvnotes.probes.compose.arms import compose_prompts, cot_generate, edit_arms, image_arm, variant_name
 from kvnotes.harness.constraints import Count, NonNegative, NonNegatives, one_of
 from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
 from kvnotes.harness.pairs import pair_row, transcript_turns
@@ -46,7 +46,7 @@ class Config(ProbeConfig):
 
 
 #: With ``scenario.variant=cot`` the full prefill and every composed variant generate their reasoning and
-#: the decision is read after the answer marker (:func:`kvnotes.harness.composed.cot_generate`).
+#: the decision is read after the answer marker (:func:`kvnotes.probes.compose.arms.cot_generate`).
 SUPPORTS_COT = True
 
 
@@ -80,7 +80,7 @@ def image_summary(prompt_rows: list[dict], image: tuple, cpairs, families: list[
 
 
 def cot_prompt_row(ctx, cols: dict, res: dict, expected: int) -> dict:
-    """One prompt's row from its :func:`kvnotes.harness.composed.cot_generate` result.
+    """One prompt's row from its :func:`kvnotes.probes.compose.arms.cot_generate` result.
 
     Args:
         cols: identifying columns (``prompt``, ``scenario``, ``family``, ``instance``, ``value``).
@@ -116,7 +116,7 @@ def cot_prompt_row(ctx, cols: dict, res: dict, expected: int) -> dict:
 
 
 def cot_pair_row(pair, ro: dict, rn: dict, names: list[str]) -> dict:
-    """A pair's row from its prompts' :func:`kvnotes.harness.composed.cot_generate` results (both
+    """A pair's row from its prompts' :func:`kvnotes.probes.compose.arms.cot_generate` results (both
     full chains reached their markers).
 
     Returns:
@@ -215,7 +215,7 @@ EDIT_ARMS_COT_NOTE = ("edit arms not run under scenario.variant=cot: they read t
 
 
 def _direct_prompt_row(cols: dict, res: dict, expected: int) -> dict:
-    """One prompt's row from its :func:`kvnotes.harness.composed.compose_prompts` result (the direct readout)."""
+    """One prompt's row from its :func:`kvnotes.probes.compose.arms.compose_prompts` result (the direct readout)."""
     top1 = int(res["full"].argmax())
     return cols | {"expected_first_token": expected, "full_top1": top1, "owned": top1 == expected,
                    "max_abs_logit_diff_full_seam": res["max_abs_logit_diff_full_seam"],
@@ -223,7 +223,7 @@ def _direct_prompt_row(cols: dict, res: dict, expected: int) -> dict:
 
 
 def _direct_pair_row(pair, ro: dict, rn: dict, names: list[str], flips: bool) -> dict:
-    """A pair's row from its prompts' :func:`kvnotes.harness.composed.compose_prompts` results (the
+    """A pair's row from its prompts' :func:`kvnotes.probes.compose.arms.compose_prompts` results (the
     direct readout): the full prefills' scores and per variant the composed runs' scores and
     recovery."""
     co, cn = pair.cand_old[0], pair.cand_new[0]

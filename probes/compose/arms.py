@@ -1,6 +1,6 @@
-"""Composed readouts of chunked prompts (paper §5; ``docs/probes/compose.md``): the full prefill and
-every composed variant ``(rotate, sink, seam)`` of the prompts of one instance, batched in one
-:func:`kvnotes.ops.compose.compose`, read at the decision position (:func:`compose_prompts`) or after
+"""The ``compose`` probe's arms (paper §5; ``docs/probes/compose.md``): composed readouts of chunked
+prompts, the full prefill and every composed variant ``(rotate, sink, seam)`` of the prompts of one
+instance, batched in one :func:`kvnotes.ops.compose.compose`, read at the decision position (:func:`compose_prompts`) or after
 a generated chain (:func:`cot_generate`), the image-chunk arm (:func:`image_arm`), and the edit arms:
 editing inside a composition, judged against a full prefill of the edited text (:func:`edit_arms`).
 """
