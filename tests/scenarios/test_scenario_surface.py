@@ -15,8 +15,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 import string
@@ -24,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import yaml
@@ -35,6 +32,7 @@ from yaml.representer import SafeRepresenter
 from kvnotes.scenarios.errors import ScenarioError, one_line
 from kvnotes.scenarios.memory import load_memory
 from kvnotes.scenarios.schema import SUITES_DIR, ROOT, Variant, load_suite, read_yaml
+from tests.scenarios.test_contract import run_main
 
 REPO = Path(__file__).resolve().parents[2]
 #: The known-good template: a shipped scenario with every kind of key (slots, filler, two variants,
@@ -212,27 +210,6 @@ def test_shipped_memory_suite_loads():
 
 
 # ====================================================================== through run.py
-
-def run_main(args: list[str], out: Path) -> tuple[object, str, list]:
-    """``run.py``'s ``main`` in this process with the job (which would load the model) stubbed.
-
-    Returns:
-        (exit status or None, stderr, the configs the job received).
-    """
-    from kvnotes.cli import run as cli
-
-    reached: list = []
-    err = io.StringIO()
-    with mock.patch.object(sys, "argv", ["run.py", *args, f"out_root={out}"]), \
-            mock.patch.object(cli, "job", reached.append), \
-            contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            cli.main()
-            code = None
-        except SystemExit as exc:
-            code = exc.code
-    return code, err.getvalue(), reached
-
 
 def _suite_dir(tmp_path: Path, case: str) -> tuple[Path, list[str], str]:
     """A suite directory for ``case``, the extra overrides, and a fragment of the expected error."""
