@@ -317,11 +317,16 @@ def check_arg(text: str) -> str:
     return text
 
 
+#: The columns of a measured row that re-scoring reads (:func:`summarize`).
+ROW_KEYS = ("pair", "scenario", "instance", "same_prompt_as_harness", "full_owned", "needed")
+
+
 def from_json(path: str) -> dict:
     """The measurement an earlier ``--json`` wrote (its ``rows``, ``checks_run`` and provenance).
 
     Raises:
-        KvnotesError: the file cannot be read, is not JSON, or lacks ``rows`` / ``checks_run``.
+        KvnotesError: the file cannot be read, is not JSON, lacks ``rows`` / ``checks_run``, or a row
+            lacks a column re-scoring reads (:data:`ROW_KEYS`).
     """
     from kvnotes.errors import KvnotesError
 
@@ -335,6 +340,11 @@ def from_json(path: str) -> dict:
                if not isinstance(out, dict) or k not in out]
     if missing:
         raise KvnotesError(f"--from-json: {path}: not a kvnotes bench auto --json output (no {', '.join(missing)})")
+    rows = out["rows"]
+    for i, row in enumerate(rows if isinstance(rows, list) else [None]):
+        lacking = [k for k in ROW_KEYS if not isinstance(row, dict) or k not in row]
+        if lacking:
+            raise KvnotesError(f"--from-json: {path}: rows[{i}] is not a measured row (no {', '.join(lacking)})")
     return out
 
 

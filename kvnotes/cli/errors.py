@@ -51,21 +51,39 @@ def one_line(msg: object) -> str:
 
 def guarded(main: Callable[[], object]) -> None:
     """Run ``main()`` inside the error boundary: a :data:`USER_ERRORS` exception becomes one
-    ``kvnotes: error:`` line and exit status 2, Ctrl-C one line and exit status 130 (SIGTERM: 143). Other exceptions
-    (bugs) propagate with their traceback; ``SystemExit`` (argparse's errors, exit 2) passes through.
+    ``kvnotes: error:`` line and exit status 2, Ctrl-C one line and exit status 130 (SIGTERM: 143),
+    and argparse's own errors (a missing argument, an unknown flag) one line too, naming the command
+    and its usage (:func:`argparse_error`). Other exceptions (bugs) propagate with their traceback.
 
     Raises:
         SystemExit: on a user error (2) or an interrupt (130), or as ``main`` exits.
     """
+    import argparse
+
     from kvnotes.errors import stop_message, terminate_as_interrupt
 
     terminate_as_interrupt()                 # SIGTERM cleans up as Ctrl-C does (exit 143)
+    plain = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = argparse_error      # type: ignore[method-assign]
     try:
         main()
     except USER_ERRORS as exc:
         fail(str(exc))
     except KeyboardInterrupt as exc:
         fail(*stop_message(exc))
+    finally:
+        argparse.ArgumentParser.error = plain          # type: ignore[method-assign]
+
+
+def argparse_error(parser, message: str) -> NoReturn:
+    """argparse's error, the project's way: ``kvnotes: error: <prog>: <message> (usage: ...)`` on one
+    line and exit status 2, instead of argparse's usage block and ``<prog>: error:`` line (what
+    :func:`guarded` puts in place of :meth:`argparse.ArgumentParser.error` for every subcommand).
+
+    Raises:
+        SystemExit: always, with status 2.
+    """
+    fail(f"{parser.prog}: {message} ({parser.format_usage().strip()}; {parser.prog} --help for more)")
 
 
 # ----------------------------------------------------------------------- argparse value checks

@@ -144,20 +144,26 @@ def precheck(argv: list[str]) -> None:
     if not local:
         check_slurm(launchers[0])
     multirun = "-m" in argv or "--multirun" in argv
-    fixed, sweeps = [], []
+    fixed, sweeps, hydra_overrides = [], [], []
     for o in overrides:
         if o.key_or_group.split(".")[0].split("/")[0] == "hydra":
+            hydra_overrides.append(o)
             continue
-        if o.is_delete() and o.key_or_group not in GROUPS:
-            fail(f"~{o.key_or_group}: deleting a key is not supported (every key has a value the job reads); "
+        if o.is_delete():
+            what = "a config group" if o.key_or_group in GROUPS else "a key"
+            fail(f"~{o.key_or_group}: deleting {what} is not supported (every key has a value the job reads); "
                  f"set it instead, e.g. {o.key_or_group}=...")
         if o.is_sweep_override():
             if not multirun:
                 fail(f"{o.input_line} is a sweep (several values): add -m to run one job per value")
-            sweeps.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+            try:
+                sweeps.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+            except (ValueError, TypeError) as exc:                  # range(0, 3, 0), a sweep of no values
+                fail(f"{o.input_line}: not a sweep Hydra can expand ({exc})")
         else:
             fixed.append(o.input_line)
     fixed += [a for a in args if a.startswith("hydra.searchpath=")]
+    check_hydra_overrides(hydra_overrides, fixed)
     with initialize_config_dir(str(CONF), version_base="1.3"):
         for point in itertools.islice(itertools.product(*sweeps), MAX_CHECKED):
             try:
@@ -169,6 +175,61 @@ def precheck(argv: list[str]) -> None:
                 check_run_config(cfg, machine=local)
             except USER_ERRORS as exc:
                 fail(str(exc))
+
+
+#: Hydra's own command-line flags (``python run.py --help``); any other flag is refused in one line.
+HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "--resolve", "-p", "--package", "-r",
+               "--run", "-m", "--multirun", "-sc", "--shell-completion", "-cp", "--config-path", "-cn",
+               "--config-name", "-cd", "--config-dir", "--experimental-rerun", "-i", "--info")
+
+
+def check_flags(argv: Sequence[str]) -> None:
+    """Refuse a flag Hydra does not know (``--nosuch``) in one line, before Hydra prints its usage page.
+
+    Raises:
+        SystemExit: (exit 2) the first unknown flag.
+    """
+    for arg in argv:
+        flag = arg.partition("=")[0]
+        if arg.startswith("-") and flag not in HYDRA_FLAGS and not _is_number(arg):
+            fail(f"unknown flag {flag} (run.py takes overrides key=value and Hydra's flags: {', '.join(HYDRA_FLAGS)})")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def check_hydra_overrides(overrides: Sequence[Any], fixed: Sequence[str]) -> None:
+    """The command line's ``hydra.*`` overrides and ``hydra/...`` choices compose (a key Hydra does
+    not have, a launcher that does not exist), and a run or sweep folder given as ``hydra.run.dir`` /
+    ``hydra.sweep.dir`` can be made (as ``out_root`` is checked: :func:`check_out_root`).
+
+    Raises:
+        SystemExit: (exit 2) the first problem, in one line; nothing is written.
+    """
+    from hydra import compose, initialize_config_dir
+
+    from kvnotes.errors import KvnotesError
+    from kvnotes.harness.runconfig import check_out_root
+
+    if not overrides:
+        return
+    for o in overrides:
+        if o.key_or_group in ("hydra.run.dir", "hydra.sweep.dir") and not o.is_sweep_override():
+            try:
+                check_out_root(str(o.value()))
+            except KvnotesError as exc:
+                fail(str(exc).replace("out_root=", f"{o.key_or_group}=", 1))
+    lines = [o.input_line for o in overrides if not o.is_sweep_override()]
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        try:
+            compose("config", overrides=[*fixed, *lines], return_hydra_config=True)
+        except Exception as exc:  # ConfigCompositionException, OmegaConf errors
+            fail(_hydra_message(exc))
 
 
 def check_slurm(launcher: str) -> None:
@@ -327,6 +388,7 @@ def _main() -> None:
     # as under `python -m` (appended, so it never shadows an installed package).
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
+    check_flags(argv)
     check_choices(argv, dirs)
     if "--help" not in argv and "-h" not in argv:
         precheck(argv)

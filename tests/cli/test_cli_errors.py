@@ -362,3 +362,20 @@ def test_console_command_in_a_subprocess(tmp_path):
                           timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
     one_line_error(proc, "--lengths")
     assert proc.stdout == "" and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["table"], ("kvnotes table: give record paths or --results DIR", "usage: kvnotes table")),
+    (["table", "--nosuch", "x"], ("unrecognized arguments: --nosuch",)),
+    (["bench", "auto", "--margins", "abc"], ("kvnotes bench auto: argument --margins: invalid float value: 'abc'",)),
+    (["ownership-scan"], ("kvnotes ownership-scan:", "usage:")),
+])
+def test_argparse_errors_are_one_line_too(args, needles, work, monkeypatch, capsys):
+    """argparse's own errors (a missing argument, an unknown flag, a value of the wrong type) are one
+    ``kvnotes: error:`` line with the command's usage folded in, exit 2, like every other bad input."""
+    ran = run_kvnotes(monkeypatch, capsys, *args)
+    assert ran.returncode == 2, ran.stderr
+    lines = ran.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvnotes: error: "), ran.stderr
+    assert all(n in lines[0] for n in needles), lines[0]
+    assert ran.stdout == "" and not any(work.iterdir())

@@ -39,6 +39,11 @@ from tests.helpers import HANG_S, fruit_scenario
                                                    "lower scenario.n_instances")),
     ("scenario.paths=[]", ("scenario.paths is empty", "field_refresh")),
     ("scenario.families=[recall,polcy_gate]", ("scenario.families names polcy_gate", "policy_gate")),
+    ("--nosuch", ("unknown flag --nosuch",)),
+    ("~probe", ("~probe: deleting a config group is not supported",)),
+    ("hydra.nosuch=1", ("hydra.nosuch",)),
+    ("hydra/launcher=nosuch", ("hydra/launcher/nosuch",)),
+    ("hydra.run.dir=/proc/x", ("hydra.run.dir=/proc/x", "not writable")),
     ("+model.random_init.sed=1", ("unknown key 'model.random_init.sed'", "did you mean model.random_init.seed?")),
     ("probe.exactt=false", ("unknown key 'probe.exactt'",)),
     ("scenario.paths=[/no/such/dir]", ("scenario path not found", "/no/such/dir")),
@@ -81,6 +86,11 @@ def test_cuda_without_cuda_is_one_line(tmp_path, monkeypatch, capsys):
 def test_bad_point_of_a_sweep_fails_the_sweep_up_front(tmp_path, monkeypatch, capsys):
     proc = run_main(monkeypatch, capsys, "-m", "min_effect=0.5,abc", f"out_root={tmp_path}")
     one_line_error(proc, "min_effect", "'abc'")
+    assert not any(tmp_path.iterdir())
+    one_line_error(run_main(monkeypatch, capsys, "-m", "seed=range(0,3,0)", f"out_root={tmp_path}"),
+                   "seed=range(0,3,0): not a sweep Hydra can expand")
+    one_line_error(run_main(monkeypatch, capsys, "-m", "hydra.sweep.dir=/proc/x", "seed=0,1", f"out_root={tmp_path}"),
+                   "hydra.sweep.dir=/proc/x", "not writable")
     assert not any(tmp_path.iterdir())
 
 
