@@ -119,6 +119,8 @@ def _hydra_message(exc: Exception) -> str:
 
         parent, _, last = key.rpartition(".")
         near = nearest_key(last, known_keys(tuple(parent.split(".")) if parent else ()))
+        if near == last:                    # declared, but its parent is null in this config
+            return f"{key}: {parent} is null in this config; set it whole, e.g. {parent}={{{last}:...}}"
         return f"unknown key '{key}'" + (f"; did you mean {parent + '.' if parent else ''}{near}?" if near else "")
     return lines[0] if not key else f"{key}: {lines[0]}"
 
@@ -133,7 +135,7 @@ def precheck(argv: list[str]) -> None:
     from kvnotes.harness.runconfig import USER_ERRORS
     from kvnotes.harness.runconfig import check_run_config
 
-    args = [a for a in argv if not a.startswith("-")]
+    args = overrides_of(argv)
     try:
         overrides = OverridesParser.create().parse_overrides(args)
     except Exception as exc:  # hydra's OverrideParseException and friends
@@ -181,6 +183,24 @@ def precheck(argv: list[str]) -> None:
 HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "--resolve", "-p", "--package", "-r",
                "--run", "-m", "--multirun", "-sc", "--shell-completion", "-cp", "--config-path", "-cn",
                "--config-name", "-cd", "--config-dir", "--experimental-rerun", "-i", "--info")
+
+
+#: Hydra's flags that take a value as the next argument (``--cfg job``, ``-cn NAME``).
+HYDRA_VALUE_FLAGS = ("-c", "--cfg", "-p", "--package", "-i", "--info", "-cp", "--config-path", "-cn", "--config-name",
+                     "-cd", "--config-dir", "--experimental-rerun", "-sc", "--shell-completion")
+
+
+def overrides_of(argv: Sequence[str]) -> list[str]:
+    """The overrides of a command line: its arguments less Hydra's flags and their values."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.startswith("-") and not _is_number(arg):
+            skip = arg in HYDRA_VALUE_FLAGS                       # --cfg=job keeps its value in the flag
+        else:
+            out.append(arg)
+    return out
 
 
 def check_flags(argv: Sequence[str]) -> None:

@@ -173,7 +173,8 @@ def _one_line(exc: ValidationError) -> str:
         prefix = ".".join(str(p) for p in parent)
         hint = f"; did you mean {prefix + '.' if prefix else ''}{near}?" if near else ""
         return f"unknown key '{key}': no part of kvnotes reads it{hint}{more}"
-    return f"{key}: {err['msg'].rstrip('.')}, got {got!r}{more}"
+    shown = repr(got) if len(repr(got)) <= 80 else f"{repr(got)[:77]}..."     # not a whole config group
+    return f"{key}: {err['msg'].rstrip('.')}, got {shown}{more}"
 
 
 def typed(cfg: Any) -> RunSettings:

@@ -40,6 +40,7 @@ from tests.helpers import HANG_S, fruit_scenario
     ("scenario.paths=[]", ("scenario.paths is empty", "field_refresh")),
     ("scenario.families=[recall,polcy_gate]", ("scenario.families names polcy_gate", "policy_gate")),
     ("--nosuch", ("unknown flag --nosuch",)),
+    ("scenario.transcript.turns=-1", ("scenario.transcript is null in this config", "scenario.transcript={turns:")),
     ("~probe", ("~probe: deleting a config group is not supported",)),
     ("hydra.nosuch=1", ("hydra.nosuch",)),
     ("hydra/launcher=nosuch", ("hydra/launcher/nosuch",)),
@@ -81,6 +82,14 @@ def test_cache_folder_that_is_a_file_is_one_line_before_the_model_loads(tmp_path
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_without_cuda_is_one_line(tmp_path, monkeypatch, capsys):
     one_line_error(run_main(monkeypatch, capsys, "device=cuda", f"out_root={tmp_path}"), "device=cuda", "no CUDA device")
+
+
+def test_hydra_flags_with_a_value_are_not_overrides(tmp_path):
+    """``--cfg job``, ``-cn config``, ``--info defaults``: the flag's value is Hydra's, not an override."""
+    from kvnotes.cli import run as cli
+
+    assert cli.overrides_of(["--cfg", "job", "-cn", "config", "seed=1", "-m", "--info=defaults"]) == ["seed=1"]
+    cli.precheck(["--cfg", "job", "seed=1", f"out_root={tmp_path / 'runs'}"])
 
 
 def test_bad_point_of_a_sweep_fails_the_sweep_up_front(tmp_path, monkeypatch, capsys):
