@@ -209,10 +209,16 @@ def check_flags(argv: Sequence[str]) -> None:
     Raises:
         SystemExit: (exit 2) the first unknown flag.
     """
-    for arg in argv:
-        flag = arg.partition("=")[0]
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
         if arg.startswith("-") and flag not in HYDRA_FLAGS and not _is_number(arg):
             fail(f"unknown flag {flag} (run.py takes overrides key=value and Hydra's flags: {', '.join(HYDRA_FLAGS)})")
+        value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+        if flag in ("-cp", "--config-path") and not Path(value).expanduser().is_dir():
+            fail(f"{flag} {value}: no such directory (kvnotes' configs are built in; add your own with --config-dir DIR)")
+        if flag in ("-cn", "--config-name") and value.removesuffix(".yaml") != "config":
+            fail(f"{flag} {value}: kvnotes runs its own primary config 'config' (conf/config.yaml); choose groups "
+                 f"with model=, probe=, scenario= and add your own with --config-dir DIR")
 
 
 def _is_number(text: str) -> bool:

@@ -40,6 +40,8 @@ from tests.helpers import HANG_S, fruit_scenario
     ("scenario.paths=[]", ("scenario.paths is empty", "field_refresh")),
     ("scenario.families=[recall,polcy_gate]", ("scenario.families names polcy_gate", "policy_gate")),
     ("--nosuch", ("unknown flag --nosuch",)),
+    ("--config-name=nosuch", ("--config-name nosuch", "primary config 'config'")),
+    ("--config-path=/no/such/dir", ("--config-path /no/such/dir: no such directory",)),
     ("scenario.transcript.turns=-1", ("scenario.transcript is null in this config", "scenario.transcript={turns:")),
     ("~probe", ("~probe: deleting a config group is not supported",)),
     ("hydra.nosuch=1", ("hydra.nosuch",)),
