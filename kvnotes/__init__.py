@@ -42,4 +42,22 @@ def existing_ancestor(path: str | Path) -> Path:
     return path
 
 
-__all__ = ["CONF_DIR", "KvnotesError", "existing_ancestor"]
+def try_new_entry(folder: str | Path, directory: bool = False) -> None:
+    """Create a hidden file (or, with ``directory``, a folder) in ``folder`` and remove it at once:
+    whether an output can be made there, by trying (root passes ``os.access`` under ``/proc`` and on a
+    read-only file system).
+
+    Raises:
+        OSError: it cannot be created.
+    """
+    import tempfile
+
+    if directory:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvnotes-write-test-", dir=folder))
+    else:
+        fd, name = tempfile.mkstemp(prefix=".kvnotes-write-test-", dir=folder)
+        os.close(fd)
+        os.unlink(name)
+
+
+__all__ = ["CONF_DIR", "KvnotesError", "existing_ancestor", "try_new_entry"]

@@ -561,16 +561,17 @@ def load_suite(paths: list[str], families: list[str] | None = None, ids: list[st
         seen[s.id] = s.source
     _check_distinct_content(files)
     _check_distinct_scenarios(scenarios)
-    for key, asked, have in (("families", families, {s.family for s in scenarios}), ("ids", ids, seen)):
-        missing = [str(x) for x in asked or () if x not in have]
+    everything = scenarios
+    for key, asked, of in (("families", families, lambda s: s.family), ("ids", ids, lambda s: s.id)):
+        if asked is None:
+            continue
+        have = {of(s) for s in everything}
+        missing = [str(x) for x in asked if x not in have]
         if missing:                       # a misspelt family would otherwise drop out without a word
             raise ScenarioError(f"scenario.{key} names {', '.join(missing)}, which no scenario under {paths} has "
                                 f"({key} there: {', '.join(sorted(have))}); name those, or leave scenario.{key} "
                                 f"unset (null) for all")
-    if families is not None:
-        scenarios = [s for s in scenarios if s.family in set(families)]
-    if ids is not None:
-        scenarios = [s for s in scenarios if s.id in set(ids)]
+        scenarios = [s for s in scenarios if of(s) in set(asked)]
     if not scenarios:
         raise ScenarioError(f"no scenarios selected from {paths} (families={families}, ids={ids})")
     return scenarios

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from kvnotes import CONF_DIR, existing_ancestor
+from kvnotes import CONF_DIR, existing_ancestor, try_new_entry
 from kvnotes.errors import KvnotesError
 from kvnotes.scenarios.errors import ScenarioError
 
@@ -218,7 +218,7 @@ def check_writable(path: str | Path, flag: str, directory: bool = False) -> None
             raise KvnotesError(f"{flag}: {path} is a directory")
         try:
             if directory:
-                _try_new_entry(p, directory=False)
+                try_new_entry(p, directory=False)
             elif p.is_file():
                 os.close(os.open(p, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))     # changes nothing
             elif not os.access(p, os.W_OK):             # a device or a pipe (/dev/null): not opened here
@@ -231,25 +231,9 @@ def check_writable(path: str | Path, flag: str, directory: bool = False) -> None
         raise KvnotesError(f"{flag}: cannot create {path}: {base} is not a directory")
     try:
         # the same kind of entry the command makes in ``base``: a directory when it creates folders
-        _try_new_entry(base, directory=directory or base != Path(os.path.abspath(p.parent)))
+        try_new_entry(base, directory=directory or base != Path(os.path.abspath(p.parent)))
     except OSError as exc:
         raise KvnotesError(f"{flag}: cannot create {path}: {base} does not take new files ({_why(exc)})") from None
-
-
-def _try_new_entry(folder: Path, directory: bool) -> None:
-    """Create a hidden file (or directory) in ``folder`` and remove it.
-
-    Raises:
-        OSError: it cannot be created.
-    """
-    import tempfile
-
-    if directory:
-        os.rmdir(tempfile.mkdtemp(prefix=".kvnotes-write-test-", dir=folder))
-    else:
-        fd, name = tempfile.mkstemp(prefix=".kvnotes-write-test-", dir=folder)
-        os.close(fd)
-        os.unlink(name)
 
 
 def _why(exc: OSError) -> str:

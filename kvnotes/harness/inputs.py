@@ -58,6 +58,8 @@ def cached_file_sha256(path: Path) -> str:
     """
     path = path.resolve()
     st = path.stat()
+    if st.st_size < 1 << 24:                  # only large files are worth remembering (nor looking up)
+        return file_sha256(path)
     key = f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
     store = _digest_cache_path()
     try:
@@ -67,15 +69,14 @@ def cached_file_sha256(path: Path) -> str:
     if key in cache:
         return cache[key]
     digest = file_sha256(path)
-    if st.st_size >= 1 << 24:                 # only large files are worth remembering
-        cache = {k: v for k, v in cache.items() if not k.startswith(f"{path}\0")} | {key: digest}
-        try:
-            store.parent.mkdir(parents=True, exist_ok=True)
-            tmp = store.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache))
-            os.replace(tmp, store)
-        except OSError:
-            pass                              # a read-only cache costs a re-read, nothing else
+    cache = {k: v for k, v in cache.items() if not k.startswith(f"{path}\0")} | {key: digest}
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        tmp = store.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, store)
+    except OSError:
+        pass                                  # a read-only cache costs a re-read, nothing else
     return digest
 
 
@@ -198,14 +199,6 @@ def source_files(root: Path) -> list[tuple[str, Path]]:
     return sorted(out)
 
 
-def _plain_sha256(files: list[tuple[str, Path]]) -> str:
-    """sha256 over ``(name, content)`` of small files (no digest cache: source files are read whole)."""
-    h = hashlib.sha256()
-    for name, path in files:
-        h.update(name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest() + b"\n")
-    return h.hexdigest()
-
-
 def code_inputs(probe_cfg: Any = None) -> dict:
     """The code part of :func:`record_inputs`: ``{kvnotes: sha256 of the package source, probe:
     {module, sha256} | None}``. The probe's module is found from its config's ``_target_``
@@ -221,7 +214,7 @@ def code_inputs(probe_cfg: Any = None) -> dict:
     import inspect
 
     files = source_files(PACKAGE_DIR) + [(n, PACKAGE_DIR / n) for n in _PACKAGE_DATA if (PACKAGE_DIR / n).is_file()]
-    out: dict[str, Any] = {"kvnotes": _plain_sha256(files), "probe": None}
+    out: dict[str, Any] = {"kvnotes": tree_sha256(files), "probe": None}
     if probe_cfg is not None and probe_cfg.get("_target_"):
         from kvnotes.harness import registry
 
@@ -231,7 +224,7 @@ def code_inputs(probe_cfg: Any = None) -> dict:
             probe_files = source_files(path.parent)
         else:
             probe_files = [(path.name, path)] if path.is_file() else []
-        out["probe"] = {"module": mod.__name__, "sha256": _plain_sha256(probe_files)}
+        out["probe"] = {"module": mod.__name__, "sha256": tree_sha256(probe_files)}
     return out
 
 

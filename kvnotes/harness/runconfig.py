@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvnotes import existing_ancestor
+from kvnotes import existing_ancestor, try_new_entry
 from kvnotes.errors import KvnotesError
 from kvnotes.records.store import NON_RESULT_KEYS
 from kvnotes.scenarios.errors import ScenarioError
@@ -218,9 +217,7 @@ def check_out_root(out_root: str) -> None:
         where = "is a file" if base == root else f"is under a file ({base})"
         raise KvnotesError(f"out_root={out_root} {where}: name a folder for the records")
     try:
-        fd, name = tempfile.mkstemp(prefix=".kvnotes-write-test-", dir=base)
-        os.close(fd)
-        os.unlink(name)
+        try_new_entry(base, directory=True)         # the folders a job makes
     except OSError as exc:
         raise KvnotesError(f"out_root={out_root} is not writable ({exc.strerror or type(exc).__name__})") from None
 

@@ -189,15 +189,10 @@ def records_frame(root: str | Path):
     Columns: the row's own columns (list-valued columns kept as lists) plus ``probe``, ``model``,
     ``suite``, ``overrides`` (:func:`record_overrides`: what distinguishes records of one model,
     probe and suite), ``schema_version`` and ``record`` (path) identifying where it came from. Records of
-    every version in :data:`READABLE_VERSIONS` are read (the row layout did not change); others
-    are skipped, as are unreadable files (:func:`scan_records` names them).
+    every version in :data:`READABLE_VERSIONS` are read (the row layout did not change); any other
+    ``record.json`` is skipped (:func:`scan_records` reads them all and names what it skips).
     """
-    records = []
-    for path in find_records(root):
-        rec = json.loads(path.read_text())
-        if rec.get("schema_version", 1) in READABLE_VERSIONS:
-            records.append((path, rec))
-    return rows_frame(records)
+    return rows_frame(scan_records([root]).records)
 
 
 def rows_frame(records: list[tuple[Path, dict]]):
