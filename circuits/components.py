@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -17,7 +18,7 @@ from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import OpenFraction, one_of
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.protocol import start_circuit
-from kvnotes.harness.selection import ANCHORS, offset_profiles, profile_for, rank_positions, split_warnings
+from kvnotes.harness.selection import ALIGNED, ANCHORS, offset_profiles, profile_for, rank_positions, split_warnings
 from kvnotes.kv.engine import BACKENDS, Engine, Site
 from kvnotes.records.figures import Curves
 from kvnotes.records.presentation import Presentation
@@ -91,7 +92,7 @@ class Config(ProbeConfig):
 
     backend: Annotated[str, one_of(*BACKENDS)] = "nnsight"
     selection_fraction: OpenFraction = 0.5
-    topk_anchor: Annotated[str, one_of(*ANCHORS)] = "decision"
+    topk_anchor: Annotated[str, one_of(*ANCHORS)] = "aligned"
 
 
 def top_offset(profile: dict) -> int | None:
@@ -99,6 +100,18 @@ def top_offset(profile: dict) -> int | None:
     (:func:`kvnotes.harness.selection.offset_profiles`; ties: the smaller offset), None when empty."""
     offs = profile["offset"]
     return min(offs, key=lambda o: (-offs[o], o)) if offs else None
+
+
+def top_note(profile: dict, anchor: str) -> dict:
+    """What the record says of a selection profile's top note position: the pairs it came from and,
+    for an offset anchor, the offset (:func:`top_offset`); for ``aligned``, per selection span (one
+    per instance) the top position's offset from the decision (positions move between instances,
+    so no one offset names them)."""
+    if anchor != ALIGNED:
+        return {"offset": top_offset(profile), "pairs": profile["pairs"]}
+    tops = [len(sp["mean"]) - int(np.argmax(sp["mean"])) for sp in profile["spans"] if sp["mean"]]
+    return {"offset": None, "offsets_from_decision": tops, "pairs": profile["pairs"]}
+
 
 
 class ComponentsRow(SplitRow):
@@ -132,10 +145,11 @@ def run(ctx) -> dict:
                     K.single_position_scores(model, run_, "first_token", ctx.budget_bytes)).tolist()
     families = K.families_of(ctx, rows + fs.excluded)
     anchor = str(cfg.topk_anchor)
-    profiles = offset_profiles([{**r, "single": r["position_map"], "downstream": (r["field"][1], r["decision"])}
-                                for r in rows if r["split"] == "selection"], anchor)
-    offsets = {level: {key: {"offset": top_offset(prof), "pairs": prof["pairs"]} for key, prof in by_key.items()}
-               for level, by_key in profiles.items()} | {"anchor": anchor}
+    profiles = offset_profiles([{**r, "single": r["position_map"], "downstream": (r["field"][1], r["decision"]),
+                                 "downstream_ids": run_.pair.downstream_ids}
+                                for run_, r in zip(fs.runs, rows) if r["split"] == "selection"], anchor)
+    offsets = {level: {key: top_note(prof, anchor) for key, prof in profiles[level].items()}
+               for level in ("scenario", "family")} | {"anchor": anchor}
     # 2. decomposition of every pair at the decision position and the family's note offset; a prompt
     # two pairs share (an instance's value is the new side of one and the old side of the next) once
     parts = K.per_prompt(lambda ids: residual_parts(engine, ids))
@@ -150,7 +164,7 @@ def run(ctx) -> dict:
         profile, level = profile_for(profiles, row["scenario"], row["family"])
         b, d = row["field"][1], row["decision"]
         if profile is not None and b < d:
-            row["note_position"] = rank_positions(profile, (b, d), anchor)[0]
+            row["note_position"] = rank_positions(profile, (b, d), anchor, run_.pair.downstream_ids)[0]
             row["note_profile"] = level
             row["at_note"] = contributions(old, new, v, row["note_position"], eps)
         fs.runs[i] = run_.released()

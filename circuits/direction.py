@@ -19,7 +19,7 @@ from kvnotes.harness.constraints import Count, NonNegatives, OpenFraction, one_o
 from kvnotes.harness.kit import ProbeConfig, RandomControl, scan_layers
 from kvnotes.harness.protocol import start_circuit
 from kvnotes.harness.readout import PairRun, first_token_scores
-from kvnotes.harness.selection import pair_rng, sample_instances, selection_source, split_warnings
+from kvnotes.harness.selection import pair_rng, sample_pairs, selection_source, split_warnings
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.engine import BACKENDS, Engine, Intervention, Site
 from kvnotes.records.figures import Curves
@@ -251,9 +251,9 @@ def fit_direction(stats: dict, row: dict, outs: tuple[str, str], scope: str = "a
 
 
 def eval_pairs(rows: list[dict], per_family: int | None, seed: int) -> set[str]:
-    """Pairs evaluated by interventions: all, or whole instances drawn across scenarios until each
-    family and split holds ``per_family`` pairs (:func:`kvnotes.harness.selection.sample_instances`)."""
-    return sample_instances(rows, per_family, seed, by=("family", "split"))
+    """Pairs evaluated by interventions: all, or pairs drawn across scenarios and their instances
+    until each family and split holds ``per_family`` pairs (:func:`kvnotes.harness.selection.sample_pairs`)."""
+    return sample_pairs(rows, per_family, seed, by=("family", "split"))
 
 
 def choose_layers(rows: list[dict], layers: Sequence[int], families: Sequence[str]) -> dict:
@@ -496,6 +496,17 @@ def run(ctx) -> dict:
     held_rows = [r for r in rows if r["split"] == "heldout" and "layers" in r]
     with ctx.timer("statistics"):
         curves, at_chosen = _summaries(held_rows, layers, families, n_boot, ctx.seed)
+        hc = [r for r in held_rows if "chosen_layer" in r]
+
+        def at(kind, variant):
+            return lambda r: r["layers"][str(r["chosen_layer"])][kind][variant]
+
+        verdict = {f"{kind}_direction": K.verdicts(hc, at(kind, "direction"), at(kind, "random"), families,
+                                                   f"{what} along the fitted direction vs norm-matched random "
+                                                   f"directions, held-out pairs at the family's chosen layer",
+                                                   n_boot, ctx.seed)
+                   for kind, what in (("suff", "sufficiency (recovery adding)"),
+                                      ("nec", "necessity (drop ablating)"))}
     sel_ids = {r["pair"] for r in rows if r["split"] == "selection"}
     held_ids = {r["pair"] for r in rows if r["split"] == "heldout"}
     aggregates = K.pair_counts(ctx, rows, fs.excluded, families) | {
@@ -505,7 +516,7 @@ def run(ctx) -> dict:
         "n_skipped": {"no_shared_outcome_pair": sum(r.get("skipped") == "no_shared_outcome_pair" for r in rows)},
         "layers": layers, "n_layers": L, "fit_scope": scope, "ablate_to": ablate_to,
         "n_draws": n_draws, "note_positions": "downstream [b, d)", "site": "resid_post (decoder layer output)",
-        "chosen_layers": chosen, "curves": curves, "at_chosen": at_chosen,
+        "chosen_layers": chosen, "curves": curves, "at_chosen": at_chosen, "verdicts": verdict,
         "checks": _checks(w, chosen, held_rows, held_ids, scope),
         "fit_scenarios_per_family": {f: sorted({v["scenario"] for v in w.stats.values() if v["family"] == f})
                                      for f in families},

@@ -20,8 +20,8 @@ from kvnotes.harness.head_patch import (HEAD_SITES, clean_residuals, head_output
 from kvnotes.harness.kit import ProbeConfig, RandomControl
 from kvnotes.harness.protocol import start_circuit
 from kvnotes.harness.readout import PairRun
-from kvnotes.harness.selection import (pair_rng, random_head_sets, rank_by_mean, sample_instances, selection_source,
-                                       split_warnings)
+from kvnotes.harness.selection import (coverage, coverage_warnings, pair_rng, random_head_sets, rank_by_mean,
+                                       sample_pairs, selection_source, split_warnings)
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.engine import BACKENDS, Engine
 from kvnotes.records.figures import Curves
@@ -67,11 +67,11 @@ def head_ks(ks, n_layers: int, n_heads: int) -> tuple[list[int], list[int]]:
 
 
 def map_pairs(rows: list[dict], per_family: int | None, seed: int) -> set[str]:
-    """Selection pairs that get single-head maps: all of them, or whole instances drawn across
-    scenarios until a family holds ``per_family`` pairs (:func:`kvnotes.harness.selection.sample_instances`;
+    """Selection pairs that get single-head maps: all of them, or pairs drawn across scenarios and
+    their instances until a family holds ``per_family`` pairs (:func:`kvnotes.harness.selection.sample_pairs`;
     the write sweep costs ``n_layers * n_heads`` resumed prefills per pair). Held-out pairs are
     never returned."""
-    return sample_instances([r for r in rows if r["split"] == "selection"], per_family, seed)
+    return sample_pairs([r for r in rows if r["split"] == "selection"], per_family, seed)
 
 
 def _ranking_by_family(rows: list[dict], maps: dict, mode: str, families: list[str]) -> dict:
@@ -86,6 +86,13 @@ def _ranking_by_family(rows: list[dict], maps: dict, mode: str, families: list[s
                       "pairs": [r["pair"] for r in src],
                       "source": "family" if level == "family" else "all_selection"}
     return out
+
+
+def _mean_over_k(row: dict, key: str) -> float | None:
+    """A held-out row's recovery of ``row[key]`` (``topk_<mode>`` or ``random_<mode>``) averaged over
+    its k sizes (the area under its k curve), None when the row has none."""
+    cells = row.get(key)
+    return float(np.mean([c["r"] for c in cells.values()])) if cells else None
 
 
 def _mode_start(engine: Engine, model, run: PairRun, mode: str):
@@ -222,7 +229,12 @@ def run(ctx) -> dict:
     held_rows = [r for r in out_rows if r["split"] == "heldout"]
     with ctx.timer("statistics"):
         curves, sel_maps = _summaries(out_rows, maps, modes, ks, families, n_boot, ctx.seed)
+        verdict = {m: K.verdicts(held_rows, lambda r, m=m: _mean_over_k(r, f"topk_{m}"),
+                                 lambda r, m=m: _mean_over_k(r, f"random_{m}"), families,
+                                 f"top-k {m} heads vs k random heads, held-out recovery averaged over k {ks}",
+                                 n_boot, ctx.seed) for m in modes}
     held_ids = {r["pair"] for r in out_rows if r["split"] == "heldout"}
+    cover = coverage([r for r in out_rows if r["split"] == "selection"], set(maps))
     checks = {
         "ranking_pairs_in_heldout": sum(p in held_ids for m in modes for rk in rankings[m].values() for p in rk["pairs"]),
         "max_abs_read_all_minus_1": max((abs(r["r_read_all"] - 1) for r in held_rows if "r_read_all" in r), default=None),
@@ -234,12 +246,14 @@ def run(ctx) -> dict:
                   "ks": ks, "modes": modes, "n_layers": L, "n_heads": H, "curves": curves,
                   "selection_maps": sel_maps, "checks": checks,
                   "per_family": K.no_circuit_note(families, out_rows, fs.excluded),
+                  "verdicts": verdict, "map_coverage": cover,
                   "rankings": {m: {f: {"top": [list(x) for x in rk["order"][:max(ks, default=0)]],
                                        "pairs": rk["pairs"], "source": rk["source"]}
                                    for f, rk in rankings[m].items()} for m in modes}}
     warnings = split_warnings("heads", out_rows, "held-out top-k head curves",
                               sum(any(f"topk_{m}" in r for m in modes) for r in held_rows),
                               "have no head ranking of their family or of all selection pairs")
+    warnings += coverage_warnings("heads", cover, "head ranking (single-head maps)")
     if dropped:
         warnings.append(f"heads: probe.ks {dropped} exceed the model's {L * H} heads and were dropped")
     return {"rows": out_rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,

@@ -18,8 +18,9 @@ from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Counts, LayerBands, OpenFraction, Share, one_of, require_instances
 from kvnotes.harness.kit import ProbeConfig, RandomControl, families_of, summaries_by_family
 from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, pair_loop, readout_aggregates
-from kvnotes.harness.selection import (ANCHORS, grid_points, k_for, offset_profiles, offsets, pair_rng, position_sets,
-                                       profile_for, rank_positions, split_instances, split_warnings)
+from kvnotes.harness.selection import (ANCHORS, OFFSET_ANCHORS, grid_points, k_for, offset_profiles, offsets, pair_rng,
+                                       position_sets, position_values, profile_for, rank_positions, split_instances,
+                                       split_warnings)
 from kvnotes.kv.masks import VariantPlan, patched_positions
 from kvnotes.records.figures import Bars, Curves
 from kvnotes.records.presentation import Presentation
@@ -59,7 +60,7 @@ class Config(ProbeConfig, GeneratedReadout):
 
     grid: Grid = field(default_factory=Grid)
     random: RandomControl = field(default_factory=lambda: RandomControl(5))
-    topk_anchor: Annotated[str, one_of(*ANCHORS)] = "decision"
+    topk_anchor: Annotated[str, one_of(*ANCHORS)] = "aligned"
     selection_fraction: OpenFraction = 0.5
     layer_bands: LayerBands = 5
     with_field: bool = True
@@ -195,6 +196,7 @@ def _example(tokenizer, pair, row: dict) -> dict:
             "single": row["single"], "old": row["old"], "new": row["new"]}
 
 
+
 def _offset_map(rows: list[dict], anchor: str) -> dict:
     """Mean single-position recovery per anchor offset over rows: ``{offset, mean, n}`` lists."""
     acc: dict[int, list[float]] = {}
@@ -242,7 +244,7 @@ def _aggregates(rows, held, grid, bands, families, n_boot, seed, anchor) -> dict
         "sum": summaries_by_family(rows, lambda r: float(np.sum(r["single"])), lambda r: any(r["single_flipped"]),
                                    families, n_boot, seed),
         "by_offset": {anc: {g: _offset_map([r for r in rows if g == "all" or r["family"] == g], anc)
-                            for g in ["all", *families]} for anc in ANCHORS},
+                            for g in ["all", *families]} for anc in OFFSET_ANCHORS},
     }
     return {"curves": curves, "references": refs, "bands": band_aggs, "single": single,
             "random_draw_flip_share": {"heldout": draw_share(held), "all": draw_share(rows)}}
@@ -262,6 +264,8 @@ class SuffixRow(PairRow):
     split: NotRequired[str]
     downstream: list[int]
     single: NotRequired[list[float]]
+    #: held-out pairs: downstream positions no selection position maps to (they rank last)
+    topk_unmatched: NotRequired[int]
     bands: list[float | None]
     curves: dict[str, list[float | None]]
     r_none: float | None
@@ -281,6 +285,16 @@ class Result(BaseResult):
     examples: dict[str, dict[str, Any]]
     #: what could not be measured and why, one line each (also said on stderr)
     warnings: list[str]
+
+
+def _mean_over_grid(row: dict, family: str) -> float | None:
+    """A row's recovery of set family ``family`` averaged over the grid points where both the
+    top-k and the random sets were evaluated (the area under the paired curves), None without any."""
+    curves = row["curves"]
+    if "topk" not in curves or "random" not in curves:
+        return None
+    vals = [v for v, t, c in zip(curves[family], curves["topk"], curves["random"]) if t is not None and c is not None]
+    return float(np.mean(vals)) if vals else None
 
 
 def _checks(rows: list[dict], held_rows: list[dict], grid: list[dict], sel) -> dict:
@@ -348,7 +362,6 @@ def run(ctx) -> dict:
     bands_spec = cfg.layer_bands
     bands = K.layer_bands(n_layers, bands_spec if isinstance(bands_spec, int) else [list(x) for x in bands_spec])
     anchor = str(cfg.topk_anchor)
-    offsets((0, 1), anchor)                                     # validate the anchor before any work
     n_draws = int(cfg.random.n_draws)
     n_boot = int(cfg.n_boot)
 
@@ -364,11 +377,15 @@ def run(ctx) -> dict:
         topk_order = None
         if row.get("split") == "heldout":
             if profiles is None:       # every selection pair is done: build the ranking profiles once
-                profiles = offset_profiles([r for r in out_rows if r is not None and r["split"] == "selection"], anchor)
+                profiles = offset_profiles([r | {"downstream_ids": pr.pairs[j].pair.downstream_ids}
+                                            for j, r in enumerate(out_rows)
+                                            if r is not None and r["split"] == "selection"], anchor)
             prof, source = profile_for(profiles, row["scenario"], row["family"])
             row |= {"topk_profile_source": source, "topk_profile_pairs": prof["pairs"] if prof else []}
             if prof is not None:
-                topk_order = rank_positions(prof, pr.pairs[i].pair.downstream, anchor)
+                down, ids = pr.pairs[i].pair.downstream, pr.pairs[i].pair.downstream_ids
+                topk_order = rank_positions(prof, down, anchor, ids)
+                row["topk_unmatched"] = int(np.isnan(position_values(prof, down, anchor, ids)).sum())
         row |= evaluate_pair(pr.pairs[i], grid, bands, pair_rng(ctx.seed, row["pair"]), n_draws, topk_order,
                              bool(cfg.with_field), bool(cfg.store_sets), fams, single=not generated)
         pr.pairs[i] = pr.pairs[i].released()                                     # free the caches
@@ -392,6 +409,10 @@ def run(ctx) -> dict:
     with ctx.timer("statistics"):
         aggregates = _aggregates(rows, held_rows, grid, bands, families, n_boot, ctx.seed, anchor)
     aggregates["checks"] = _checks(rows, held_rows, grid, sel)
+    aggregates["verdicts"] = {"topk_positions": K.verdicts(
+        held_rows, lambda r: _mean_over_grid(r, "topk"), lambda r: _mean_over_grid(r, "random"), families,
+        f"top-k positions ranked on selection pairs ({anchor} positions) vs k random downstream positions, "
+        f"held-out recovery averaged over the grid", n_boot, ctx.seed)}
     aggregates |= common | {"n_selection": sum(r["split"] == "selection" for r in rows), "n_heldout": len(held_rows),
                             "n_heldout_without_profile": sum(r["split"] == "heldout" and "topk_sets" not in r
                                                              for r in rows)}

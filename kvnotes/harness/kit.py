@@ -37,8 +37,8 @@ from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import PairRun, first_token_scores, run_pair, variant_scores
 from kvnotes.kv.generate import answer_marker, generate, owned_side, stop_tokens, unreached_label
 from kvnotes.harness.selection import round_robin
-from kvnotes.harness.selection import pair_rng, sample_instances, split_instances, with_split  # noqa: F401  (re-exported)
-from kvnotes.harness.stats import proportion, summarize
+from kvnotes.harness.selection import pair_rng, sample_pairs, split_instances, with_split  # noqa: F401  (re-exported)
+from kvnotes.harness.stats import INCONCLUSIVE, SUPPORTED, disagreeing, proportion, summarize, verdict_of
 
 T = TypeVar("T")
 
@@ -323,6 +323,67 @@ def summaries_by_family(rows: list[dict], value, flipped, families: list[str], n
                 "_f": flip(r) if flip else None} for r in rs if (v := get(r)) is not None]
         out[g] = recovery_summary(tmp, "_v", "_f" if flip else None, n_boot, seed)
     return out
+
+
+def _verdict_cell(rows: list[dict], n_boot: int, seed: int) -> dict:
+    """One group's verdict (:func:`kvnotes.harness.stats.verdict_of`) from rows with ``_s`` (selected)
+    and ``_c`` (control): the selected result's, the control's and their paired difference's
+    summaries (``mean``, ``ci_mean``, ``ci_method``, ``n``, ``n_scenarios``, ``n_instances``)."""
+    keep = ("n", "n_scenarios", "n_instances", "mean", "ci_mean", "ci_method")
+
+    def cut(value):
+        return {k: v for k, v in summary(rows, value, n_boot, seed).items() if k in keep}
+
+    diff = cut(lambda r: r["_s"] - r["_c"])
+    return {"verdict": verdict_of(diff), "selected": cut("_s"), "control": cut("_c"), "difference": diff}
+
+
+def verdicts(rows: list[dict], selected, control, families: Sequence[str], claim: str, n_boot: int = 2000,
+             seed: int = 0) -> dict:
+    """Whether a selected result (a ranking's top set, a fitted direction) beats its control on
+    held-out pairs, per family and per scenario (issue #53): ``supported`` / ``inconclusive`` /
+    ``contradicted`` (:func:`kvnotes.harness.stats.verdict_of` of the paired difference, its interval
+    fitted to its clusters, :func:`kvnotes.harness.stats.summarize`).
+
+    A family whose scenarios disagree on the selected result (intervals that do not overlap,
+    :func:`kvnotes.harness.stats.disagreeing`) is at most ``inconclusive``: its mean mixes
+    scenarios that behave differently, so it is no property of the family; ``disagree`` names the
+    two scenarios.
+
+    Args:
+        rows: held-out pair rows (``family``, ``scenario``, ``instance``).
+        selected, control: column names or ``row -> float | None``; rows where either is None are left out.
+        claim: what is compared, in words (e.g. ``"top-k read heads vs k random heads, mean over k"``).
+
+    Returns:
+        ``{"claim", "by_family": {"all" | family: cell}}``; a cell is ``{"verdict", "reason",
+        "selected", "control", "difference", "scenarios": {scenario: cell without scenarios},
+        "disagree"}``.
+    """
+    sel_fn, ctl_fn = _value_fn(selected), _value_fn(control)
+    flat = [r | {"_s": s, "_c": c} for r in rows
+            if (s := sel_fn(r)) is not None and (c := ctl_fn(r)) is not None]
+    out = {}
+    for g, rs in by_family(flat, list(families)).items():
+        cell = _verdict_cell(rs, n_boot, seed)
+        scen = {sc: _verdict_cell([r for r in rs if r["scenario"] == sc], n_boot, seed)
+                for sc in sorted({r["scenario"] for r in rs})}
+        apart = disagreeing({sc: c["selected"] for sc, c in scen.items()})
+        d = cell["difference"]
+        if not rs:
+            reason = "no held-out pairs"
+        elif d["ci_mean"] is None:
+            reason = f"difference {d['mean']:+.3f} on a single instance: no interval"
+        else:
+            reason = f"difference {d['mean']:+.3f} [{d['ci_mean'][0]:+.3f}, {d['ci_mean'][1]:+.3f}] ({d['ci_method']})"
+        if apart:
+            a, b = (scen[x]["selected"] for x in apart)
+            reason += (f"; scenarios disagree: {apart[0]} {a['mean']:.3f} [{a['ci_mean'][0]:.3f}, {a['ci_mean'][1]:.3f}]"
+                       f" vs {apart[1]} {b['mean']:.3f} [{b['ci_mean'][0]:.3f}, {b['ci_mean'][1]:.3f}]")
+            if cell["verdict"] == SUPPORTED:
+                cell["verdict"] = INCONCLUSIVE
+        out[g] = cell | {"reason": reason, "scenarios": scen, "disagree": apart}
+    return {"claim": claim, "by_family": out}
 
 
 def exclusions_by_family(excluded: list[dict], families: list[str]) -> dict:

@@ -5,9 +5,11 @@ Every probe that chooses something from data — top-k positions (``suffix_recov
 (``heads``), the note offset (``components``), the layer (``direction``) — splits the instances of
 each scenario into a **selection** set and a **held-out** set (:func:`split_instances`), ranks on
 selection rows only (:func:`rank_by_mean`, :func:`selection_source`) and reports numbers on held-out
-rows. Capped sweeps draw whole instances across scenarios (:func:`sample_instances`). Positions are
-ranked by their offset from an anchor (:func:`offsets`) with profiles learned on selection rows
-(:func:`offset_profiles`, :func:`profile_for`, :func:`rank_positions`).
+rows. Capped sweeps draw pairs stratified over scenarios and instances (:func:`sample_pairs`), and
+say when a subset does not represent its family (:func:`coverage`). A held-out
+pair's positions are matched to the selection pairs' by aligning the downstream tokens
+(:func:`align_positions`), or by their offset from an anchor (:func:`offsets`), with profiles
+learned on selection rows (:func:`offset_profiles`, :func:`profile_for`, :func:`rank_positions`).
 
 Position sets of a downstream span ``[b, d)`` on a grid of sizes (:func:`grid_points`,
 :func:`k_for`): the last or first ``k`` positions (:func:`suffix_set`, :func:`prefix_set`) and their
@@ -21,6 +23,7 @@ import math
 import zlib
 from collections import Counter
 from collections.abc import Sequence
+from difflib import SequenceMatcher
 from itertools import zip_longest
 
 import numpy as np
@@ -95,14 +98,16 @@ def split_warnings(probe: str, rows: list[dict], what: str, n_used: int | None =
     return []
 
 
-def sample_instances(rows: list[dict], max_pairs: int | None, seed: int, by: tuple[str, ...] = ("family",)) -> set[str]:
-    """Pair ids of whole instances, drawn round-robin across scenarios within each group.
+def sample_pairs(rows: list[dict], max_pairs: int | None, seed: int, by: tuple[str, ...] = ("family",)) -> set[str]:
+    """Pair ids stratified over scenarios, and over instances within each scenario.
 
     For each group of rows with equal ``row[k] for k in by`` (e.g. family and split), scenarios are
-    visited in a seeded random order, each contributing one randomly drawn whole instance (all of
-    its pairs) per round, until the group holds at least ``max_pairs`` pairs or runs out. So a cap
-    keeps whole instances (pairs of one instance are not independent) spread over as many
-    scenarios as the cap allows, never the first ``k`` pairs of one scenario.
+    visited in a seeded random order; each round takes one pair from every scenario that has one
+    left, from its next instance in a seeded order (the instances take turns), until the group holds
+    ``max_pairs`` pairs or runs out. So a cap of ``m`` pairs covers ``min(m, scenarios)`` scenarios
+    and spreads each scenario's pairs over its instances; it never keeps the first ``k`` pairs of
+    one instance (issue #53: a map built from one instance of one scenario ranked the heads of a
+    scenario without notes for a family whose other scenario has them).
 
     Args:
         rows: pair rows with ``pair``, ``scenario``, ``instance`` and the ``by`` columns.
@@ -117,20 +122,60 @@ def sample_instances(rows: list[dict], max_pairs: int | None, seed: int, by: tup
     rng = np.random.default_rng(seed)
     out: set[str] = set()
     for key in sorted({tuple(r[k] for k in by) for r in rows}):
-        insts: dict[str, dict[str, list[str]]] = {}
+        tree: dict[str, dict[str, list[str]]] = {}
         for r in rows:
             if tuple(r[k] for k in by) == key:
-                insts.setdefault(r["scenario"], {}).setdefault(r["instance"], []).append(r["pair"])
-        scens = sorted(insts)
+                tree.setdefault(r["scenario"], {}).setdefault(r["instance"], []).append(r["pair"])
+        scens = sorted(tree)
         scens = [scens[i] for i in rng.permutation(len(scens))]
-        queues = {s: [sorted(insts[s])[i] for i in rng.permutation(len(insts[s]))] for s in scens}
+        queues = {}
+        for sc in scens:
+            insts = sorted(tree[sc])
+            insts = [insts[i] for i in rng.permutation(len(insts))]
+            pairs = {i: sorted(tree[sc][i]) for i in insts}
+            pairs = {i: [ps[j] for j in rng.permutation(len(ps))] for i, ps in pairs.items()}
+            queues[sc] = [p for turn in zip_longest(*pairs.values()) for p in turn if p is not None]
         taken = 0
         while taken < int(max_pairs) and any(queues.values()):
-            for s in scens:
-                if queues[s] and taken < int(max_pairs):
-                    pairs = insts[s][queues[s].pop(0)]
-                    out.update(pairs)
-                    taken += len(pairs)
+            for sc in scens:
+                if queues[sc] and taken < int(max_pairs):
+                    out.add(queues[sc].pop(0))
+                    taken += 1
+    return out
+
+
+def coverage(rows: list[dict], chosen: set[str], by: tuple[str, ...] = ("family",)) -> dict[str, dict]:
+    """How well the ``chosen`` pairs (a selection subset, a map's pairs) represent each group of
+    ``rows`` (grouped by ``by``, e.g. family): ``{group: {"n_scenarios", "n_scenarios_used",
+    "n_instances_used", "represents"}}``, group keys joined by ``/``. ``represents`` is True when the
+    chosen pairs cover at least two of the group's scenarios (every scenario, when it has fewer)
+    and more than one instance (issue #53)."""
+    out: dict[str, dict] = {}
+    for key in sorted({tuple(r[k] for k in by) for r in rows}):
+        group = [r for r in rows if tuple(r[k] for k in by) == key]
+        used = [r for r in group if r["pair"] in chosen]
+        n_scen = len({r["scenario"] for r in group})
+        n_used = len({r["scenario"] for r in used})
+        n_inst = len({r["instance"] for r in used})
+        n_group_inst = len({r["instance"] for r in group})
+        out["/".join(map(str, key))] = {"n_scenarios": n_scen, "n_scenarios_used": n_used, "n_instances_used": n_inst,
+                                        "represents": n_used >= min(2, n_scen) and n_inst >= min(2, n_group_inst)}
+    return out
+
+
+def coverage_warnings(probe: str, cover: dict[str, dict], what: str) -> list[str]:
+    """One line per group whose ``what`` (e.g. ``"head ranking"``) does not represent it
+    (:func:`coverage`): too few scenarios, or a single instance."""
+    out = []
+    for group, c in cover.items():
+        if c["represents"] or not c["n_instances_used"]:
+            continue
+        if c["n_scenarios_used"] < min(2, c["n_scenarios"]):
+            out.append(f"{probe}: the {what} of {group} comes from {c['n_scenarios_used']} of its {c['n_scenarios']} "
+                       f"scenarios; raise the cap so it covers at least two")
+        else:
+            out.append(f"{probe}: the {what} of {group} comes from a single instance; it may not represent the "
+                       f"family (more instances: scenario.n_instances)")
     return out
 
 
@@ -184,10 +229,15 @@ def round_robin(rows: list[dict]) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# position rankings learned on the selection split (suffix_recovery's top-k positions)
+# position rankings learned on the selection split (suffix_recovery's top-k positions, components'
+# note position)
 
-#: Where a downstream position's offset is counted from: the decision (``d - p``) or the field's end (``p - b``).
-ANCHORS = ("decision", "field_end")
+#: How a held-out pair's downstream positions are matched to the selection pairs' (``topk_anchor``):
+#: ``aligned`` aligns the downstream tokens (:func:`align_positions`); ``decision`` and ``field_end``
+#: carry a position by its offset from that anchor (:func:`offsets`).
+ALIGNED = "aligned"
+OFFSET_ANCHORS = ("decision", "field_end")
+ANCHORS = (ALIGNED, *OFFSET_ANCHORS)
 
 
 def offsets(downstream: tuple[int, int], anchor: str) -> np.ndarray:
@@ -196,7 +246,7 @@ def offsets(downstream: tuple[int, int], anchor: str) -> np.ndarray:
     ``decision``: ``d - p`` (``n .. 1``); ``field_end``: ``p - b`` (``0 .. n-1``).
 
     Raises:
-        ValueError: unknown anchor.
+        ValueError: an anchor other than :data:`OFFSET_ANCHORS`.
     """
     b, d = downstream
     pos = np.arange(b, d)
@@ -204,33 +254,68 @@ def offsets(downstream: tuple[int, int], anchor: str) -> np.ndarray:
         return d - pos
     if anchor == "field_end":
         return pos - b
-    raise ValueError(f"topk_anchor must be one of {ANCHORS}, got {anchor!r}")
+    raise ValueError(f"topk_anchor must be one of {OFFSET_ANCHORS} to count offsets, got {anchor!r}")
+
+
+def align_positions(source: Sequence[int], target: Sequence[int]) -> list[tuple[int, int]]:
+    """Order-preserving token alignment of two downstream spans: ``(i, j)`` index pairs with
+    ``source[i] == target[j]``, from the matching blocks of :class:`difflib.SequenceMatcher`
+    (Ratcliff/Obershelp: the longest common block first, then recursively either side of it; no
+    junk heuristic). Both spans start right after the field and end at the decision, so the
+    alignment is anchored at both ends; a filler or name of another length shifts the positions
+    after it, and the shared tokens around it still match.
+
+    Args:
+        source, target: token ids of ``[b, d)`` of two prompts.
+
+    Returns:
+        matched index pairs (into ``source``, into ``target``), increasing in both.
+    """
+    blocks = SequenceMatcher(None, list(source), list(target), autojunk=False).get_matching_blocks()
+    return [(blk.a + k, blk.b + k) for blk in blocks for k in range(blk.size)]
 
 
 def offset_profiles(selection_rows: list[dict], anchor: str) -> dict:
-    """Mean single-position recovery per anchor offset, per scenario and per family.
+    """Mean single-position recovery per selection position, per scenario and per family.
 
     Args:
         selection_rows: rows of **selection** pairs with ``single`` (recovery of each downstream
-            position alone, ``[n]``), ``downstream``, ``scenario``, ``family`` and ``pair``.
+            position alone, ``[n]``), ``downstream``, ``scenario``, ``family`` and ``pair``; with
+            ``anchor="aligned"`` also ``downstream_ids`` (the prompt's token ids of ``[b, d)``).
+        anchor: one of :data:`ANCHORS`.
 
     Returns:
-        ``{"scenario": {id: profile}, "family": {name: profile}}``; a profile is
-        ``{"offset": {offset: mean recovery}, "pairs": [pair ids used]}``.
+        ``{"scenario": {id: profile}, "family": {name: profile}, "anchor": anchor}``; a profile is
+        ``{"offset": {offset: mean recovery}, "pairs": [pair ids used]}`` for an offset anchor, and
+        ``{"spans": [{"ids": [...], "mean": [...]}], "pairs": [...]}`` for ``aligned`` (one span per
+        distinct downstream text, its map averaged over the pairs that share it: the pairs of one
+        instance differ only in the field).
+
+    Raises:
+        ValueError: an unknown anchor.
     """
+    if anchor not in ANCHORS:
+        raise ValueError(f"topk_anchor must be one of {ANCHORS}, got {anchor!r}")
     out: dict = {"scenario": {}, "family": {}}
     acc: dict = {}
     for r in selection_rows:
-        offs = offsets(tuple(r["downstream"]), anchor)
         for level in ("scenario", "family"):
             sums, counts, pairs = acc.setdefault((level, r[level]), ({}, {}, []))
             pairs.append(r["pair"])
-            for o, v in zip(offs.tolist(), r["single"], strict=True):
+            keys = ([(tuple(r["downstream_ids"]), i) for i in range(len(r["single"]))] if anchor == ALIGNED
+                    else offsets(tuple(r["downstream"]), anchor).tolist())
+            for o, v in zip(keys, r["single"], strict=True):
                 sums[o] = sums.get(o, 0.0) + v
                 counts[o] = counts.get(o, 0) + 1
     for (level, key), (sums, counts, pairs) in acc.items():
-        out[level][key] = {"offset": {o: sums[o] / counts[o] for o in sums}, "pairs": pairs}
-    return out
+        mean = {o: sums[o] / counts[o] for o in sums}
+        if anchor == ALIGNED:
+            spans = list(dict.fromkeys(ids for ids, _ in mean))
+            out[level][key] = {"spans": [{"ids": list(ids), "mean": [mean[(ids, i)] for i in range(len(ids))]}
+                                         for ids in spans], "pairs": pairs}
+        else:
+            out[level][key] = {"offset": mean, "pairs": pairs}
+    return out | {"anchor": anchor}
 
 
 def profile_for(profiles: dict, scenario: str, family: str) -> tuple[dict | None, str | None]:
@@ -246,15 +331,44 @@ def profile_for(profiles: dict, scenario: str, family: str) -> tuple[dict | None
     return None, None
 
 
-def rank_positions(profile: dict, downstream: tuple[int, int], anchor: str) -> list[int]:
-    """Downstream positions ordered by the profile value of their offsets, highest first.
+def position_values(profile: dict, downstream: tuple[int, int], anchor: str,
+                    downstream_ids: Sequence[int] | None = None) -> np.ndarray:
+    """The profile's value at each position ``b .. d-1`` of a held-out pair, ``[n]`` floats; NaN
+    where no selection position maps there (an offset the selection pairs lack, a token no
+    alignment matched).
 
-    Offsets absent from the profile rank last; ties (and absent offsets) go to the smaller offset.
+    ``aligned``: each selection span is aligned to ``downstream_ids`` (:func:`align_positions`) and a
+    position takes the mean of the values carried onto it; an offset anchor reads the profile at the
+    position's offset (:func:`offsets`).
+
+    Raises:
+        ValueError: ``aligned`` without ``downstream_ids`` of the span's length.
     """
-    b, _ = downstream
-    offs = offsets(downstream, anchor)
-    vals = np.array([profile["offset"].get(int(o), -np.inf) for o in offs])
-    order = sorted(range(len(offs)), key=lambda i: (-vals[i], offs[i]))
+    b, d = downstream
+    if anchor != ALIGNED:
+        return np.array([profile["offset"].get(int(o), np.nan) for o in offsets(downstream, anchor)], dtype=float)
+    if downstream_ids is None or len(downstream_ids) != d - b:
+        raise ValueError(f"aligned positions need the held-out pair's {d - b} downstream token ids")
+    sums, counts = np.zeros(d - b), np.zeros(d - b)
+    for span in profile["spans"]:
+        for i, j in align_positions(span["ids"], downstream_ids):
+            sums[j] += span["mean"][i]
+            counts[j] += 1
+    with np.errstate(invalid="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+def rank_positions(profile: dict, downstream: tuple[int, int], anchor: str,
+                   downstream_ids: Sequence[int] | None = None) -> list[int]:
+    """Downstream positions ordered by the profile's value there (:func:`position_values`), highest
+    first. Positions without a value rank last; ties (and those) go to the position nearer the
+    anchor (the decision for ``aligned`` and ``decision``, the field's end for ``field_end``).
+    """
+    b, d = downstream
+    vals = position_values(profile, downstream, anchor, downstream_ids)
+    vals = np.where(np.isnan(vals), -np.inf, vals)
+    near = offsets(downstream, "field_end" if anchor == "field_end" else "decision")
+    order = sorted(range(d - b), key=lambda i: (-vals[i], near[i]))
     return [b + i for i in order]
 
 

@@ -238,3 +238,34 @@ def matrix_summary(rows: list[dict], key: str, n_boot: int, seed: int, level: fl
     lo, hi = np.quantile(reps, [alpha, 1 - alpha], axis=0)
     return {"n": len(rows), "n_scenarios": len({r["scenario"] for r in rows}), "mean": X.mean(0).tolist(),
             "ci_low": lo.tolist(), "ci_high": hi.tolist(), "ci_level": level}
+
+
+# ---------------------------------------------------------------------------------------------
+# verdicts: does a selected result beat its control (issue #53)
+
+#: ``verdict`` values: the selected result beats its control (the interval of the held-out paired
+#: difference lies above 0), loses to it (below 0), or neither can be said.
+SUPPORTED, INCONCLUSIVE, CONTRADICTED = "supported", "inconclusive", "contradicted"
+
+
+def verdict_of(difference: dict) -> str:
+    """The verdict a :func:`summarize` of per-pair differences (selected minus control, held-out
+    pairs) supports: :data:`SUPPORTED` when its ``ci_mean`` lies above 0, :data:`CONTRADICTED`
+    when below, :data:`INCONCLUSIVE` when it straddles 0 or there is no interval (one cluster, no
+    pairs): a single instance cannot support a conclusion."""
+    ci = difference.get("ci_mean")
+    if ci is None:
+        return INCONCLUSIVE
+    return SUPPORTED if ci[0] > 0 else CONTRADICTED if ci[1] < 0 else INCONCLUSIVE
+
+
+def disagreeing(summaries: dict[str, dict]) -> list[str] | None:
+    """The two groups (e.g. a family's scenarios) whose :func:`summarize` intervals do not overlap,
+    the highest and the lowest, or None when every pair of intervals overlaps (groups without an
+    interval are not compared: their disagreement cannot be told apart from noise)."""
+    ci = {k: s["ci_mean"] for k, s in summaries.items() if s.get("ci_mean") is not None}
+    if len(ci) < 2:
+        return None
+    hi = max(ci, key=lambda k: ci[k][0])
+    lo = min(ci, key=lambda k: ci[k][1])
+    return [hi, lo] if ci[hi][0] > ci[lo][1] else None

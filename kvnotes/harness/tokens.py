@@ -83,6 +83,14 @@ class TokenizedPair:
         """Downstream positions ``[b, d)``: after the field, before the decision position."""
         return self.field[1], self.decision
 
+    @property
+    def downstream_ids(self) -> list[int]:
+        """Token ids of the downstream ``[b, d)`` (the old and new prompts share them: they differ in
+        the field only); what positions are aligned by across instances
+        (:func:`kvnotes.harness.selection.align_positions`)."""
+        b, d = self.downstream
+        return self.old.ids[b:d].tolist()
+
 
 def build_prompt(tokenizer, user_text: str, field_chars: tuple[int, int], answer_prefix: str,
                  chat_template: bool = True, system: str | None = None,

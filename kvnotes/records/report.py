@@ -41,7 +41,7 @@ from pathlib import Path
 from kvnotes import existing_ancestor
 from kvnotes.records.envelope import reading
 from kvnotes.records.store import RecordScan, Unreadable, record_overrides, scan_records
-from kvnotes.records.tables import ci, record_table, summaries
+from kvnotes.records.tables import ci, record_table, summaries, verdict_summary
 from kvnotes.records.figures import _figures, _summary_bars
 from kvnotes.records.pages import PLOTLY_JS, _Page, _md, not_read_list, write_plotly_js
 from kvnotes.records.presentation import presentation
@@ -193,7 +193,7 @@ def _write_site(records: list[tuple[Path, dict]], out: Path, skipped: list[Unrea
     not_read = f"; {len(skipped)} record files not read (listed below)" if skipped else ""
     rows = ["<h1>kvnotes report</h1>", f"<p>{len(records)} records{not_read}.</p>",
             "<table><tr><th>model</th><th>probe</th><th>suite</th><th>overrides</th><th>flip rule</th>"
-            "<th>created</th><th>commit</th><th>torch / transformers</th><th>headline</th><th></th></tr>"]
+            "<th>created</th><th>commit</th><th>torch / transformers</th><th>headline</th><th>verdicts</th><th></th></tr>"]
     manifest: dict = {"pages": [], "skipped": [{"record": str(u.path), "reason": u.reason} for u in skipped]}
     for i, (path, rec) in enumerate(records):
         with reading(path, "report page"):
@@ -208,7 +208,8 @@ def _write_site(records: list[tuple[Path, dict]], out: Path, skipped: list[Unrea
                         f"<td>{html.escape(str(rec.get('created')))}</td>"
                         f"<td>{html.escape(str(git.get('commit'))[:10])}</td>"
                         f"<td>{pk.get('torch')} / {pk.get('transformers')}</td>"
-                        f"<td>{html.escape(hpath)}: {html.escape(hval)}</td><td><a href='{name}.html'>page</a> · "
+                        f"<td>{html.escape(hpath)}: {html.escape(hval)}</td>"
+                        f"<td>{html.escape(verdict_summary(rec) or '-')}</td><td><a href='{name}.html'>page</a> · "
                         f"<a href='records/{name}.json'>JSON</a></td></tr>")
         shutil.copyfile(path, out / "records" / f"{name}.json")
         page.write(out / f"{name}.html", out)

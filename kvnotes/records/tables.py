@@ -253,7 +253,8 @@ def agent_table(record: dict) -> str:
 
 def record_table(rec: dict, **options) -> str:
     """The table of a record: the one its probe's presentation names
-    (:func:`kvnotes.records.presentation.presentation`), else :func:`aggregates_table`.
+    (:func:`kvnotes.records.presentation.presentation`), else :func:`aggregates_table`; then, when
+    the record has verdicts (``aggregates.verdicts``), :func:`verdicts_table`.
 
     Args:
         options: keyword options of the probe's table it accepts (e.g. ``by`` of
@@ -261,7 +262,39 @@ def record_table(rec: dict, **options) -> str:
     """
     fn = presentation(rec).table or aggregates_table
     params = inspect.signature(fn).parameters
-    return fn(rec, **{k: v for k, v in options.items() if k in params})
+    return fn(rec, **{k: v for k, v in options.items() if k in params}) + verdicts_table(rec)
+
+
+def verdict_summary(rec: dict) -> str:
+    """One line of a record's verdicts over all its pairs (``name: verdict``; ``""`` without any),
+    for the report's index."""
+    return "; ".join(f"{name}: {v['by_family']['all']['verdict']}"
+                     for name, v in rec["result"].get("aggregates", {}).get("verdicts", {}).items())
+
+
+def verdicts_table(rec: dict) -> str:
+    """Each verdict of a record (``aggregates.verdicts``, :func:`kvnotes.harness.kit.verdicts`): does
+    the selected result beat its control on held-out pairs, per family and per scenario, with the
+    numbers that say why (the selected and control means, the paired difference's interval and
+    method, scenarios that disagree); ``""`` when the record has none."""
+    verdicts = rec["result"].get("aggregates", {}).get("verdicts") or {}
+    if not verdicts:
+        return ""
+    w = _Lines()
+    for name, v in verdicts.items():
+        w(f"\n**Verdict `{name}`**: {v['claim']}.\n")
+        w("| family / scenario | verdict | selected | control | difference [95% interval] | why |")
+        w("|---|---|---|---|---|---|")
+        for fam, cell in v["by_family"].items():
+            rows = [(f"**{fam}**", cell)] + [(f"&nbsp;&nbsp;{sc}", c) for sc, c in cell.get("scenarios", {}).items()]
+            for label, c in rows:
+                if not c["difference"].get("n"):
+                    w(f"| {label} | {c['verdict']} | - | - | - | no held-out pairs |")
+                    continue
+                why = c.get("reason", "")
+                w(f"| {label} | {c['verdict']} | {fmt(c['selected']['mean'])} | {fmt(c['control']['mean'])} | "
+                  f"{ci(c['difference'])} | {why if label.startswith('**') else ''} |")
+    return w.text()
 
 
 def serving_table(rec: dict) -> str:

@@ -139,9 +139,9 @@ def test_no_heldout_instance_in_layer_selection():
     ev = D.eval_pairs(rows, 2, 0)
     assert sum(r["pair"] in ev and r["split"] == "selection" for r in rows) == 2
     assert sum(r["pair"] in ev and r["split"] == "heldout" for r in rows) == 2
-    # whole instances, spread over scenarios: a cap of 4 pairs takes two instances of two scenarios
+    # stratified over scenarios, then instances: a cap of 4 pairs covers the 3 scenarios and 4 instances
     ev4 = [r for r in rows if r["pair"] in D.eval_pairs(rows, 4, 0) and r["split"] == "heldout"]
-    assert len(ev4) == 4 and len({r["scenario"] for r in ev4}) == 2 and len({r["instance"] for r in ev4}) == 2
+    assert len(ev4) == 4 and len({r["scenario"] for r in ev4}) == 3 and len({r["instance"] for r in ev4}) == 4
     assert D.eval_pairs(rows, None, 0) == {r["pair"] for r in rows}
     assert scan_layers(30, None, 6) == [0, 6, 11, 17, 22, 28]
     assert scan_layers(4, None, None) == [0, 1, 2] and scan_layers(4, [2, 0, 2], 1) == [0, 2]

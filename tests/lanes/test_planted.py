@@ -53,17 +53,20 @@ def model_config(family: str, arch: str = "llama"):
 
 def _context(cache, monkeypatch, family: str, probe: str, model_overrides: dict | None = None,
              probe_overrides: dict | None = None, scenario_ids: list[str] | None = None, n_instances: int = 2,
-             arch: str = "llama"):
-    """A probe context on planted model ``family`` in ``arch`` and the planted suite (``n_instances``
-    per scenario)."""
+             arch: str = "llama", suite: str = "planted", seed: int = 0):
+    """A probe context on planted model ``family`` in ``arch`` and a planted suite
+    (``conf/scenario/<suite>.yaml``, ``n_instances`` per scenario)."""
     monkeypatch.setenv("KVNOTES_CACHE", str(cache))
     bundle = load_model(OmegaConf.merge(model_config(family, arch), model_overrides or {}), "cpu")
+    own = OmegaConf.load(CONF / "scenario" / f"{suite}.yaml")
     scen = OmegaConf.merge(OmegaConf.load(CONF / "scenario" / "default.yaml"),
-                           OmegaConf.load(CONF / "scenario" / "planted.yaml"),
-                           {"n_instances": n_instances, "ids": scenario_ids, "paths": [str(CONF.parent / "scenarios" / "planted")]})
+                           OmegaConf.load(CONF / "scenario" / "planted.yaml"), own,
+                           {"n_instances": n_instances, "ids": scenario_ids,
+                            "paths": [str(CONF.parent / p) for p in own.paths]})
     scen.pop("defaults", None)
     cfg = kvnotes.probes.load_config(probe, {"progress": False, "n_boot": 100} | (probe_overrides or {}))
-    return kvnotes.probes.ProbeContext(bundle=bundle, pairs=prepare_pairs(bundle.tokenizer, scen), cfg=cfg, scenario_cfg=scen)
+    return kvnotes.probes.ProbeContext(bundle=bundle, pairs=prepare_pairs(bundle.tokenizer, scen), cfg=cfg,
+                                       scenario_cfg=scen, seed=seed)
 
 
 def _truth(ctx) -> dict:

@@ -143,7 +143,8 @@ def spied(smol):
 
 
 def test_heldout_never_used_for_selection(spied):
-    _, res, calls = spied
+    ps, res, calls = spied
+    ids = {p.spec.id: p.downstream_ids for p in ps.pairs}
     sel, held = set(res["split"]["selection"]), set(res["split"]["heldout"])
     assert sel and held and not sel & held
     # the profile was built once, from selection rows only
@@ -158,14 +159,16 @@ def test_heldout_never_used_for_selection(spied):
     first_held = next(i for i, c in enumerate(calls["evaluate"]) if c[1] in held)
     assert all(c[1] in sel for c in calls["evaluate"][:first_held])     # all selection pairs came first
     # the top-k sets actually evaluated are reproduced from the selection rows alone
-    prof = S.offset_profiles([r for r in res["rows"] if r["split"] == "selection"], res["topk_anchor"])
+    assert res["topk_anchor"] == "aligned"
+    prof = S.offset_profiles([r | {"downstream_ids": ids[r["pair"]]} for r in res["rows"] if r["split"] == "selection"],
+                             res["topk_anchor"])
     held_rows = [r for r in res["rows"] if r["split"] == "heldout"]
     assert held_rows and all(r["instance"] in held for r in held_rows)
     for r in held_rows:
         assert set(r["topk_profile_pairs"]) <= set(res["selection_pairs"])
         p, src = S.profile_for(prof, r["scenario"], r["family"])
         assert src == r["topk_profile_source"] == "scenario"
-        order = S.rank_positions(p, tuple(r["downstream"]), res["topk_anchor"])
+        order = S.rank_positions(p, tuple(r["downstream"]), res["topk_anchor"], ids[r["pair"]])
         for k, s in zip(r["k"], r["topk_sets"], strict=True):
             assert s == (None if k is None else sorted(order[:k]))
     assert res["aggregates"]["checks"]["heldout_profile_pairs_not_in_selection"] == 0
