@@ -314,7 +314,11 @@ def summaries_by_family(rows: list[dict], value, flipped, families: list[str], n
             to omit the flip share.
 
     Returns:
-        ``{"all": summary, <family>: summary, ...}``; families without rows get ``n = 0``.
+        ``{"all": summary, <family>: summary, ...}``; families without rows get ``n = 0``. A family
+        with two or more scenarios also gets ``by_scenario`` (``{scenario: {n, mean, ci_mean,
+        ci_method}}``) and ``disagree``: the two scenarios whose intervals do not overlap, or None
+        (:func:`kvnotes.harness.stats.disagreeing`; issue #53: a family mean over scenarios that
+        differ in mechanism is a mixture, not a property of the family).
     """
     get, flip = _value_fn(value), (_value_fn(flipped) if flipped else None)
     out = {}
@@ -322,7 +326,23 @@ def summaries_by_family(rows: list[dict], value, flipped, families: list[str], n
         tmp = [{"scenario": r["scenario"], "instance": r["instance"], "_v": v,
                 "_f": flip(r) if flip else None} for r in rs if (v := get(r)) is not None]
         out[g] = recovery_summary(tmp, "_v", "_f" if flip else None, n_boot, seed)
+        if g != "all":
+            out[g] |= scenario_breakdown(tmp, "_v", n_boot, seed)
     return out
+
+
+def scenario_breakdown(rows: list[dict], value: str | Callable[[dict], float | None], n_boot: int = 2000,
+                       seed: int = 0) -> dict:
+    """A family's per-scenario means of ``value`` (:func:`summary` of each scenario's rows: ``n``,
+    ``mean``, ``ci_mean``, ``ci_method``) and the two scenarios whose intervals do not overlap
+    (``disagree``, :func:`kvnotes.harness.stats.disagreeing`); ``{}`` with fewer than two scenarios."""
+    scenarios = sorted({r["scenario"] for r in rows})
+    if len(scenarios) < 2:
+        return {}
+    keep = ("n", "mean", "ci_mean", "ci_method")
+    per = {sc: {k: v for k, v in summary([r for r in rows if r["scenario"] == sc], value, n_boot, seed).items()
+                if k in keep} for sc in scenarios}
+    return {"by_scenario": per, "disagree": disagreeing(per)}
 
 
 def _verdict_cell(rows: list[dict], n_boot: int, seed: int) -> dict:

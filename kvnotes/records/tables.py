@@ -68,14 +68,27 @@ CI_MARKS = {"cluster_bootstrap": "", "t_over_scenario_means": "t", "t_over_insta
 
 
 def ci(d: dict | None) -> str:
-    """``mean [lo, hi]`` with a mark of the interval's method; no interval for a single cluster."""
+    """``mean [lo, hi]`` with a mark of the interval's method; no interval for a single cluster;
+    a family mean whose scenarios disagree (``disagree``, :func:`kvnotes.harness.kit.scenario_breakdown`)
+    is flagged with the two scenarios' means."""
     if not d or d.get("mean") is None:
         return "-"
     mark = CI_MARKS.get(d.get("ci_method") or "cluster_bootstrap", d.get("ci_method"))
     if not d.get("ci_mean"):
-        return f"{d['mean']:.2f} ({mark or 'no interval'})"
+        return f"{d['mean']:.2f} ({mark or 'no interval'})" + disagreement(d)
     lo, hi = d["ci_mean"]
-    return f"{d['mean']:.2f} [{lo:.2f}, {hi:.2f}]{' ' + mark if mark else ''} (n={d['n']}, {d['n_scenarios']} sc.)"
+    return (f"{d['mean']:.2f} [{lo:.2f}, {hi:.2f}]{' ' + mark if mark else ''} (n={d['n']}, {d['n_scenarios']} sc.)"
+            + disagreement(d))
+
+
+def disagreement(d: dict) -> str:
+    """`` ⚠ scenarios disagree: a 0.95 vs b 0.30`` for a family mean whose scenarios' intervals do not
+    overlap (``d["disagree"]``), else ``""``."""
+    if not d.get("disagree"):
+        return ""
+    a, b = d["disagree"]
+    per = d["by_scenario"]
+    return f" ⚠ scenarios disagree: {a} {per[a]['mean']:.2f} vs {b} {per[b]['mean']:.2f}"
 
 
 def summaries(tree, path: tuple = ()) -> list[tuple[str, dict]]:
@@ -99,6 +112,8 @@ def aggregates_table(rec: dict, limit: int = 60) -> str:
     for path, s in rows[:limit]:
         med = s.get("median")
         w(f"| {path} | {ci(s)} | {'-' if med is None else f'{med:.3f}'} | {s.get('ci_method') or '-'} |")
+        for sc, sub in (s.get("by_scenario") or {}).items():
+            w(f"| &nbsp;&nbsp;{path} · {sc} | {ci(sub | {'n_scenarios': 1})} | - | {sub.get('ci_method') or '-'} |")
     return w.text()
 
 

@@ -109,3 +109,22 @@ def test_verdicts_need_an_interval_above_zero_and_scenarios_that_agree():
     assert "**Verdict `v`**: claim." in text and "| **f** | supported |" in text and "no held-out pairs" in text
     assert verdict_summary(rec) == "v: supported; w: inconclusive"
     assert verdicts_table({"result": {"aggregates": {}}}) == "" and verdict_summary({"result": {}}) == ""
+
+
+def test_a_family_mean_carries_its_scenarios_and_flags_them_when_they_disagree():
+    from kvnotes.harness.kit import summaries_by_family
+    from kvnotes.records.tables import aggregates_table, ci
+
+    rows = [{"scenario": s, "instance": f"{s}/{i}", "family": "f", "r": v + 0.01 * i, "fl": True}
+            for s, v in (("notes", 0.9), ("no_notes", 0.2)) for i in range(3)]
+    rows += [{"scenario": "solo", "instance": f"solo/{i}", "family": "g", "r": 0.5, "fl": False} for i in range(2)]
+    got = summaries_by_family(rows, "r", "fl", ["f", "g"], 200, 0)
+    f = got["f"]
+    assert f["mean"] == pytest.approx(np.mean([r["r"] for r in rows if r["family"] == "f"]))
+    assert f["by_scenario"]["notes"]["mean"] == pytest.approx(0.91) and f["by_scenario"]["no_notes"]["n"] == 3
+    assert f["disagree"] == ["notes", "no_notes"]
+    assert "⚠ scenarios disagree: notes 0.91 vs no_notes 0.21" in ci(f)
+    assert "by_scenario" not in got["g"] and "by_scenario" not in got["all"]       # one scenario: nothing to break down
+    assert "⚠" not in ci(got["g"])
+    table = aggregates_table({"result": {"aggregates": {"x": got}}, "config": {"flip_rule": "owned"}})
+    assert "| &nbsp;&nbsp;x/f · notes | 0.91 [" in table and "x/f · no_notes |" in table
