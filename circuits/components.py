@@ -18,7 +18,7 @@ from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import OpenFraction, one_of
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.protocol import start_circuit
-from kvnotes.harness.selection import ALIGNED, ANCHORS, offset_profiles, profile_for, rank_positions, split_warnings
+from kvnotes.harness.selection import ALIGNED, ANCHORS, coverage, coverage_warnings, offset_profiles, profile_for, rank_positions, split_warnings
 from kvnotes.kv.engine import BACKENDS, Engine, Site
 from kvnotes.records.figures import Curves
 from kvnotes.records.presentation import Presentation
@@ -88,10 +88,14 @@ def contributions(old: dict, new: dict, v: torch.Tensor, p: int, eps: float) -> 
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/components.yaml`` (defaults there; see the specification)."""
+    """Keys of ``conf/probe/components.yaml`` (the defaults are here; the YAML sets what differs; see the specification)."""
 
+    #: nnsight | transformer_lens
     backend: Annotated[str, one_of(*BACKENDS)] = "nnsight"
+    #: share of each scenario's instances used to choose the note offset
     selection_fraction: OpenFraction = 0.5
+    #: the note position, learned per scenario: aligned (token alignment) | decision (offset d - p) |
+    #: field_end (p - b)
     topk_anchor: Annotated[str, one_of(*ANCHORS)] = "aligned"
 
 
@@ -204,6 +208,9 @@ def run(ctx) -> dict:
                               sum("at_note" in r for r in held_rows),
                               "have no selection pairs of their scenario or family to place the note by, or no "
                               "downstream position")
+    sel_rows = [r for r in rows if r["split"] == "selection"]
+    aggregates["profile_coverage"] = coverage(sel_rows, {r["pair"] for r in sel_rows}, ("scenario",))
+    warnings += coverage_warnings("components", aggregates["profile_coverage"], "note position")
     return {"rows": rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": engine.backend,
             "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates,
             "warnings": warnings}

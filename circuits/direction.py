@@ -116,15 +116,26 @@ NEC = ("direction", "random")
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/direction.yaml`` (defaults there; see the specification)."""
+    """Keys of ``conf/probe/direction.yaml`` (the defaults are here; the YAML sets what differs; see the specification)."""
 
+    #: nnsight | transformer_lens (engine backend, kvnotes/kv/engine.py)
     backend: Annotated[str, one_of(*BACKENDS)] = "nnsight"
+    #: explicit decoder layers to scan; null = n_layers_scan evenly spaced
     layers: Optional[NonNegatives] = None
+    #: over [0, n_layers - 2] (null = all of them); bounds the work
     n_layers_scan: Optional[Count] = 5
+    #: all | family: LOSO fit on other scenarios (of any / the same family) sharing the pair's outcome pair;
+    #: scenario: other selection instances of its own scenario
     fit_scope: Annotated[str, one_of(*SCOPES)] = "all"
+    #: necessity target projection: mean over all fitting runs | old-value runs
     ablate_to: Annotated[str, one_of(*ABLATE_TO)] = "all"
+    #: n_draws: norm-matched random directions per pair (Generator from seed + pair id)
     random: RandomControl = field(default_factory=lambda: RandomControl(3))
+    #: share of each scenario's instances used to fit and to choose the layer
     selection_fraction: OpenFraction = 0.5
+    #: Pairs evaluated by interventions per family and split (seeded draw); every selection pair is still
+    #: fitted on. Each evaluated held-out pair costs 2 batched resumed prefills per scanned layer. null =
+    #: every pair (full runs).
     max_pairs_per_family: Optional[Count] = 3
 
     def check_run(self, run) -> None:

@@ -31,15 +31,24 @@ from kvnotes.records.schema import CircuitResult
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/heads.yaml`` (defaults there; see the specification)."""
+    """Keys of ``conf/probe/heads.yaml`` (the defaults are here; the YAML sets what differs; see the specification)."""
 
+    #: nnsight | transformer_lens (engine backend, kvnotes/kv/engine.py)
     backend: Annotated[str, one_of(*BACKENDS)] = "nnsight"
+    #: head variants per batched forward (16 was fastest on a 2-core CPU)
     chunk_heads: Count = 16
+    #: cumulative top-k sizes (k above n_layers * n_heads is dropped)
     ks: Counts = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    #: n_draws: k-matched random head sets per k (Generator seeded from seed + pair id)
     random: RandomControl = field(default_factory=lambda: RandomControl(5))
+    #: share of each scenario's instances used to rank heads
     selection_fraction: OpenFraction = 0.5
+    #: Single-head maps cost n_layers * n_heads resumed prefills per pair (write mode): map at most this many
+    #: selection pairs per family (seeded draw); null = every selection pair.
     max_map_pairs_per_family: Optional[Count] = 2
+    #: also compute single-head maps on held-out pairs (figures only; never ranked)
     heldout_maps: bool = False
+    #: read heads (decision position) and/or write heads (note positions; the costly sweep)
     modes: Annotated[list[Annotated[str, one_of(*HEAD_SITES)]], Len(min_length=1)] = field(default_factory=lambda: list(HEAD_SITES))
 
     def check_run(self, run) -> None:

@@ -29,7 +29,7 @@ from kvnotes.ops import compose as kvcompose
 from kvnotes.records.figures import Bars, agent_turns
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import BaseResult, ExclusionRow, NotRequired, TypedDict
-from kvnotes.records.tables import agent_table
+from kvnotes.records.tables import Lines
 from kvnotes.scenarios.instances import Instance, draw_instances
 
 # ------ the agent's trajectory: a transcript's turns, the field's value per turn, the update text
@@ -97,10 +97,13 @@ AGENT_UNREACHED = ("agent_no_marker", "agent_truncated_in_think")
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/agent.yaml`` (defaults there; see the specification)."""
+    """Keys of ``conf/probe/agent.yaml`` (the defaults are here; the YAML sets what differs; see the specification)."""
 
+    #: decisions per trajectory (the field value changes every turn)
     turns: Count = 4
+    #: chunk tokens recomputed against the real prefix at turn 1
     seam: NonNegative = 4
+    #: precompile chunks behind: none | bos (the prompt's first token) | prefix (the live prefix)
     sink: Annotated[str, one_of(*SINKS)] = "bos"
     #: ``scenario.variant=cot``: most tokens generated per chain
     cot_max_new_tokens: NonNegative = 40
@@ -440,6 +443,53 @@ def run(ctx) -> dict:
 
 #: The accuracy and agreement columns of the agent's per-family figures.
 _AGENT = "[agent_accuracy,transcript_accuracy,oracle_accuracy,agreement_oracle_owned]"
+
+# ---------------------------------------------------------------------------------------------
+# presentation
+
+
+def fmt_share(s: dict) -> str:
+    """``k/n = mean [interval] (method)`` of a share aggregate; ``-`` without rows."""
+    if not s.get("n"):
+        return "-"
+    ci = s.get("ci_mean")
+    method = {"cluster_bootstrap": "", "t_over_scenario_means": " t", "t_over_instance_means": " ti"}.get(
+        s.get("ci_method") or "", "")
+    # a share lies in [0, 1]: t-intervals over 2-4 cluster means are clipped to it for display
+    interval = f" [{max(ci[0], 0.0):.2f}, {min(ci[1], 1.0):.2f}]{method}" if ci else ""
+    return f"{s['k']}/{s['n']} = {s['mean']:.2f}{interval}"
+
+
+SCOPE_LABELS = (("all", "all turns"), ("turn1", "turn 1"), ("turn2+", "turns 2+"))
+
+
+def agent_table(record: dict) -> str:
+    """The per-family, per-turn table of an ``agent`` record."""
+    w = Lines()
+    agg = record["result"]["aggregates"]
+    w(f"## {record['model']['name']} · agent · {record['scenario']['name']} · {agg['turns']} turns, seam "
+          f"{agg['seam']}, sink {agg['sink']} · {agg['n_trajectories']} trajectories, excluded "
+          f"{record['result']['exclusions'] or 0}\n")
+    w("| family | turns | agent correct | oracle correct | transcript correct | agent = oracle (oracle owns) "
+          "| agent = transcript | KL(oracle‖agent) | time oracle / agent | time transcript / agent |")
+    w("|---|---|---|---|---|---|---|---|---|---|")
+    for fam, scopes in agg["by_family"].items():
+        for scope, label in SCOPE_LABELS:
+            a = scopes[scope]
+            if not a["n_turns"]:
+                continue
+            t = a["time"]
+            kl = a["kl_oracle"]["mean"]
+            w(f"| {fam} | {label} | {fmt_share(a['agent_accuracy'])} | {fmt_share(a['oracle_accuracy'])} | "
+                  f"{fmt_share(a['transcript_accuracy'])} | {fmt_share(a['agreement_oracle_owned'])} | "
+                  f"{fmt_share(a['agreement_transcript'])} | {'-' if kl is None else f'{kl:.3f}'} | "
+                  f"{t['ratio_oracle_over_agent']:.2f} | {t['ratio_transcript_over_agent']:.2f} |")
+    w("\nIntervals: means of the 0/1 indicators, 95%: cluster bootstrap with >= 5 scenarios, `t` over "
+          "scenario means (2-4), `ti` over instance means (1 scenario); clipped to [0, 1]. Times: sums over the turns "
+          f"(device {agg['device']}); chunk precompile excluded "
+          f"({agg['by_family']['all']['all']['time']['precompile_ms_total'] / 1e3:.1f} s in all).")
+    return w.text()
+
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).

@@ -30,7 +30,7 @@ from kvnotes.ops.methods import EditSource, Prompted
 from kvnotes.records.figures import edit_frontier
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import BaseResult
-from kvnotes.records.tables import edit_table
+from kvnotes.records.tables import Lines, fmt, fmt_p
 
 # ------ the edit registry's source for a pair: the prompts a method names, rendered for this pair
 
@@ -170,19 +170,30 @@ Ranking = Annotated[str, AfterValidator(_ranking)]
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
-    """Keys of ``conf/probe/edit.yaml`` (defaults there; see the specification); ``cot_ks``: the K
+    """Keys of ``conf/probe/edit.yaml`` (the defaults are here; the YAML sets what differs; see the specification); ``cot_ks``: the K
     sweep under the generated readout (every ranking of ``rankings``, no upper bound)."""
 
+    #: selective@K rankings of downstream positions
     rankings: list[Ranking] = field(default_factory=lambda: ["attention", "kv_deviation", "last", "random"])
+    #: K sweep (K above a pair's downstream length is skipped)
     ks: list[NonNegative] = field(default_factory=lambda: [0, 1, 2, 4, 8, 16, 32, 64])
+    #: oracle_copy@K (UPPER BOUND: K/V copied from the full re-prefill); null: off
     oracle_ranking: Optional[Ranking] = "attention"
+    #: erratum line: before_request | after_context | before_decision
     placement: Annotated[str, one_of(*sedits.PLACEMENTS)] = "before_request"
+    #: null: kvnotes.harness.edit_prompts.ERRATUM_TEMPLATE ({field}, {value})
     erratum_template: Optional[str] = None
+    #: instances used to choose the ranking; the rest are held out
     selection_fraction: OpenFraction = 0.5
+    #: cap on flipping pairs edited (null: all; round-robin over scenarios); the rest are counted
     max_pairs: Optional[Count] = 24
+    #: the K sweep runs on the first N edited pairs (round-robin; null: all) to bound CPU time
     sweep_max_pairs: Optional[NonNegative] = 8
+    #: over-correction control pairs (same clean decision) erratum-edited
     max_control_pairs: NonNegative = 8
+    #: null = the model's (its chat_template_kwargs and thinking switch); an override must match them
     chat_template_kwargs: Any = None
+    #: the K sweep under cot (rankings as above, no upper bound; every pair)
     cot_ks: list[NonNegative] = field(default_factory=lambda: [8, 32])
 
 
@@ -389,6 +400,44 @@ def run(ctx) -> dict:
                 if choice["reason"] and rows and rankings else [])
     return {"rows": rows, "control_rows": ctrl_rows, "exclusions": pr.exclusions, "excluded": pr.excluded,
             "aggregates": aggregates, "warnings": warnings}
+
+
+# ---------------------------------------------------------------------------------------------
+# presentation
+
+
+def edit_table(record: dict) -> str:
+    """The method table of an ``edit`` record (either readout), with its controls and the ranking
+    chosen on selection instances. Under the generated readout agreement counts every pair (a chain
+    that missed its marker does not agree) and a column says how many reached their markers."""
+    w = Lines()
+    agg = record["result"]["aggregates"]
+    variant = agg.get("variant", "direct")
+    generated = variant == "cot"
+    w(f"## {record['model']['name']} · edit · {record['scenario']['name']} · {variant} · "
+          f"n_flip={agg['n_flip']} · exclusions {record['result']['exclusions']}\n")
+    w("| method | agrees with full (Wilson 95%) | " + ("reached marker | " if generated else "")
+      + "mean recovery | KL(full‖m) nats | top-1 = full | tokens / total | FLOPs / full | time / full (median) |")
+    w("|---|---|---|---|---|---|---|---|" + ("---|" if generated else ""))
+    for name, m in [*agg["methods"].items(), *agg["sweep"].items()]:
+        rec = m["recovery"]["all"]
+        agree = m["agreement"]["all"] if generated else rec.get("decision_flipped")
+        w(f"| {name} | {fmt_p(agree)} | " + (f"{fmt_p(m['reached_marker'])} | " if generated else "")
+          + f"{fmt(rec['mean'], '.2f')} | {fmt(m['kl']['all']['mean'])} | {fmt_p(m['top1']['all'])} | "
+          f"{fmt(m['frac']['all']['mean'])} | {fmt(m['flops_frac']['all']['mean'])} | "
+          f"{fmt(m['time_ratio']['all']['median'], '.2f')} |")
+    c = agg["controls"]
+    moved = ", ".join(f"{k} {fmt_p(v['all'])}" for k, v in c.items() if k != "overcorrection")
+    w(f"\ncontrols (moved the stale decision): {moved}; over-correction (correct erratum flips "
+      f"a same-decision control pair): {fmt_p(c['overcorrection'])}")
+    ch = agg["ranking_choice"]
+    if ch.get("chosen") is None and ch.get("reason"):
+        w(f"\nno ranking chosen on selection instances: {ch['reason']}")
+        return w.text()
+    w(f"\nranking chosen on selection instances: {ch['chosen']} (selection mean agreement over K: "
+          f"{ {k: (None if v is None else round(v, 3)) for k, v in ch['selection_score'].items()} }); held-out agreement "
+          f"by K: " + ", ".join(f"{k}: {fmt_p(p)}" for k, p in (ch["held_out"].get(ch["chosen"]) or {}).items()))
+    return w.text()
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

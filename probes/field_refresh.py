@@ -20,9 +20,9 @@ from kvnotes.kv import cache as kvcache
 from kvnotes.kv import patch as kvpatch
 from kvnotes.kv.patch import exact_field_source
 from kvnotes.records.figures import FLIPPED, Bars
-from kvnotes.records.presentation import Presentation
+from kvnotes.records.presentation import Presentation, ResultsColumn
 from kvnotes.records.schema import BaseResult, PairRow, Summary, TypedDict
-from kvnotes.records.tables import FIELD_REFRESH_RESULTS
+from kvnotes.records.tables import ci
 
 #: Position sets patched (all layers) from the new run into the old run, in scoring order.
 VARIANTS = ("none", "field", "downstream", "field_downstream", "all")
@@ -34,10 +34,11 @@ CHECK_VARIANTS = ("none", "field_downstream", "all")
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
-    """Keys of ``conf/probe/field_refresh.yaml`` (defaults there; see the specification); with
+    """Keys of ``conf/probe/field_refresh.yaml`` (the defaults are here; the YAML sets what differs; see the specification); with
     ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
 
     exact: bool = True
+    #: keep every pair's prefix caches from the clean runs (faster, more memory)
     keep_caches: bool = False
 
 
@@ -163,6 +164,19 @@ def run(ctx) -> dict:
             "n_unreached": {v: sum(not r[f"reached_{v}"] for r in rows) for v in VARIANTS}}
     return {"rows": rows, "exclusions": dict(pr.exclusions), "excluded": pr.excluded, "variants": list(VARIANTS),
             "aggregates": aggregates}
+
+
+# ---------------------------------------------------------------------------------------------
+# presentation
+
+
+def _recovery(finding: str):
+    return lambda rec, fam: ci(rec["result"]["aggregates"]["recovery"].get(finding, {}).get(fam))
+
+
+#: The columns this probe's records add to the per-family results table (kvnotes table --results).
+FIELD_REFRESH_RESULTS = (ResultsColumn(20, "field-only refresh", _recovery("field")),
+                         ResultsColumn(30, "downstream only", _recovery("downstream")))
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

@@ -20,9 +20,8 @@ from kvnotes.harness.stats import proportion
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv import patch as kvpatch
 from kvnotes.records.figures import Bars
-from kvnotes.records.presentation import Presentation
+from kvnotes.records.presentation import Presentation, ResultsColumn
 from kvnotes.records.schema import BaseResult, PairRow
-from kvnotes.records.tables import INJECTION_RESULTS
 
 DIRECTIONS = {
     # name: (base run = whose field stays, source run = whose notes are written)
@@ -37,7 +36,7 @@ SUPPORTS_COT = True
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
-    """Keys of ``conf/probe/injection.yaml`` (defaults there; see the specification); with
+    """Keys of ``conf/probe/injection.yaml`` (the defaults are here; the YAML sets what differs; see the specification); with
     ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
 
 
@@ -195,6 +194,25 @@ def run(ctx) -> dict:
              for f, n in aggregates["n_pairs_by_family"].items() if f not in aggregates["n_flip_by_family"]}
     return {"rows": rows, "aggregates": aggregates, "notes": notes, "exclusions": pr.exclusions,
             "excluded": pr.excluded, "directions": {n: {"base": b, "notes_from": s} for n, (b, s) in DIRECTIONS.items()}}
+
+
+# ---------------------------------------------------------------------------------------------
+# presentation
+
+
+def fmt_kn_or_dash(d: dict | None) -> str:
+    """``k/n``, or ``-`` for no count."""
+    return f"{d['k']}/{d['n']}" if d else "-"
+
+
+def _follow_notes(rec: dict, fam: str) -> str:
+    f = rec["result"]["aggregates"]["flipping"].get(fam)
+    return (fmt_kn_or_dash(f["old_notes_into_new"]["follow_notes"]) + " / "
+            + fmt_kn_or_dash(f["new_notes_into_old"]["follow_notes"])) if f else "-"
+
+
+#: The columns this probe's records add to the per-family results table (kvnotes table --results).
+INJECTION_RESULTS = (ResultsColumn(70, "notes injected: decision follows notes", _follow_notes),)
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

@@ -241,6 +241,7 @@ class Config(ProbeConfig):
         margin: the declared TOST margin on the per-question F1 difference (composed - full).
     """
 
+    #: no gated-decision pairs: the LoCoMo file is the data
     pairs: Annotated[str, one_of("none")] = "none"
     data: Optional[str] = None
     max_questions: Optional[Count] = None

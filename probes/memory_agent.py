@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from kvnotes.harness import memory as mem
 from kvnotes.harness.constraints import Count, one_of
-from kvnotes.records.memory_tables import memory_agent_table
+from kvnotes.records.memory_tables import arm_cells, memory_settings
+from kvnotes.records.tables import Lines, fmt, fmt_counts
 from kvnotes.records.presentation import Presentation
 
 #: Session arms (edit modes of :class:`kvnotes.context.EditableContext`).
@@ -158,6 +159,28 @@ def run(ctx) -> dict:
             "exclusions": dict(Counter(e["reason"] for e in excluded)), "excluded": excluded,
             "settings": mem.settings(cfg, suite, turns=int(cfg.turns), long_turns=int(cfg.long_turns),
                                      long_length=cfg.long_length, arms=list(cfg.arms))}
+
+
+def memory_agent_table(rec: dict) -> str:
+    """E5: per run (timed sessions, long horizon), length and arm: agreement with the re-prefill of
+    the rewritten prompt, KL, cumulative time to first token against re-prefilling every turn, the
+    paired tests, and the long horizon's KL slope over turns."""
+    w = Lines()
+    res = rec["result"]
+    w(memory_settings(rec))
+    w("| run / memory (tokens) | turns | arm | decision agreement (owned) | top-1 agreement | accuracy arm / full | "
+      "KL(full‖arm) mean [95% CI] | McNemar (arm vs full) | TOST accuracy | TOST KL | cumulative TTFT s "
+      "(re-prefill s) | re-prefill / arm | KL slope per turn (p) | applied |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for cell, a in res["aggregates"].items():
+        for arm in res["arm_names"]:
+            s = a["arms"][arm]
+            dr = s.get("drift")
+            slope = "n/a" if not dr or dr["kl_slope"] is None else f"{dr['kl_slope']:+.2e} ({dr['kl_slope_p']:.2g})"
+            w(f"| {cell} ({a['prompt_tokens_mean']:.0f}) | {a['turns']} | {arm} | "
+              f"{arm_cells(s, res['tests'][f'{cell}/{arm}'])} | {s['cum_ttft_s']:.2f} "
+              f"({a['cum_ttft_full_s']:.2f}) | {fmt(s['cum_ttft_ratio'], '.2f')}x | {slope} | {fmt_counts(s['applied'])} |")
+    return w.text()
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

@@ -16,7 +16,8 @@ from kvnotes.context import EditableContext
 from kvnotes.harness import memory as mem
 from kvnotes.harness.constraints import Count, Counts, NonNegative
 from kvnotes.records.figures import Bars
-from kvnotes.records.memory_tables import memory_edits_table
+from kvnotes.records.memory_tables import MEMORY_HEAD, arm_cells, memory_settings
+from kvnotes.records.tables import Lines, fmt_counts
 from kvnotes.records.presentation import Presentation
 
 #: The arms besides ``selective@K``, in report order (``full`` last: the reference).
@@ -145,6 +146,28 @@ def run(ctx) -> dict:
             "exclusions": {}, "excluded": [],
             "settings": mem.settings(cfg, suite, ks=[int(k) for k in cfg.ks], recompile_seam=int(cfg.recompile_seam),
                                      max_edits_per_persona=int(cfg.max_edits_per_persona))}
+
+
+def memory_edits_table(rec: dict) -> str:
+    """E3: per length and arm, agreement with the full re-prefill, KL, cost and the paired tests."""
+    w = Lines()
+    res = rec["result"]
+    w(memory_settings(rec))
+    w(f"recompile_chunk had the full prompt's exact tokens in {res['checks']['recompile_same_tokens']}/"
+      f"{res['checks']['n_rows']} rows\n")
+    w(MEMORY_HEAD + " tokens / full | time / full | applied |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for L, a in res["aggregates"].items():
+        for arm in res["arm_names"]:
+            s = a["arms"][arm]
+            w(f"| {L} | {arm} | {arm_cells(s, res['tests'][f'{L}/{arm}'])} | {s['token_ratio_mean']:.4f} | "
+              f"{s['time_ratio_mean']:.3f} | "
+              f"{fmt_counts(s['applied'])} |")
+    w("\n| memory | full re-prefill tokens | full re-prefill s | stale arm still names the old answer |")
+    w("|---|---|---|---|")
+    for L, a in res["aggregates"].items():
+        w(f"| {L} | {a['full_tokens_mean']:.0f} | {a['full_s_mean']:.2f} | {a['stale_owned_old']}/{a['n']} |")
+    return w.text()
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

@@ -19,7 +19,8 @@ from kvnotes.harness.paired import mcnemar_exact
 from kvnotes.harness.stats import proportion
 from kvnotes.ops.edit import stack
 from kvnotes.records.figures import Curves
-from kvnotes.records.memory_tables import memory_granularity_table
+from kvnotes.records.memory_tables import MEMORY_HEAD, arm_cells, memory_settings
+from kvnotes.records.tables import Lines, fmt, fmt_kn
 from kvnotes.records.presentation import Presentation
 
 
@@ -200,6 +201,38 @@ def run(ctx) -> dict:
     return {**out, "aggregates": agg, "tests": tests, "bh": adjusted,
             "exclusions": dict(Counter(e["reason"] for e in excluded)), "excluded": excluded,
             "settings": mem.settings(cfg, suite, blocks=Ss, seam=int(cfg.seam))}
+
+
+def memory_granularity_table(rec: dict) -> str:
+    """E4: per length and S, composition and localized-edit agreement with full, cost, and the
+    cross-referential split."""
+    w = Lines()
+    res = rec["result"]
+    w(memory_settings(rec))
+    w(MEMORY_HEAD + " precompile s (all blocks) |")
+    w("|---|---|---|---|---|---|---|---|---|---|")
+    for L, a in res["aggregates"].items():
+        for S, s in a["by_S"].items():
+            w(f"| {L} | S={S} | {arm_cells(s, res['tests'][f'{L}/S={S}'])} | {s['precompile_s_mean']:.2f} |")
+    w("\nLocalized edit (only the block holding the changed fact recompiled), against the full re-prefill "
+      "of the edited memory:\n")
+    w(MEMORY_HEAD + " edit tokens / full | edit time / full |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|")
+    for L, a in res["aggregates"].items():
+        for S, s in a["edit_by_S"].items():
+            w(f"| {L} | S={S} | {arm_cells(s, res['tests'][f'{L}/edit/S={S}'])} | {s['token_ratio_mean']:.4f} | "
+              f"{s['time_ratio_mean']:.3f} |")
+    w("\nCross-referential queries (two linked facts) with the facts in one block vs split across two:\n")
+    w("| memory | S | together: top-1 agreement | together: accuracy | together: KL mean | split: top-1 agreement "
+      "| split: accuracy | split: KL mean | McNemar together vs split |")
+    w("|---|---|---|---|---|---|---|---|---|")
+    for L, a in res["aggregates"].items():
+        for S, c in a["cross"].items():
+            t, s, m = c["together"], c["split"], c["mcnemar_together_vs_split"]
+            mc = f"b={m['b']}, c={m['c']}, p={m['p']:.3g}" if "p" in m else "n/a"
+            w(f"| {L} | {S} | {fmt_kn(t['top1_agreement'])} | {fmt_kn(t['accuracy'])} | {fmt(t['kl_mean'], '.4f')} | "
+              f"{fmt_kn(s['top1_agreement'])} | {fmt_kn(s['accuracy'])} | {fmt(s['kl_mean'], '.4f')} | {mc} |")
+    return w.text()
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

@@ -19,7 +19,8 @@ from kvnotes.harness.constraints import Count
 from kvnotes.harness.stats import proportion, summarize
 from kvnotes.ops.edit import stack
 from kvnotes.records.figures import Bars
-from kvnotes.records.memory_tables import memory_placement_table
+from kvnotes.records.memory_tables import kl_cell, memory_settings, tests_cells
+from kvnotes.records.tables import Lines, fmt, fmt_kn
 from kvnotes.records.presentation import Presentation
 
 #: The two placements, in the order of the batch read.
@@ -158,6 +159,33 @@ def run(ctx) -> dict:
                                      reference="early", arm="late",
                                      kl="KL(early||late) at the decision position, nats (descriptive; tost_kl tests "
                                         "it against 0)")}
+
+
+def memory_placement_table(rec: dict) -> str:
+    """E1: per length and integration depth, accuracy with the memory early vs late, the answer's
+    log-prob, KL(early‖late) and the paired tests of late against early."""
+    w = Lines()
+    res = rec["result"]
+    w(memory_settings(rec))
+    w("Reference = early ([prefix | memory | document | query]), arm = late ([prefix | document | memory | query]); "
+      "McNemar b = late right and early wrong, c = the reverse\n")
+    w("| memory (tokens) | document | depth (facts) | accuracy early | accuracy late | late − early | "
+      "answer log-prob early / late | top-1 agreement | KL(early‖late) mean [95% CI] | McNemar (late vs early) | "
+      "TOST accuracy | TOST KL |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for L, a in res["aggregates"].items():
+        for d, s in a["by_depth"].items():
+            lp = s["answer_logprob"]
+            w(f"| {L} ({a['memory_tokens_mean']:.0f}) | {a['document_tokens_mean']:.0f} | {d} | "
+              f"{fmt_kn(s['accuracy_early'])} | {fmt_kn(s['accuracy_late'])} | {fmt(s['difference'], '+.2f')} | "
+              f"{fmt(lp['early'].get('mean'), '.2f')} / {fmt(lp['late'].get('mean'), '.2f')} | "
+              f"{fmt_kn(s['top1_agreement'])} | {kl_cell(s['kl'])} | {tests_cells(res['tests'][f'{L}/depth={d}'])} |")
+    w("\n| memory (tokens) | prompt tokens (mean) | prefill early s | prefill late s |")
+    w("|---|---|---|---|")
+    for L, a in res["aggregates"].items():
+        w(f"| {L} | {a['prompt_tokens_mean']:.0f} | {a['prefill_s_mean']['early']:.2f} | "
+          f"{a['prefill_s_mean']['late']:.2f} |")
+    return w.text()
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

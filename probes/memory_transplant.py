@@ -17,7 +17,8 @@ from kvnotes.harness.constraints import NonNegatives
 from kvnotes.ops import compose as kvcompose
 from kvnotes.ops.edit import stack
 from kvnotes.records.figures import Bars
-from kvnotes.records.memory_tables import memory_transplant_table
+from kvnotes.records.memory_tables import MEMORY_HEAD, arm_cells, memory_settings
+from kvnotes.records.tables import Lines
 from kvnotes.records.presentation import Presentation
 
 
@@ -113,6 +114,25 @@ def run(ctx) -> dict:
     return {"rows": rows, "aggregates": agg, "tests": tests, "bh": adjusted, "arm_names": names, "costs": costs,
             "exclusions": dict(Counter(e["reason"] for e in excluded)), "excluded": excluded,
             "settings": mem.settings(cfg, suite, seams=[int(s) for s in cfg.seams])}
+
+
+def memory_transplant_table(rec: dict) -> str:
+    """E2: per length and arm, agreement with the full prefill, KL and the paired tests."""
+    w = Lines()
+    res = rec["result"]
+    w(memory_settings(rec))
+    w(MEMORY_HEAD)
+    w("|---|---|---|---|---|---|---|---|---|")
+    for L, a in res["aggregates"].items():
+        for arm in res["arm_names"]:
+            s = a["arms"][arm]
+            w(f"| {L} ({a['memory_tokens_mean']:.0f}) | {arm} | {arm_cells(s, res['tests'][f'{L}/{arm}'])} |")
+    w("\n| memory (tokens) | full prefill s | precompile (once) s | " + " | ".join(f"splice {a} s" for a in res["arm_names"]) + " |")
+    w("|---|---|---|" + "---|" * len(res["arm_names"]))
+    for L, a in res["aggregates"].items():
+        w(f"| {L} | {a['full_s_mean']:.2f} | {a['precompile_s_mean']:.2f} | "
+          + " | ".join(f"{a['compose_s_mean'][n]:.3f}" for n in res["arm_names"]) + " |")
+    return w.text()
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

@@ -56,15 +56,21 @@ class Collapse:
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
-    """Keys of ``conf/probe/read_location.yaml`` (defaults there; see the specification); with
+    """Keys of ``conf/probe/read_location.yaml`` (the defaults are here; the YAML sets what differs; see the specification); with
     ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
 
     n_sinks: NonNegative = 1
+    #: Layer bands for knockouts, as [lo, hi] fractions of depth (band_units: fraction) or layer indices [lo,
+    #: hi) (band_units: layer). The last band is every layer.
     band_units: Annotated[str, one_of("fraction", "layer")] = "fraction"
     bands: BandList = field(
         default_factory=lambda: [[0.0, 0.25], [0.25, 0.5], [0.5, 0.75], [0.75, 1.0], [0.0, 1.0]])
+    #: Key groups hidden from the decision row, one knockout per entry and band (a list = their union).
     knockout_groups: Annotated[Any, AfterValidator(_knockout_groups)] = field(
         default_factory=lambda: [["field"], ["downstream"], ["sinks"], ["field", "downstream"]])
+    #: Readout destroyed ("collapsed"): both candidates' first-token log-probs fall by >= drop_nats (2.3 nats
+    #: ~ both lose 90% of their probability), or neither candidate stays in the top_k that held one of them in
+    #: the clean run. Decision changes of collapsed readouts are not flips.
     collapse: Collapse = field(default_factory=Collapse)
 
 

@@ -13,14 +13,14 @@ from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.stats import proportion, summarize_rows
 from kvnotes.harness.tokens import token_name
 from kvnotes.records.figures import Bars
-from kvnotes.records.presentation import Presentation
+from kvnotes.records.presentation import Presentation, ResultsColumn
 from kvnotes.records.schema import BaseResult, PairRow, Summary, TypedDict
-from kvnotes.records.tables import SCREEN_RESULTS, screen_table
+from kvnotes.records.tables import Lines, fmt_counts
 
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/screen.yaml`` (defaults there; see the specification)."""
+    """Keys of ``conf/probe/screen.yaml`` (the defaults are here; the YAML sets what differs; see the specification)."""
 
     pass
 
@@ -108,6 +108,40 @@ def flip_count(rec: dict) -> tuple[str, str] | None:
     if "n_flip" not in aggs or "n_pairs" not in aggs:
         return None
     return "flipping pairs", f"{aggs['n_flip']} of {aggs['n_pairs']} ({rec['config'].get('flip_rule')} rule)"
+
+
+# ---------------------------------------------------------------------------------------------
+# presentation
+
+
+def _screen_pairs(rec: dict, fam: str) -> str:
+    a = rec["result"]["aggregates"]
+    t = a if fam == "all" else a["by_family"].get(fam)
+    return f"{t['n_flip']}/{t['n_pairs']}" if t else "-"
+
+
+def screen_table(rec: dict, by: str = "family") -> str:
+    """The per-family (``by="family"``) or per-scenario screen table of a ``screen`` record."""
+    w = Lines()
+    table = rec["result"]["aggregates"][f"by_{by}"]
+    w(f"Model `{rec['model']['name']}`, scenario `{rec['scenario']['name']}` "
+      f"({rec['config']['scenario']['n_instances']} instances per scenario, seed {rec['config']['scenario']['seed']}), "
+      f"readout `{rec['config']['readout']}`, flip rule `{rec['config'].get('flip_rule', 'relative')}`, "
+      f"min_effect {rec['config']['min_effect']} nats.\n")
+    w(f"| {by} | scenarios | aligned pairs | flipping, relative rule | flipping, owned rule | owned flips when expected (95% Wilson CI) | unexpected flips | not flipping (configured rule) | excluded |")
+    w("|---|---|---|---|---|---|---|---|---|")
+    for fam, t in table.items():
+        own = t["owned_when_expected"]
+        rate = f"{own['k']}/{own['n']} = {own['p']:.2f} ({own['ci'][0]:.2f}-{own['ci'][1]:.2f})" if own["ci"] else "-"
+        w(f"| {fam} | {t['n_scenarios']} | {t['n_pairs']} | {t['n_flip_relative']} | {t['n_flip_owned']} | {rate} "
+          f"| {t['unexpected_flips']} | {fmt_counts(t['not_flipping'])} | {fmt_counts(t['excluded'])} |")
+    agg = rec["result"]["aggregates"]
+    w(f"\nTotal: {agg['n_flip']} flipping of {agg['n_pairs']} aligned pairs, in families {', '.join(agg['flip_families']) or 'none'}.")
+    return w.text()
+
+
+#: The columns this probe's records add to the per-family results table (kvnotes table --results).
+SCREEN_RESULTS = (ResultsColumn(10, "flipping / aligned pairs", _screen_pairs),)
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

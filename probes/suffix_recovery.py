@@ -18,14 +18,14 @@ from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Counts, LayerBands, OpenFraction, Share, one_of, require_instances
 from kvnotes.harness.kit import ProbeConfig, RandomControl, families_of, summaries_by_family
 from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, pair_loop, readout_aggregates
-from kvnotes.harness.selection import (ANCHORS, OFFSET_ANCHORS, grid_points, k_for, offset_profiles, offsets, pair_rng,
+from kvnotes.harness.selection import (ANCHORS, OFFSET_ANCHORS, coverage, coverage_warnings, grid_points, k_for, offset_profiles, offsets, pair_rng,
                                        position_sets, position_values, profile_for, rank_positions, split_instances,
                                        split_warnings)
 from kvnotes.kv.masks import VariantPlan, patched_positions
 from kvnotes.records.figures import Bars, Curves
-from kvnotes.records.presentation import Presentation
+from kvnotes.records.presentation import Presentation, ResultsColumn
 from kvnotes.records.schema import BaseResult, NotRequired, PairRow, TypedDict
-from kvnotes.records.tables import SUFFIX_RECOVERY_RESULTS
+from kvnotes.records.tables import ci
 
 SET_FAMILIES = ("suffix", "prefix", "topk", "random")
 #: Set families of the chain-of-thought curves (the others need the direct single-position map).
@@ -47,7 +47,8 @@ def _cot_family(name: str) -> str:
 
 @dataclass
 class Grid:
-    """Set sizes: fractions of the downstream length and absolute counts."""
+    """Set sizes k: fractions of the downstream length ``d - b`` (rounded up) and absolute counts (a
+    count larger than a pair's downstream is skipped for that pair and counted)."""
 
     fractions: Annotated[list[Share], Len(min_length=1)] = field(default_factory=lambda: [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0])
     counts: Counts = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
@@ -55,19 +56,29 @@ class Grid:
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
-    """Keys of ``conf/probe/suffix_recovery.yaml`` (defaults there; see the specification); with
+    """Keys of ``conf/probe/suffix_recovery.yaml`` (the defaults are here; the YAML sets what differs; see the specification); with
     ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
 
     grid: Grid = field(default_factory=Grid)
+    #: n_draws: k-matched random sets per grid point (Generator seeded from seed + pair id)
     random: RandomControl = field(default_factory=lambda: RandomControl(5))
+    #: aligned: match positions by aligning the downstream tokens | decision: offsets d - p | field_end:
+    #: offsets p - b
     topk_anchor: Annotated[str, one_of(*ANCHORS)] = "aligned"
+    #: share of each scenario's instances used to rank top-k positions
     selection_fraction: OpenFraction = 0.5
+    #: number of equal layer bands, or a list of [lo, hi) layer ranges
     layer_bands: LayerBands = 5
+    #: also patch every set together with the field (secondary curves)
     with_field: bool = True
+    #: keep every random set in the rows (top-k sets are always kept)
     store_sets: bool = False
+    #: keep the flipping pairs' prefix caches from the clean runs: each pair is prefilled once (~10 MB per
+    #: pair on SmolLM2-135M); false bounds memory, then they are prefilled again
     keep_caches: bool = True
     #: ``scenario.variant=cot``: set sizes (fractions of the downstream) and set families
     cot_fractions: Annotated[list[Share], Len(min_length=1)] = field(default_factory=lambda: [0.1, 0.25, 0.5, 1.0])
+    #: last-k / first-k downstream positions
     cot_families: Annotated[list[Annotated[str, AfterValidator(_cot_family)]], Len(min_length=1)] = field(default_factory=lambda: list(COT_FAMILIES))
 
     def check_run(self, run) -> None:
@@ -418,10 +429,35 @@ def run(ctx) -> dict:
                                                              for r in rows)}
     warnings = split_warnings("suffix_recovery", rows, "held-out top-k curve", len(held_rows),
                               "have no selection pairs of their scenario or family to rank positions by")
+    sel_rows = [r for r in rows if r["split"] == "selection"]
+    aggregates["profile_coverage"] = coverage(sel_rows, {r["pair"] for r in sel_rows}, ("scenario",))
+    warnings += coverage_warnings("suffix_recovery", aggregates["profile_coverage"], "position ranking")
     return out | {"aggregates": aggregates, "set_families": list(SET_FAMILIES), "warnings": warnings,
                   "split": {"selection_fraction": float(cfg.selection_fraction), "seed": ctx.seed,
                             "selection": sorted(sel), "heldout": sorted(held)},
                   "selection_pairs": [r["pair"] for r in rows if r["split"] == "selection"], "examples": examples}
+
+
+# ---------------------------------------------------------------------------------------------
+# presentation
+
+
+def _heldout(curve: str, kind: str, value: float):
+    """A held-out curve of a suffix_recovery record at one grid point (``-`` under the generated readout:
+    coarse curves only, no held-out top-k)."""
+    def cell(rec: dict, fam: str) -> str:
+        res = rec["result"]
+        if res["aggregates"].get("readout") == "generated":
+            return "-"
+        i = [(g["kind"], g["value"]) for g in res["grid"]].index((kind, value))
+        return ci(res["aggregates"]["curves"]["heldout"][curve][i].get(fam))
+    return cell
+
+
+#: The columns this probe's records add to the per-family results table (kvnotes table --results).
+SUFFIX_RECOVERY_RESULTS = (ResultsColumn(40, "last 10% of downstream (held-out)", _heldout("suffix", "fraction", 0.1)),
+                           ResultsColumn(50, "top-1 position (held-out)", _heldout("topk", "count", 1)),
+                           ResultsColumn(60, "k-matched random position (held-out)", _heldout("random", "count", 1)))
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

@@ -14,6 +14,9 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 
 from tests.helpers import ARCHS, build_tiny, fruit_scenario  # noqa: E402
+from kvnotes.harness.registry import register_schemas  # noqa: E402
+
+register_schemas()          # the probes' Config dataclasses, for every test that composes with Hydra
 
 #: Fixtures that load the embedded model (directly or through another fixture): their tests are
 #: marked ``embedded`` automatically, so ``pytest -m "not embedded"`` is the fast lane.

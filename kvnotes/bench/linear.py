@@ -68,6 +68,9 @@ def main() -> None:
     if args.device != "cpu" or not cpu_linear.available():
         raise KvnotesError("bench linear: the oneDNN kernel runs on the CPU only (--device cpu, a torch "
                            "build with oneDNN)")
+    from kvnotes.harness.registry import register_schemas
+
+    register_schemas()
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"model={args.model}", "probe=screen", "scenario=default", "device=cpu"])
     arms = {k: load_model(OmegaConf.merge(cfg.model, {"cpu_linear": k}), "cpu") for k in ("torch", "onednn")}

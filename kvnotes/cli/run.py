@@ -112,9 +112,16 @@ def _hydra_message(exc: Exception) -> str:
     text = "\n".join(str(e) for e in (exc, exc.__cause__) if e is not None)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
+    if key and key.startswith("probe.") and any(" not in '" in ln or "not in struct" in ln for ln in lines):
+        # the probe node is its Config dataclass (kvnotes.harness.registry.register_schemas): every
+        # key it declares composes, so this one is not declared
+        from kvnotes.harness.registry import declared_probe_keys
+        from kvnotes.harness.runconfig import nearest_key
+
+        near = nearest_key(key.rpartition(".")[2], declared_probe_keys())
+        return f"unknown key '{key}': the probe's Config does not declare it" + (f"; did you mean probe.{near}?"
+                                                                                  if near else "")
     if key and any("not in struct" in ln for ln in lines):
-        if key.startswith("probe."):        # a key the probe's Config declares but its YAML omits
-            return f"unknown key '{key}' (a misspelt key? to add a key the probe declares use +{key}=...)"
         from kvnotes.harness.runconfig import known_keys, nearest_key
 
         parent, _, last = key.rpartition(".")
@@ -122,6 +129,8 @@ def _hydra_message(exc: Exception) -> str:
         if near == last:                    # declared, but its parent is null in this config
             return f"{key}: {parent} is null in this config; set it whole, e.g. {parent}={{{last}:...}}"
         return f"unknown key '{key}'" + (f"; did you mean {parent + '.' if parent else ''}{near}?" if near else "")
+    if lines[0].startswith("Error merging override") and len(lines) > 1:
+        lines = lines[1:]                   # the reason (a value of the wrong type), not the wrapper
     return lines[0] if not key else f"{key}: {lines[0]}"
 
 
@@ -364,6 +373,9 @@ def compose_jobs(points: Sequence[Sequence[str]], dirs: Sequence[Path] = ()) -> 
     from kvnotes.errors import KvnotesError
     from kvnotes.harness.runconfig import check_run_config
 
+    from kvnotes.harness.registry import register_schemas
+
+    register_schemas(dirs)
     jobs = []
     with initialize_config_dir(str(CONF), version_base="1.3"):
         for point in points:
@@ -415,6 +427,9 @@ def _main() -> None:
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     check_flags(argv)
+    from kvnotes.harness.registry import register_schemas
+
+    register_schemas(dirs)                       # the probes' Config dataclasses: their YAML sets what differs
     check_choices(argv, dirs)
     if "--help" not in argv and "-h" not in argv:
         precheck(argv)

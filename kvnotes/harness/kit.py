@@ -372,7 +372,9 @@ def verdicts(rows: list[dict], selected, control, families: Sequence[str], claim
 
     Args:
         rows: held-out pair rows (``family``, ``scenario``, ``instance``).
-        selected, control: column names or ``row -> float | None``; rows where either is None are left out.
+        selected: column name or ``row -> float | None``: the selected result (rows where it or the
+            control is None are left out).
+        control: the same for the control.
         claim: what is compared, in words (e.g. ``"top-k read heads vs k random heads, mean over k"``).
 
     Returns:

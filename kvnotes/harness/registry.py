@@ -3,8 +3,9 @@
 A probe is one module with ``run(ctx: ProbeContext) -> dict`` and a ``Config`` dataclass of its
 keys (a subclass of :class:`kvnotes.harness.kit.ProbeConfig`), plus one config file
 ``conf/probe/<name>.yaml`` whose ``_target_`` names the run function (``probes.<name>.run``, or
-any importable module: ``circuits.heads.run``, ``mypackage.myprobe.run``). Shared keys
-(``progress``, ``n_boot``, ``pairs``) live in ``conf/probe/_base.yaml``. Probes never load models
+any importable module: ``circuits.heads.run``, ``mypackage.myprobe.run``). The ``Config`` holds
+the keys' defaults (shared keys ``progress``, ``n_boot``, ``pairs`` on ``ProbeConfig``); Hydra composes
+a run from it (:func:`register_schemas`) and the YAML sets only what differs. Probes never load models
 or write files: ``run.py`` hands them a loaded model and token-aligned pairs and serialises the
 returned result (``rows``, ``aggregates``, ``exclusions`` and probe-specific keys) into a record.
 See ``docs/adding_a_probe.md``.
@@ -13,8 +14,9 @@ See ``docs/adding_a_probe.md``.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
@@ -41,8 +43,8 @@ def names() -> list[str]:
 
 
 def load_config(name: str, overrides: dict | None = None) -> DictConfig:
-    """The typed config of probe ``name``: ``conf/probe/_base.yaml``, then ``conf/probe/<name>.yaml``,
-    then ``overrides``, checked against the probe's ``Config`` (:func:`typed_config`).
+    """The typed config of probe ``name``: its ``Config`` dataclass's defaults, then what
+    ``conf/probe/<name>.yaml`` sets, then ``overrides`` (:func:`typed_config`).
 
     Raises:
         KvnotesError: no probe of that name, or a key the probe does not declare.
@@ -50,8 +52,53 @@ def load_config(name: str, overrides: dict | None = None) -> DictConfig:
     path = CONF_DIR / f"{name}.yaml"
     if not path.is_file():
         raise KvnotesError(f"unknown probe '{name}' (known: {', '.join(names())})")
-    cfg = OmegaConf.merge(OmegaConf.load(CONF_DIR / "_base.yaml"), OmegaConf.load(path), overrides or {})
-    return typed_config(cfg)
+    return typed_config(OmegaConf.merge(OmegaConf.load(path), overrides or {}))
+
+
+#: The ConfigStore group of the probes' schemas: a probe's YAML starts from its ``Config`` with
+#: ``defaults: [schema@_here_: <name>, _self_]`` and sets only what differs (:func:`register_schemas`).
+SCHEMA_GROUP = "probe/schema"
+
+
+def declared_probe_keys() -> list[str]:
+    """Every top-level key any registered probe ``Config`` declares (:func:`register_schemas`),
+    sorted: what an unknown ``probe.<key>`` is matched against for a suggestion."""
+    from hydra.core.config_store import ConfigStore
+
+    schemas = ConfigStore.instance().repo.get("probe", {}).get("schema", {})
+    keys = {k for node in schemas.values() for k in node.node.keys()}
+    return sorted(keys)
+
+
+def register_schemas(config_dirs: Sequence[str | Path] = ()) -> list[str]:
+    """Register each probe's ``Config`` dataclass with Hydra's ConfigStore, as ``probe/schema/<name>``
+    (and :class:`kvnotes.harness.kit.ProbeConfig` as ``probe/_base``, the shared keys), so the
+    dataclass is the one source of a probe's keys and defaults when Hydra composes a run: the YAML
+    holds only what differs, and every declared key can be overridden (``probe.cot_max_pairs=1``)
+    although the YAML does not list it. Covers the probes of ``conf/probe`` and of each user config
+    folder's ``probe/`` (``--config-dir``); a probe whose module cannot be imported is skipped (its
+    own config then fails to compose, naming it). Call before composing.
+
+    Returns:
+        the names registered.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    # the shared keys as a plain node: a user's YAML that starts from ``_base`` adds keys of its own
+    store.store(group="probe", name="_base", node=OmegaConf.to_container(OmegaConf.structured(ProbeConfig)))
+    done = []
+    for folder in [CONF_DIR, *(Path(d) / "probe" for d in config_dirs)]:
+        for path in sorted(Path(folder).glob("*.yaml")):
+            if path.stem.startswith("_"):
+                continue
+            try:
+                schema = getattr(module(OmegaConf.load(path)), "Config", ProbeConfig)
+            except Exception:  # noqa: BLE001 (an unreadable YAML or module: composing it names the problem)
+                continue
+            store.store(group=SCHEMA_GROUP, name=path.stem, node=schema)
+            done.append(path.stem)
+    return done
 
 
 def module(cfg_or_name):

@@ -149,7 +149,8 @@ def coverage(rows: list[dict], chosen: set[str], by: tuple[str, ...] = ("family"
     ``rows`` (grouped by ``by``, e.g. family): ``{group: {"n_scenarios", "n_scenarios_used",
     "n_instances_used", "represents"}}``, group keys joined by ``/``. ``represents`` is True when the
     chosen pairs cover at least two of the group's scenarios (every scenario, when it has fewer)
-    and more than one instance (issue #53)."""
+    and more than one instance (issue #53: no probe ranks on a single instance without saying it,
+    even when the group has no other)."""
     out: dict[str, dict] = {}
     for key in sorted({tuple(r[k] for k in by) for r in rows}):
         group = [r for r in rows if tuple(r[k] for k in by) == key]
@@ -157,16 +158,16 @@ def coverage(rows: list[dict], chosen: set[str], by: tuple[str, ...] = ("family"
         n_scen = len({r["scenario"] for r in group})
         n_used = len({r["scenario"] for r in used})
         n_inst = len({r["instance"] for r in used})
-        n_group_inst = len({r["instance"] for r in group})
         out["/".join(map(str, key))] = {"n_scenarios": n_scen, "n_scenarios_used": n_used, "n_instances_used": n_inst,
-                                        "represents": n_used >= min(2, n_scen) and n_inst >= min(2, n_group_inst)}
+                                        "represents": n_used >= min(2, n_scen) and n_inst >= 2}
     return out
 
 
 def coverage_warnings(probe: str, cover: dict[str, dict], what: str) -> list[str]:
-    """One line per group whose ``what`` (e.g. ``"head ranking"``) does not represent it
-    (:func:`coverage`): too few scenarios, or a single instance."""
-    out = []
+    """The lines saying which groups' ``what`` (e.g. ``"head ranking"``) does not represent them
+    (:func:`coverage`): one per group built from too few of its scenarios, and one naming every
+    group built from a single instance."""
+    out, single = [], []
     for group, c in cover.items():
         if c["represents"] or not c["n_instances_used"]:
             continue
@@ -174,8 +175,10 @@ def coverage_warnings(probe: str, cover: dict[str, dict], what: str) -> list[str
             out.append(f"{probe}: the {what} of {group} comes from {c['n_scenarios_used']} of its {c['n_scenarios']} "
                        f"scenarios; raise the cap so it covers at least two")
         else:
-            out.append(f"{probe}: the {what} of {group} comes from a single instance; it may not represent the "
-                       f"family (more instances: scenario.n_instances)")
+            single.append(group)
+    if single:
+        out.append(f"{probe}: the {what} of {', '.join(single)} comes from a single selection instance each; it may "
+                   f"not represent {'them' if len(single) > 1 else 'it'} (more instances: raise scenario.n_instances)")
     return out
 
 
@@ -266,7 +269,8 @@ def align_positions(source: Sequence[int], target: Sequence[int]) -> list[tuple[
     after it, and the shared tokens around it still match.
 
     Args:
-        source, target: token ids of ``[b, d)`` of two prompts.
+        source: token ids of ``[b, d)`` of one prompt (a selection pair's).
+        target: token ids of ``[b, d)`` of the other (a held-out pair's).
 
     Returns:
         matched index pairs (into ``source``, into ``target``), increasing in both.

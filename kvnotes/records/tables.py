@@ -1,7 +1,7 @@
 """Tables of records as Markdown, one implementation for ``kvnotes table`` and the HTML report
 (:mod:`kvnotes.records.report`): every number comes from the record. A probe names its table in
-its presentation (``PRESENTATION.table``, :mod:`kvnotes.records.presentation`; the functions here
-are the ones the project's probes name); probes without one get :func:`aggregates_table`.
+its presentation (``PRESENTATION.table``, :mod:`kvnotes.records.presentation`; a probe's table lives
+in its own module, built from the formatters here); probes without one get :func:`aggregates_table`.
 :func:`results_table` joins the records of one model and suite into the paper's per-family results
 table, each record adding the columns its presentation declares (``PRESENTATION.results``).
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvnotes.records.presentation import ResultsColumn, presentation
+from kvnotes.records.presentation import presentation
 
-class _Lines:
+class Lines:
     """Collects printed lines (``print`` semantics: one call, one line)."""
 
     def __init__(self) -> None:
@@ -45,21 +45,6 @@ def fmt(v, spec=".3f") -> str:
 
 def fmt_kn(p: dict) -> str:
     return "–" if not p.get("n") else f"{p['p']:.2f} ({p['k']}/{p['n']})"
-
-
-SCOPES = (("all", "all turns"), ("turn1", "turn 1"), ("turn2+", "turns 2+"))
-
-
-def fmt_share(s: dict) -> str:
-    """``k/n = mean [interval] (method)`` of a share aggregate; ``-`` without rows."""
-    if not s.get("n"):
-        return "-"
-    ci = s.get("ci_mean")
-    method = {"cluster_bootstrap": "", "t_over_scenario_means": " t", "t_over_instance_means": " ti"}.get(
-        s.get("ci_method") or "", "")
-    # a share lies in [0, 1]: t-intervals over 2-4 cluster means are clipped to it for display
-    interval = f" [{max(ci[0], 0.0):.2f}, {min(ci[1], 1.0):.2f}]{method}" if ci else ""
-    return f"{s['k']}/{s['n']} = {s['mean']:.2f}{interval}"
 
 
 #: Short marks of the interval methods (``kvnotes.harness.stats.summarize`` ``ci_method``).
@@ -103,7 +88,7 @@ def summaries(tree, path: tuple = ()) -> list[tuple[str, dict]]:
 
 def aggregates_table(rec: dict, limit: int = 60) -> str:
     """Every summary aggregate of a record (``mean [interval] method (n, scenarios)``), by path."""
-    w = _Lines()
+    w = Lines()
     rows = [(p, s) for p, s in summaries(rec["result"].get("aggregates", {})) if s.get("n")]
     w(f"{len(rows)} aggregates with pairs (flip rule `{rec['config'].get('flip_rule')}`)"
       + (f"; the first {limit}:" if len(rows) > limit else ":") + "\n")
@@ -117,155 +102,6 @@ def aggregates_table(rec: dict, limit: int = 60) -> str:
     return w.text()
 
 
-def screen_table(rec: dict, by: str = "family") -> str:
-    """The per-family (``by="family"``) or per-scenario screen table of a ``screen`` record."""
-    w = _Lines()
-    table = rec["result"]["aggregates"][f"by_{by}"]
-    w(f"Model `{rec['model']['name']}`, scenario `{rec['scenario']['name']}` "
-      f"({rec['config']['scenario']['n_instances']} instances per scenario, seed {rec['config']['scenario']['seed']}), "
-      f"readout `{rec['config']['readout']}`, flip rule `{rec['config'].get('flip_rule', 'relative')}`, "
-      f"min_effect {rec['config']['min_effect']} nats.\n")
-    w(f"| {by} | scenarios | aligned pairs | flipping, relative rule | flipping, owned rule | owned flips when expected (95% Wilson CI) | unexpected flips | not flipping (configured rule) | excluded |")
-    w("|---|---|---|---|---|---|---|---|---|")
-    for fam, t in table.items():
-        own = t["owned_when_expected"]
-        rate = f"{own['k']}/{own['n']} = {own['p']:.2f} ({own['ci'][0]:.2f}-{own['ci'][1]:.2f})" if own["ci"] else "-"
-        w(f"| {fam} | {t['n_scenarios']} | {t['n_pairs']} | {t['n_flip_relative']} | {t['n_flip_owned']} | {rate} "
-          f"| {t['unexpected_flips']} | {fmt_counts(t['not_flipping'])} | {fmt_counts(t['excluded'])} |")
-    agg = rec["result"]["aggregates"]
-    w(f"\nTotal: {agg['n_flip']} flipping of {agg['n_pairs']} aligned pairs, in families {', '.join(agg['flip_families']) or 'none'}.")
-    return w.text()
-
-
-def edit_table(record: dict) -> str:
-    """The method table of an ``edit`` record (either readout), with its controls and the ranking
-    chosen on selection instances. Under the generated readout agreement counts every pair (a chain
-    that missed its marker does not agree) and a column says how many reached their markers."""
-    w = _Lines()
-    agg = record["result"]["aggregates"]
-    variant = agg.get("variant", "direct")
-    generated = variant == "cot"
-    w(f"## {record['model']['name']} · edit · {record['scenario']['name']} · {variant} · "
-          f"n_flip={agg['n_flip']} · exclusions {record['result']['exclusions']}\n")
-    w("| method | agrees with full (Wilson 95%) | " + ("reached marker | " if generated else "")
-      + "mean recovery | KL(full‖m) nats | top-1 = full | tokens / total | FLOPs / full | time / full (median) |")
-    w("|---|---|---|---|---|---|---|---|" + ("---|" if generated else ""))
-    for name, m in [*agg["methods"].items(), *agg["sweep"].items()]:
-        rec = m["recovery"]["all"]
-        agree = m["agreement"]["all"] if generated else rec.get("decision_flipped")
-        w(f"| {name} | {fmt_p(agree)} | " + (f"{fmt_p(m['reached_marker'])} | " if generated else "")
-          + f"{fmt(rec['mean'], '.2f')} | {fmt(m['kl']['all']['mean'])} | {fmt_p(m['top1']['all'])} | "
-          f"{fmt(m['frac']['all']['mean'])} | {fmt(m['flops_frac']['all']['mean'])} | "
-          f"{fmt(m['time_ratio']['all']['median'], '.2f')} |")
-    c = agg["controls"]
-    moved = ", ".join(f"{k} {fmt_p(v['all'])}" for k, v in c.items() if k != "overcorrection")
-    w(f"\ncontrols (moved the stale decision): {moved}; over-correction (correct erratum flips "
-      f"a same-decision control pair): {fmt_p(c['overcorrection'])}")
-    ch = agg["ranking_choice"]
-    if ch.get("chosen") is None and ch.get("reason"):
-        w(f"\nno ranking chosen on selection instances: {ch['reason']}")
-        return w.text()
-    w(f"\nranking chosen on selection instances: {ch['chosen']} (selection mean agreement over K: "
-          f"{ {k: (None if v is None else round(v, 3)) for k, v in ch['selection_score'].items()} }); held-out agreement "
-          f"by K: " + ", ".join(f"{k}: {fmt_p(p)}" for k, p in (ch["held_out"].get(ch["chosen"]) or {}).items()))
-    return w.text()
-
-
-def compose_table(rec: dict) -> str:
-    """The variant, seam and edit-arm tables of a ``compose`` record."""
-    agg = rec["result"]["aggregates"]
-    if agg.get("readout") == "generated":
-        return _compose_cot_table(rec)
-    w = _Lines()
-    w(f"model {rec['model']['name']}, scenario {rec['scenario']['name']} "
-          f"(n_instances {rec['config']['scenario']['n_instances']}): {agg['n_aligned']} aligned pairs, "
-          f"{agg['n_prompts']} distinct prompts, {agg['n_owned_prompts']} owned by the full prefill, "
-          f"{agg['n_flip']} flipping pairs; check max |logit(full seam) - logit(full)| = "
-          f"{agg['checks']['max_abs_logit_diff_full_seam']:.2e}\n")
-    w("| variant | decision agreement (owned) | top-1 agreement (all) | KL(full‖composed) mean [95% CI] | recovery mean | logit cosine |")
-    w("|---|---|---|---|---|---|")
-    for v, d in agg["variants"].items():
-        kl = d["kl"]["all"]
-        ci = kl.get("ci_mean") or [float("nan")] * 2
-        rec_ = d["recovery"]["all"]
-        r = "–" if not rec_.get("n") else f"{rec_['mean']:.2f} (n={rec_['n']})"
-        w(f"| {v} | {fmt_kn(d['decision_agreement']['all'])} | {fmt_kn(d['top1_agreement']['all'])} | "
-              f"{kl['mean']:.4f} [{ci[0]:.4f}, {ci[1]:.4f}] | {r} | {d['logit_cosine']['all']['mean']:.4f} |")
-    fams = agg["families"]
-    w("\nDecision agreement on owned prompts per family (rotate/sink=bos vs no_rotate/sink=bos):\n")
-    w("| seam | " + " | ".join(f"{f} rotate | {f} no_rotate" for f in fams) + " |")
-    w("|---|" + "---|" * (2 * len(fams)))
-    for s in agg["seams"]:
-        cells = []
-        for f in fams:
-            for r in ("rotate", "no_rotate"):
-                cells.append(fmt_kn(agg["variants"][f"{r}/sink=bos/seam={s}"]["decision_agreement"][f]))
-        w(f"| {s} | " + " | ".join(cells) + " |")
-    arms = agg.get("edit_arms")
-    if arms:
-        w("\nEdits inside a composition, judged against a full prefill of the edited text:\n")
-        w("| arm | method | agreement with oracle (owned) | accuracy (new value's candidate top-1) | KL(oracle‖method) mean |")
-        w("|---|---|---|---|---|")
-        for arm, d in arms.items():
-            for k, m in d.items():
-                if isinstance(m, dict):
-                    kl = m["kl"]["mean"]
-                    w(f"| {arm} (n={d['n']}, excluded {d['excluded']}) | {k} | {fmt_kn(m['agreement_owned'])} | "
-                          f"{fmt_kn(m['accuracy'])} | {'–' if kl is None else f'{kl:.3f}'} |")
-    return w.text()
-
-
-def _compose_cot_table(rec: dict) -> str:
-    """The variant table of a ``compose`` record under ``scenario.variant=cot`` (decisions read after
-    generated chains)."""
-    w = _Lines()
-    agg = rec["result"]["aggregates"]
-    w(f"model {rec['model']['name']}, scenario {rec['scenario']['name']}, generated readout (at most "
-      f"{agg['max_new_tokens']} new tokens): {agg['n_screened']} of {agg['n_aligned']} aligned pairs screened, "
-      f"{agg['n_prompts']} of {agg['n_prompts_screened']} prompts with a full chain that reached its marker, "
-      f"{agg['n_owned_prompts']} owned, {agg['n_flip']} generated flips of {agg['n_pair_rows']} pairs · exclusions "
-      f"{fmt_counts(rec['result']['exclusions'])}\n")
-    w("| variant | decision agreement (owned) | top-1 agreement (all) | same chain | KL(full‖composed) mean | "
-      "new decision (flips) | unreached |")
-    w("|---|---|---|---|---|---|---|")
-    for v, d in agg["variants"].items():
-        kl = d["kl"]["all"].get("mean")
-        w(f"| {v} | {fmt_kn(d['decision_agreement']['all'])} | {fmt_kn(d['top1_agreement']['all'])} | "
-          f"{fmt_kn(d['same_chain']['all'])} | {fmt(kl, '.4f')} | {fmt_kn(d['new_decision']['all'])} | "
-          f"{d['n_unreached']['all']} |")
-    if agg.get("edit_arms_note"):
-        w(f"\n{agg['edit_arms_note']}")
-    return w.text()
-
-
-def agent_table(record: dict) -> str:
-    """The per-family, per-turn table of an ``agent`` record."""
-    w = _Lines()
-    agg = record["result"]["aggregates"]
-    w(f"## {record['model']['name']} · agent · {record['scenario']['name']} · {agg['turns']} turns, seam "
-          f"{agg['seam']}, sink {agg['sink']} · {agg['n_trajectories']} trajectories, excluded "
-          f"{record['result']['exclusions'] or 0}\n")
-    w("| family | turns | agent correct | oracle correct | transcript correct | agent = oracle (oracle owns) "
-          "| agent = transcript | KL(oracle‖agent) | time oracle / agent | time transcript / agent |")
-    w("|---|---|---|---|---|---|---|---|---|---|")
-    for fam, scopes in agg["by_family"].items():
-        for scope, label in SCOPES:
-            a = scopes[scope]
-            if not a["n_turns"]:
-                continue
-            t = a["time"]
-            kl = a["kl_oracle"]["mean"]
-            w(f"| {fam} | {label} | {fmt_share(a['agent_accuracy'])} | {fmt_share(a['oracle_accuracy'])} | "
-                  f"{fmt_share(a['transcript_accuracy'])} | {fmt_share(a['agreement_oracle_owned'])} | "
-                  f"{fmt_share(a['agreement_transcript'])} | {'-' if kl is None else f'{kl:.3f}'} | "
-                  f"{t['ratio_oracle_over_agent']:.2f} | {t['ratio_transcript_over_agent']:.2f} |")
-    w("\nIntervals: means of the 0/1 indicators, 95%: cluster bootstrap with >= 5 scenarios, `t` over "
-          "scenario means (2-4), `ti` over instance means (1 scenario); clipped to [0, 1]. Times: sums over the turns "
-          f"(device {agg['device']}); chunk precompile excluded "
-          f"({agg['by_family']['all']['all']['time']['precompile_ms_total'] / 1e3:.1f} s in all).")
-    return w.text()
-
-
 def record_table(rec: dict, **options) -> str:
     """The table of a record: the one its probe's presentation names
     (:func:`kvnotes.records.presentation.presentation`), else :func:`aggregates_table`; then, when
@@ -273,7 +109,7 @@ def record_table(rec: dict, **options) -> str:
 
     Args:
         options: keyword options of the probe's table it accepts (e.g. ``by`` of
-            :func:`screen_table`); the others are ignored.
+            a screen table); the others are ignored.
     """
     fn = presentation(rec).table or aggregates_table
     params = inspect.signature(fn).parameters
@@ -295,7 +131,7 @@ def verdicts_table(rec: dict) -> str:
     verdicts = rec["result"].get("aggregates", {}).get("verdicts") or {}
     if not verdicts:
         return ""
-    w = _Lines()
+    w = Lines()
     for name, v in verdicts.items():
         w(f"\n**Verdict `{name}`**: {v['claim']}.\n")
         w("| family / scenario | verdict | selected | control | difference [95% interval] | why |")
@@ -315,7 +151,7 @@ def verdicts_table(rec: dict) -> str:
 def serving_table(rec: dict) -> str:
     """The measured serving table of a ``kvnotes serve-bench`` (:mod:`kvnotes.cli.serve_bench`) record (per rate, field position
     and arm: hit rates, time to first token on update turns, correctness against the harness)."""
-    w = _Lines()
+    w = Lines()
     res = rec["result"]
     w(f"model {rec['model']['name']} · vLLM {rec['packages'].get('vllm')} · block size "
           f"{res['engine']['block_size']} · {rec['scenario']['n_scenarios']} scenarios "
@@ -411,8 +247,8 @@ def connector_rows(w, res: dict) -> None:
 def results_table(recs: dict[str, dict]) -> str:
     """The per-family results table of one model and suite: a row per family (and ``all``), the
     columns every record's presentation declares (:class:`kvnotes.records.presentation.ResultsColumn`,
-    in rank order), e.g. the screen's flipping pairs, field_refresh's recoveries, suffix_recovery's
-    held-out positions and injection's follow rates.
+    in rank order), e.g. flipping pairs, field-only recovery, held-out top-k positions, the share of
+    decisions that follow injected notes.
 
     Args:
         recs: name -> record of the same model and suite (any probe; one that declares no column
@@ -425,7 +261,7 @@ def results_table(recs: dict[str, dict]) -> str:
     if not cols:
         raise ValueError(f"no record among {sorted(recs)} adds a column to the results table")
     fams = sorted({row["family"] for _, rec in cols for row in rec["result"].get("rows", []) if row.get("family")})
-    w = _Lines()
+    w = Lines()
     w("| family | " + " | ".join(c.header for c, _ in cols) + " |")
     w("|---|" + "---|" * len(cols))
     for fam in [*fams, "all"]:
@@ -433,49 +269,6 @@ def results_table(recs: dict[str, dict]) -> str:
     w("\nIntervals: 95% two-stage cluster bootstrap with >= 5 scenarios; `t` = t-interval over scenario "
           "means (2-4 scenarios); `ti` = t-interval over instance means (1 scenario); none for a single cluster.")
     return w.text()
-
-
-def _screen_pairs(rec: dict, fam: str) -> str:
-    a = rec["result"]["aggregates"]
-    t = a if fam == "all" else a["by_family"].get(fam)
-    return f"{t['n_flip']}/{t['n_pairs']}" if t else "-"
-
-
-def _recovery(finding: str):
-    return lambda rec, fam: ci(rec["result"]["aggregates"]["recovery"].get(finding, {}).get(fam))
-
-
-def _heldout(curve: str, kind: str, value: float):
-    """A held-out curve of a suffix_recovery record at one grid point (``-`` under the generated readout:
-    coarse curves only, no held-out top-k)."""
-    def cell(rec: dict, fam: str) -> str:
-        res = rec["result"]
-        if res["aggregates"].get("readout") == "generated":
-            return "-"
-        i = [(g["kind"], g["value"]) for g in res["grid"]].index((kind, value))
-        return ci(res["aggregates"]["curves"]["heldout"][curve][i].get(fam))
-    return cell
-
-
-def _follow_notes(rec: dict, fam: str) -> str:
-    f = rec["result"]["aggregates"]["flipping"].get(fam)
-    return (fmt_kn_or_dash(f["old_notes_into_new"]["follow_notes"]) + " / "
-            + fmt_kn_or_dash(f["new_notes_into_old"]["follow_notes"])) if f else "-"
-
-
-#: The results-table columns of the probes the paper's results table reads (their presentations).
-SCREEN_RESULTS = (ResultsColumn(10, "flipping / aligned pairs", _screen_pairs),)
-FIELD_REFRESH_RESULTS = (ResultsColumn(20, "field-only refresh", _recovery("field")),
-                         ResultsColumn(30, "downstream only", _recovery("downstream")))
-SUFFIX_RECOVERY_RESULTS = (ResultsColumn(40, "last 10% of downstream (held-out)", _heldout("suffix", "fraction", 0.1)),
-                           ResultsColumn(50, "top-1 position (held-out)", _heldout("topk", "count", 1)),
-                           ResultsColumn(60, "k-matched random position (held-out)", _heldout("random", "count", 1)))
-INJECTION_RESULTS = (ResultsColumn(70, "notes injected: decision follows notes", _follow_notes),)
-
-
-def fmt_kn_or_dash(d: dict | None) -> str:
-    """``k/n``, or ``-`` for no count."""
-    return f"{d['k']}/{d['n']}" if d else "-"
 
 
 def suite_records(model_dir: str | Path, suite: str, read=None) -> dict[str, dict]:

@@ -25,23 +25,29 @@ from kvnotes.ops import compose as kvcompose
 from kvnotes.records.figures import Curves, Reshaped, by_seam
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import BaseResult
-from kvnotes.records.tables import compose_table
+from kvnotes.probes.compose.table import compose_table
 
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/compose.yaml`` (defaults there; see the specification)."""
+    """Keys of ``conf/probe/compose.yaml`` (the defaults are here; the YAML sets what differs; see the specification)."""
 
+    #: chunk tokens recomputed against the real prefix (seam repair)
     seams: NonNegatives = field(default_factory=lambda: [0, 1, 2, 4, 8])
+    #: precompile chunks behind nothing / the prompt's first token / (prefix) the live prefix
     sinks: Annotated[list[Annotated[str, one_of(*SINKS)]], Len(min_length=1)] = field(
         default_factory=lambda: ["none", "bos"])
+    #: seams of the edit-inside-composition arms (erratum; field refreshed in a chunk); [] skips them
     edit_arm_seams: list[NonNegative] = field(default_factory=lambda: [0, 4])
+    #: M-RoPE VLMs: also insert a synthetic image (seeded random pixels) as a precompiled chunk
     image_chunk: bool = False
     #: ``[t, h, w]`` patches of the synthetic image chunk
     image_grid: Annotated[list[Count], Len(min_length=3, max_length=3)] = field(default_factory=lambda: [1, 4, 4])
     #: ``scenario.variant=cot``: most tokens generated per chain, chunked pairs screened, seams composed
     cot_max_new_tokens: NonNegative = 40
+    #: chunked pairs screened, round-robin over scenarios (the rest: beyond_max_pairs); null: all
     cot_max_pairs: Optional[Count] = 12
+    #: seams of the composed variants under cot (x rotate/no_rotate x sinks)
     cot_seams: NonNegatives = field(default_factory=lambda: [0, 4])
 
 

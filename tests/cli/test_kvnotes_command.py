@@ -13,7 +13,8 @@ from kvnotes.errors import KvnotesError
 from kvnotes.records.envelope import check_record, json_schema
 from kvnotes.records.store import find_records, load_record
 from kvnotes.records.presentation import presentation
-from kvnotes.records.tables import record_table, screen_table
+from kvnotes.probes.screen import screen_table
+from kvnotes.records.tables import record_table
 from tests.helpers import HANG_S, ROOT, run_kvnotes
 
 

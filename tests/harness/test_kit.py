@@ -66,21 +66,58 @@ def test_excluded_rows_and_worst():
     assert K.worst(rows, "x", 1.0) == 3.0 and K.worst([], "x") is None
 
 
-def _doc_blocks() -> tuple[str, str]:
+def _doc_blocks() -> tuple[str, str, str]:
+    """The module, config and specification page of docs/adding_a_probe.md (its first python, yaml
+    and markdown blocks)."""
     text = DOC.read_text()
-    return (re.search(r"```python\n(.*?)```", text, re.S).group(1),
-            re.search(r"```yaml\n(.*?)```", text, re.S).group(1))
+    return tuple(re.search(rf"```{kind}\n(.*?)```", text, re.S).group(1)  # type: ignore[return-value]
+                 for kind in ("python", "yaml", "markdown"))
+
+
+@pytest.mark.embedded          # no model, but a copy of the repository and a pytest run in it (~15 s)
+def test_the_documented_probe_is_its_module_config_and_page(tmp_path):
+    """The three files of docs/adding_a_probe.md, placed where the page says (``probes/``,
+    ``conf/probe/``, ``docs/probes/``) in a copy of this repository, make a probe the layout tests
+    accept (its page linked and in the nav, no harness module of its own, imports in their layers)
+    and that the registry finds, with nothing else changed (issue #51)."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    copy = tmp_path / "repo"
+    for folder in ("kvnotes", "probes", "circuits", "scenarios", "conf", "docs"):
+        shutil.copytree(root / folder, copy / folder, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.png", "assets"))
+    (copy / "mkdocs.yml").write_text((root / "mkdocs.yml").read_text())
+    (copy / "tests" / "lanes").mkdir(parents=True)
+    for f in ("tests/__init__.py", "tests/lanes/__init__.py", "tests/lanes/test_layout.py"):
+        shutil.copyfile(root / f, copy / f)
+    code, yaml, page = _doc_blocks()
+    (copy / "probes" / "field_only.py").write_text(code)
+    (copy / "conf" / "probe" / "field_only.yaml").write_text(yaml)
+    (copy / "docs" / "probes" / "field_only.md").write_text(page)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTEST_XDIST_WORKER_COUNT"}
+    env["PYTHONPATH"] = str(copy)
+    found = subprocess.run([sys.executable, "-c", "import kvnotes.probes as P; print(P.module(P.load_config('field_only')).__file__)"],
+                           cwd=copy, env=env, capture_output=True, text=True)
+    assert found.returncode == 0 and found.stdout.strip().startswith(str(copy)), found.stderr
+    ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n0", "-p", "no:cacheprovider", "-c", "/dev/null",
+                          "--rootdir", str(copy), "tests/lanes/test_layout.py"], cwd=copy, env=env,
+                         capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-2000:]
+    assert " passed" in ran.stdout and "failed" not in ran.stdout
 
 
 def test_worked_example_runs_as_documented(smol, tmp_path, monkeypatch):
     """The module and config of docs/adding_a_probe.md, written out verbatim (the module under
     another importable name), are found from the config alone, reject a misspelt key, run on the
     embedded model and return a result matching their own schema."""
-    code, yaml = _doc_blocks()
+    code, yaml, _ = _doc_blocks()
     (tmp_path / "doc_field_only.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     raw = OmegaConf.create(yaml.replace("kvnotes.probes.field_only.run", "doc_field_only.run"))
-    cfg = OmegaConf.merge(OmegaConf.load(kvnotes.probes.CONF_DIR / "_base.yaml"), raw, {"progress": False, "n_boot": 200})
+    cfg = kvnotes.probes.typed_config(OmegaConf.merge(raw, {"progress": False, "n_boot": 200}))
     with pytest.raises(KvnotesError, match="cot_max_new_token"):
         kvnotes.probes.typed_config(OmegaConf.merge(cfg, {"cot_max_new_token": 20}))
     ctx = kvnotes.probes.ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], n_instances=1, per_instance=2), cfg=cfg)

@@ -1,6 +1,7 @@
 """The typed probe configs are the one source of keys, defaults and allowed values: each YAML file
-mirrors its probe's ``Config`` dataclass, and values outside the declared constraints are one line
-naming the key, for every sweep point, before any model loads."""
+sets only what differs from its probe's ``Config`` dataclass, which Hydra composes it from, and
+values outside the declared constraints are one line naming the key, for every sweep point, before
+any model loads."""
 
 from __future__ import annotations
 
@@ -16,23 +17,45 @@ from tests.cli.test_cli import one_line_error
 
 
 def _yaml_values(name: str) -> dict:
-    raw = OmegaConf.merge(OmegaConf.load(registry.CONF_DIR / "_base.yaml"),
-                          OmegaConf.load(registry.CONF_DIR / f"{name}.yaml"))
+    raw = OmegaConf.load(registry.CONF_DIR / f"{name}.yaml")
     return {k: v for k, v in OmegaConf.to_container(raw, resolve=False).items()
             if k not in ("defaults", "name", "_target_")}
 
 
 @pytest.mark.parametrize("name", registry.names())
-def test_yaml_mirrors_the_config_dataclass(name):
-    """Every key a probe's YAML sets is declared on its ``Config`` with the same default (an
-    interpolation such as ``${oc.select:scenario.memory,...}`` binds another group and is exempt)."""
+def test_yaml_holds_only_what_differs_from_the_config_dataclass(name):
+    """The ``Config`` dataclass is the one source of a probe's keys and defaults (issue #51): its YAML
+    starts from it (``schema@_here_: <name>``, :func:`kvnotes.harness.registry.register_schemas`)
+    and sets only keys it declares, each to a value other than its default (an interpolation such
+    as ``${oc.select:scenario.memory,...}`` binds another group)."""
+    raw = OmegaConf.load(registry.CONF_DIR / f"{name}.yaml")
+    assert list(raw.defaults) == [{"schema@_here_": name}, "_self_"]
     schema = registry.module(registry.load_config(name)).Config
     defaults = OmegaConf.to_container(OmegaConf.structured(schema))
     for key, value in _yaml_values(name).items():
         assert key in defaults, f"{name}: {key} is not declared on {schema.__module__}.Config"
         if isinstance(value, str) and value.startswith("${"):
             continue
-        assert value == defaults[key], f"{name}.{key}: YAML {value!r} != Config default {defaults[key]!r}"
+        assert value != defaults[key], f"{name}.{key}: the YAML repeats the Config default {value!r}"
+
+
+def test_hydra_composes_a_probe_from_its_dataclass():
+    """Every key the ``Config`` declares is in the composed run config with its default and can be
+    overridden without ``+``, though the YAML does not list it; an undeclared key is refused."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    from kvnotes.harness.registry import register_schemas
+    register_schemas()
+    with initialize_config_dir(str(registry.CONF_DIR.parent), version_base="1.3"):
+        cfg = compose("config", overrides=["probe=field_refresh", "probe.cot_max_pairs=1"])
+        assert "cot_max_pairs" not in _yaml_values("field_refresh")
+        assert cfg.probe.cot_max_pairs == 1 and cfg.probe.cot_max_new_tokens == 40 and cfg.probe.n_boot == 2000
+        heads = compose("config", overrides=["probe=heads"]).probe
+        expected = OmegaConf.to_container(OmegaConf.structured(registry.module(registry.load_config("heads")).Config))
+        assert OmegaConf.to_container(heads) == expected | {"name": "heads", "_target_": "kvnotes.circuits.heads.run"}
+        with pytest.raises(ConfigCompositionException):
+            compose("config", overrides=["probe=field_refresh", "probe.cot_max_pair=1"])
 
 
 @pytest.mark.parametrize("name, override, needles", [

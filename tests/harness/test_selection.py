@@ -48,7 +48,11 @@ def test_coverage_says_when_a_subset_does_not_represent_its_family():
     assert "from 1 of its 2 scenarios" in line
     solo = [r for r in rows if r["scenario"] == "a"]
     [line] = coverage_warnings("p", coverage(solo, one_instance), "ranking")
-    assert "single instance" in line
+    assert "single selection instance" in line
+    by_scenario = coverage(rows, one_instance | {"b/0:0"}, ("scenario",))
+    assert [c["represents"] for c in by_scenario.values()] == [False, False]
+    [line] = coverage_warnings("p", by_scenario, "ranking")                 # one line for every such group
+    assert line.startswith("p: the ranking of a, b comes from a single selection instance each")
 
 
 def test_alignment_carries_a_position_past_a_filler_of_another_length():

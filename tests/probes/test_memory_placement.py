@@ -81,7 +81,7 @@ def test_probe_record_on_a_tiny_model(llama, tok, tmp_path):  # noqa: F811
         assert set(c["prefill_s"]) == {"early", "late"}
     s = res["settings"]
     assert s["reference"] == "early" and s["arm"] == "late" and s["context"] == 4096
-    table = __import__("kvnotes.records.memory_tables", fromlist=["x"])
+    from kvnotes.probes.memory_placement import memory_placement_table
     rec = {"probe": "memory_placement", "model": {"name": "tiny"}, "result": res}
-    text = table.memory_placement_table(rec)
+    text = memory_placement_table(rec)
     assert "| 96 (" in text and "depth" in text
