@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.chunks import CHUNK_NAMES, CHUNKED_ORDER, SINKS, layout_prompt, prompt_parts, sink_ids
-from kvnotes.harness.constraints import Count, NonNegative, one_of
+from kvnotes.harness.constraints import Count, NonNegative, one_of, require_field_placement
 from kvnotes.harness.edit_prompts import common_prefix_length, erratum_text, render_layout, user_pieces
 from kvnotes.harness.kit import ProbeConfig, by_family, exclusion_counts, per_prompt, progress, summary
 from kvnotes.harness.pairs import transcript_turns
@@ -107,6 +107,14 @@ class Config(ProbeConfig):
     sink: Annotated[str, one_of(*SINKS)] = "bos"
     #: ``scenario.variant=cot``: most tokens generated per chain
     cot_max_new_tokens: NonNegative = 40
+
+    def check_run(self, run) -> None:
+        """The agent lays out its transcript itself (the chunked order).
+
+        Raises:
+            KvnotesError: ``scenario.field_placement`` other than ``first``.
+        """
+        require_field_placement(run, "agent", "lays out its transcript's lines in its own chunked order")
 
 
 class TurnRow(TypedDict):

@@ -298,6 +298,35 @@ class Result(BaseResult):
     warnings: list[str]
 
 
+#: Recovery levels whose smallest sufficient suffix is reported (``aggregates.suffix_fraction_for``).
+RECOVERY_LEVELS = (0.5, 0.8)
+
+
+def suffix_fraction_for(curves: dict, grid: list[dict], families: list[str]) -> dict:
+    """The downstream fraction needed for a recovery level: per level of :data:`RECOVERY_LEVELS`
+    and family (and ``all``), the smallest fraction ``f`` of the grid whose last-``f`` suffix set
+    (all pairs; mean recovery) reaches the level, or None when no fraction does (the paper's
+    dose-response of the field's placement reads it at 0.8: where the notes sit decides how much
+    of the downstream must be patched).
+
+    Args:
+        curves: ``aggregates.curves.all`` (set family -> per grid point -> family -> summary).
+        grid: the grid points (only ``fraction`` points are read).
+
+    Returns:
+        ``{str(level): {family: fraction or None}}``.
+    """
+    suffix = curves.get("suffix", [])
+    out: dict = {}
+    for level in RECOVERY_LEVELS:
+        out[str(level)] = {}
+        for g in ["all", *families]:
+            hits = [pt["value"] for pt, cell in zip(grid, suffix) if pt["kind"] == "fraction"
+                    and (c := cell.get(g) or {}).get("mean") is not None and c.get("n") and c["mean"] >= level]
+            out[str(level)][g] = min(hits) if hits else None
+    return out
+
+
 def _mean_over_grid(row: dict, family: str) -> float | None:
     """A row's recovery of set family ``family`` averaged over the grid points where both the
     top-k and the random sets were evaluated (the area under the paired curves), None without any."""
@@ -409,6 +438,7 @@ def run(ctx) -> dict:
     if generated:
         with ctx.timer("statistics"):
             aggregates = _cot_aggregates(rows, grid, bands, fams, families, n_boot, ctx.seed)
+            aggregates["suffix_fraction_for"] = suffix_fraction_for(aggregates["curves"]["all"], grid, families)
         return out | {"aggregates": readout_aggregates(ctx, pr) | common | aggregates,
                       "set_families": fams, "split": {}, "selection_pairs": [], "examples": {}, "warnings": []}
     held_rows = [r for r in rows if r["split"] == "heldout" and "topk_sets" in r]
@@ -419,6 +449,7 @@ def run(ctx) -> dict:
             examples[r["family"]] = _example(ctx.bundle.tokenizer, sp.pair, r)
     with ctx.timer("statistics"):
         aggregates = _aggregates(rows, held_rows, grid, bands, families, n_boot, ctx.seed, anchor)
+    aggregates["suffix_fraction_for"] = suffix_fraction_for(aggregates["curves"]["all"], grid, families)
     aggregates["checks"] = _checks(rows, held_rows, grid, sel)
     aggregates["verdicts"] = {"topk_positions": K.verdicts(
         held_rows, lambda r: _mean_over_grid(r, "topk"), lambda r: _mean_over_grid(r, "random"), families,
@@ -454,10 +485,22 @@ def _heldout(curve: str, kind: str, value: float):
     return cell
 
 
+def _fraction_for(level: str):
+    """The smallest suffix fraction reaching ``level`` of recovery (``-`` when none does, or for a
+    record without it)."""
+    def cell(rec: dict, fam: str) -> str:
+        got = rec["result"]["aggregates"].get("suffix_fraction_for", {}).get(level, {})
+        if fam not in got:
+            return "-"
+        return "none reaches it" if got[fam] is None else f"{got[fam]:g}"
+    return cell
+
+
 #: The columns this probe's records add to the per-family results table (kvnotes table --results).
 SUFFIX_RECOVERY_RESULTS = (ResultsColumn(40, "last 10% of downstream (held-out)", _heldout("suffix", "fraction", 0.1)),
                            ResultsColumn(50, "top-1 position (held-out)", _heldout("topk", "count", 1)),
-                           ResultsColumn(60, "k-matched random position (held-out)", _heldout("random", "count", 1)))
+                           ResultsColumn(60, "k-matched random position (held-out)", _heldout("random", "count", 1)),
+                           ResultsColumn(65, "downstream suffix for 80% recovery", _fraction_for("0.8")))
 
 
 #: How this probe's records are shown: the report's headline, its figures, its table

@@ -76,8 +76,9 @@ def render_chunked_user_text(instance: Instance, value: str, variant: str = "dir
     """
     sc = instance.scenario
     text, spans, prefix = render_user_text_spans(instance, value, variant)
-    names = [n for n, piece in (("context", sc.context), ("filler", " ".join(instance.filler)), ("rule", sc.rule),
-                                ("request", sc.request), ("decision", sc.variants[variant].decision)) if piece]
+    given = {"context": sc.context, "filler": " ".join(instance.filler), "rule": sc.rule, "request": sc.request,
+             "decision": sc.variants[variant].decision}
+    names = [n for n in instance.order if given[n]]
     lines = text.split("\n")
     if len(lines) != len(names):
         raise KvnotesError(f"{sc.source}: a scenario piece spans several lines; it cannot be split into chunks")
@@ -209,7 +210,7 @@ def chunked_pairs(tokenizer, scenario_cfg: Any, template_kwargs: dict | None = N
     """
     scenarios = load_suite(list(scenario_cfg.paths), scenario_cfg.get("families"), scenario_cfg.get("ids"))
     specs = build_pairs(scenarios, int(scenario_cfg.n_instances), int(scenario_cfg.seed),
-                        scenario_cfg.get("variant", "direct"))
+                        scenario_cfg.get("variant", "direct"), placement=scenario_cfg.get("field_placement", "first"))
     return _tokenized(PairSet([], [], scenarios), specs, tokenize_chunked_pair, tokenizer, scenario_cfg,
                       template_kwargs, turns=transcript_turns(scenario_cfg))
 

@@ -106,6 +106,19 @@ def require_instances(run: Any, least: int, probe: str, why: str) -> None:
         raise KvnotesError(f"scenario.n_instances={n}: {probe} {why}; it needs scenario.n_instances >= {least}")
 
 
+def require_field_placement(run: Any, probe: str, why: str) -> None:
+    """Refuse a run that moves the field's line (``scenario.field_placement`` other than ``first``)
+    for a probe that lays out the prompt's lines itself, so the key would go unread.
+
+    Raises:
+        KvnotesError: in one line naming the key, the probe and why.
+    """
+    placement = str(run.scenario.field_placement)
+    if placement != "first":
+        raise KvnotesError(f"scenario.field_placement={placement}: {probe} {why}; it runs with the field's line "
+                           f"first only")
+
+
 def check_values(schema: type, data: dict, prefix: str = "probe") -> None:
     """Validate a merged config against the constraints declared on its dataclass ``schema``.
 

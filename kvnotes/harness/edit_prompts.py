@@ -79,18 +79,18 @@ def user_pieces(instance: Instance, value: str, variant: str = "direct") -> tupl
               "rule": sc.rule.format(**values), "request": sc.request.format(**values),
               "decision": var.decision.format(**values)}
     text, (fa, _), prefix = render_user_text(instance, value, variant)
-    joined = "\n".join(p for p in (pieces[k] for k in DEFAULT_ORDER) if p)
+    joined = "\n".join(p for p in (pieces[k] for k in instance.order) if p)
     if joined != text or any("\n" in p for p in pieces.values()):
         raise KvnotesError(f"{sc.source}: cannot split the user message into single-line pieces for editing")
     return pieces, fa, prefix
 
 
-def render_layout(instance: Instance, value: str, variant: str = "direct", order=DEFAULT_ORDER,
+def render_layout(instance: Instance, value: str, variant: str = "direct", order=None,
                   notice: str | None = None, placement: str = "before_request") -> tuple[str, tuple[int, int], str]:
     """Render the user message with the lines in ``order`` and an optional notice line.
 
     Args:
-        order: a permutation of :data:`DEFAULT_ORDER`.
+        order: a permutation of :data:`DEFAULT_ORDER`; None: the instance's own (its field placement).
         notice: a line inserted at ``placement`` (:data:`PLACEMENTS`), or None.
 
     Returns:
@@ -102,7 +102,7 @@ def render_layout(instance: Instance, value: str, variant: str = "direct", order
     if placement not in PLACEMENTS:
         raise KvnotesError(f"unknown erratum placement '{placement}' (known: {', '.join(PLACEMENTS)})")
     pieces, fa, prefix = user_pieces(instance, value, variant)
-    names = list(order)
+    names = list(instance.order if order is None else order)
     if notice is not None:
         at = {"before_request": names.index("request"), "before_decision": names.index("decision"),
               "after_context": names.index("context") + 1}[placement]

@@ -44,7 +44,7 @@ def prepare_pairs(tokenizer, scenario_cfg: Any, polarity: str = "normal",
 
     Args:
         scenario_cfg: mapping with ``paths``, ``families``, ``ids``, ``n_instances``, ``seed``,
-            ``variant``, ``chat_template`` and ``transcript``.
+            ``variant``, ``field_placement``, ``chat_template`` and ``transcript``.
         polarity: ``"normal"`` or ``"inverted"`` rule trigger (see :mod:`kvnotes.scenarios.schema`).
         template_kwargs: extra chat-template arguments from the model config.
 
@@ -53,7 +53,7 @@ def prepare_pairs(tokenizer, scenario_cfg: Any, polarity: str = "normal",
     """
     scenarios = load_suite(list(scenario_cfg.paths), scenario_cfg.get("families"), scenario_cfg.get("ids"))
     specs = build_pairs(scenarios, int(scenario_cfg.n_instances), int(scenario_cfg.seed),
-                        scenario_cfg.get("variant", "direct"), polarity)
+                        scenario_cfg.get("variant", "direct"), polarity, scenario_cfg.get("field_placement", "first"))
     return _tokenized(PairSet([], [], scenarios), specs, tokenize_pair, tokenizer, scenario_cfg, template_kwargs,
                       turns=transcript_turns(scenario_cfg))
 
@@ -101,7 +101,8 @@ def prepare_polarity_pairs(tokenizer, scenario_cfg: Any, template_kwargs: dict |
     if scenarios is None:
         scenarios = load_suite(list(scenario_cfg.paths), scenario_cfg.get("families"), scenario_cfg.get("ids"))
     specs, skipped = build_polarity_pairs(scenarios, int(scenario_cfg.n_instances), int(scenario_cfg.seed),
-                                          scenario_cfg.get("variant", "direct"))
+                                          scenario_cfg.get("variant", "direct"),
+                                          scenario_cfg.get("field_placement", "first"))
     if not specs:
         raise KvnotesError(f"no scenario with a polarity block among the selected ones ({len(skipped)} skipped: "
                            f"{dict(Counter(s['reason'] for s in skipped))}); select e.g. scenario.families=[policy_gate]")

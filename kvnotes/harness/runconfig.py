@@ -93,6 +93,7 @@ class ScenarioSettings(BaseModel):
     n_instances: int = Field(default=4, ge=1)
     seed: int = Field(default=0, ge=0)
     variant: Literal["direct", "cot"] = "direct"
+    field_placement: Literal["first", "after_filler", "before_request"] = "first"
     chat_template: bool = True
     transcript: Transcript | None = None
     memory: str | None = None

@@ -16,7 +16,7 @@ from kvnotes.errors import KvnotesError
 from kvnotes.harness import kit as K
 from kvnotes.harness.chunks import SINKS, chunked_pairs
 from kvnotes.probes.compose.arms import compose_prompts, cot_generate, edit_arms, image_arm, variant_name
-from kvnotes.harness.constraints import Count, NonNegative, NonNegatives, one_of
+from kvnotes.harness.constraints import Count, NonNegative, NonNegatives, one_of, require_field_placement
 from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
 from kvnotes.harness.pairs import pair_row, transcript_turns
 from kvnotes.harness.stats import proportion
@@ -49,6 +49,14 @@ class Config(ProbeConfig):
     cot_max_pairs: Optional[Count] = 12
     #: seams of the composed variants under cot (x rotate/no_rotate x sinks)
     cot_seams: NonNegatives = field(default_factory=lambda: [0, 4])
+
+    def check_run(self, run) -> None:
+        """Compose lays out its chunks itself (rule, filler, context, request).
+
+        Raises:
+            KvnotesError: ``scenario.field_placement`` other than ``first``.
+        """
+        require_field_placement(run, "compose", "orders the prompt's lines into its own chunks")
 
 
 #: With ``scenario.variant=cot`` the full prefill and every composed variant generate their reasoning and

@@ -154,6 +154,32 @@ def test_a_probe_whose_point_is_the_split_refuses_one_instance_before_loading(na
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*"))
 
 
+@pytest.mark.parametrize("args, needles", [
+    (["probe=compose", "scenario.field_placement=after_filler"],
+     ("scenario.field_placement=after_filler", "compose orders the prompt's lines into its own chunks")),
+    (["probe=agent", "scenario.field_placement=before_request"],
+     ("scenario.field_placement=before_request", "agent lays out its transcript")),
+    (["probe=field_refresh", "scenario.field_placement=middle"], ("scenario.field_placement", "'middle'")),
+])
+def test_a_field_placement_a_probe_cannot_honour_is_one_line_before_loading(args, needles, tmp_path, monkeypatch,
+                                                                             capsys):
+    """``scenario.field_placement`` moves the field's line (issue #52); the probes that lay out the
+    prompt's lines themselves refuse it rather than leave it unread, and an unknown placement is
+    refused, each in one line before the model loads."""
+    from kvnotes.cli import run as cli
+    from kvnotes.harness import jobs
+
+    def no_load(cfg):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(jobs, "load_bundle", no_load)
+    args = [*args, f"out_root={tmp_path / 'runs'}"]
+    monkeypatch.setattr(sys, "argv", ["run.py", *args])
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    one_line_error(subprocess.CompletedProcess(args, stop.value.code, "", capsys.readouterr().err), *needles)
+
+
 def test_run_checks_see_the_run_settings():
     """``registry.check_run``: the probe's ``Config.check_run`` against the typed run settings; a
     probe whose split is not its point (edit, components) runs with one instance and says so in its

@@ -86,9 +86,14 @@ def test_verdicts_need_an_interval_above_zero_and_scenarios_that_agree():
     assert stats.verdict_of({"ci_mean": [-0.3, -0.1]}) == stats.CONTRADICTED
     assert stats.verdict_of({"ci_mean": [-0.1, 0.3]}) == stats.INCONCLUSIVE
     assert stats.verdict_of({"ci_mean": None, "mean": 0.9}) == stats.INCONCLUSIVE     # one instance supports nothing
-    assert stats.disagreeing({"a": {"ci_mean": [0.8, 0.9]}, "b": {"ci_mean": [0.1, 0.3]}}) == ["a", "b"]
-    assert stats.disagreeing({"a": {"ci_mean": [0.2, 0.9]}, "b": {"ci_mean": [0.1, 0.3]}}) is None
-    assert stats.disagreeing({"a": {"ci_mean": [0.8, 0.9]}, "b": {"ci_mean": None}}) is None
+    def s(lo, hi):
+        return {"ci_mean": [lo, hi], "mean": (lo + hi) / 2}
+
+    assert stats.disagreeing({"a": s(0.8, 0.9), "b": s(0.1, 0.3)}) == ["a", "b"]
+    assert stats.disagreeing({"a": s(0.2, 0.9), "b": s(0.1, 0.3)}) is None
+    assert stats.disagreeing({"a": s(0.8, 0.9), "b": {"ci_mean": None, "mean": 0.1}}) is None
+    assert stats.disagreeing({"a": s(0.96, 0.98), "b": s(0.89, 0.91)}) is None           # apart, but by < 0.1
+    assert stats.disagreeing({"a": s(0.96, 0.98), "b": s(0.89, 0.91)}, margin=0.05) == ["a", "b"]
 
     def rows(sel_by_scenario, control=0.1, jitter=0.01):
         out = []

@@ -82,3 +82,23 @@ def test_heads_maps_both_mechanisms_and_a_one_scenario_map_is_not_supported(arch
     with_notes = cell["scenarios"]["with_notes"]["selected"]["mean"]
     without = cell["scenarios"]["without_notes"]["selected"]["mean"]
     assert with_notes < without - 0.1                                        # the ranking fits one scenario only
+
+
+def test_field_refresh_follows_the_construction_at_every_field_placement(arch, cache, monkeypatch):  # noqa: F811
+    """``scenario.field_placement`` moves the field's line after the filler or just before the
+    request (the paper's dose-response, issue #52); the planted decision reads the field with weight
+    ``alpha`` wherever it sits, and the notes the rest."""
+    starts = set()
+    for placement in ("first", "after_filler", "before_request"):
+        ctx = _context(cache, monkeypatch, "mixed", "field_refresh", {"planted": {"alpha": 0.3}}, n_instances=1,
+                       scenario_ids=["adjacent"], arch=arch)
+        ctx.scenario_cfg.field_placement = placement
+        from kvnotes.harness.pairs import prepare_pairs
+        ctx.pairs = prepare_pairs(ctx.bundle.tokenizer, ctx.scenario_cfg)
+        assert {p.spec.instance.placement for p in ctx.pairs.pairs} == {placement}
+        starts.add(ctx.pairs.pairs[0].field[0])
+        res = kvnotes.probes.get(ctx.cfg)(ctx)
+        assert res["aggregates"]["n_flip"] == len(ctx.pairs.pairs) > 0
+        assert max(abs(r["r_field"] - 0.3) for r in res["rows"]) < 2e-3
+        assert max(abs(r["r_downstream"] - 0.7) for r in res["rows"]) < 2e-3
+    assert len(starts) == 3                                                   # the field moved each time
