@@ -8,6 +8,7 @@ Specification: ``docs/probes/edit.md``.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Optional
 
@@ -16,6 +17,7 @@ import torch
 from pydantic import AfterValidator
 from tqdm import tqdm
 
+from kvnotes.context import ERRATUM_WORDINGS
 from kvnotes.errors import KvnotesError
 from kvnotes.harness import edit_prompts as sedits
 from kvnotes.harness import kit as K
@@ -27,7 +29,7 @@ from kvnotes.harness.stats import proportion
 from kvnotes.kv.cache import AllSlotCache
 from kvnotes.ops import edit, methods
 from kvnotes.ops.methods import EditSource, Prompted
-from kvnotes.records.figures import edit_frontier
+from kvnotes.records.figures import Bars, edit_frontier
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import BaseResult
 from kvnotes.records.tables import Lines, fmt, fmt_p
@@ -103,6 +105,15 @@ class PairEditor(EditSource):
     def erratum(self, value: str) -> str:
         """The erratum text stating ``value`` for this pair's instance."""
         return sedits.erratum_text(self.inst, value, self.template)
+
+    def worded(self, wording: str) -> tuple[edit.Edited, int]:
+        """The registry's erratum method with its line in ``wording`` (:data:`kvnotes.context.ERRATUM_WORDINGS`)
+        instead of the configured template: (edited cache, decision token)."""
+        saved, self.template = self.template, ERRATUM_WORDINGS[wording]
+        try:
+            return methods.apply(methods.METHODS["erratum"], self)
+        finally:
+            self.template = saved
 
     def rankings(self, names) -> dict[str, tuple[list[int], dict]]:
         """``name -> (downstream positions in ranked order, cost)`` for registered rankings (:data:`RANKINGS`).
@@ -183,6 +194,9 @@ class Config(ProbeConfig, GeneratedReadout):
     placement: Annotated[str, one_of(*sedits.PLACEMENTS)] = "before_request"
     #: null: kvnotes.harness.edit_prompts.ERRATUM_TEMPLATE ({field}, {value})
     erratum_template: Optional[str] = None
+    #: also run the erratum in each of these wordings (kvnotes.context.ERRATUM_WORDINGS: none, value,
+    #: tag, override, reevaluate): does the correction's wording matter once the new value is present?
+    erratum_wordings: list[Annotated[str, one_of(*ERRATUM_WORDINGS)]] = field(default_factory=list)
     #: instances used to choose the ranking; the rest are held out
     selection_fraction: OpenFraction = 0.5
     #: cap on flipping pairs edited (null: all; round-robin over scenarios); the rest are counted
@@ -225,9 +239,11 @@ def _metrics(read: Read, full: Read, e: edit.Edited, ref: edit.Edited, sp: Scree
     return out
 
 
-def edit_pair(ctx, sp: ScreenedPair, kwargs, rankings, ks, oracle_ranking, sweep: bool) -> dict:
+def edit_pair(ctx, sp: ScreenedPair, kwargs, rankings, ks, oracle_ranking, sweep: bool,
+              wordings: Sequence[str] = ()) -> dict:
     """Every method's columns on one flipping pair under the run's readout (:func:`_metrics`,
-    controls' ``moved``); the K sweep when ``sweep``."""
+    controls' ``moved``); the K sweep when ``sweep``; the erratum in each of ``wordings``
+    (``wordings``: name -> columns)."""
     pair = sp.pair
     ed = PairEditor(ctx, pair, kwargs)
     named = ed.named()
@@ -238,6 +254,10 @@ def edit_pair(ctx, sp: ScreenedPair, kwargs, rankings, ks, oracle_ranking, sweep
         methods[name]["moved"] = reads[name].side is not None and reads[name].side != stale.side
     out = {"n_downstream": pair.downstream[1] - pair.downstream[0], "full_seconds": ed.full.seconds,
            "methods": methods, "sweep": {}}
+    if wordings:
+        worded = {w: ed.worded(w) for w in wordings}
+        reads = read_caches(ctx, pair, {w: (e.cache, e.pos, t) for w, (e, t) in worded.items()})
+        out["wordings"] = {w: _metrics(reads[w], full, e, ed.full, sp) for w, (e, _) in worded.items()}
     if sweep:
         variants = {name: (e, ranking, k) for name, ranking, k, e in sweep_methods(ed, rankings, ks, oracle_ranking)}
         reads = read_caches(ctx, pair, {n: (v[0].cache, v[0].pos, ed.token) for n, v in variants.items()})
@@ -334,6 +354,30 @@ def choose_ranking(rows, rankings, ks, n_instances: int | None = None) -> dict:
             "held_out": {n: curve(n, held) for n in rankings}}
 
 
+def ranking_verdict(rows, choice: dict, ks, families, n_boot: int, seed: int) -> dict:
+    """The verdict beside the ranking chosen on selection instances (issue #53): on the swept held-out
+    pairs, ``selective@K`` recovery under the chosen ranking against the ``random`` ranking (the
+    control), averaged over K (:func:`kvnotes.harness.kit.verdicts`); ``{}`` when no ranking was
+    chosen, the chosen one is ``random``, or ``random`` was not swept."""
+    chosen = choice.get("chosen")
+    if chosen is None or chosen == "random":
+        return {}
+    held = [r for r in rows if r["swept"] and r["split"] != SELECTION]
+
+    def over_k(name):
+        def get(r):
+            vals = [r["sweep"][f"selective_{name}@{k}"]["r"] for k in ks
+                    if f"selective_{name}@{k}" in r["sweep"] and r["sweep"][f"selective_{name}@{k}"]["r"] is not None]
+            return float(np.mean(vals)) if vals else None
+        return get
+
+    if not any(over_k("random")(r) is not None for r in held):
+        return {}
+    return {"ranking": K.verdicts(held, over_k(chosen), over_k("random"), families,
+                                  f"selective@K recovery with the {chosen} ranking (chosen on selection instances) vs "
+                                  f"the random ranking, held-out pairs, averaged over K {list(ks)}", n_boot, seed)}
+
+
 def _no_choice(rows, rankings, n_swept: dict, n_instances: int | None) -> str:
     """Why :func:`choose_ranking` chose no ranking, in words."""
     if not rankings:
@@ -376,7 +420,8 @@ def run(ctx) -> dict:
     for i in tqdm(order, desc="edit", disable=not cfg.progress):
         with ctx.timer("edits"):
             rows.append(split_rows[i] | {"swept": i in swept}
-                        | edit_pair(ctx, pr.pairs[i], kwargs, rankings, ks, oracle_ranking, i in swept))
+                        | edit_pair(ctx, pr.pairs[i], kwargs, rankings, ks, oracle_ranking, i in swept,
+                                    [str(w) for w in cfg.erratum_wordings]))
     families = families_of(ctx, rows + pr.excluded)
     with ctx.timer("controls"):
         ctrl_rows, ctrl_skipped = control_pairs(ctx, pr.excluded, kwargs, int(cfg.max_control_pairs))
@@ -385,15 +430,19 @@ def run(ctx) -> dict:
         index = {n: (v["ranking"], v["k"]) for r in rows for n, v in r["sweep"].items()}
         sweep_names = sorted(index, key=lambda n: (index[n][0] == "oracle_copy", index[n]))
         sweep = {n: method_summary(rows, n, families, n_boot, seed, "sweep") for n in sweep_names}
+        wordings = {str(w): method_summary(rows, str(w), families, n_boot, seed, "wordings")
+                    for w in cfg.erratum_wordings}
         controls = {m: {g: proportion(sum(r["methods"][m]["moved"] for r in rows if g in ("all", r["family"])),
                                       sum(1 for r in rows if g in ("all", r["family"]))) for g in ["all", *families]}
                     for m in CONTROLS}
         controls["overcorrection"] = proportion(sum(r["overcorrected"] for r in ctrl_rows), len(ctrl_rows))
         choice = choose_ranking(rows, rankings, ks, ctx.scenario.n_instances)
+        verdicts = ranking_verdict(rows, choice, ks, families, n_boot, seed)
     aggregates = K.pair_counts(ctx, rows, pr.excluded, families) | {
                   "variant": "cot" if generated else "direct", "methods": named, "sweep": sweep,
                   "sweep_index": {n: {"ranking": index[n][0], "k": index[n][1]} for n in sweep_names},
                   "ranking_choice": choice, "controls": controls, "control_pairs_skipped": ctrl_skipped,
+                  "wordings": wordings, "verdicts": verdicts,
                   "upper_bounds": [n for n, m in methods.METHODS.items() if m.upper_bound and oracle_ranking]
                   } | readout_aggregates(ctx, pr)
     warnings = ([f"edit: no ranking chosen for the K sweep: {choice['reason']}"]
@@ -419,7 +468,8 @@ def edit_table(record: dict) -> str:
     w("| method | agrees with full (Wilson 95%) | " + ("reached marker | " if generated else "")
       + "mean recovery | KL(full‖m) nats | top-1 = full | tokens / total | FLOPs / full | time / full (median) |")
     w("|---|---|---|---|---|---|---|---|" + ("---|" if generated else ""))
-    for name, m in [*agg["methods"].items(), *agg["sweep"].items()]:
+    worded = [(f"erratum, wording {w}", m) for w, m in agg.get("wordings", {}).items()]
+    for name, m in [*agg["methods"].items(), *agg["sweep"].items(), *worded]:
         rec = m["recovery"]["all"]
         agree = m["agreement"]["all"] if generated else rec.get("decision_flipped")
         w(f"| {name} | {fmt_p(agree)} | " + (f"{fmt_p(m['reached_marker'])} | " if generated else "")
@@ -442,5 +492,10 @@ def edit_table(record: dict) -> str:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.edit:plot_edit", figures=(edit_frontier,),
+PRESENTATION = Presentation(plot="kvnotes.plots.edit:plot_edit", figures=(
+    edit_frontier,
+    Bars("erratum-wordings", "wordings/*/recovery/@", "the erratum in each wording: recovery per family "
+         "(mean, 95% interval)", "recovery"),
+    Bars("erratum-wordings-follow", "wordings/*/recovery/@/decision_flipped", "the erratum in each wording: "
+         "share of decisions that take the new value (Wilson 95%)", "share of pairs")),
     table=edit_table)

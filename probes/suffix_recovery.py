@@ -314,13 +314,15 @@ def suffix_fraction_for(curves: dict, grid: list[dict], families: list[str]) -> 
         grid: the grid points (only ``fraction`` points are read).
 
     Returns:
-        ``{str(level): {family: fraction or None}}``.
+        ``{str(level): {family: fraction or None}}`` (families without pairs left out).
     """
     suffix = curves.get("suffix", [])
     out: dict = {}
     for level in RECOVERY_LEVELS:
         out[str(level)] = {}
         for g in ["all", *families]:
+            if not any((cell.get(g) or {}).get("n") for cell in suffix):
+                continue                                    # a family without pairs: nothing to say
             hits = [pt["value"] for pt, cell in zip(grid, suffix) if pt["kind"] == "fraction"
                     and (c := cell.get(g) or {}).get("mean") is not None and c.get("n") and c["mean"] >= level]
             out[str(level)][g] = min(hits) if hits else None

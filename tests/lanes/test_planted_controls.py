@@ -8,6 +8,8 @@ map that represents the family, and say so in a verdict when it does not."""
 from __future__ import annotations
 
 
+import pytest
+
 import kvnotes.probes
 from tests.lanes.test_planted import _context, _truth, arch, cache  # noqa: F401  (fixtures)
 
@@ -102,3 +104,24 @@ def test_field_refresh_follows_the_construction_at_every_field_placement(arch, c
         assert max(abs(r["r_field"] - 0.3) for r in res["rows"]) < 2e-3
         assert max(abs(r["r_downstream"] - 0.7) for r in res["rows"]) < 2e-3
     assert len(starts) == 3                                                   # the field moved each time
+
+
+def test_erratum_wording_cannot_matter_where_only_the_value_is_read(arch, cache, monkeypatch):  # noqa: F811
+    """``probe.erratum_wordings`` runs the registry's erratum with each wording (issue #52). The planted
+    model reads role words only (every other word is ``<unk>``), so every wording is the new value
+    plus words it cannot read: each recovers the construction's ``alpha / 2`` (the field read head
+    splits its attention between the stale field and the erratum's value; the notes are never
+    re-read), and none takes the decision at ``alpha`` 0.3."""
+    from kvnotes.context import ERRATUM_WORDINGS
+
+    ctx = _context(cache, monkeypatch, "mixed", "edit", {"planted": {"alpha": 0.3}},
+                   {"erratum_wordings": list(ERRATUM_WORDINGS), "ks": [], "rankings": [], "oracle_ranking": None,
+                    "max_control_pairs": 0, "sweep_max_pairs": 0}, ["adjacent"], n_instances=1, arch=arch)
+    res = kvnotes.probes.get(ctx.cfg)(ctx)
+    got = res["aggregates"]["wordings"]
+    assert list(got) == list(ERRATUM_WORDINGS) and res["rows"]
+    for wording, m in got.items():
+        rec = m["recovery"]["all"]
+        assert rec["n"] == len(res["rows"]) and rec["mean"] == pytest.approx(0.15, abs=2e-3), wording
+        assert rec["decision_flipped"]["k"] == 0
+    assert all(abs(r["wordings"][w]["r"] - 0.15) < 2e-3 for r in res["rows"] for w in ERRATUM_WORDINGS)

@@ -195,3 +195,23 @@ def test_edit_probe_end_to_end(smol, tmp_path, variant):
         assert s["sweep"]["oracle_copy@4"]["flops_frac"] is None                    # upper bound: no cost
         assert abs(s["sweep"]["selective_last@0"]["kl"] - s["methods"]["refresh_field"]["kl"]) < KL_TOL
     check_figures("edit", res, tmp_path)
+
+
+def test_the_chosen_ranking_gets_a_verdict_against_the_random_ranking():
+    """Issue #53: beside the ranking chosen on selection instances, the record states whether it beats
+    the random ranking on the swept held-out pairs (recovery averaged over K)."""
+    from kvnotes.probes.edit import ranking_verdict
+
+    rows = []
+    for s in ("a", "b"):
+        for i in range(3):
+            sweep = {f"selective_{n}@{k}": {"r": v + 0.01 * i, "agree": True}
+                     for n, v in (("attention", 0.9), ("random", 0.2)) for k in (1, 4)}
+            rows.append({"pair": f"{s}/{i}:x", "scenario": s, "instance": f"{s}/{i}", "family": "f",
+                         "split": "heldout", "swept": True, "sweep": sweep})
+    got = ranking_verdict(rows, {"chosen": "attention"}, [1, 4], ["f"], 200, 0)
+    cell = got["ranking"]["by_family"]["f"]
+    assert cell["verdict"] == "supported" and cell["difference"]["mean"] == pytest.approx(0.7)
+    assert "attention ranking" in got["ranking"]["claim"]
+    assert ranking_verdict(rows, {"chosen": None}, [1, 4], ["f"], 200, 0) == {}
+    assert ranking_verdict(rows, {"chosen": "random"}, [1, 4], ["f"], 200, 0) == {}
