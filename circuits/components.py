@@ -88,7 +88,8 @@ def contributions(old: dict, new: dict, v: torch.Tensor, p: int, eps: float) -> 
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/components.yaml`` (the defaults are here; the YAML sets what differs; see the specification)."""
+    """Keys of ``conf/probe/components.yaml``
+    (the defaults are here; the YAML sets what differs; see the specification)."""
 
     #: nnsight | transformer_lens
     backend: Annotated[str, one_of(*BACKENDS)] = "nnsight"

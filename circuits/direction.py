@@ -116,7 +116,8 @@ NEC = ("direction", "random")
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/direction.yaml`` (the defaults are here; the YAML sets what differs; see the specification)."""
+    """Keys of ``conf/probe/direction.yaml``
+    (the defaults are here; the YAML sets what differs; see the specification)."""
 
     #: nnsight | transformer_lens (engine backend, kvnotes/kv/engine.py)
     backend: Annotated[str, one_of(*BACKENDS)] = "nnsight"

@@ -70,20 +70,14 @@ from kvnotes.ops.compose import compose
 #: The correction the erratum modes insert, and the erratum edit of the harness
 #: (:mod:`kvnotes.harness.edit_prompts`, ``docs/editing.md``); ``{field}`` is the field's label (the
 #: scenario's domain in the harness), ``{value}`` its new value.
-#: Wordings of the erratum line, from the bare new value to an instruction to re-evaluate (the paper's
-#: Figure 3d conditions: none, value, tag, override, re-evaluate; anchors §7.10); ``{field}`` is the
-#: scenario's domain. The erratum edit method takes one as its template (``probe.erratum_wordings``).
+#: The erratum's default line (the ``override`` wording of :data:`ERRATUM_WORDINGS`).
+ERRATUM_TEMPLATE = ("[STATE UPDATE] {field} has changed to {value}; this overrides any earlier value "
+                    "and any earlier conclusion.")
+#: Wordings of the erratum line (the paper's Figure 3d: none, value, tag, override, re-evaluate;
+#: anchors §7.10), ``{field}`` the scenario's domain: the erratum method's template (``probe.erratum_wordings``).
 ERRATUM_WORDINGS: dict[str, str] = {
-    "none": "{value}",
-    "value": "{field}: {value}",
-    "tag": "[STATE UPDATE] {field}: {value}",
-    "override": "[STATE UPDATE] {field} has changed to {value}; this overrides any earlier value and any earlier "
-                "conclusion.",
-    "reevaluate": "[STATE UPDATE] {field} has changed to {value}; this overrides any earlier value and any earlier "
-                  "conclusion. Re-evaluate the request with the new value before answering.",
-}
-#: The erratum's default wording (``override``).
-ERRATUM_TEMPLATE = ERRATUM_WORDINGS["override"]
+    "none": "{value}", "value": "{field}: {value}", "tag": "[STATE UPDATE] {field}: {value}", "override": ERRATUM_TEMPLATE,
+    "reevaluate": ERRATUM_TEMPLATE + " Re-evaluate the request with the new value before answering."}
 #: The edit modes of :meth:`EditableContext.edit`: the registry's (:func:`kvnotes.ops.methods.modes`;
 #: ``selective`` is written ``selective@K``) and ``auto``.
 MODES = (*methods.modes(), "auto")

@@ -33,7 +33,8 @@ EMPTY = 1e-4
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/blast_radius.yaml`` (the defaults are here; the YAML sets what differs; see the specification)."""
+    """Keys of ``conf/probe/blast_radius.yaml``
+    (the defaults are here; the YAML sets what differs; see the specification)."""
 
     thresholds: Annotated[list[PositiveFloat], Len(min_length=1)] = field(
         default_factory=lambda: [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0])

@@ -29,7 +29,8 @@ REPORTED = ("trigger", "notes", "both")
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/dissociation.yaml`` (the defaults are here; the YAML sets what differs; see the specification)."""
+    """Keys of ``conf/probe/dissociation.yaml``
+    (the defaults are here; the YAML sets what differs; see the specification)."""
 
     pairs: str = "polarity"
 

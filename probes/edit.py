@@ -181,7 +181,8 @@ Ranking = Annotated[str, AfterValidator(_ranking)]
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
-    """Keys of ``conf/probe/edit.yaml`` (the defaults are here; the YAML sets what differs; see the specification); ``cot_ks``: the K
+    """Keys of ``conf/probe/edit.yaml``
+    (the defaults are here; the YAML sets what differs; see the specification); ``cot_ks``: the K
     sweep under the generated readout (every ranking of ``rankings``, no upper bound)."""
 
     #: selective@K rankings of downstream positions

@@ -34,7 +34,8 @@ CHECK_VARIANTS = ("none", "field_downstream", "all")
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
-    """Keys of ``conf/probe/field_refresh.yaml`` (the defaults are here; the YAML sets what differs; see the specification); with
+    """Keys of ``conf/probe/field_refresh.yaml``
+    (the defaults are here; the YAML sets what differs; see the specification); with
     ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
 
     exact: bool = True

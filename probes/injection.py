@@ -36,7 +36,8 @@ SUPPORTS_COT = True
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
-    """Keys of ``conf/probe/injection.yaml`` (the defaults are here; the YAML sets what differs; see the specification); with
+    """Keys of ``conf/probe/injection.yaml``
+    (the defaults are here; the YAML sets what differs; see the specification); with
     ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
 
 

@@ -56,7 +56,8 @@ class Collapse:
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
-    """Keys of ``conf/probe/read_location.yaml`` (the defaults are here; the YAML sets what differs; see the specification); with
+    """Keys of ``conf/probe/read_location.yaml``
+    (the defaults are here; the YAML sets what differs; see the specification); with
     ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
 
     n_sinks: NonNegative = 1

@@ -56,7 +56,8 @@ class Grid:
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
-    """Keys of ``conf/probe/suffix_recovery.yaml`` (the defaults are here; the YAML sets what differs; see the specification); with
+    """Keys of ``conf/probe/suffix_recovery.yaml``
+    (the defaults are here; the YAML sets what differs; see the specification); with
     ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
 
     grid: Grid = field(default_factory=Grid)

@@ -96,6 +96,17 @@ def build_tiny(arch: str, seed: int = 0):
     return model
 
 
+def probe_yaml(name: str):
+    """Probe ``name``'s config as run.py composes it, as a plain (non-struct) ``DictConfig`` a test
+    may edit: its ``Config`` dataclass's defaults, then what ``conf/probe/<name>.yaml`` sets (the
+    YAML holds only what differs; :func:`kvnotes.harness.registry.load_config`)."""
+    from omegaconf import OmegaConf
+
+    import kvnotes.probes
+
+    return OmegaConf.create(OmegaConf.to_container(kvnotes.probes.load_config(name)))
+
+
 def recall_pairs(bundle, ids, n_instances=2, per_instance=None, variant="direct"):
     """Token-aligned pairs of the named recall scenarios of the shipped suite (at most
     ``per_instance`` pairs of each instance, to keep embedded tests short)."""

@@ -70,7 +70,7 @@ def main() -> None:
                            "build with oneDNN)")
     from kvnotes.harness.registry import register_schemas
 
-    register_schemas()
+    register_schemas(names={"screen"})
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"model={args.model}", "probe=screen", "scenario=default", "device=cpu"])
     arms = {k: load_model(OmegaConf.merge(cfg.model, {"cpu_linear": k}), "cpu") for k in ("torch", "onednn")}

@@ -107,6 +107,26 @@ def check_choices(argv: list[str], dirs: Sequence[Path] = ()) -> None:
                 fail(f"unknown {key} '{choice}' (known: {', '.join(known)})")
 
 
+def probe_choices(args: Sequence[str]) -> set[str] | None:
+    """The probes a command line (or a sweep point's overrides) composes: the values of ``probe=``
+    (a comma sweep gives several), else ``conf/config.yaml``'s default; None when a sweep function
+    (``choice(...)``, ``glob(...)``) names them, so every probe is registered
+    (:func:`kvnotes.harness.registry.register_schemas`)."""
+    out: set[str] = set()
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+") == "probe":
+            if any(c in value for c in "()*[]"):
+                return None
+            out.update(v.strip() for v in value.split(",") if v.strip())
+    if out:
+        return out
+    from omegaconf import OmegaConf
+
+    defaults = OmegaConf.load(CONF / "config.yaml").get("defaults", [])
+    return {str(d["probe"]) for d in defaults if isinstance(d, dict) and "probe" in d} or None
+
+
 def _hydra_message(exc: Exception) -> str:
     """Hydra's multi-line composition error (and the OmegaConf error behind it) as one line."""
     text = "\n".join(str(e) for e in (exc, exc.__cause__) if e is not None)
@@ -375,7 +395,8 @@ def compose_jobs(points: Sequence[Sequence[str]], dirs: Sequence[Path] = ()) -> 
 
     from kvnotes.harness.registry import register_schemas
 
-    register_schemas(dirs)
+    named = [probe_choices(point) for point in points]
+    register_schemas(dirs, None if None in named else set().union(*named))
     jobs = []
     with initialize_config_dir(str(CONF), version_base="1.3"):
         for point in points:
@@ -429,7 +450,7 @@ def _main() -> None:
     check_flags(argv)
     from kvnotes.harness.registry import register_schemas
 
-    register_schemas(dirs)                       # the probes' Config dataclasses: their YAML sets what differs
+    register_schemas(dirs, probe_choices(argv))  # the probes' Config dataclasses: their YAML sets what differs
     check_choices(argv, dirs)
     if "--help" not in argv and "-h" not in argv:
         precheck(argv)

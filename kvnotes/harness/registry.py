@@ -14,7 +14,7 @@ See ``docs/adding_a_probe.md``.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -70,14 +70,15 @@ def declared_probe_keys() -> list[str]:
     return sorted(keys)
 
 
-def register_schemas(config_dirs: Sequence[str | Path] = ()) -> list[str]:
+def register_schemas(config_dirs: Sequence[str | Path] = (), names: Collection[str] | None = None) -> list[str]:
     """Register each probe's ``Config`` dataclass with Hydra's ConfigStore, as ``probe/schema/<name>``
     (and :class:`kvnotes.harness.kit.ProbeConfig` as ``probe/_base``, the shared keys), so the
     dataclass is the one source of a probe's keys and defaults when Hydra composes a run: the YAML
     holds only what differs, and every declared key can be overridden (``probe.cot_max_pairs=1``)
     although the YAML does not list it. Covers the probes of ``conf/probe`` and of each user config
-    folder's ``probe/`` (``--config-dir``); a probe whose module cannot be imported is skipped (its
-    own config then fails to compose, naming it). Call before composing.
+    folder's ``probe/`` (``--config-dir``), or only ``names`` (importing every probe module costs
+    seconds; a command composes the probes it names); a probe whose module cannot be imported is
+    skipped (its own config then fails to compose, naming it). Call before composing.
 
     Returns:
         the names registered.
@@ -90,7 +91,7 @@ def register_schemas(config_dirs: Sequence[str | Path] = ()) -> list[str]:
     done = []
     for folder in [CONF_DIR, *(Path(d) / "probe" for d in config_dirs)]:
         for path in sorted(Path(folder).glob("*.yaml")):
-            if path.stem.startswith("_"):
+            if path.stem.startswith("_") or (names is not None and path.stem not in names):
                 continue
             try:
                 schema = getattr(module(OmegaConf.load(path)), "Config", ProbeConfig)

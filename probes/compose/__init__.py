@@ -30,7 +30,8 @@ from kvnotes.probes.compose.table import compose_table
 
 @dataclass
 class Config(ProbeConfig):
-    """Keys of ``conf/probe/compose.yaml`` (the defaults are here; the YAML sets what differs; see the specification)."""
+    """Keys of ``conf/probe/compose.yaml``
+    (the defaults are here; the YAML sets what differs; see the specification)."""
 
     #: chunk tokens recomputed against the real prefix (seam repair)
     seams: NonNegatives = field(default_factory=lambda: [0, 1, 2, 4, 8])

@@ -18,7 +18,7 @@ from kvnotes.kv.engine import Intervention, NNsightEngine, Site
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness.readout import first_token_scores, run_pair
 from kvnotes.harness.selection import pair_rng, with_split
-from tests.helpers import check_schema, build_tiny
+from tests.helpers import check_schema, build_tiny, probe_yaml
 from tests.circuits.test_heads import synthetic_pair
 
 HID = 64
@@ -228,7 +228,7 @@ def test_full_difference_injection_reproduces_clean_run(tiny_run):
 
 
 def _cfg(**over):
-    cfg = OmegaConf.load("conf/probe/direction.yaml")
+    cfg = probe_yaml("direction")
     cfg.progress = False
     cfg.n_layers_scan, cfg.max_pairs_per_family, cfg.n_boot = 2, 1, 200
     cfg.random.n_draws = 2

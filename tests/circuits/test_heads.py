@@ -16,7 +16,7 @@ from kvnotes.harness.head_patch import clean_residuals, head_outputs, patched_sc
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv import patch as kvpatch
 from kvnotes.harness.readout import first_token_scores, run_pair, variant_scores
-from tests.helpers import VOCAB, build_tiny, check_schema
+from tests.helpers import VOCAB, build_tiny, check_schema, probe_yaml
 
 T, A, B = 15, 4, 6          # prompt length, field span [A, B); decision d = T - 1
 
@@ -149,13 +149,12 @@ def test_random_head_sets_are_k_matched_distinct_and_seeded():
 def test_probe_run_on_embedded_model_with_capped_maps(smol):
     """``run(ctx)`` end to end with fewer mapped selection pairs than selection pairs (the default
     cap), so aggregates must only use the pairs that were mapped."""
-    from omegaconf import OmegaConf
 
     from kvnotes.circuits.heads import run as run_heads
     from kvnotes.probes import ProbeContext
     from tests.helpers import recall_pairs
 
-    cfg = OmegaConf.load("conf/probe/heads.yaml")
+    cfg = probe_yaml("heads")
     cfg.progress, cfg.n_boot, cfg.ks, cfg.random.n_draws, cfg.max_map_pairs_per_family = False, 200, [1, 4], 2, 1
     # read heads only, two pairs per instance: the write sweep costs n_layers * n_heads resumed
     # prefills per mapped pair (minutes on a CPU); it is checked on tiny models above

@@ -117,9 +117,10 @@ def test_worked_example_runs_as_documented(smol, tmp_path, monkeypatch):
     (tmp_path / "doc_field_only.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     raw = OmegaConf.create(yaml.replace("kvnotes.probes.field_only.run", "doc_field_only.run"))
-    cfg = kvnotes.probes.typed_config(OmegaConf.merge(raw, {"progress": False, "n_boot": 200}))
+    raw = OmegaConf.merge(raw, {"progress": False, "n_boot": 200})
     with pytest.raises(KvnotesError, match="cot_max_new_token"):
-        kvnotes.probes.typed_config(OmegaConf.merge(cfg, {"cot_max_new_token": 20}))
+        kvnotes.probes.typed_config(OmegaConf.merge(raw, {"cot_max_new_token": 20}))
+    cfg = kvnotes.probes.typed_config(raw)                 # the Config's defaults, as run.py composes them
     ctx = kvnotes.probes.ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], n_instances=1, per_instance=2), cfg=cfg)
     res = kvnotes.probes.get(ctx.cfg)(ctx)
     check_result(res, result_schema(kvnotes.probes.module(ctx.cfg)))

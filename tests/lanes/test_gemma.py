@@ -4,6 +4,8 @@ end to end on the real model (``embedded``): config and adapter, sane logits, an
 
 from __future__ import annotations
 
+from tests.helpers import probe_yaml
+
 import hashlib
 import importlib
 import math
@@ -173,7 +175,7 @@ def pairs(gemma, tmp_path_factory):
 
 
 def probe_ctx(gemma, pairs, name, flip_rule="owned", **over):
-    cfg = OmegaConf.load(os.path.join(CONF, "probe", f"{name}.yaml"))
+    cfg = probe_yaml(name)
     cfg.progress = False
     for k, v in over.items():
         OmegaConf.update(cfg, k, v)

@@ -44,7 +44,8 @@ def test_suffix_recovery_carries_the_note_by_alignment_across_distances(arch, ca
     hit, n, distances = found()
     assert n == 12 and len(distances) > 1
     assert hit >= FOUND
-    assert found({"topk_anchor": "field_end"})[0] < FOUND
+    if arch == "llama":                              # the failure it fixes (the same on Gemma-3; one is enough)
+        assert found({"topk_anchor": "field_end"})[0] < FOUND
 
 
 def test_components_places_the_note_by_alignment_across_distances(arch, cache, monkeypatch):  # noqa: F811
@@ -63,7 +64,7 @@ def _heads(cache, monkeypatch, arch, cap: int, seed: int):  # noqa: F811
 def test_heads_maps_both_mechanisms_and_a_one_scenario_map_is_not_supported(arch, cache, monkeypatch):  # noqa: F811
     """With the default cap the map pairs are stratified over the family's scenarios: the planted
     read heads rank first. A cap of one pair maps one scenario; drawn from the scenario without
-    notes (seed 3) the notes read head falls behind heads that read nothing, and the record says
+    notes (seed 3; on Llama, the Gemma-3 case being the same) the notes read head falls behind heads that read nothing, and the record says
     so: a warning, and no ``supported`` verdict, naming the scenarios that disagree."""
     ctx, res = _heads(cache, monkeypatch, arch, 2, 0)
     truth = _truth(ctx)
@@ -72,6 +73,8 @@ def test_heads_maps_both_mechanisms_and_a_one_scenario_map_is_not_supported(arch
     assert sorted(rank["top"][:2]) == sorted(read)
     assert {p.split("/")[0] for p in rank["pairs"]} == {"with_notes", "without_notes"}
     assert res["aggregates"]["map_coverage"]["planted_mechanisms"]["represents"]
+    if arch != "llama":                              # the failure case once (it is the same on Gemma-3)
+        return
 
     ctx, res = _heads(cache, monkeypatch, arch, 1, 3)
     rank = res["aggregates"]["rankings"]["read"]["planted_mechanisms"]

@@ -15,7 +15,7 @@ from kvnotes.kv.generate import CotReadout, token_marker
 from kvnotes.probes import ProbeContext
 from kvnotes.probes import agent as agent_mod
 from kvnotes.probes.agent import aggregate, run_trajectory, trajectory_values
-from tests.helpers import ARCHS, check_figures, check_schema, job_record, tiny_config
+from tests.helpers import ARCHS, check_figures, check_schema, job_record, tiny_config, probe_yaml
 
 #: fp32 on CPU: with whole chunks recomputed (seam >= chunk length) the agent's composed-then-
 #: appended cache is the transcript's full prefill computed in several forwards; measured KL ~1e-9.
@@ -34,7 +34,7 @@ def run_agent(smol, seam: int, turns: int = 3, **scenario):
     from kvnotes.harness.pairs import prepare_pairs
     from kvnotes.probes.agent import run
 
-    cfg = OmegaConf.load("conf/probe/agent.yaml")
+    cfg = probe_yaml("agent")
     cfg.progress, cfg.n_boot, cfg.turns, cfg.seam = False, 200, turns, seam
     sc = scenario_cfg(**scenario)
     ctx = ProbeContext(bundle=smol, pairs=prepare_pairs(smol.tokenizer, sc), cfg=cfg, seed=0, scenario_cfg=sc)
@@ -289,14 +289,13 @@ def test_unreached_sides_are_kept_unscored(model, tok, instance):
 @pytest.fixture
 def llama_ctx(tok, tmp_path):
     """A probe context on the tiny Llama with the SmolLM2 tokenizer, scenario.variant=cot."""
-    from omegaconf import OmegaConf
 
     from kvnotes.harness.pairs import prepare_pairs
 
     bundle = type("Bundle", (), {"model": tiny_model("llama", len(tok)), "tokenizer": tok})()
     sc = scenario_cfg(ids=("favourite_colour",))
     sc.variant = "cot"
-    probe = OmegaConf.load("conf/probe/agent.yaml")
+    probe = probe_yaml("agent")
     probe.progress, probe.n_boot, probe.turns, probe.cot_max_new_tokens = False, 50, 2, 3
     return ProbeContext(bundle=bundle, pairs=prepare_pairs(tok, sc), cfg=probe, seed=0, scenario_cfg=sc)
 

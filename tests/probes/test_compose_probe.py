@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from kvnotes import CONF_DIR
 from kvnotes.probes import ProbeContext
-from tests.helpers import check_figures
+from tests.helpers import check_figures, probe_yaml
 from types import SimpleNamespace
 import torch
 from kvnotes.kv.generate import Chain, token_marker
@@ -35,7 +35,7 @@ def result(smol):
     from kvnotes.harness.pairs import prepare_pairs
     from kvnotes.probes.compose import run
 
-    cfg = OmegaConf.load("conf/probe/compose.yaml")
+    cfg = probe_yaml("compose")
     cfg.progress, cfg.n_boot, cfg.seams, cfg.sinks, cfg.edit_arm_seams = False, 200, [0, 4], ["bos"], [0]
     ctx = ProbeContext(bundle=smol, pairs=prepare_pairs(smol.tokenizer, scenario_cfg()), cfg=cfg, seed=0,
                        scenario_cfg=scenario_cfg())
@@ -75,7 +75,7 @@ def test_on_a_transcript_suite_the_chunks_are_the_unrelated_tool_results(smol):
                                       turns=2)
         assert torch.equal(prompt.ids, p.old.ids) and spans[1:] == p.chunks
         assert spans[0][0] <= p.field[0] and p.field[1] <= spans[0][1]          # the record's result holds the field
-    cfg = OmegaConf.load("conf/probe/compose.yaml")
+    cfg = probe_yaml("compose")
     cfg.progress, cfg.n_boot, cfg.seams, cfg.sinks, cfg.edit_arm_seams = False, 50, [0, 10_000], ["bos"], [0]
     res = run(ProbeContext(bundle=smol, pairs=ps, cfg=cfg, seed=0, scenario_cfg=sc))
     assert res["aggregates"]["checks"]["max_abs_logit_diff_full_seam"] < FULL_SEAM_ATOL

@@ -17,7 +17,7 @@ from kvnotes.probes.dissociation import VARIANTS, orientation, variant_masks
 from kvnotes.probes.dissociation import run as run_dissociation
 from kvnotes.scenarios import build_pairs, draw_instances, load_suite, render_user_text
 from kvnotes.scenarios.instances import NO_POLARITY_BLOCK, build_polarity_pairs, render_user_text_spans, slot_char_spans
-from tests.helpers import check_figures
+from tests.helpers import check_figures, probe_yaml
 from tests.harness.test_tokens import scenario
 
 POLARITY = {"rule": "Colour rules {gate} apply.", "polarity": {"slot": "gate", "values": {"normal": "always", "inverted": "never"}}}
@@ -102,7 +102,7 @@ def test_probe_runs_on_embedded_model(smol, tmp_path):
     odd = scenario(rule="Colour rules {gate} apply.",
                    polarity={"slot": "gate", "values": {"normal": "always", "inverted": "absolutely never ever"}})
     pairs = prepare_polarity_pairs(smol.tokenizer, scen, scenarios=load_suite(list(scen.paths), None, scen.ids) + [odd])
-    cfg = OmegaConf.merge(OmegaConf.load("conf/probe/dissociation.yaml"), {"n_boot": 200, "progress": False})
+    cfg = OmegaConf.merge(probe_yaml("dissociation"), {"n_boot": 200, "progress": False})
     res = run_dissociation(ProbeContext(bundle=smol, pairs=pairs, cfg=cfg, scenario_cfg=scen))
     rows, agg = res["rows"], res["aggregates"]
     assert res["skipped_scenarios"] == {NO_POLARITY_BLOCK: 1}                  # favourite_colour

@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from kvnotes.harness.selection import round_robin
-from tests.helpers import check_figures, recall_pairs
+from tests.helpers import check_figures, recall_pairs, probe_yaml
 
 # fp32 CPU: K=0 selective and the field refresh are the same cache; the KL of the same
 # distribution computed twice is rounding only.
@@ -158,7 +158,7 @@ def test_edit_probe_end_to_end(smol, tmp_path, variant):
     cot = variant == "cot"
     full_set = recall_pairs(smol, [COT_SCENARIO if cot else "home_city"], 1, variant=variant)
     pairs = PairSet(full_set.pairs[:1], [], full_set.scenarios)          # one pair keeps the test short
-    cfg = OmegaConf.load("conf/probe/edit.yaml")
+    cfg = probe_yaml("edit")
     cfg.update({"ks": [0, 4], "cot_ks": [0, 4], "rankings": ["last"], "oracle_ranking": "last", "max_pairs": 1,
                 "sweep_max_pairs": 1, "max_control_pairs": 1, "n_boot": 100, "progress": False,
                 "cot_max_new_tokens": 12})               # its clean chains reach the marker in 7 tokens

@@ -17,7 +17,7 @@ from kvnotes.probes import ProbeContext
 from kvnotes.kv.patch import exact_field_source
 from kvnotes.probes.field_refresh import VARIANTS, refresh_pair, variant_positions
 from kvnotes.probes.field_refresh import run as run_probe
-from tests.helpers import VOCAB, WINDOW, check_schema, recall_pairs, record_of
+from tests.helpers import VOCAB, WINDOW, check_schema, recall_pairs, record_of, probe_yaml
 
 T = 3 * WINDOW            # prefix length: longer than the sliding window, so windows fill
 FIELD = (5, 8)
@@ -101,7 +101,7 @@ def test_exact_refresh_detects_a_wrong_field():
 
 
 def probe_cfg(**over):
-    cfg = OmegaConf.load("conf/probe/field_refresh.yaml")
+    cfg = probe_yaml("field_refresh")
     cfg.progress = False
     cfg.n_boot = 500
     for k, v in over.items():

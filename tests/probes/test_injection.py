@@ -16,7 +16,7 @@ from kvnotes.probes import ProbeContext
 from kvnotes.probes.injection import DIRECTIONS, inject_pair, injection_masks
 from kvnotes.probes.injection import run as run_injection
 from kvnotes.scenarios import build_pairs
-from tests.helpers import check_figures
+from tests.helpers import check_figures, probe_yaml
 from tests.kv.test_cache import FIELD, T, full_logprobs, prompts, reference_patched
 from tests.harness.test_tokens import scenario
 from kvnotes.harness import kit
@@ -82,7 +82,7 @@ def test_probe_runs_on_embedded_model(smol, tmp_path):
     scen = OmegaConf.merge(OmegaConf.load("conf/scenario/default.yaml"),
                            {"ids": ["favourite_colour", "request_id"], "n_instances": 1})
     pairs = prepare_pairs(smol.tokenizer, scen)
-    cfg = OmegaConf.merge(OmegaConf.load("conf/probe/injection.yaml"), {"n_boot": 200, "progress": False})
+    cfg = OmegaConf.merge(probe_yaml("injection"), {"n_boot": 200, "progress": False})
     res = run_injection(ProbeContext(bundle=smol, pairs=pairs, cfg=cfg, scenario_cfg=scen))
     rows, agg = res["rows"], res["aggregates"]
     assert len(rows) == len(pairs.pairs) == agg["n_pairs"] >= 6

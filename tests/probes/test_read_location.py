@@ -21,7 +21,7 @@ from kvnotes.harness.kit import layer_bands
 from kvnotes.harness.readout import collapse_flags
 from kvnotes.kv.knockout import GROUPS, DecisionRowHook, decision_forward, group_masses, key_groups, knockout_masks
 from kvnotes.probes.read_location import run as run_read_location
-from tests.helpers import ARCHS, VOCAB, WINDOW, build_tiny, check_figures
+from tests.helpers import ARCHS, VOCAB, WINDOW, build_tiny, check_figures, probe_yaml
 from kvnotes.kv.generate import token_marker
 from kvnotes.kv.knockout import generate_knocked
 from kvnotes.kv.knockout import CHAIN_GROUPS, chain_spans
@@ -269,7 +269,7 @@ def test_probe_runs_on_embedded_model(smol, tmp_path):
     scen = OmegaConf.merge(OmegaConf.load("conf/scenario/default.yaml"),
                            {"ids": ["favourite_colour", "greeting"], "n_instances": 1})
     pairs = prepare_pairs(smol.tokenizer, scen)
-    cfg = OmegaConf.merge(OmegaConf.load("conf/probe/read_location.yaml"),
+    cfg = OmegaConf.merge(probe_yaml("read_location"),
                           {"bands": [[0.75, 1.0]], "knockout_groups": [["field"], ["sinks"]], "n_boot": 200,
                            "progress": False})
     res = run_read_location(ProbeContext(bundle=smol, pairs=pairs, cfg=cfg, scenario_cfg=scen))
@@ -406,7 +406,7 @@ def test_chains_without_their_marker_exclude_the_pair(smol, recall_pairs):
     """Three new tokens never reach the marker: every screened pair is excluded by reason
     (``old_no_marker``), counted, with its chains; the rest are counted ``beyond_max_pairs``."""
     scen, pairs = recall_pairs
-    cfg = OmegaConf.merge(OmegaConf.load("conf/probe/read_location.yaml"),
+    cfg = OmegaConf.merge(probe_yaml("read_location"),
                           {"bands": [[0.75, 1.0]], "knockout_groups": [["field"]], "n_boot": 50, "progress": False,
                            "cot_max_new_tokens": 3, "cot_max_pairs": 2})
     res = run_read_location(ProbeContext(bundle=smol, pairs=pairs, cfg=cfg, scenario_cfg=scen))

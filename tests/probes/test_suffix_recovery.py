@@ -14,7 +14,7 @@ from kvnotes.harness.kit import layer_bands
 from kvnotes.harness.pairs import PairSet
 from kvnotes.plots import plot_record
 from kvnotes.probes import ProbeContext
-from tests.helpers import check_schema, recall_pairs, record_of
+from tests.helpers import check_schema, recall_pairs, record_of, probe_yaml
 import torch
 from kvnotes.errors import KvnotesError
 from kvnotes.harness import kit
@@ -105,7 +105,7 @@ def test_offsets_and_ranking_transfer_between_lengths():
 
 
 def probe_cfg(**over):
-    cfg = OmegaConf.load("conf/probe/suffix_recovery.yaml")
+    cfg = probe_yaml("suffix_recovery")
     cfg.progress, cfg.n_boot, cfg.store_sets, cfg.keep_caches = False, 300, True, True
     cfg.grid, cfg.random.n_draws, cfg.layer_bands = GRID, N_DRAWS, 5
     for k, v in over.items():
@@ -172,7 +172,11 @@ def test_heldout_never_used_for_selection(spied):
         for k, s in zip(r["k"], r["topk_sets"], strict=True):
             assert s == (None if k is None else sorted(order[:k]))
     assert res["aggregates"]["checks"]["heldout_profile_pairs_not_in_selection"] == 0
-    assert res["warnings"] == []                                # every held-out pair has its scenario's profile
+    # every held-out pair has its scenario's profile; with two instances per scenario each profile
+    # comes from one selection instance, and the record says so (issue #53)
+    [line] = res["warnings"]
+    assert "position ranking of favourite_colour comes from a single selection instance" in line
+    assert res["aggregates"]["profile_coverage"]["favourite_colour"]["represents"] is False
     assert res["aggregates"]["n_heldout"] == len(held_rows)
     for g in res["aggregates"]["curves"]["heldout"]["topk"]:
         assert g["all"]["n"] <= len(held_rows)
