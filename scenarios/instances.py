@@ -17,6 +17,16 @@ from kvnotes.scenarios.errors import ScenarioError
 from kvnotes.scenarios.schema import Scenario
 
 
+#: Where the field's line sits among the user message's lines (``scenario.field_placement``; the
+#: paper's dose-response of the field's position, anchors §7.1): the context line (which holds the
+#: field) first, after the filler sentences, or after the rule, just before the request.
+FIELD_PLACEMENTS: dict[str, tuple[str, ...]] = {
+    "first": ("context", "filler", "rule", "request", "decision"),
+    "after_filler": ("filler", "context", "rule", "request", "decision"),
+    "before_request": ("filler", "rule", "context", "request", "decision"),
+}
+
+
 @dataclass(frozen=True)
 class Instance:
     """A scenario rendered with concrete surface details.
@@ -27,6 +37,7 @@ class Instance:
         slots: slot name -> the drawn surface string (the field slot is not in here).
         filler: the chosen filler sentences, in order.
         polarity: ``"normal"`` or ``"inverted"`` (the rule's trigger flipped; see schema).
+        placement: where the field's line sits (:data:`FIELD_PLACEMENTS`).
     """
 
     scenario: Scenario
@@ -34,6 +45,12 @@ class Instance:
     slots: tuple[tuple[str, str], ...]
     filler: tuple[str, ...]
     polarity: str = "normal"
+    placement: str = "first"
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The user message's pieces in order (:data:`FIELD_PLACEMENTS` of :attr:`placement`)."""
+        return FIELD_PLACEMENTS[self.placement]
 
     @property
     def id(self) -> str:
@@ -67,17 +84,22 @@ def _fill_pattern(pattern: str, rng: np.random.Generator) -> str:
     return "".join(str(rng.integers(0, 10)) if ch == "#" else ch for ch in pattern)
 
 
-def draw_instances(scenario: Scenario, n: int, seed: int, polarity: str = "normal") -> list[Instance]:
-    """Draw ``n`` instances of a scenario.
+def draw_instances(scenario: Scenario, n: int, seed: int, polarity: str = "normal",
+                   placement: str = "first") -> list[Instance]:
+    """Draw ``n`` instances of a scenario, its field's line at ``placement`` (:data:`FIELD_PLACEMENTS`;
+    the draws do not depend on it, so an instance differs between placements in its layout only).
 
     List-valued slots are drawn without replacement across instances while options last (then with
     replacement), so instances differ in real surface content, not only in an id string.
 
     Raises:
-        ScenarioError: ``seed`` is negative (``scenario.seed``; numpy seeds are non-negative).
+        ScenarioError: ``seed`` is negative (``scenario.seed``; numpy seeds are non-negative), or an
+            unknown placement.
     """
     if int(seed) < 0:
         raise ScenarioError(f"scenario.seed: must be a non-negative integer, got {seed}")
+    if placement not in FIELD_PLACEMENTS:
+        raise ScenarioError(f"scenario.field_placement: must be one of {', '.join(FIELD_PLACEMENTS)}, got {placement!r}")
     rng = np.random.default_rng([int(seed), zlib.crc32(scenario.id.encode())])
     orders = {name: rng.permutation(len(opts)) for name, opts in scenario.slots.items() if isinstance(opts, list)}
     out = []
@@ -91,7 +113,7 @@ def draw_instances(scenario: Scenario, n: int, seed: int, polarity: str = "norma
             else:
                 slots.append((name, _fill_pattern(opts, rng)))
         chosen = rng.choice(len(scenario.filler), size=scenario.n_filler, replace=False) if scenario.n_filler else []
-        out.append(Instance(scenario, i, tuple(slots), tuple(scenario.filler[j] for j in chosen), polarity))
+        out.append(Instance(scenario, i, tuple(slots), tuple(scenario.filler[j] for j in chosen), polarity, placement))
     return out
 
 
@@ -133,8 +155,9 @@ def render_user_text_spans(instance: Instance, value: str,
     values = slot_values(instance, value)
     var = sc.variants[variant]
     lines, spans, offset = [], {}, 0
-    pieces = [sc.context, " ".join(instance.filler), sc.rule, sc.request, var.decision]
-    for piece in pieces:
+    named = {"context": sc.context, "filler": " ".join(instance.filler), "rule": sc.rule, "request": sc.request,
+             "decision": var.decision}
+    for piece in (named[k] for k in instance.order):
         if not piece:
             continue
         text, sp = fill_spans(piece, values)
@@ -155,7 +178,8 @@ def render_user_text(instance: Instance, value: str, variant: str = "direct") ->
     """Render the user message of an instance with the field set to ``value``.
 
     Layout: context (holds the field), filler sentences, rule, request, decision prompt — one per
-    line — so the rule always comes after the field.
+    line — with the context moved after the filler or the rule by the instance's placement
+    (:data:`FIELD_PLACEMENTS`).
 
     Returns:
         (user text, (start, end) character span of the field value in it, answer prefix).
@@ -167,14 +191,15 @@ def render_user_text(instance: Instance, value: str, variant: str = "direct") ->
 
 
 def build_pairs(scenarios: list[Scenario], n_instances: int, seed: int, variant: str = "direct",
-                polarity: str = "normal") -> list[PairSpec]:
-    """All (instance, old, new) pairs of a suite, in a stable order."""
+                polarity: str = "normal", placement: str = "first") -> list[PairSpec]:
+    """All (instance, old, new) pairs of a suite, in a stable order, the field's line at
+    ``placement`` (:data:`FIELD_PLACEMENTS`)."""
     pairs = []
     for sc in scenarios:
         if variant not in sc.variants:
             continue
         first_two = list(sc.candidates)[:2]
-        for inst in draw_instances(sc, n_instances, seed, polarity):
+        for inst in draw_instances(sc, n_instances, seed, polarity, placement):
             for old, new in sc.pairs:
                 o_old, o_new = sc.outcome(old, polarity), sc.outcome(new, polarity)
                 if o_old == o_new:
@@ -221,8 +246,8 @@ class PolaritySpec:
 NO_POLARITY_BLOCK = "no_polarity_block"
 
 
-def build_polarity_pairs(scenarios: list[Scenario], n_instances: int, seed: int,
-                         variant: str = "direct") -> tuple[list[PolaritySpec], list[dict]]:
+def build_polarity_pairs(scenarios: list[Scenario], n_instances: int, seed: int, variant: str = "direct",
+                         placement: str = "first") -> tuple[list[PolaritySpec], list[dict]]:
     """Polarity pairs of a suite: for every instance and every field value, the normal vs the
     inverted rule, in a stable order.
 
@@ -242,7 +267,7 @@ def build_polarity_pairs(scenarios: list[Scenario], n_instances: int, seed: int,
         if variant not in sc.variants:
             skipped.append({"scenario": sc.id, "family": sc.family, "reason": "no_variant"})
             continue
-        for inst in draw_instances(sc, n_instances, seed, "normal"):
+        for inst in draw_instances(sc, n_instances, seed, "normal", placement):
             for value in sc.values:
                 specs.append(PolaritySpec(inst, value, variant, sc.candidates[sc.outcome(value, "normal")],
                                           sc.candidates[sc.outcome(value, "inverted")]))

@@ -60,6 +60,23 @@ def load_config(name: str, overrides: dict | None = None) -> DictConfig:
 SCHEMA_GROUP = "probe/schema"
 
 
+def _with_bases(names: set[str], folders: Sequence[Path]) -> set[str]:
+    """``names`` and every probe config their YAMLs build on through ``defaults`` (a user's
+    ``my_screen.yaml`` may start from ``screen``, whose own YAML starts from its schema), transitively."""
+    todo, out = list(names), set(names)
+    while todo:
+        name = todo.pop()
+        for folder in folders:
+            path = Path(folder) / f"{name}.yaml"
+            if not path.is_file():
+                continue
+            for entry in OmegaConf.load(path).get("defaults", []):
+                if isinstance(entry, str) and entry not in ("_self_", *out) and not entry.startswith("_"):
+                    out.add(entry)
+                    todo.append(entry)
+    return out
+
+
 def declared_probe_keys() -> list[str]:
     """Every top-level key any registered probe ``Config`` declares (:func:`register_schemas`),
     sorted: what an unknown ``probe.<key>`` is matched against for a suggestion."""
@@ -88,8 +105,11 @@ def register_schemas(config_dirs: Sequence[str | Path] = (), names: Collection[s
     store = ConfigStore.instance()
     # the shared keys as a plain node: a user's YAML that starts from ``_base`` adds keys of its own
     store.store(group="probe", name="_base", node=OmegaConf.to_container(OmegaConf.structured(ProbeConfig)))
+    folders = [CONF_DIR, *(Path(d) / "probe" for d in config_dirs)]
+    if names is not None:
+        names = _with_bases(set(names), folders)
     done = []
-    for folder in [CONF_DIR, *(Path(d) / "probe" for d in config_dirs)]:
+    for folder in folders:
         for path in sorted(Path(folder).glob("*.yaml")):
             if path.stem.startswith("_") or (names is not None and path.stem not in names):
                 continue
