@@ -4,8 +4,9 @@
     kvnotes table runs/smollm2-135m/edit/small/record.json runs/smollm2-135m/agent/default/record.json
     kvnotes table --results runs/smollm2-135m --suite small
 
-Each record gets its probe's table (probes without one: their aggregates); ``--results`` joins the
-screen, field_refresh, suffix_recovery and injection records of one model and suite per family.
+Each record gets its probe's table (probes without one: their aggregates), then its verdicts;
+``--results`` joins, per family, the records of one model and suite whose probes declare results
+columns (``PRESENTATION.results``).
 Every number is read from a record. Every record is read and checked (its envelope, a ``result``)
 and every table made before anything is printed: a bad record is one ``kvnotes: error:`` line
 naming the file and the key, exit status 2, and no table.

@@ -316,7 +316,8 @@ def summaries_by_family(rows: list[dict], value, flipped, families: list[str], n
     Returns:
         ``{"all": summary, <family>: summary, ...}``; families without rows get ``n = 0``. A family
         with two or more scenarios also gets ``by_scenario`` (``{scenario: {n, mean, ci_mean,
-        ci_method}}``) and ``disagree``: the two scenarios whose intervals do not overlap, or None
+        ci_method}}``) and ``disagree``: the two scenarios whose intervals do not overlap and whose
+        means differ by at least :data:`kvnotes.harness.stats.DISAGREE_MARGIN`, or None
         (:func:`kvnotes.harness.stats.disagreeing`; issue #53: a family mean over scenarios that
         differ in mechanism is a mixture, not a property of the family).
     """
