@@ -19,7 +19,7 @@ from kvnotes.harness.constraints import Counts, LayerBands, OpenFraction, Share,
 from kvnotes.harness.kit import ProbeConfig, RandomControl, families_of, summaries_by_family
 from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, pair_loop, readout_aggregates
 from kvnotes.harness.selection import (ANCHORS, OFFSET_ANCHORS, coverage, coverage_warnings, grid_points, k_for, offset_profiles, offsets, pair_rng,
-                                       position_sets, position_values, profile_for, rank_positions, split_instances,
+                                       position_sets, position_values, profile_for, rank_values, split_instances,
                                        split_warnings)
 from kvnotes.kv.masks import VariantPlan, patched_positions
 from kvnotes.records.figures import Bars, Curves
@@ -427,8 +427,9 @@ def run(ctx) -> dict:
             row |= {"topk_profile_source": source, "topk_profile_pairs": prof["pairs"] if prof else []}
             if prof is not None:
                 down, ids = pr.pairs[i].pair.downstream, pr.pairs[i].pair.downstream_ids
-                topk_order = rank_positions(prof, down, anchor, ids)
-                row["topk_unmatched"] = int(np.isnan(position_values(prof, down, anchor, ids)).sum())
+                vals = position_values(prof, down, anchor, ids)              # one alignment per pair
+                topk_order = rank_values(vals, down, anchor)
+                row["topk_unmatched"] = int(np.isnan(vals).sum())
         row |= evaluate_pair(pr.pairs[i], grid, bands, pair_rng(ctx.seed, row["pair"]), n_draws, topk_order,
                              bool(cfg.with_field), bool(cfg.store_sets), fams, single=not generated)
         pr.pairs[i] = pr.pairs[i].released()                                     # free the caches

@@ -13,6 +13,7 @@ See ``docs/adding_a_probe.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,10 @@ def load_config(name: str, overrides: dict | None = None) -> DictConfig:
 SCHEMA_GROUP = "probe/schema"
 
 
+#: The schemas :func:`register_schemas` gave Hydra, by probe name.
+_REGISTERED: dict[str, type] = {}
+
+
 def _with_bases(names: set[str], folders: Sequence[Path]) -> set[str]:
     """``names`` and every probe config their YAMLs build on through ``defaults`` (a user's
     ``my_screen.yaml`` may start from ``screen``, whose own YAML starts from its schema), transitively."""
@@ -80,11 +85,7 @@ def _with_bases(names: set[str], folders: Sequence[Path]) -> set[str]:
 def declared_probe_keys() -> list[str]:
     """Every top-level key any registered probe ``Config`` declares (:func:`register_schemas`),
     sorted: what an unknown ``probe.<key>`` is matched against for a suggestion."""
-    from hydra.core.config_store import ConfigStore
-
-    schemas = ConfigStore.instance().repo.get("probe", {}).get("schema", {})
-    keys = {k for node in schemas.values() for k in node.node.keys()}
-    return sorted(keys)
+    return sorted({f.name for schema in _REGISTERED.values() for f in dataclasses.fields(schema)})
 
 
 def register_schemas(config_dirs: Sequence[str | Path] = (), names: Collection[str] | None = None) -> list[str]:
@@ -118,6 +119,7 @@ def register_schemas(config_dirs: Sequence[str | Path] = (), names: Collection[s
             except Exception:  # noqa: BLE001 (an unreadable YAML or module: composing it names the problem)
                 continue
             store.store(group=SCHEMA_GROUP, name=path.stem, node=schema)
+            _REGISTERED[path.stem] = schema
             done.append(path.stem)
     return done
 

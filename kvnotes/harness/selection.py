@@ -365,12 +365,17 @@ def position_values(profile: dict, downstream: tuple[int, int], anchor: str,
 def rank_positions(profile: dict, downstream: tuple[int, int], anchor: str,
                    downstream_ids: Sequence[int] | None = None) -> list[int]:
     """Downstream positions ordered by the profile's value there (:func:`position_values`), highest
-    first. Positions without a value rank last; ties (and those) go to the position nearer the
-    anchor (the decision for ``aligned`` and ``decision``, the field's end for ``field_end``).
+    first (:func:`rank_values`)."""
+    return rank_values(position_values(profile, downstream, anchor, downstream_ids), downstream, anchor)
+
+
+def rank_values(values: np.ndarray, downstream: tuple[int, int], anchor: str) -> list[int]:
+    """Downstream positions ``b .. d-1`` ordered by ``values`` (``[d - b]``, :func:`position_values`),
+    highest first. Positions without a value (NaN) rank last; ties (and those) go to the position
+    nearer the anchor (the decision for ``aligned`` and ``decision``, the field's end for ``field_end``).
     """
     b, d = downstream
-    vals = position_values(profile, downstream, anchor, downstream_ids)
-    vals = np.where(np.isnan(vals), -np.inf, vals)
+    vals = np.where(np.isnan(values), -np.inf, values)
     near = offsets(downstream, "field_end" if anchor == "field_end" else "decision")
     order = sorted(range(d - b), key=lambda i: (-vals[i], near[i]))
     return [b + i for i in order]
