@@ -12,7 +12,6 @@ from typing import Annotated, Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import OpenFraction, one_of
@@ -141,9 +140,8 @@ def run(ctx) -> dict:
     L = engine.adapter.n_layers
     eps = engine.adapter.final_norm_eps(model)
     n_boot = int(cfg.n_boot)
-    progress = bool(cfg.progress)
     # 1. the top note offset per family, from selection pairs only
-    for run_, row in tqdm(list(zip(fs.runs, rows)), desc="components: position maps", disable=not progress):
+    for run_, row in K.units(ctx, zip(fs.runs, rows), "components: position maps"):
         if row["split"] == "selection":
             with ctx.timer("position_map"):
                 row["position_map"] = run_.recovery(
@@ -158,7 +156,7 @@ def run(ctx) -> dict:
     # 2. decomposition of every pair at the decision position and the family's note offset; a prompt
     # two pairs share (an instance's value is the new side of one and the old side of the next) once
     parts = K.per_prompt(lambda ids: residual_parts(engine, ids))
-    for i, (run_, row) in enumerate(tqdm(list(zip(fs.runs, rows)), desc="components: decompose", disable=not progress)):
+    for i, (run_, row) in enumerate(K.units(ctx, zip(fs.runs, rows), "components: decompose")):
         with ctx.timer("decompose"):
             old = parts(run_.pair.old.ids)
             new = parts(run_.pair.new.ids)
@@ -219,7 +217,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.components:plot_components", figures=tuple(Curves(f"layer-contributions-{where}", f"contributions/{where}/@/[attn,mlp]/#",
+PRESENTATION = Presentation(figures=tuple(Curves(f"layer-contributions-{where}", f"contributions/{where}/@/[attn,mlp]/#",
                            f"new - old direct logit attribution per layer, {what} (held-out; mean, 95% interval)",
                            "layer", "Δ logit attribution (nats)")
                     for where, what in (("at_note", "top note position"), ("at_decision", "decision position"))))

@@ -12,7 +12,6 @@ from typing import Annotated, Any, Optional
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Count, NonNegatives, OpenFraction, one_of, require_instances
@@ -355,7 +354,6 @@ class _Work:
     rows: list[dict]
     layers: list[int]
     evaluated: set
-    progress: bool
     stats: dict = field(default_factory=dict)
     caps: dict = field(default_factory=dict)
     prefixes: dict = field(default_factory=dict)
@@ -364,8 +362,7 @@ class _Work:
 
     def fitted(self, split: str):
         """Evaluated pairs of one split that have a fit: ``(run, row, fit, x_old, x_new)``."""
-        for run_, row in tqdm(list(zip(self.fs.runs, self.rows)), desc=f"direction: {split}",
-                              disable=not self.progress):
+        for run_, row in K.units(self.ctx, zip(self.fs.runs, self.rows), f"direction: {split}"):
             if row["split"] != split or row["pair"] not in self.evaluated:
                 continue
             if self.fits[row["pair"]] is None:
@@ -378,7 +375,7 @@ def _capture_residuals(w: _Work, scope: str) -> None:
     """Stage 1: clean note residuals of every selection pair (fitting) and every evaluated pair,
     then one direction fit per evaluated pair."""
     model = w.ctx.bundle.model
-    for run_, row in tqdm(list(zip(w.fs.runs, w.rows)), desc="direction: residuals", disable=not w.progress):
+    for run_, row in K.units(w.ctx, zip(w.fs.runs, w.rows), "direction: residuals"):
         if row["split"] != "selection" and row["pair"] not in w.evaluated:
             continue
         pair = run_.pair
@@ -495,8 +492,7 @@ def run(ctx) -> dict:
         raise ValueError("random.n_draws must be >= 1: the norm-matched random control is required")
     engine, fs, rows, sel, held = start_circuit(ctx)
     n_boot = int(cfg.n_boot)
-    w = _Work(ctx, engine, fs, rows, layers, eval_pairs(rows, cfg.max_pairs_per_family, ctx.seed),
-              bool(cfg.progress))
+    w = _Work(ctx, engine, fs, rows, layers, eval_pairs(rows, cfg.max_pairs_per_family, ctx.seed))
     families = K.families_of(ctx, rows + fs.excluded)
     _capture_residuals(w, scope)
     _selection_scan(w)
@@ -557,7 +553,7 @@ def _warnings(rows: list[dict], held_rows: list[dict], chosen: dict, n_unfitted:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.direction:plot_direction", figures=(
+PRESENTATION = Presentation(figures=(
     Curves("layer-curves-suff", "curves/suff/*/#/@", "sufficiency: recovery adding along the direction in the "
            "old prefill, per layer (held-out; mean, 95% interval)", "layer", "recovery"),
     Curves("layer-curves-nec", "curves/nec/*/#/@", "necessity: drop / (s_new - s_old) mean-ablating the "

@@ -10,7 +10,6 @@ from typing import Annotated, Optional
 
 import numpy as np
 from annotated_types import Len
-from tqdm import tqdm
 
 from kvnotes.errors import KvnotesError, ModelFitError
 from kvnotes.harness import kit as K
@@ -122,14 +121,14 @@ class Result(CircuitResult):
     warnings: list[str]
 
 
-def _single_head_maps(ctx, engine, fs, rows, modes: list[str], chunk: int, progress: bool) -> dict[str, dict]:
+def _single_head_maps(ctx, engine, fs, rows, modes: list[str], chunk: int) -> dict[str, dict]:
     """Stage 1: single-head maps of the selection pairs (at most ``max_map_pairs_per_family`` per
     family, drawn by a seeded Generator; held-out ones only for figures when asked):
     ``pair -> mode -> [n_layers, n_heads]``."""
     model = ctx.bundle.model
     maps: dict[str, dict] = {}
     mapped = map_pairs(rows, ctx.cfg.max_map_pairs_per_family, ctx.seed)
-    for run_, row in tqdm(list(zip(fs.runs, rows)), desc="heads: single-head maps", disable=not progress):
+    for run_, row in K.units(ctx, zip(fs.runs, rows), "heads: single-head maps"):
         if row["pair"] not in mapped and not (row["split"] == "heldout" and ctx.cfg.heldout_maps):
             continue
         with ctx.timer("head_outputs"):
@@ -219,15 +218,14 @@ def run(ctx) -> dict:
     chunk = int(cfg.chunk_heads)
     n_draws = int(cfg.random.n_draws)
     n_boot = int(cfg.n_boot)
-    progress = bool(cfg.progress)
     modes = [m for m in HEAD_SITES if m in cfg.modes]
     if not modes or set(cfg.modes) - set(HEAD_SITES):
         raise KvnotesError(f"heads: modes must be a non-empty subset of {list(HEAD_SITES)} (got {list(cfg.modes)})")
-    maps = _single_head_maps(ctx, engine, fs, rows, modes, chunk, progress)
+    maps = _single_head_maps(ctx, engine, fs, rows, modes, chunk)
     families = K.families_of(ctx, rows + fs.excluded)
     rankings = {mode: _ranking_by_family(rows, maps, mode, families) for mode in modes}
     out_rows = []
-    for run_, row in tqdm(list(zip(fs.runs, rows)), desc="heads: top-k held-out", disable=not progress):
+    for run_, row in K.units(ctx, zip(fs.runs, rows), "heads: top-k held-out"):
         row = dict(row)
         if row["pair"] in maps:
             row["maps"] = {m: maps[row["pair"]][m].tolist() for m in modes}
@@ -272,7 +270,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.heads:plot_heads", headline="curves/read/all_heads/all",
+PRESENTATION = Presentation(headline="curves/read/all_heads/all",
     figures=tuple(Curves(f"k-curves-{mode}", f"curves/{mode}/[topk,random]/#/@", f"{mode} heads: cumulative "
                       "top-k recovery against k-matched random heads (held-out pairs; mean, 95% interval)",
                       "k heads patched jointly", "recovery", xlog=True) for mode in ("read", "write")))

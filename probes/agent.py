@@ -12,21 +12,21 @@ from typing import Annotated, Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.chunks import CHUNK_NAMES, CHUNKED_ORDER, SINKS, layout_prompt, prompt_parts, sink_ids
 from kvnotes.harness.constraints import Count, NonNegative, one_of, require_field_placement
 from kvnotes.harness.edit_prompts import common_prefix_length, erratum_text, render_layout, user_pieces
-from kvnotes.harness.kit import ProbeConfig, by_family, exclusion_counts, per_prompt, progress, summary
+from kvnotes.harness.kit import ProbeConfig, by_family, exclusion_counts, per_prompt, summary, units
 from kvnotes.harness.pairs import transcript_turns
 from kvnotes.harness.selection import pair_rng
 from kvnotes.harness.timing import elapsed_ms
 from kvnotes.harness.tokens import CANDIDATE_MERGES, Prompt, build_conversation, candidates_after, continuation_ids
 from kvnotes.kv import cache as kvcache
+from kvnotes.kv.decision import kl_nats
 from kvnotes.kv.generate import CotReadout, Generated, answer_marker, decode_after, stop_tokens, unreached_label
 from kvnotes.ops import compose as kvcompose
-from kvnotes.records.figures import Bars, agent_turns
+from kvnotes.records.figures import Bars, Curves, Reshaped
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import BaseResult, ExclusionRow, NotRequired, TypedDict
 from kvnotes.records.tables import Lines
@@ -94,6 +94,9 @@ SIDES = ("agent", "oracle", "transcript")
 #: Exclusion reasons (cot) of a trajectory ended by the agent's chain missing its answer marker.
 AGENT_UNREACHED = ("agent_no_marker", "agent_truncated_in_think")
 
+
+#: Why the planted-truth lane cannot score this probe (tests/lanes/test_planted.py).
+PLANTED_NOT_SCORED = "multi-turn tool transcripts; the planted tokenizer reads every non-role word as <unk>"
 
 @dataclass
 class Config(ProbeConfig):
@@ -174,8 +177,8 @@ def _timed(fn):
 
 
 def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
-    """KL(p || q) in nats of two ``[vocab]`` log-prob vectors (:func:`kvnotes.ops.compose.decision_metrics`)."""
-    return float(kvcompose.decision_metrics(p_log[None], q_log[None])["kl"][0])
+    """KL(p || q) in nats of two ``[vocab]`` log-prob vectors (:func:`kvnotes.kv.decision.kl_nats`)."""
+    return float(kl_nats(p_log, q_log))
 
 
 @torch.no_grad()
@@ -422,7 +425,7 @@ def run(ctx) -> dict:
     if not isinstance(first, str):
         kvcompose.full_logits(model, first[0].ids)           # untimed warm-up
     rows, excluded = [], []
-    for inst in tqdm(instances, desc="agent", disable=not progress(ctx)):
+    for inst in units(ctx, instances, "agent"):
         values = trajectory_values(inst, turns, ctx.seed)
         cot = (CotReadout(max_new, answer_marker(tok, inst.scenario.variants[variant].answer_marker, thinking), stop,
                           thinking) if cot_on else None)
@@ -499,12 +502,24 @@ def agent_table(record: dict) -> str:
     return w.text()
 
 
+def turn_agreement(res: dict) -> dict:
+    """Per turn, the share of rows whose agent agrees with the oracle and with the transcript, for a
+    :class:`Curves` over turns."""
+    rows = res.get("rows", [])
+    turns = sorted({r["turn"] for r in rows})
+    return {"all": {name: {"x": turns, "y": [sum(bool(r[key]) for r in rows if r["turn"] == t)
+                                            / max(1, sum(r["turn"] == t for r in rows)) for t in turns]}
+                    for key, name in (("agree_oracle", "agent = oracle"), ("agree_transcript", "agent = transcript"))}
+            } if turns else {}
+
+
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.agent:plot_agent", figures=(
+PRESENTATION = Presentation(figures=(
     Bars("family-turn1", f"by_family/@/turn1/{_AGENT}", "turn 1: accuracy and agreement per family (95% "
          "interval)", "share of decisions"),
     Bars("family-turns2", f"by_family/@/turn2+/{_AGENT}", "turns 2+: accuracy and agreement per family (95% "
          "interval)", "share of decisions"),
-    agent_turns),
+    Reshaped(Curves("agent-turns", "@/*", "agent: agreement per turn", "turn", "share of rows", xy=("x", "y")),
+             turn_agreement)),
     table=agent_table)

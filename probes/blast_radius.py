@@ -11,7 +11,6 @@ from typing import Annotated, Any
 import numpy as np
 import torch
 from annotated_types import Len
-from tqdm import tqdm
 
 from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import PositiveFloat
@@ -141,7 +140,7 @@ def run(ctx) -> dict:
     model = ctx.bundle.model
     rows, examples = [], {}
     capture = K.per_prompt(lambda ids: capture_attention(model, ids))     # a prompt shared by pairs: once
-    for pair in tqdm(ctx.pairs.pairs, desc="blast_radius", disable=not K.progress(ctx)):
+    for pair in K.units(ctx, ctx.pairs.pairs, "blast_radius"):
         with ctx.timer("deviation"):
             maps, lps = deviation_maps(model, pair, capture)
         if ctx.readout == "first_token":       # the capture forwards already hold the clean decisions
@@ -176,7 +175,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.blast_radius:plot_blast_radius", headline="all/k_rel_p95/all",
+PRESENTATION = Presentation(headline="all/k_rel_p95/all",
     figures=(
     Curves("share-curves", "share_all/[k_rel,attn_rel]/#/@", "share of downstream positions whose layer-mean "
            "deviation exceeds a threshold (all pairs; mean, 95% interval)", "threshold on layer-mean relative L2",

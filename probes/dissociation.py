@@ -27,6 +27,9 @@ VARIANTS = ("trigger", "notes", "both", "prefix")
 REPORTED = ("trigger", "notes", "both")
 
 
+#: Why the planted-truth lane cannot score this probe (tests/lanes/test_planted.py).
+PLANTED_NOT_SCORED = "its pairs flip a rule's trigger word; the construction has no rule that gates the decision"
+
 @dataclass
 class Config(ProbeConfig):
     """Keys of ``conf/probe/dissociation.yaml``
@@ -184,7 +187,7 @@ def run(ctx) -> dict:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.dissociation:plot_dissociation", figures=(
+PRESENTATION = Presentation(figures=(
     Bars("family-recovery", "@/recovery/*", "recovery towards the inverted rule per family and patch "
          "(flipping polarity pairs; mean, 95% interval)", "recovery"),
     Bars("family-shift", "@/abs_shift_all/*", "|score shift| per family and patch (all aligned pairs; mean, "

@@ -15,7 +15,6 @@ from typing import Annotated, Any, Optional
 import numpy as np
 import torch
 from pydantic import AfterValidator
-from tqdm import tqdm
 
 from kvnotes.context import ERRATUM_WORDINGS
 from kvnotes.errors import KvnotesError
@@ -27,9 +26,10 @@ from kvnotes.harness.protocol import GeneratedReadout, Read, ScreenedPair, pair_
 from kvnotes.harness.selection import SELECTION, alternate_splits, pair_rng, round_robin, with_split
 from kvnotes.harness.stats import proportion
 from kvnotes.kv.cache import AllSlotCache
+from kvnotes.kv.decision import kl_nats, recovery
 from kvnotes.ops import edit, methods
 from kvnotes.ops.methods import EditSource, Prompted
-from kvnotes.records.figures import Bars, edit_frontier
+from kvnotes.records.figures import Bars, Curves, Reshaped
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import BaseResult
 from kvnotes.records.tables import Lines, fmt, fmt_p
@@ -228,9 +228,9 @@ def _metrics(read: Read, full: Read, e: edit.Edited, ref: edit.Edited, sp: Scree
     its cost relative to full (``ref``); under the generated readout also ``reached``,
     ``chain_len`` and ``side`` (the candidate its chain names, :class:`kvnotes.harness.protocol.Read`)."""
     both = read.reached and full.reached
-    out = {"s": read.s, "r": None if read.s is None else (read.s - sp.s_old) / (sp.s_new - sp.s_old),
+    out = {"s": read.s, "r": recovery(read.s, sp.s_old, sp.s_new),
            "agree": read.side is not None and read.side == full.side,
-           "kl": float((full.logprobs.exp() * (full.logprobs - read.logprobs)).sum()) if both else None,
+           "kl": float(kl_nats(full.logprobs, read.logprobs)) if both else None,
            "top1": int(read.logprobs.argmax()) == int(full.logprobs.argmax()) if both else None,
            "tokens": e.tokens, "frac": e.tokens / ref.tokens,
            "flops_frac": e.flops / ref.flops if np.isfinite(e.flops) else None,
@@ -418,7 +418,7 @@ def run(ctx) -> dict:
         order = order[: int(limit)]
     swept = set(order if sweep_limit is None else alternate_splits(split_rows, order)[: int(sweep_limit)])
     rows = []
-    for i in tqdm(order, desc="edit", disable=not cfg.progress):
+    for i in K.units(ctx, order, "edit"):
         with ctx.timer("edits"):
             rows.append(split_rows[i] | {"swept": i in swept}
                         | edit_pair(ctx, pr.pairs[i], kwargs, rankings, ks, oracle_ranking, i in swept,
@@ -491,10 +491,24 @@ def edit_table(record: dict) -> str:
     return w.text()
 
 
+def frontier_points(res: dict) -> dict:
+    """The edit frontier of a result: per method (and sweep point) its mean share of tokens
+    recomputed (``x``) and mean recovery (``y``), over all families, for a :class:`Curves` of points."""
+    aggs = res.get("aggregates", {})
+    out: dict = {}
+    for name, m in {**aggs.get("methods", {}), **aggs.get("sweep", {})}.items():
+        if isinstance(m, dict) and "frac" in m and "recovery" in m:
+            x, y = m["frac"]["all"].get("mean"), m["recovery"]["all"].get("mean")
+            if x is not None and y is not None:
+                out.setdefault("all", {})[name] = {"x": [x], "y": [y]}
+    return out
+
+
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.edit:plot_edit", figures=(
-    edit_frontier,
+PRESENTATION = Presentation(figures=(
+    Reshaped(Curves("edit-frontier", "@/*", "edit frontier: recovery against the share of tokens recomputed",
+                    "tokens recomputed / total", "mean recovery", xy=("x", "y"), markers=True), frontier_points),
     Bars("erratum-wordings", "wordings/*/recovery/@", "the erratum in each wording: recovery per family "
          "(mean, 95% interval)", "recovery"),
     Bars("erratum-wordings-follow", "wordings/*/recovery/@/decision_flipped", "the erratum in each wording: "

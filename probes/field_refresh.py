@@ -182,7 +182,7 @@ FIELD_REFRESH_RESULTS = (ResultsColumn(20, "field-only refresh", _recovery("fiel
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(results=FIELD_REFRESH_RESULTS, plot="kvnotes.plots.field_refresh:plot_field_refresh", headline="recovery/field/all",
+PRESENTATION = Presentation(results=FIELD_REFRESH_RESULTS, headline="recovery/field/all",
     figures=(
     Bars("family-recovery", "recovery/[field,field_exact,downstream,field_downstream]/@",
          "mean recovery per family and patch (95% interval)", "recovery"),

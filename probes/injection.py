@@ -19,6 +19,7 @@ from kvnotes.harness.readout import PairRun, run_pair
 from kvnotes.harness.stats import proportion
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv import patch as kvpatch
+from kvnotes.kv.decision import recovery
 from kvnotes.records.figures import Bars
 from kvnotes.records.presentation import Presentation, ResultsColumn
 from kvnotes.records.schema import BaseResult, PairRow
@@ -88,14 +89,13 @@ def inject(sp: ScreenedPair) -> dict:
     out: dict = {}
     for k, (name, (base, source)) in enumerate(DIRECTIONS.items()):
         i, j = 2 * k, 2 * k + 1
-        gap = clean[source] - clean[base]
         s_notes, s_all = sc.s[i], sc.s[j]
         out |= {
             f"{name}_s_notes": s_notes, f"{name}_s_all": s_all,
             f"{name}_follows_notes": None if not sc.reached[i] else
             sc.side[i] == (source if generated else sides[source]),
-            f"{name}_r_notes": (s_notes - clean[base]) / gap if s_notes is not None and gap else None,
-            f"{name}_r_all": (s_all - clean[base]) / gap if s_all is not None and gap else None,
+            f"{name}_r_notes": recovery(s_notes, clean[base], clean[source]),
+            f"{name}_r_all": recovery(s_all, clean[base], clean[source]),
         }
         if generated:
             chains = sc.chains
@@ -218,7 +218,7 @@ INJECTION_RESULTS = (ResultsColumn(70, "notes injected: decision follows notes",
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(results=INJECTION_RESULTS, plot="kvnotes.plots.injection:plot_injection", headline="flipping/all/old_notes_into_new/r_notes",
+PRESENTATION = Presentation(results=INJECTION_RESULTS, headline="flipping/all/old_notes_into_new/r_notes",
     figures=(
     Bars("family-follow", "flipping/@/*/follow_notes", "decision follows the injected notes (flipping pairs; "
          "Wilson 95%)", "share of pairs"),

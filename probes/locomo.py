@@ -226,6 +226,9 @@ def format_summary(result: dict, name: str = "model") -> str:
     return "\n".join(lines)
 
 
+#: Why the planted-truth lane cannot score this probe (tests/lanes/test_planted.py).
+PLANTED_NOT_SCORED = "LoCoMo conversations; every non-role word is <unk> to the planted tokenizer"
+
 @dataclass
 class Config(ProbeConfig):
     """Keys of ``conf/probe/locomo.yaml`` (see the specification).

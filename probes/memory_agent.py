@@ -14,17 +14,21 @@ import numpy as np
 import torch
 from annotated_types import Len
 from scipy.stats import linregress
-from tqdm import tqdm
 
 from kvnotes.harness import memory as mem
+from kvnotes.harness.kit import units
 from kvnotes.harness.constraints import Count, one_of
 from kvnotes.records.memory_tables import arm_cells, memory_settings
 from kvnotes.records.tables import Lines, fmt, fmt_counts
+from kvnotes.records.figures import Bars, Curves, Reshaped
 from kvnotes.records.presentation import Presentation
 
 #: Session arms (edit modes of :class:`kvnotes.context.EditableContext`).
 ARMS = ("in_place", "erratum", "auto")
 
+
+#: Why the planted-truth lane cannot score this probe (tests/lanes/test_planted.py).
+PLANTED_NOT_SCORED = "user-memory personas; every non-role word is <unk> to the planted tokenizer"
 
 @dataclass
 class Config(mem.MemoryConfig):
@@ -143,8 +147,7 @@ def run(ctx) -> dict:
         jobs.append(("long", int(cfg.long_length), int(cfg.long_turns)))
     rows: list[dict] = []
     excluded: list[dict] = []
-    for (name, L, n), persona in tqdm([(j, p) for j in jobs for p in suite.personas], desc="memory_agent",
-                                      disable=not cfg.progress):
+    for (name, L, n), persona in units(ctx, [(j, p) for j in jobs for p in suite.personas], "memory_agent"):
         with ctx.timer("render"):
             prompt = mem.build_prompt(tok, suite, persona, L, int(cfg.seed), chat_template=bool(cfg.chat_template),
                                       template_kwargs=tk)
@@ -183,6 +186,38 @@ def memory_agent_table(rec: dict) -> str:
     return w.text()
 
 
+def drift_by_turn(metric: str):
+    """``result -> {"all": {"<arm> (<cell>)": {x: turns, y: values}}}``: a long-horizon run's per-turn
+    ``metric`` (``agreement``: decision agreement with the re-prefill, owned turns; ``kl_mean``:
+    mean KL(full || arm)), for a :class:`Curves` over turns."""
+    def reshape(res: dict) -> dict:
+        out: dict = {}
+        for cell, a in res.get("aggregates", {}).items():
+            for arm in res.get("arm_names", []) if cell.startswith("long/") else ():
+                d = a["arms"][arm].get("drift") or {}
+                out.setdefault("all", {})[f"{arm} ({cell})"] = {"x": d.get("turns", []), "y": d.get(metric, [])}
+        return out
+    return reshape
+
+
+def session_ttft(res: dict) -> dict:
+    """Per timed session (memory length), each arm's cumulative time to first token (mean over
+    personas) and re-prefilling every turn's, for :class:`Bars`."""
+    out: dict = {}
+    for cell, a in res.get("aggregates", {}).items():
+        if cell.startswith("session/"):
+            n = len(res.get("settings", {}).get("personas", [])) or 1
+            out[cell] = {arm: {"mean": a["arms"][arm]["cum_ttft_s"], "n": n} for arm in res.get("arm_names", [])}
+            out[cell]["re-prefill"] = {"mean": a["cum_ttft_full_s"], "n": n}
+    return out
+
+
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.memory_agent:plot_memory_agent", table=memory_agent_table)
+PRESENTATION = Presentation(table=memory_agent_table, figures=(
+    Reshaped(Curves("drift-agreement", "@/*", "long horizon: decision agreement with the re-prefill per turn "
+                    "(owned turns)", "turn", "agreement", xy=("x", "y")), drift_by_turn("agreement")),
+    Reshaped(Curves("drift-kl", "@/*", "long horizon: KL(full || arm) per turn (persona means)", "turn",
+                    "KL (nats)", xy=("x", "y"), ylog=True), drift_by_turn("kl_mean")),
+    Reshaped(Bars("session-ttft", "@/*", "timed sessions: cumulative time to first token (mean over personas; "
+                  "measured on this machine)", "seconds"), session_ttft)))

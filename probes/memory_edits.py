@@ -10,10 +10,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
 
 from kvnotes.context import EditableContext
 from kvnotes.harness import memory as mem
+from kvnotes.harness.kit import units
 from kvnotes.harness.constraints import Count, Counts, NonNegative
 from kvnotes.records.figures import Bars
 from kvnotes.records.memory_tables import MEMORY_HEAD, arm_cells, memory_settings
@@ -23,6 +23,9 @@ from kvnotes.records.presentation import Presentation
 #: The arms besides ``selective@K``, in report order (``full`` last: the reference).
 BASE_ARMS = ("stale", "in_place", "erratum", "recompile_chunk")
 
+
+#: Why the planted-truth lane cannot score this probe (tests/lanes/test_planted.py).
+PLANTED_NOT_SCORED = "user-memory personas; every non-role word is <unk> to the planted tokenizer"
 
 @dataclass
 class Config(mem.MemoryConfig):
@@ -132,7 +135,7 @@ def run(ctx) -> dict:
     tk = dict(ctx.template_kwargs) or None          # the model's chat-template arguments, thinking switch applied
     jobs = [(L, p, e) for L in cfg.lengths for p in suite.personas for e in p.edits[:int(cfg.max_edits_per_persona)]]
     rows = []
-    for L, persona, edit in tqdm(jobs, desc="memory_edits", disable=not cfg.progress):
+    for L, persona, edit in units(ctx, jobs, "memory_edits"):
         with ctx.timer("render"):
             prompt = mem.build_prompt(tok, suite, persona, int(L), int(cfg.seed), chat_template=bool(cfg.chat_template),
                                       template_kwargs=tk)
@@ -172,7 +175,7 @@ def memory_edits_table(rec: dict) -> str:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.memory_edits:plot_memory_edits", figures=(
+PRESENTATION = Presentation(figures=(
     Bars("length-agreement", "@/arms/*/top1_agreement", "top-1 agreement with the full re-prefill per memory "
          "length and arm (Wilson 95%)", "agreement"),
     mem.KL_BARS),

@@ -10,10 +10,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
 
 from kvnotes.errors import KvnotesError
 from kvnotes.harness import memory as mem
+from kvnotes.harness.kit import units
 from kvnotes.harness.constraints import Counts, NonNegative
 from kvnotes.harness.paired import mcnemar_exact
 from kvnotes.harness.stats import proportion
@@ -23,6 +23,9 @@ from kvnotes.records.memory_tables import MEMORY_HEAD, arm_cells, memory_setting
 from kvnotes.records.tables import Lines, fmt, fmt_kn
 from kvnotes.records.presentation import Presentation
 
+
+#: Why the planted-truth lane cannot score this probe (tests/lanes/test_planted.py).
+PLANTED_NOT_SCORED = "user-memory personas; every non-role word is <unk> to the planted tokenizer"
 
 @dataclass
 class Config(mem.MemoryConfig):
@@ -180,7 +183,7 @@ def run(ctx) -> dict:
     out: dict = {"rows": [], "edit_rows": [], "cross_rows": [], "costs": []}
     excluded = []
     jobs = [(L, p) for L in cfg.lengths for p in suite.personas]
-    for L, persona in tqdm(jobs, desc="memory_granularity", disable=not cfg.progress):
+    for L, persona in units(ctx, jobs, "memory_granularity"):
         with ctx.timer("render"):
             kw = {"chat_template": bool(cfg.chat_template), "template_kwargs": tk}
             prompt = mem.build_prompt(tok, suite, persona, int(L), int(cfg.seed), **kw)
@@ -237,7 +240,7 @@ def memory_granularity_table(rec: dict) -> str:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.memory_granularity:plot_memory_granularity", figures=(
+PRESENTATION = Presentation(figures=(
     Curves("s-curves-agreement", "@/by_S/#/top1_agreement", "top-1 agreement with full against the number of "
            "blocks S, per memory length (Wilson 95%)", "blocks S", "agreement", xlog=True),
     Curves("s-curves-kl", "@/by_S/#/kl", "KL(full || composed) against the number of blocks S, per memory "

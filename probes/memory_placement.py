@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from tqdm import tqdm
 
 from kvnotes.errors import KvnotesError
 from kvnotes.harness import memory as mem
+from kvnotes.harness.kit import units
 from kvnotes.harness.constraints import Count
 from kvnotes.harness.stats import proportion, summarize
 from kvnotes.ops.edit import stack
@@ -26,6 +26,9 @@ from kvnotes.records.presentation import Presentation
 #: The two placements, in the order of the batch read.
 PLACEMENTS = ("early", "late")
 
+
+#: Why the planted-truth lane cannot score this probe (tests/lanes/test_planted.py).
+PLANTED_NOT_SCORED = "user-memory personas; every non-role word is <unk> to the planted tokenizer"
 
 @dataclass
 class Config(mem.MemoryConfig):
@@ -132,7 +135,7 @@ def run(ctx) -> dict:
     limit = context_of(model)
     rows, costs, excluded = [], [], []
     jobs = [(L, p) for L in cfg.lengths for p in suite.personas]
-    for L, persona in tqdm(jobs, desc="memory_placement", disable=not cfg.progress):
+    for L, persona in units(ctx, jobs, "memory_placement"):
         with ctx.timer("render"):
             prompt = mem.build_prompt(tok, suite, persona, int(L), int(cfg.seed), chat_template=bool(cfg.chat_template),
                                       template_kwargs=tk)
@@ -190,7 +193,7 @@ def memory_placement_table(rec: dict) -> str:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.memory_placement:plot_memory_placement", figures=(
+PRESENTATION = Presentation(figures=(
     Bars("length-accuracy", "@/by_depth/*/[accuracy_early,accuracy_late]", "accuracy with the memory early "
          "and late per memory length and depth (facts) (95% interval)", "accuracy"),),
     table=memory_placement_table)

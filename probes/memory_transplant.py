@@ -10,9 +10,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
 
 from kvnotes.harness import memory as mem
+from kvnotes.harness.kit import units
 from kvnotes.harness.constraints import NonNegatives
 from kvnotes.ops import compose as kvcompose
 from kvnotes.ops.edit import stack
@@ -21,6 +21,9 @@ from kvnotes.records.memory_tables import MEMORY_HEAD, arm_cells, memory_setting
 from kvnotes.records.tables import Lines
 from kvnotes.records.presentation import Presentation
 
+
+#: Why the planted-truth lane cannot score this probe (tests/lanes/test_planted.py).
+PLANTED_NOT_SCORED = "user-memory personas; every non-role word is <unk> to the planted tokenizer"
 
 @dataclass
 class Config(mem.MemoryConfig):
@@ -100,7 +103,7 @@ def run(ctx) -> dict:
     tk = dict(ctx.template_kwargs) or None          # the model's chat-template arguments, thinking switch applied
     rows, costs, excluded = [], [], []
     jobs = [(L, p) for L in cfg.lengths for p in suite.personas]
-    for L, persona in tqdm(jobs, desc="memory_transplant", disable=not cfg.progress):
+    for L, persona in units(ctx, jobs, "memory_transplant"):
         with ctx.timer("render"):
             prompt = mem.build_prompt(tok, suite, persona, int(L), int(cfg.seed), chat_template=bool(cfg.chat_template),
                                       template_kwargs=tk)
@@ -137,7 +140,7 @@ def memory_transplant_table(rec: dict) -> str:
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.memory_transplant:plot_memory_transplant", figures=(
+PRESENTATION = Presentation(figures=(
     Bars("length-agreement", "@/arms/*/decision_agreement", "decision agreement with the full prefill per "
          "memory length and arm (owned queries; Wilson 95%)", "agreement"),
     mem.KL_BARS),

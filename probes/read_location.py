@@ -24,6 +24,7 @@ from kvnotes.kv import cache as kvcache
 from kvnotes.kv.generate import owned_side
 from kvnotes.kv.knockout import (CHAIN_GROUPS, GROUPS, DecisionRead, chain_spans, decision_forward, generate_knocked,
                                  group_masses, key_groups, knockout_masks)
+from kvnotes.records.figures import Bars, Curves, Reshaped
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import BaseResult, NotRequired, PairRow, TypedDict
 
@@ -459,5 +460,42 @@ def run(ctx) -> dict:
             "examples": examples} | ({"knockout_unreached": unreached} if generated else {})
 
 
+# ---------------------------------------------------------------------------------------------
+# presentation
+
+
+def _subset(agg: dict, family: str) -> dict | None:
+    """The flipping pairs' aggregate of a family when it has pairs, else all aligned pairs'."""
+    return agg.get("flipping", {}).get(family) or agg.get("all", {}).get(family)
+
+
+def attention_by_layer(res: dict) -> dict:
+    """Over all families (flipping pairs when any): per run, per key group, the mean decision-row
+    attention mass at each layer, for a :class:`Curves` over layers."""
+    entry = _subset(res.get("aggregates", {}).get("attention", {}), "all") or {}
+    groups = res.get("groups", [])
+    return {f"{run} run": {g: {layer: row[j] for layer, row in enumerate(entry[run]["layers"]["mean"])
+                                if row[j] is not None}
+                           for j, g in enumerate(groups)}
+            for run in RUNS if isinstance(entry.get(run), dict) and entry[run].get("layers", {}).get("mean")}
+
+
+def knockout_by_band(res: dict) -> dict:
+    """Over all families (flipping pairs when any): per run, per layer band, per knocked group, the
+    score change summary, for :class:`Bars` per run."""
+    entry = _subset(res.get("aggregates", {}).get("knockout", {}), "all") or {}
+    out: dict = {}
+    for v in res.get("variants", []):
+        for run in RUNS:
+            cell = (entry.get(run) or {}).get(v["name"])
+            if isinstance(cell, dict) and isinstance(cell.get("delta"), dict):
+                out.setdefault(run, {}).setdefault(v["band"], {})[v["group"]] = cell["delta"]
+    return out
+
+
 #: How this probe's records are shown: its figures (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.read_location:plot_read_location")
+PRESENTATION = Presentation(figures=(
+    Reshaped(Curves("attention-by-layer", "@/*/#", "attention of the decision query by key group (mean over "
+                    "heads and pairs; flipping pairs when any)", "layer", "attention mass"), attention_by_layer),
+    *(Reshaped(Bars(f"knockout-{run}", f"{run}/@/*", f"decision-row knockout per layer band, {run} run: score "
+                    "change knocked - clean (mean, 95% interval)", "nats"), knockout_by_band) for run in RUNS)))

@@ -146,7 +146,7 @@ SCREEN_RESULTS = (ResultsColumn(10, "flipping / aligned pairs", _screen_pairs),)
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(results=SCREEN_RESULTS, plot="kvnotes.plots.screen:plot_screen", headline=flip_count,
+PRESENTATION = Presentation(results=SCREEN_RESULTS, headline=flip_count,
     figures=(Bars("screen-families", "by_family/@/[n_pairs,n_flip_relative,n_flip_owned,n_flip]",
                 "screen: pairs per family", "pairs",
                 names={"n_pairs": "aligned pairs", "n_flip_relative": "flipping, relative rule",

@@ -12,7 +12,6 @@ from typing import Annotated, Any
 import numpy as np
 from annotated_types import Len
 from pydantic import AfterValidator
-from tqdm import tqdm
 
 from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Counts, LayerBands, OpenFraction, Share, one_of, require_instances
@@ -415,7 +414,7 @@ def run(ctx) -> dict:
     order = sorted(range(len(rows)), key=lambda i: rows[i]["instance"] not in sel)   # selection first, stable
     out_rows: list[dict | None] = [None] * len(rows)
     profiles = None
-    for i in tqdm(order, desc="suffix_recovery", disable=not K.progress(ctx)):
+    for i in K.units(ctx, order, "suffix_recovery"):
         row = rows[i] if generated else rows[i] | {"split": "selection" if rows[i]["instance"] in sel else "heldout"}
         topk_order = None
         if row.get("split") == "heldout":
@@ -509,7 +508,7 @@ SUFFIX_RECOVERY_RESULTS = (ResultsColumn(40, "last 10% of downstream (held-out)"
 
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(results=SUFFIX_RECOVERY_RESULTS, plot="kvnotes.plots.suffix_recovery:plot_suffix_recovery", headline="references/field/all",
+PRESENTATION = Presentation(results=SUFFIX_RECOVERY_RESULTS, headline="references/field/all",
     figures=(
     Curves("k-curves", "curves/?heldout,all/*/#/@", "recovery against the set size k per set family "
            "({alt} pairs; mean, 95% interval)", "k", "recovery", x="grid", xlog=("count",),

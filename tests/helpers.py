@@ -104,7 +104,7 @@ def probe_yaml(name: str):
 
     import kvnotes.probes
 
-    return OmegaConf.create(OmegaConf.to_container(kvnotes.probes.load_config(name)))
+    return OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(kvnotes.probes.load_config(name))))
 
 
 def recall_pairs(bundle, ids, n_instances=2, per_instance=None, variant="direct"):

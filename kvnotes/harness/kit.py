@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Annotated, TypeVar
 
@@ -177,7 +177,16 @@ def per_prompt(fn: Callable[[torch.Tensor], T], size: int = 4) -> Callable[[torc
 
 def progress(ctx) -> bool:
     """The probe config's ``progress`` flag (progress bars on stderr)."""
-    return bool(ctx.cfg.get("progress", True))
+    cfg = ctx.cfg
+    return bool(cfg.get("progress", True) if isinstance(cfg, Mapping) else getattr(cfg, "progress", True))
+
+
+def units(ctx, items: Iterable[T], desc: str) -> Iterator[T]:
+    """A probe's units in order (pairs, flipping runs, chunk plans, memory jobs, transcript
+    instances), with the harness's progress bar on stderr (``desc``; off with the config's
+    ``progress: false``): the one place a probe's loop shows progress."""
+    seq = items if isinstance(items, Sized) else list(items)
+    yield from tqdm(seq, desc=desc, disable=not progress(ctx))
 
 
 def each_pair(ctx, pairs=None, desc: str = "clean runs") -> Iterator[tuple[PairRun, dict]]:
@@ -191,7 +200,7 @@ def each_pair(ctx, pairs=None, desc: str = "clean runs") -> Iterator[tuple[PairR
         that uses the caches right away never prefills it again.
     """
     store = getattr(ctx, "clean_runs", None)
-    for pair in tqdm(ctx.pairs.pairs if pairs is None else pairs, desc=desc, disable=not progress(ctx)):
+    for pair in units(ctx, ctx.pairs.pairs if pairs is None else pairs, desc):
         with ctx.timer("clean_runs"):
             run = (store.run(ctx.bundle.model, pair, ctx.readout) if store is not None
                    else run_pair(ctx.bundle.model, pair, ctx.readout))

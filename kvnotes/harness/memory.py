@@ -47,6 +47,7 @@ from kvnotes.harness.paired import bh, mcnemar_exact, tost
 from kvnotes.harness.stats import proportion, summarize
 from kvnotes.records.figures import Bars
 from kvnotes.kv.cache import AllSlotCache
+from kvnotes.kv.decision import kl_nats
 from kvnotes.ops import compose as kvcompose
 from kvnotes.models.text import render_text, tokenize
 from kvnotes.records.schema import TypedDict
@@ -158,7 +159,7 @@ class MemoryPrompt:
 
 def load_suite(cfg) -> MemorySuite:
     """The memory suite of a probe config (``suite``, ``personas``)."""
-    personas = cfg.get("personas")
+    personas = getattr(cfg, "personas", None)
     return load_memory(str(cfg.suite), None if personas is None else list(personas))   # [] is refused there
 
 
@@ -285,7 +286,7 @@ def decision(lp: torch.Tensor, query: TokQuery) -> dict:
 def compare(full: torch.Tensor, arm: torch.Tensor, query: TokQuery) -> dict:
     """An arm's decision against the full prefill's on one query (module docstring, "Decisions"):
     ``kl`` = KL(full || arm) in nats, ``top1_agree``, ``correct``, ``choice``, ``answer_logprob``."""
-    kl = float((full.exp() * (full - arm)).sum())
+    kl = float(kl_nats(full, arm))
     d = decision(arm, query)
     return {"kl": max(kl, 0.0), "top1_agree": d["top1"] == int(full.argmax()), "correct": d["correct"],
             "choice": d["choice"], "answer_logprob": d["answer_logprob"]}

@@ -47,6 +47,7 @@ from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
 from kvnotes.harness.selection import with_split
 from kvnotes.kv import cache as kvcache
+from kvnotes.kv.decision import recovery
 from kvnotes.kv.engine import make_engine
 from kvnotes.kv.masks import KVSite, Masks, site_masks
 from kvnotes.kv import patch as kvpatch
@@ -202,8 +203,7 @@ class GeneratedPair(ScreenedPair):
         reached = [c.reached for c in gen.chains]
         side = [kvgen.owned_side(lp, pair) if ok else None for lp, ok in zip(gen.logprobs, reached)]
         s = [float(first_token_scores(lp[None], pair)[0]) if ok else None for lp, ok in zip(gen.logprobs, reached)]
-        gap = self._s_new - self._s_old
-        return Scored(s, [None if x is None else (x - self._s_old) / gap for x in s],
+        return Scored(s, [recovery(x, self._s_old, self._s_new) for x in s],
                       [x == "new" if ok else None for x, ok in zip(side, reached)], side, reached, gen.chains)
 
     def released(self) -> "GeneratedPair":

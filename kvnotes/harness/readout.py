@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.masks import Masks
 from kvnotes.kv import patch as kvpatch
-from kvnotes.kv.decision import Decision as Decision, clean_decisions as clean_decisions
+from kvnotes.kv.decision import Decision as Decision, clean_decisions as clean_decisions, recovery
 from kvnotes.harness.tokens import TokenizedPair
 
 ReadoutMode = Literal["first_token", "full"]
@@ -148,8 +148,8 @@ class PairRun:
         return self.s_new - self.s_old
 
     def recovery(self, s_patched: torch.Tensor) -> torch.Tensor:
-        """``(s_patched - s_old) / (s_new - s_old)``, unclipped."""
-        return (s_patched - self.s_old) / self.effect
+        """``(s_patched - s_old) / (s_new - s_old)``, unclipped (:func:`kvnotes.kv.decision.recovery`)."""
+        return recovery(s_patched, self.s_old, self.s_new)
 
     def decision_flipped(self, s_patched: torch.Tensor) -> torch.Tensor:
         """Bool: the patched run takes the new run's candidate decision."""

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
@@ -43,7 +43,7 @@ def names() -> list[str]:
     return sorted(p.stem for p in CONF_DIR.glob("*.yaml") if not p.stem.startswith("_"))
 
 
-def load_config(name: str, overrides: dict | None = None) -> DictConfig:
+def load_config(name: str, overrides: dict | None = None) -> ProbeConfig:
     """The typed config of probe ``name``: its ``Config`` dataclass's defaults, then what
     ``conf/probe/<name>.yaml`` sets, then ``overrides`` (:func:`typed_config`).
 
@@ -124,6 +124,14 @@ def register_schemas(config_dirs: Sequence[str | Path] = (), names: Collection[s
     return done
 
 
+def config_value(cfg, key: str, default=None):
+    """``key`` of a probe config, whether a typed ``Config`` instance or a mapping (a YAML node not
+    typed yet); ``default`` when it has none."""
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
 def module(cfg_or_name):
     """The module of a probe, from its config's ``_target_`` (``module.run``) or its name.
 
@@ -131,28 +139,34 @@ def module(cfg_or_name):
         KvnotesError: no such probe, or a ``_target_`` that cannot be imported or has no ``run``.
     """
     cfg = load_config(cfg_or_name) if isinstance(cfg_or_name, str) else cfg_or_name
-    target = cfg.get("_target_") if hasattr(cfg, "get") else None
+    target, name = config_value(cfg, "_target_"), config_value(cfg, "name")
     if not target:
-        raise KvnotesError(f"probe config '{cfg.get('name')}' has no _target_ (module.run of the probe)")
+        raise KvnotesError(f"probe config '{name}' has no _target_ (module.run of the probe)")
     mod_name, _, fn = str(target).rpartition(".")
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as exc:
-        raise KvnotesError(f"probe '{cfg.get('name')}': cannot import {mod_name} ({exc})") from None
+        raise KvnotesError(f"probe '{name}': cannot import {mod_name} ({exc})") from None
     if fn != "run" or not hasattr(mod, "run"):
-        raise KvnotesError(f"probe '{cfg.get('name')}': _target_ {target} is not a module's run function")
+        raise KvnotesError(f"probe '{name}': _target_ {target} is not a module's run function")
     return mod
 
 
-def typed_config(cfg) -> DictConfig:
+def typed_config(cfg) -> ProbeConfig:
     """``cfg`` merged into its probe module's ``Config`` dataclass (``ProbeConfig`` when the module
     declares none): values are type-checked, every key must be declared, and the values must meet
     the constraints declared on the fields (:func:`kvnotes.harness.constraints.check_values`).
+
+    Returns:
+        an instance of the probe's ``Config`` (what :class:`ProbeContext` hands the probe); a config
+        that is one already is returned as it is.
 
     Raises:
         KvnotesError: an unknown (e.g. misspelt) key, a value of the wrong type or outside its
             allowed values, in one line naming the key.
     """
+    if isinstance(cfg, ProbeConfig):
+        return cfg
     # Interpolations (``${oc.select:scenario.memory,...}``) resolve against the run config the probe
     # node belongs to, before the node is merged into a config of its own (where they would fall
     # back to their defaults).
@@ -166,12 +180,15 @@ def typed_config(cfg) -> DictConfig:
         msg = str(exc).splitlines()[0]
         raise KvnotesError(f"probe '{raw.get('name')}': {msg} (declared keys: {', '.join(known)})") from None
     check_values(schema, cast(dict, OmegaConf.to_container(out, resolve=True)))
-    OmegaConf.set_struct(out, True)
-    return cast(DictConfig, out)
+    return cast(ProbeConfig, OmegaConf.to_object(out))
+
+
+#: A probe's ``Config`` class.
+C = TypeVar("C")
 
 
 @dataclass
-class ProbeContext:
+class ProbeContext(Generic[C]):
     """What a probe gets: the model, the pairs, its config, the readout definition (mode, the flip
     rule ``owned``/``relative`` and its ``min_effect`` margin; ``docs/design.md``), a seed, a stage
     timer and the memory budget (bytes) for one chunk of batched variant caches (``budget_mb`` of
@@ -180,7 +197,9 @@ class ProbeContext:
 
     bundle: ModelBundle
     pairs: PairSet
-    cfg: Any
+    #: the probe's ``Config`` instance (:func:`typed_config`: a YAML node with a ``_target_`` given
+    #: here is typed on construction); a probe annotates ``ctx: ProbeContext[Config]``.
+    cfg: C
     readout: str = "first_token"
     min_effect: float = 1.0
     flip_rule: str = "owned"
@@ -209,7 +228,7 @@ class ProbeContext:
         return bool(self.template_kwargs.get("enable_thinking"))
 
     def __post_init__(self) -> None:
-        if self.cfg is not None and self.cfg.get("_target_"):
+        if self.cfg is not None and config_value(self.cfg, "_target_"):
             self.cfg = typed_config(self.cfg)
 
     @classmethod
@@ -248,7 +267,7 @@ def check_run(probe_cfg, run_cfg) -> None:
             wrong type (:func:`kvnotes.harness.runconfig.typed`).
     """
     settings = run_cfg if isinstance(run_cfg, RunSettings) else typed(run_cfg)
-    check = getattr(OmegaConf.to_object(probe_cfg), "check_run", None)
+    check = getattr(typed_config(probe_cfg), "check_run", None)
     if check is not None:
         check(settings)
 
@@ -268,7 +287,7 @@ def check_variant(cfg_or_name, variant: str, thinking: bool | None = None) -> No
                            "scenario.variant=cot (or set model.thinking=false)")
     if variant == "cot" and not getattr(module(cfg_or_name), "SUPPORTS_COT", False):
         able = [n for n in names() if getattr(module(n), "SUPPORTS_COT", False)]
-        name = cfg_or_name if isinstance(cfg_or_name, str) else cfg_or_name.get("name")
+        name = cfg_or_name if isinstance(cfg_or_name, str) else config_value(cfg_or_name, "name")
         raise KvnotesError(f"probe '{name}' reads the decision right after the answer prefix and generates no "
                            f"reasoning, so it does not support scenario.variant=cot"
                            f" (probes that do: {', '.join(able) or 'none'})")

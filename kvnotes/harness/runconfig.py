@@ -286,8 +286,8 @@ def check_run_config(cfg: Any, machine: bool = True) -> RunSettings:
     probe_cfg = registry.typed_config(cfg.probe)
     registry.check_variant(probe_cfg, settings.scenario.variant, bool(settings.model.thinking))
     registry.check_run(probe_cfg, settings)              # the probe's own checks of the run (its split's instances)
-    if probe_cfg.get("pairs", "field") != "none" and not settings.scenario.paths:
-        raise ScenarioError(f"scenario.paths is empty: probe {probe_cfg.get('name')} runs on a scenario suite's pairs; "
+    if probe_cfg.pairs != "none" and not settings.scenario.paths:
+        raise ScenarioError(f"scenario.paths is empty: probe {probe_cfg.name} runs on a scenario suite's pairs; "
                             f"name at least one suite folder or file (e.g. scenario=default)")
     if machine:
         dev = resolve_device(settings.device)

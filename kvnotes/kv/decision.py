@@ -134,3 +134,38 @@ def verdict(in_place: Decision, corrected: Decision, rule: str = "flip", margin:
         return False, f"extrapolated log-odds of {in_place.candidates[best]!r} {float(full[best]):.3f} <= margin {margin}"
     return True, (f"extrapolated log-odds of {in_place.candidates[best]!r} over {in_place.top1!r} "
                   f"{float(full[best]):.3f} > margin {margin}")
+
+
+def kl_nats(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) in nats of log-probability vectors: ``sum p (log p - log q)`` over the last axis.
+    The one KL of the harness: a composed, edited or memory arm against the full prefill (``p``,
+    the reference), a patched run against the clean one.
+
+    Args:
+        p_log, q_log: fp32 log-probs ``[..., vocab]`` (log-softmax outputs), same shape.
+
+    Returns:
+        ``[...]`` nats (0 when the distributions are equal; float rounding can leave it at -1e-7).
+    """
+    return (p_log.exp() * (p_log - q_log)).sum(-1)
+
+
+def recovery(s, s_old: float, s_new: float):
+    """Recovery of an intervened run's score: ``(s - s_old) / (s_new - s_old)``, unclipped
+    (docs/design.md §3; the paper's "recovery"): 0 where the run decides like the old (corrupted)
+    run, 1 where like the new (clean) one. The one recovery of the harness.
+
+    Args:
+        s: the intervened run's score ``log p(new) - log p(old)`` (nats): a float, a tensor of
+            scores, or None (a chain that missed its marker).
+        s_old, s_new: the old and new runs' scores (nats).
+
+    Returns:
+        like ``s``; None where ``s`` is None, or a float ``s`` whose clean runs score alike.
+    """
+    if s is None:
+        return None
+    gap = s_new - s_old
+    if isinstance(s, torch.Tensor):
+        return (s - s_old) / gap
+    return (s - s_old) / gap if gap else None

@@ -14,14 +14,11 @@ Sites (``kind``), all per decoder layer ``layer`` and per token position:
 - ``"resid_pre"``: the decoder layer's input (residual stream before it; at layer 0 the scaled
   embedding). ``[B, T, hidden]``.
 
-Two more sites sit on the prefix cache rather than in the forward: ``"hook_rot_k"`` (the cached keys,
-after RoPE) and ``"hook_v"`` (the cached values), ``[B, kv_heads, positions, head_dim]`` per layer,
-addressed by absolute cache positions ``< start`` and by KV head. An intervention there writes the
-variant caches before the forward (the affected layers are copied once for the whole batch), so
-KV patching is one kind of intervention: :func:`kv_patch` turns a patch mask ``[V, n_layers, T]``
-and a source cache into interventions on these sites, equal to
-:func:`kvnotes.kv.patch.patched_logprobs` (the probes' fast path for that one shape of
-intervention; ``tests/kv/test_engine.py``).
+K/V sites (cached keys and values at positions, per layer and KV head) are not engine sites: they are
+executed in the attention backend (:class:`kvnotes.kv.masks.KVSite`, :func:`kvnotes.kv.masks.site_masks`;
+patches :mod:`kvnotes.kv.patch`, knockouts :mod:`kvnotes.kv.knockout`), one site vocabulary with the
+engine's: a :class:`kvnotes.kv.masks.KVSite` names positions, layers and KV heads; a :class:`Site`
+names a layer's residual or head-output activation, at the positions of its :class:`Intervention`.
 
 Names are TransformerLens hook names (``blocks.l.attn.hook_z``, ``hook_attn_out``, ``hook_mlp_out``,
 ``hook_resid_pre``, ``hook_resid_post``). ``resid_pre[l] + attn_out[l] + mlp_out[l] == resid_post[l]``
@@ -59,10 +56,8 @@ from transformers import DynamicCache
 from kvnotes.kv import cache as kvcache
 from kvnotes.models.adapters import Adapter
 
-SiteKind = Literal["resid_pre", "hook_z", "attn_out", "mlp_out", "resid_post", "hook_rot_k", "hook_v"]
-KINDS = ("resid_pre", "hook_z", "attn_out", "mlp_out", "resid_post")
-#: Sites on the prefix cache's entries (TransformerLens ``attn.hook_rot_k`` / ``attn.hook_v``).
-CACHE_KINDS = ("hook_rot_k", "hook_v")
+SiteKind = Literal["resid_pre", "hook_z", "attn_out", "mlp_out", "resid_post"]
+KINDS: tuple[str, ...] = get_args(SiteKind)
 InterventionMode = Literal["set", "add"]
 INTERVENTION_MODES: tuple[str, ...] = get_args(InterventionMode)
 # Execution order of the sites inside one decoder layer (nnsight requires in-order access).
@@ -71,14 +66,14 @@ _ORDER = {k: i for i, k in enumerate(KINDS)}
 
 @dataclass(frozen=True)
 class Site:
-    """One site: ``kind`` (see :data:`KINDS` and :data:`CACHE_KINDS`) at decoder layer ``layer``."""
+    """One site: ``kind`` (see :data:`KINDS`) at decoder layer ``layer``."""
 
     kind: SiteKind
     layer: int
 
     def __post_init__(self):
-        if self.kind not in KINDS + CACHE_KINDS:
-            raise ValueError(f"site kind must be one of {KINDS + CACHE_KINDS}, got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"site kind must be one of {KINDS}, got {self.kind!r}")
 
 
 @dataclass
@@ -90,10 +85,9 @@ class Intervention:
         positions: absolute token positions (the forward's ``position_ids``); each must lie inside
             the fed span ``[start, start + n)``.
         value: head sites ``[V|1, P, n_heads, head_dim]`` (``heads`` given: ``[V|1, P, len(heads),
-            head_dim]``); cache sites ``[V|1, P, kv_heads, head_dim]`` likewise; other sites
-            ``[V|1, P, hidden]``. Cast to the model's dtype/device by the engine.
+            head_dim]``); other sites ``[V|1, P, hidden]``. Cast to the model's dtype/device by the engine.
         mode: ``"set"`` (replace) or ``"add"``.
-        heads: head and cache sites only: the (KV) heads ``value`` covers (default all).
+        heads: head sites only: the heads ``value`` covers (default all).
         where: optional bool mask, head sites ``[V|1, P, n_sel_heads]``, else ``[V|1, P]``: entries
             that are false keep the original activation.
     """
@@ -108,8 +102,8 @@ class Intervention:
     def __post_init__(self):
         if self.mode not in INTERVENTION_MODES:
             raise ValueError(f"intervention mode must be one of {INTERVENTION_MODES}, got {self.mode!r}")
-        if self.heads is not None and self.site.kind not in ("hook_z",) + CACHE_KINDS:
-            raise ValueError("heads= only applies to head and cache sites")
+        if self.heads is not None and self.site.kind != "hook_z":
+            raise ValueError("heads= only applies to head sites")
 
 
 @dataclass
@@ -167,74 +161,6 @@ def apply_intervention(x: torch.Tensor, iv: Intervention, start: int, n_heads: i
     return out
 
 
-def apply_cache_interventions(cache: DynamicCache, config, interventions: Sequence[Intervention],
-                              V: int) -> DynamicCache:
-    """A batch-``V`` cache equal to ``cache`` with the cache-site interventions applied (a new cache;
-    ``cache`` is not modified; only the layers an intervention touches are copied, once).
-
-    Args:
-        cache: batch-1 or batch-``V`` cache over ``[0, start)`` (windowed or all-slot).
-        config: the model config (``None`` for an all-slot cache).
-        interventions: on :data:`CACHE_KINDS` sites; ``positions`` absolute, held by the cache.
-
-    Raises:
-        IndexError: a position the layer does not hold (outside ``[0, start)`` or past a window).
-    """
-    view = kvcache.expand_cache(cache, config, V)
-    keys = [l.keys for l in view.layers]
-    values = [l.values for l in view.layers]
-    copied: set[tuple[str, int]] = set()
-    for iv in interventions:
-        l, kind = iv.site.layer, iv.site.kind
-        store = keys if kind == "hook_rot_k" else values
-        if (kind, l) not in copied:
-            store[l] = store[l].clone()
-            copied.add((kind, l))
-        t = store[l]                                                     # [V, kvh, slots, hd]
-        held = kvcache.slot_positions(view.layers[l]).tolist()
-        slot_of = {p: i for i, p in enumerate(held)}
-        missing = [p for p in iv.positions if p not in slot_of]
-        if missing:
-            raise IndexError(f"layer {l} holds positions {held[:1]}..{held[-1:]}, not {missing[:4]}")
-        slots = torch.as_tensor([slot_of[p] for p in iv.positions], dtype=torch.long, device=t.device)
-        heads = torch.arange(t.shape[1], device=t.device) if iv.heads is None else \
-            torch.as_tensor(list(iv.heads), dtype=torch.long, device=t.device)
-        cur = t[:, heads][:, :, slots]                                   # [V, H', P, hd]
-        val = rearrange(iv.value.to(t.dtype).to(t.device), "v p h d -> v h p d")
-        new = cur + val if iv.mode == "add" else val.expand_as(cur)
-        if iv.where is not None:
-            new = torch.where(rearrange(iv.where.to(t.device), "v p h -> v h p 1"), new, cur)
-        sub_ = t[:, heads]
-        sub_[:, :, slots] = new
-        t[:, heads] = sub_
-    return kvcache.cache_from_tensors(config, keys, values, kvcache.seq_length(cache))
-
-
-def kv_patch(masks: torch.Tensor, source: DynamicCache) -> list[Intervention]:
-    """A patch mask as interventions: variant ``v`` takes layer ``l``'s cached key and value at
-    position ``p`` from ``source`` where ``masks[v, l, p]`` (:mod:`kvnotes.kv.cache`'s patch masks).
-
-    Args:
-        masks: bool ``[V, n_layers, T]``.
-        source: batch-1 cache over ``[0, T)`` (the "new"/clean run).
-
-    Returns:
-        ``set`` interventions on ``hook_rot_k`` and ``hook_v`` of every layer the mask touches,
-        at the positions that layer holds.
-    """
-    out = []
-    for l, layer in enumerate(source.layers):
-        pos = kvcache.slot_positions(layer).to(masks.device)
-        where = masks[:, l, pos]                                          # [V, P]
-        if not bool(where.any()):
-            continue
-        kvh = layer.keys.shape[1]
-        w = where[:, :, None].expand(-1, -1, kvh)
-        for kind, t in (("hook_rot_k", layer.keys), ("hook_v", layer.values)):
-            out.append(Intervention(Site(kind, l), pos.tolist(), rearrange(t, "b h p d -> b p h d"), "set", where=w))
-    return out
-
-
 class Engine(ABC):
     """Common front end of the backends: argument checks, batching, cache and mask handling.
 
@@ -287,19 +213,11 @@ class Engine(ABC):
         V = max([ids.shape[0]] + [iv.value.shape[0] for iv in interventions]
                 + [iv.where.shape[0] for iv in interventions if iv.where is not None]
                 + ([cache.layers[0].keys.shape[0]] if cache is not None else []))
-        on_cache = [iv for iv in interventions if iv.site.kind in CACHE_KINDS]
-        interventions = [iv for iv in interventions if iv.site.kind not in CACHE_KINDS]
-        if on_cache and cache is None:
-            raise ValueError("cache-site interventions need a prefix cache (start > 0)")
-        if any(s.kind in CACHE_KINDS for s in capture):
-            raise ValueError("cache sites are not captured: read the cache (use_cache=True)")
         device = self.model.device
         ids = ids.to(device).expand(V, -1)
         n = ids.shape[1]
         config = None if isinstance(cache, kvcache.AllSlotCache) else self.model.config
-        if on_cache:
-            kv = apply_cache_interventions(cache, config, on_cache, V)
-        elif cache is not None:
+        if cache is not None:
             kv = kvcache.expand_cache(cache, config, V)
         else:
             kv = DynamicCache(config=self.model.config)

@@ -281,7 +281,7 @@ def shared_prefix_budget_chunk(config, base: DynamicCache, masks: Masks, n: int,
     return lo
 
 
-def _candidate_logits(model, hidden: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+def candidate_logits(model, hidden: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
     """Logits of ``vocab_ids`` only, from final (normed) hidden states ``[V, n, d_model]``: the
     unembedding rows of those tokens (and Gemma-2/3's final soft-capping), fp32 ``[V, n, k]``."""
     from kvnotes.models.adapters import Adapter
@@ -401,7 +401,7 @@ def _patched_chunk(model, base: DynamicCache, source: DynamicCache, masks: Masks
     with attention_hook(model, hook):
         if vocab_ids is None:
             return model(**feed, **kw).logits.float()
-        return _candidate_logits(model, model.base_model(**feed, **kw).last_hidden_state, vocab_ids)
+        return candidate_logits(model, model.base_model(**feed, **kw).last_hidden_state, vocab_ids)
 
 
 @torch.no_grad()

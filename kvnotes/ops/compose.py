@@ -41,6 +41,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from kvnotes.kv import cache as kvcache
+from kvnotes.kv.decision import kl_nats
 from kvnotes.kv.rope import _rotated, delta_rotations, rope_layout, rotate_into, rotation_matrix
 from kvnotes.ops.chunk import Chunk, move
 from kvnotes.ops.slots import SlotCache, SlotRunner, _forward_one_pass, has_sliding_layers, position_runs
@@ -575,6 +576,6 @@ def decision_metrics(full: torch.Tensor, composed: torch.Tensor) -> dict[str, to
         no-rotate control also scores high on it).
     """
     lf, lc = torch.log_softmax(full, -1), torch.log_softmax(composed, -1)
-    kl = (lf.exp() * (lf - lc)).sum(-1)
+    kl = kl_nats(lf, lc)
     return {"kl": kl, "top1_agree": full.argmax(-1) == composed.argmax(-1),
             "logit_cosine": torch.nn.functional.cosine_similarity(full, composed, dim=-1)}

@@ -203,6 +203,37 @@ def _color(i: int) -> str:
 
 
 @dataclass(frozen=True)
+class BarData:
+    """What a :class:`Bars` spec draws from one record, for either renderer (the report's plotly
+    page, the PNG of ``kvnotes plot``): x ``categories`` (``all`` first) and per trace one point per
+    category (None: no value)."""
+
+    id: str
+    title: str
+    ylabel: str
+    categories: list[str]
+    traces: dict[str, list[_P | None]]
+    ylog: bool = False
+
+
+@dataclass(frozen=True)
+class CurveData:
+    """What a :class:`Curves` spec draws from one record, for either renderer: one panel per
+    ``panels`` entry (titled ``titles``), per panel and trace the points ``(x, value)`` sorted by x,
+    and a reference value per panel (``refs``)."""
+
+    id: str
+    title: str
+    kind: str
+    panels: list[str]
+    titles: list[str]
+    traces: list[str]
+    points: dict[str, dict[str, list[tuple[float, _P]]]]
+    refs: dict[str, _P]
+    spec: "Curves"
+
+
+@dataclass(frozen=True)
 class Bars:
     """Grouped bars with 95% intervals: ``@`` the x categories, ``*`` / ``[a,b]`` the traces.
 
@@ -219,11 +250,10 @@ class Bars:
     names: dict = dataclasses.field(default_factory=dict)
     ylog: bool = False
 
-    def draw(self, page: _Page, rec: dict, root: dict | None = None) -> None:
-        import plotly.graph_objects as go
-
+    def data(self, rec: dict, root: dict | None = None) -> list[BarData]:
+        """The bars of a record (none when the path reaches no value)."""
         res = rec["result"]
-        root = res.get("aggregates") or {} if root is None else root
+        root = (res["aggregates"] or {}) if root is None else root     # a result without aggregates is refused
         lab = res.get(self.labels) if self.labels else None
         traces: dict[str, dict[str, _P]] = {}
         alt = ""
@@ -237,22 +267,32 @@ class Bars:
             alt = alt or (_key(keys, "?") or "")
             traces.setdefault(name, {})[cat] = p
         if not traces:
-            return
+            return []
         cats = _all_first(c for t in traces.values() for c in t)
-        fig = go.Figure()
-        for i, (name, pts) in enumerate(traces.items()):
-            ps = [pts.get(c) for c in cats]
-            fig.add_bar(x=cats, y=[p.y if p else None for p in ps], name=name or self.ylabel, marker_color=_color(i),
-                        error_y={"type": "data", "array": [p.hi - p.y if p and p.hi is not None else 0 for p in ps],
-                                 "arrayminus": [p.y - p.lo if p and p.lo is not None else 0 for p in ps]},
-                        customdata=[p.hover if p else "-" for p in ps],
-                        hovertemplate=f"{html.escape(name)} · %{{x}}: %{{customdata}}<extra></extra>")
-        fig.update_layout(title=self.title.format(alt=alt), barmode="group", height=400, yaxis_title=self.ylabel,
-                          showlegend=len(traces) > 1 or bool(next(iter(traces))))
-        if self.ylog:
-            fig.update_yaxes(type="log")
-        page.figure(fig, self.id, {"kind": "family_bars", "title": self.title.format(alt=alt),
-                                   "categories": cats, "traces": list(traces)})
+        return [BarData(self.id, self.title.format(alt=alt), self.ylabel, cats,
+                        {name: [pts.get(c) for c in cats] for name, pts in traces.items()}, self.ylog)]
+
+    def draw(self, page: _Page, rec: dict, root: dict | None = None) -> None:
+        for d in self.data(rec, root):
+            _plotly_bars(page, d)
+
+
+def _plotly_bars(page: _Page, d: BarData) -> None:
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for i, (name, ps) in enumerate(d.traces.items()):
+        fig.add_bar(x=d.categories, y=[p.y if p else None for p in ps], name=name or d.ylabel, marker_color=_color(i),
+                    error_y={"type": "data", "array": [p.hi - p.y if p and p.hi is not None else 0 for p in ps],
+                             "arrayminus": [p.y - p.lo if p and p.lo is not None else 0 for p in ps]},
+                    customdata=[p.hover if p else "-" for p in ps],
+                    hovertemplate=f"{html.escape(name)} · %{{x}}: %{{customdata}}<extra></extra>")
+    fig.update_layout(title=d.title, barmode="group", height=400, yaxis_title=d.ylabel,
+                      showlegend=len(d.traces) > 1 or bool(next(iter(d.traces))))
+    if d.ylog:
+        fig.update_yaxes(type="log")
+    page.figure(fig, d.id, {"kind": "family_bars", "title": d.title, "categories": d.categories,
+                            "traces": list(d.traces)})
 
 
 @dataclass(frozen=True)
@@ -268,6 +308,7 @@ class Curves:
         ref: a path (``@`` replaced by the panel) of a reference value drawn as a dotted line.
         dashed: traces whose names start with one of these are dashed.
         xreverse: the x axis runs right to left.
+        markers: points only, no lines (a scatter of labelled points: one trace each).
     """
 
     id: str
@@ -283,10 +324,13 @@ class Curves:
     ref_name: str = "reference"
     dashed: tuple[str, ...] = ()
     xreverse: bool = False
+    markers: bool = False
 
-    def draw(self, page: _Page, rec: dict, root: dict | None = None) -> None:
+    def data(self, rec: dict, root: dict | None = None) -> list[CurveData]:
+        """The curves of a record, one :class:`CurveData` per grid kind (none when the path reaches
+        no value)."""
         res = rec["result"]
-        root = res.get("aggregates") or {} if root is None else root
+        root = (res["aggregates"] or {}) if root is None else root     # a result without aggregates is refused
         xs = res.get(self.x) if self.x else None
         # kind -> panel -> trace -> [(x, point)]
         data: dict[str, dict[str, dict[str, list[tuple[float, _P]]]]] = {}
@@ -297,8 +341,33 @@ class Curves:
             alt = alt or (_key(keys, "?") or "")
             for kind, x, p in self._points(keys, leaf, xs):
                 data.setdefault(kind, {}).setdefault(panel, {}).setdefault(name, []).append((x, p))
+        out = []
         for kind, panels in data.items():
-            self._figure(page, rec, root, kind, panels, alt)
+            names = _all_first(panels)
+            titles = []
+            for name in names:
+                ns = [p.n for pts in panels[name].values() for _, p in pts if p.n]
+                titles.append(f"{name} (n≤{max(ns)})" if ns and name else name)
+            refs = {}
+            for name in names:
+                ref = next((_point(leaf) for _, leaf in _walk(root, self.ref.replace("@", name).split("/"))),
+                           None) if self.ref else None
+                if ref is not None:
+                    refs[name] = ref
+            title = self.title.format(alt=alt) + (f" · k as {kind}" if kind else "")
+            out.append(CurveData(f"{self.id}-{kind}" if kind else self.id, title, kind, names, titles,
+                                 list(dict.fromkeys(t for name in names for t in panels[name])),
+                                 {n: {t: sorted(pts, key=lambda q: q[0]) for t, pts in panels[n].items()} for n in names},
+                                 refs, self))
+        return out
+
+    def draw(self, page: _Page, rec: dict, root: dict | None = None) -> None:
+        for d in self.data(rec, root):
+            _plotly_curves(page, d)
+
+    def xlog_for(self, kind: str) -> bool:
+        """Whether the x axis of grid kind ``kind`` is logarithmic."""
+        return self.xlog is True or (isinstance(self.xlog, tuple) and kind in self.xlog)
 
     def _points(self, keys: tuple, leaf, xs):
         if self.xy:
@@ -323,64 +392,42 @@ class Curves:
             return
         yield kind, (int(x) if x.is_integer() else x), p
 
-    def _figure(self, page: _Page, rec: dict, root: dict, kind: str, panels: dict, alt: str) -> None:
-        from plotly.subplots import make_subplots
 
-        names = _all_first(panels)
-        cols = min(3, len(names))
-        nrows = -(-len(names) // cols)
-        titles = []
-        for name in names:
-            ns = [p.n for pts in panels[name].values() for _, p in pts if p.n]
-            titles.append(f"{name} (n≤{max(ns)})" if ns and name else name)
-        specs = [[{} if r * cols + c < len(names) else None for c in range(cols)] for r in range(nrows)]
-        fig = make_subplots(rows=nrows, cols=cols, specs=specs, subplot_titles=titles, shared_yaxes=True,
-                            horizontal_spacing=0.05, vertical_spacing=min(0.12, 0.5 / nrows))
-        traces = list(dict.fromkeys(t for name in names for t in panels[name]))
-        for i, name in enumerate(names):
-            row, col = i // cols + 1, i % cols + 1
-            for t in traces:
-                pts = sorted(panels[name].get(t, []), key=lambda q: q[0])
-                if not pts:
-                    continue
-                c = traces.index(t)
-                fig.add_scatter(x=[x for x, _ in pts], y=[p.y for _, p in pts], name=t or self.ylabel,
-                                legendgroup=t, showlegend=i == 0 or t not in
-                                {u for m in names[:i] for u in panels[m]},
-                                mode="lines+markers", line={"color": _color(c),
-                                                            "dash": "dash" if t.startswith(self.dashed) else None},
-                                error_y={"type": "data", "array": [p.hi - p.y if p.hi is not None else 0 for _, p in pts],
-                                         "arrayminus": [p.y - p.lo if p.lo is not None else 0 for _, p in pts],
-                                         "thickness": 1, "width": 2},
-                                customdata=[p.hover for _, p in pts],
-                                hovertemplate=f"{html.escape(t)} · {html.escape(name)}, x=%{{x}}: %{{customdata}}"
-                                              "<extra></extra>", row=row, col=col)
-            if self.ref:
-                ref = next((_point(leaf) for _, leaf in _walk(root, self.ref.replace("@", name).split("/"))), None)
-                if ref is not None:
-                    fig.add_hline(y=ref.y, line_dash="dot", line_color="black", line_width=1, row=row, col=col,
-                                  annotation_text=f"{self.ref_name} {ref.y:.2f}", annotation_font_size=9)
-        log = self.xlog is True or (isinstance(self.xlog, tuple) and kind in self.xlog)
-        fig.update_xaxes(title_text=f"{self.xlabel} ({kind})" if kind else self.xlabel, type="log" if log else None,
-                         autorange="reversed" if self.xreverse else None)
-        fig.update_yaxes(title_text=self.ylabel, col=1, type="log" if self.ylog else None)
-        title = self.title.format(alt=alt) + (f" · k as {kind}" if kind else "")
-        fig.update_layout(title=title, height=300 * nrows + 120, legend={"font": {"size": 10}})
-        fig_id = f"{self.id}-{kind}" if kind else self.id
-        page.figure(fig, fig_id, {"kind": "curves", "title": title, "panels": names, "traces": traces})
+def _plotly_curves(page: _Page, d: CurveData) -> None:
+    from plotly.subplots import make_subplots
 
-
-def by_seam(res: dict) -> dict:
-    """A ``compose`` record's ``variants`` (``rotate/sink=bos/seam=4`` -> metrics) as
-    ``metric -> "rotate sink=bos" -> seam -> group -> summary`` for :class:`Curves`."""
-    out: dict = {}
-    for name, d in ((res.get("aggregates") or {}).get("variants") or {}).items():
-        parts = str(name).split("/")
-        if not isinstance(d, dict) or len(parts) != 3 or not parts[2].startswith("seam="):
-            continue
-        for metric, by_group in d.items():
-            out.setdefault(metric, {}).setdefault(f"{parts[0]} {parts[1]}", {})[parts[2][5:]] = by_group
-    return out
+    spec, names = d.spec, d.panels
+    cols = min(3, len(names))
+    nrows = -(-len(names) // cols)
+    specs = [[{} if r * cols + c < len(names) else None for c in range(cols)] for r in range(nrows)]
+    fig = make_subplots(rows=nrows, cols=cols, specs=specs, subplot_titles=d.titles, shared_yaxes=True,
+                        horizontal_spacing=0.05, vertical_spacing=min(0.12, 0.5 / nrows))
+    for i, name in enumerate(names):
+        row, col = i // cols + 1, i % cols + 1
+        for t in d.traces:
+            pts = d.points[name].get(t, [])
+            if not pts:
+                continue
+            c = d.traces.index(t)
+            fig.add_scatter(x=[x for x, _ in pts], y=[p.y for _, p in pts], name=t or spec.ylabel,
+                            legendgroup=t, showlegend=i == 0 or t not in {u for m in names[:i] for u in d.points[m]},
+                            mode="markers" if spec.markers else "lines+markers",
+                            line={"color": _color(c), "dash": "dash" if t.startswith(spec.dashed) else None},
+                            error_y={"type": "data", "array": [p.hi - p.y if p.hi is not None else 0 for _, p in pts],
+                                     "arrayminus": [p.y - p.lo if p.lo is not None else 0 for _, p in pts],
+                                     "thickness": 1, "width": 2},
+                            customdata=[p.hover for _, p in pts],
+                            hovertemplate=f"{html.escape(t)} · {html.escape(name)}, x=%{{x}}: %{{customdata}}"
+                                          "<extra></extra>", row=row, col=col)
+        ref = d.refs.get(name)
+        if ref is not None:
+            fig.add_hline(y=ref.y, line_dash="dot", line_color="black", line_width=1, row=row, col=col,
+                          annotation_text=f"{spec.ref_name} {ref.y:.2f}", annotation_font_size=9)
+    fig.update_xaxes(title_text=f"{spec.xlabel} ({d.kind})" if d.kind else spec.xlabel,
+                     type="log" if spec.xlog_for(d.kind) else None, autorange="reversed" if spec.xreverse else None)
+    fig.update_yaxes(title_text=spec.ylabel, col=1, type="log" if spec.ylog else None)
+    fig.update_layout(title=d.title, height=300 * nrows + 120, legend={"font": {"size": 10}})
+    page.figure(fig, d.id, {"kind": "curves", "title": d.title, "panels": names, "traces": d.traces})
 
 
 @dataclass(frozen=True)
@@ -390,42 +437,21 @@ class Reshaped:
     figure: Bars | Curves
     reshape: Callable[[dict], dict]
 
+    @property
+    def id(self) -> str:
+        return self.figure.id
+
+    def data(self, rec: dict) -> list:
+        """The figure's :class:`BarData` / :class:`CurveData` from the reshaped result."""
+        return self.figure.data(rec, self.reshape(rec["result"]))
+
     def draw(self, page: _Page, rec: dict) -> None:
         self.figure.draw(page, rec, self.reshape(rec["result"]))
 
 
-def edit_frontier(page: _Page, rec: dict) -> None:
-    """Mean recovery against the share of tokens recomputed, one point per method and K."""
-    import plotly.graph_objects as go
-
-    aggs = rec["result"].get("aggregates", {})
-    pts = [(name, m["frac"]["all"].get("mean"), m["recovery"]["all"].get("mean"))
-           for name, m in {**aggs.get("methods", {}), **aggs.get("sweep", {})}.items()
-           if isinstance(m, dict) and "frac" in m and "recovery" in m]
-    pts = [p for p in pts if p[1] is not None and p[2] is not None]
-    if pts:
-        fig = go.Figure(go.Scatter(x=[p[1] for p in pts], y=[p[2] for p in pts], text=[p[0] for p in pts],
-                                   mode="markers", hovertemplate="%{text}: tokens %{x:.3f}, recovery %{y:.3f}"
-                                   "<extra></extra>"))
-        fig.update_layout(title="edit frontier: recovery against the share of tokens recomputed",
-                          xaxis_title="tokens recomputed / total", yaxis_title="mean recovery", height=380)
-        page.figure(fig, "edit-frontier", {"kind": "edit_frontier"})
-
-
-def agent_turns(page: _Page, rec: dict) -> None:
-    """Share of rows per turn whose agent agrees with the oracle and with the transcript."""
-    import plotly.graph_objects as go
-
-    rows = rec["result"].get("rows", [])
-    turns = sorted({r["turn"] for r in rows})
-    if turns:
-        fig = go.Figure()
-        for key, name in (("agree_oracle", "agent = oracle"), ("agree_transcript", "agent = transcript")):
-            ys = [sum(bool(r[key]) for r in rows if r["turn"] == t) / max(1, sum(r["turn"] == t for r in rows))
-                  for t in turns]
-            fig.add_scatter(x=turns, y=ys, name=name, mode="lines+markers")
-        fig.update_layout(title="agent: agreement per turn", xaxis_title="turn", yaxis_range=[0, 1.05], height=360)
-        page.figure(fig, "agent-turns", {"kind": "turn_curve"})
+#: A figure spec: what both renderers read (the report's plotly page; ``kvnotes plot``'s PNG,
+#: :func:`kvnotes.plots.plot_record`).
+FigureSpec = Bars | Curves | Reshaped
 
 
 #: The flip-share axis title of a patch probe's figures.
@@ -439,10 +465,7 @@ def _figures(page: _Page, rec: dict) -> None:
     _single_strips(page, rec)
     _example_maps(page, rec)
     for fig in presentation(rec).figures:
-        if isinstance(fig, (Bars, Curves, Reshaped)):
-            fig.draw(page, rec)
-        else:
-            fig(page, rec)
+        fig.draw(page, rec)
     _row_maps(page, rec)
 
 

@@ -1,10 +1,9 @@
 """A probe's presentation, declared in its own module and found from its records.
 
 A probe module (or any module that writes records) declares ``PRESENTATION``, a :class:`Presentation`:
-the report's headline for its records, the figures the report draws from them and those
-``kvnotes plot`` writes
-(:class:`kvnotes.records.figures.Bars`, :class:`~kvnotes.records.figures.Curves`, or a drawing
-function), and its Markdown table (``kvnotes table``, the report's page). Nothing central is keyed by
+the report's headline for its records, its figures as figure specs that both the report (plotly) and
+``kvnotes plot`` (PNG, :mod:`kvnotes.plots`) draw (:class:`kvnotes.records.figures.Bars`,
+:class:`~kvnotes.records.figures.Curves`, :class:`~kvnotes.records.figures.Reshaped`), and its Markdown table (``kvnotes table``, the report's page). Nothing central is keyed by
 a probe's name: a record names the module that wrote it (``config.probe._target_``, the probe's run
 function; or ``presentation``, a module path, for records written outside a probe such as the
 serving benchmark's), and :func:`presentation` imports that module and reads its declaration. A
@@ -49,14 +48,14 @@ class Presentation:
     Attributes:
         headline: the report index's headline of a record (:data:`Headline`; None: the first
             aggregate with pairs).
-        figures: what the report draws on a record's page besides the figures every page gets:
-            :class:`kvnotes.records.figures.Bars` / ``Curves`` / ``Reshaped`` (record keys), or
-            ``fn(page, record)``.
+        figures: its figure specs (:class:`kvnotes.records.figures.Bars` / ``Curves`` / ``Reshaped``,
+            reading record keys): the report draws them on a record's page besides the figures every
+            page gets, ``kvnotes plot`` writes one PNG each.
         table: ``fn(record) -> Markdown`` (None: :func:`kvnotes.records.tables.aggregates_table`);
             keyword options the table accepts (``by`` of the screen table) are passed by ``kvnotes table``.
-        plot: ``fn(record, out_dir) -> written paths``: the static figures ``kvnotes plot`` and a run
-            write (:mod:`kvnotes.plots`; None: none), or ``"module:function"`` naming it (imported
-            when drawing, so importing a probe does not import matplotlib).
+        plot: records written outside a probe (the serving benchmark's): ``fn(record, out_dir) ->
+            written paths`` drawing static figures besides the specs', or ``"module:function"``
+            naming it (imported when drawing, so importing its module does not import matplotlib).
         results: the columns its records add to the per-family results table (:class:`ResultsColumn`).
     """
 

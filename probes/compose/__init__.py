@@ -10,23 +10,28 @@ from typing import Annotated, Any, Optional
 
 import torch
 from annotated_types import Len
-from tqdm import tqdm
 
 from kvnotes.errors import KvnotesError
 from kvnotes.harness import kit as K
 from kvnotes.harness.chunks import SINKS, chunked_pairs
 from kvnotes.probes.compose.arms import compose_prompts, cot_generate, edit_arms, image_arm, variant_name
+from kvnotes.probes.compose.controls import METRICS, WHERE, composition_controls
 from kvnotes.harness.constraints import Count, NonNegative, NonNegatives, one_of, require_field_placement
-from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family
+from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family, summary
 from kvnotes.harness.pairs import pair_row, transcript_turns
 from kvnotes.harness.stats import proportion
+from kvnotes.kv.decision import recovery
+from kvnotes.kv.engine import make_engine
 from kvnotes.kv.generate import owned_side, stop_tokens
 from kvnotes.ops import compose as kvcompose
-from kvnotes.records.figures import Curves, Reshaped, by_seam
+from kvnotes.records.figures import Curves, Reshaped
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import BaseResult
 from kvnotes.probes.compose.table import compose_table
 
+
+#: Why the planted-truth lane cannot score this probe (tests/lanes/test_planted.py).
+PLANTED_NOT_SCORED = "the construction is position-independent (rotary frequencies ~0), so re-rotated chunks cannot err"
 
 @dataclass
 class Config(ProbeConfig):
@@ -50,6 +55,9 @@ class Config(ProbeConfig):
     cot_max_pairs: Optional[Count] = 12
     #: seams of the composed variants under cot (x rotate/no_rotate x sinks)
     cot_seams: NonNegatives = field(default_factory=lambda: [0, 4])
+    #: direct readout: the composition controls per prompt and sink (attention mask, residual stream
+    #: and norm inputs of the composed run against the full one; :mod:`kvnotes.probes.compose.controls`)
+    controls: bool = True
 
     def check_run(self, run) -> None:
         """Compose lays out its chunks itself (rule, filler, context, request).
@@ -157,7 +165,7 @@ def cot_pair_row(pair, ro: dict, rn: dict, names: list[str]) -> dict:
         side = owned_side(lp, pair) if c.reached else None
         row["variants"][name] = {"reached": c.reached, "side_new": side,
                                  "takes_new": (side == "new") if c.reached else None, "s_new": s,
-                                 "r": (s - s_old) / (s_new - s_old) if s is not None and s_new != s_old else None}
+                                 "r": recovery(s, s_old, s_new)}
     return row
 
 
@@ -249,7 +257,7 @@ def _direct_pair_row(pair, ro: dict, rn: dict, names: list[str], flips: bool) ->
         lo, ln = ro["variants"][name]["logprobs"], rn["variants"][name]["logprobs"]
         sc_old, sc_new = float(lo[cn] - lo[co]), float(ln[cn] - ln[co])
         row["variants"][name] = {"s_old": sc_old, "s_new": sc_new,
-                                 "r": (sc_new - s_old) / (s_new - s_old) if s_new != s_old else None}
+                                 "r": recovery(sc_new, s_old, s_new)}
     return row
 
 
@@ -317,8 +325,9 @@ def run(ctx) -> dict:
     else:
         fs = flipping_pairs(cctx, keep_caches=False)
         pairs, beyond, flips = cpairs.pairs, 0, {r["pair"] for r in fs.rows}
+    engine = make_engine(model) if cfg.controls and not generated else None
     prompt_rows, rows, bad_prompts, bad_pairs, memo = [], [], [], [], {"chunks": {}}
-    for at, pair in enumerate(tqdm(pairs, desc="compose", disable=not K.progress(ctx))):
+    for at, pair in enumerate(K.units(ctx, pairs, "compose")):
         inst, sc = pair.spec.instance.id, pair.spec.instance.scenario
         if any(k[0] != inst for k in memo if isinstance(k, tuple)):
             memo = {"chunks": {}}                       # pairs of one instance are consecutive
@@ -337,6 +346,12 @@ def run(ctx) -> dict:
                     (prompt_rows if row["reason"] is None else bad_prompts).append(row)
                     continue
                 prompt_rows.append(_direct_prompt_row(cols, r, cand[0]))
+                if engine is not None:
+                    with ctx.timer("controls"):
+                        prompt_rows[-1]["controls"] = {
+                            sink: composition_controls(model, engine, prompt.ids, pair.chunks, sink, memo["chunks"],
+                                                       r["variants"].get(variant_name(True, sink, 0), {}).get("logprobs"))
+                            for sink in sinks}
                 if image is not None:
                     with ctx.timer("image_chunk"):
                         prompt_rows[-1]["image_chunk"] = image_arm(model, prompt.ids, pair.chunks, sinks, image)
@@ -381,18 +396,56 @@ def run(ctx) -> dict:
                                   "pairs_with_chunks_tokenised_standalone": sum(all(r["standalone"]) for r in rows),
                                   "n_rows": len(rows)},
                        "edit_arms": arms,
+                       "controls": control_summary(prompt_rows, sinks, n_boot, ctx.seed) if engine is not None else None,
                        "image_chunk": None if image is None else image_summary(prompt_rows, image, cpairs, families,
                                                                                n_boot, ctx.seed)}
     return {"rows": rows, "prompts": prompt_rows, "exclusions": exclusions, "excluded": excluded,
             "variant_names": names, "aggregates": aggregates}
 
 
+def control_summary(prompt_rows: list[dict], sinks: list[str], n_boot: int, seed: int) -> dict:
+    """``aggregates.controls``: per sink (``sink=<name>``), per place (:data:`WHERE`) and metric
+    (:data:`METRICS`), the per-layer mean over prompts with an interval fitted to the clusters, and
+    ``context_seen``; ``check_abs_logprob_diff``: the largest difference between the control's composed
+    decision and the probe's own (rotate, seam 0) variant."""
+    out: dict = {}
+    for sink in sinks:
+        rows = [r for r in prompt_rows if r.get("controls")]
+        n_layers = len(rows[0]["controls"][sink][WHERE[0]][METRICS[0]]) if rows else 0
+        out[f"sink={sink}"] = {where: {m: {layer: summary(rows, lambda r, w=where, m=m, i=layer: r["controls"][sink][w][m][i],
+                                                          n_boot, seed)
+                                           for layer in range(n_layers)} for m in METRICS}
+                               for where in WHERE} | {
+            "context_seen": summary(rows, lambda r: r["controls"][sink]["context_seen"], n_boot, seed)}
+    diffs = [c["check_abs_logprob_diff"] for r in prompt_rows for c in (r.get("controls") or {}).values()
+             if c["check_abs_logprob_diff"] is not None]
+    return out | {"check_abs_logprob_diff": max(diffs, default=None)}
+
+
+def by_seam(res: dict) -> dict:
+    """A ``compose`` record's ``variants`` (``rotate/sink=bos/seam=4`` -> metrics) as
+    ``metric -> "rotate sink=bos" -> seam -> group -> summary`` for :class:`kvnotes.records.figures.Curves`."""
+    out: dict = {}
+    for name, d in ((res.get("aggregates") or {}).get("variants") or {}).items():
+        parts = str(name).split("/")
+        if not isinstance(d, dict) or len(parts) != 3 or not parts[2].startswith("seam="):
+            continue
+        for metric, by_group in d.items():
+            out.setdefault(metric, {}).setdefault(f"{parts[0]} {parts[1]}", {})[parts[2][5:]] = by_group
+    return out
+
+
+
 #: How this probe's records are shown: the report's headline, its figures, its table
 #: (:mod:`kvnotes.records.presentation`).
-PRESENTATION = Presentation(plot="kvnotes.plots.compose:plot_compose", figures=(
+PRESENTATION = Presentation(figures=(
     Reshaped(Curves("seam-agreement", "decision_agreement/*/#/@", "compose: decision agreement with the full "
                     "prefill by seam (owned prompts; Wilson 95%)", "seam tokens", "agreement"), by_seam),
     Reshaped(Curves("seam-kl", "kl/*/#/@", "compose: KL(full || composed) by seam (mean, 95% interval)",
-                    "seam tokens", "KL (nats)", ylog=True), by_seam)),
+                    "seam tokens", "KL (nats)", ylog=True), by_seam),
+    *(Curves(f"controls-{m}", f"controls/*/@/{m}/#", f"composition controls: {what} of the composed run against the "
+             "full recompute, per layer (mean over prompts, 95% interval)", "layer", what)
+      for m, what in (("rel_l2", "relative L2 distance of the residual stream"),
+                      ("rms_ratio_attn_norm", "RMS ratio of the attention norm's input")))),
     table=compose_table)
 

@@ -96,7 +96,8 @@ def test_sweep_writes_one_record_per_job(sweep):
         assert rec["scenario"]["n_pairs_aligned"] == 3
         rows = rec["result"]["rows"]
         assert len(rows) == 3 and all(row["scenario"] == "favourite_fruit" for row in rows)
-        assert (r.parent / f"{rec['probe']}.png").stat().st_size > 10_000
+        figs = list(r.parent.glob(f"{rec['probe']}-*.png"))       # one per figure spec of the probe
+        assert figs and all(f.stat().st_size > 10_000 for f in figs)
 
 
 def test_blast_radius_record_contents(sweep):

@@ -119,8 +119,8 @@ def test_readers_still_work(work, monkeypatch, capsys):
     ran = run_kvnotes(monkeypatch, capsys, "table", blast)
     assert ran.returncode == 0 and "all/k_rel_p95/all" in ran.stdout, ran.stderr
     ran = run_kvnotes(monkeypatch, capsys, "plot", screen, "-o", work / "figs")
-    assert ran.returncode == 0 and ran.stdout.strip() == str(work / "figs" / "screen.png"), ran.stderr
-    assert (work / "figs" / "screen.png").stat().st_size > 1000
+    assert ran.returncode == 0 and ran.stdout.strip() == str(work / "figs" / "screen-screen-families.png"), ran.stderr
+    assert (work / "figs" / "screen-screen-families.png").stat().st_size > 1000
     ran = run_kvnotes(monkeypatch, capsys, "report", work / "runs", "-o", work / "a" / "b" / "site")
     assert ran.returncode == 0, ran.stderr
     assert sorted(p.name for p in (work / "a" / "b" / "site").iterdir()) == [

@@ -78,8 +78,9 @@ def _doc_blocks() -> tuple[str, str, str]:
 def test_the_documented_probe_is_its_module_config_and_page(tmp_path):
     """The three files of docs/adding_a_probe.md, placed where the page says (``probes/``,
     ``conf/probe/``, ``docs/probes/``) in a copy of this repository, make a probe the layout tests
-    accept (its page linked and in the nav, no harness module of its own, imports in their layers)
-    and that the registry finds, with nothing else changed (issue #51)."""
+    accept (its page linked and in the nav, no harness module of its own, imports in their layers),
+    that the planted lane accounts for (its module says why it is not scored) and that the registry
+    finds, with nothing else changed (issue #51)."""
     import shutil
     import subprocess
     import sys
@@ -90,9 +91,7 @@ def test_the_documented_probe_is_its_module_config_and_page(tmp_path):
         shutil.copytree(root / folder, copy / folder, symlinks=True,
                         ignore=shutil.ignore_patterns("__pycache__", "*.png", "assets"))
     (copy / "mkdocs.yml").write_text((root / "mkdocs.yml").read_text())
-    (copy / "tests" / "lanes").mkdir(parents=True)
-    for f in ("tests/__init__.py", "tests/lanes/__init__.py", "tests/lanes/test_layout.py"):
-        shutil.copyfile(root / f, copy / f)
+    shutil.copytree(root / "tests", copy / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     code, yaml, page = _doc_blocks()
     (copy / "probes" / "field_only.py").write_text(code)
     (copy / "conf" / "probe" / "field_only.yaml").write_text(yaml)
@@ -103,7 +102,8 @@ def test_the_documented_probe_is_its_module_config_and_page(tmp_path):
                            cwd=copy, env=env, capture_output=True, text=True)
     assert found.returncode == 0 and found.stdout.strip().startswith(str(copy)), found.stderr
     ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n0", "-p", "no:cacheprovider", "-c", "/dev/null",
-                          "--rootdir", str(copy), "tests/lanes/test_layout.py"], cwd=copy, env=env,
+                          "--rootdir", str(copy), "tests/lanes/test_layout.py",
+                          "tests/lanes/test_planted.py::test_the_lane_names_every_probe"], cwd=copy, env=env,
                          capture_output=True, text=True)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-2000:]
     assert " passed" in ran.stdout and "failed" not in ran.stdout

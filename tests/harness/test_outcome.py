@@ -1,4 +1,4 @@
-"""A run says what it found (:mod:`kvnotes.harness.outcome`): the summary line's counts, and the
+"""A run says what it found (:mod:`kvnotes.harness.jobs`): the summary line's counts, and the
 warning with the top reason and an example when no decision flipped."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvnotes.harness import outcome
+from kvnotes.harness import jobs as outcome
 
 
 class Tok:

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvnotes.kv.engine import KINDS, Intervention, LensEngine, NNsightEngine, Site, kv_patch
+from kvnotes.kv.engine import KINDS, Intervention, LensEngine, NNsightEngine, Site
 from kvnotes.kv import cache as kvcache
-from kvnotes.kv import patch as kvpatch
-from tests.helpers import ARCHS, BATCH_TOL, VOCAB, build_tiny
+from tests.helpers import ARCHS, VOCAB, build_tiny
 
 TOL = 1e-5
 T = 14
@@ -137,43 +136,9 @@ def test_backends_agree(arch):
     assert (a.logprobs - plain.logprobs).abs().max() > 1e-3       # the interventions did something
 
 
-def test_kv_patch_as_interventions_equals_patched_logprobs(nn_engine):
-    """K/V entries are sites of the one intervention model: a patch mask turned into interventions
-    on ``hook_rot_k`` / ``hook_v`` (:func:`kv_patch`) gives the logits of the cache machinery's
-    batched patching (windows smaller than the prompt on the Gemma models), and a mask that patches
-    nothing gives the base run."""
-    model = nn_engine.model
-    L = model.config.num_hidden_layers
-    old, new = _ids(1), _ids(1).clone()
-    new[3:5] = _ids(7)[3:5]
-    d = T - 1
-    base, source = kvcache.prefill(model, old[:d]), kvcache.prefill(model, new[:d])
-    g = torch.Generator().manual_seed(3)
-    masks = torch.rand(4, L, d, generator=g) < 0.4
-    masks[0] = False                                         # variant 0 patches nothing
-    masks[1, :, 3:5] = True                                  # variant 1: at least the field
-    tokens = old[d:d + 1]
-    ref = kvpatch.patched_logprobs(model, base, source, masks, tokens)
-    out = nn_engine.run(tokens, interventions=kv_patch(masks, source), cache=base, start=d)
-    assert out.logprobs.shape == ref.shape
-    assert (out.logprobs - ref).abs().max() < BATCH_TOL * 10
-    plain = nn_engine.run(tokens, cache=base, start=d)
-    assert (out.logprobs[0] - plain.logprobs[0]).abs().max() < BATCH_TOL * 10
-    assert (out.logprobs[1] - plain.logprobs[0]).abs().max() > 1e-3     # the patch changes the run
-    assert kvcache.seq_length(base) == d and torch.equal(base.layers[0].keys, kvcache.prefill(model, old[:d]).layers[0].keys)
-
-
-def test_cache_site_checks(nn_engine):
-    model = nn_engine.model
-    ids = _ids()
-    prefix = kvcache.prefill(model, ids[:START])
-    kvh = prefix.layers[0].keys.shape[1]
-    hd = prefix.layers[0].keys.shape[-1]
-    iv = Intervention(Site("hook_v", 0), [START], torch.zeros(1, 1, kvh, hd))
-    with pytest.raises(IndexError, match="holds positions"):
-        nn_engine.run(ids[START:], interventions=[iv], cache=prefix, start=START)
-    with pytest.raises(ValueError, match="need a prefix cache"):
-        nn_engine.run(ids, interventions=[iv])
-    zero = Intervention(Site("hook_v", 0), [START - 2, START - 1], torch.zeros(1, 2, 1, hd), heads=[0])
-    out = nn_engine.run(ids[START:], interventions=[zero], cache=prefix, start=START)
-    assert torch.isfinite(out.logprobs).all() and kvcache.seq_length(prefix) == START
+def test_kv_sites_are_not_engine_sites():
+    """K/V entries are sites of the attention backend (:class:`kvnotes.kv.masks.KVSite`), not of the
+    engine: one site vocabulary, one executor per kind of site."""
+    for kind in ("hook_rot_k", "hook_v"):
+        with pytest.raises(ValueError, match="site kind must be one of"):
+            Site(kind, 0)  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ Each model is loaded through the model configs (``conf/model/planted-*.yaml``) a
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -104,6 +105,7 @@ def test_the_architecture_block_is_the_construction(name):
     assert data.rope_parameters == built.rope_parameters
 
 
+@pytest.mark.planted("field_refresh")
 @pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.1), ("mixed", 0.5), ("mixed", 0.9),
                                           ("direct", 1.0)])
 def test_field_refresh_recovers_the_planted_field_share(arch, cache, monkeypatch, family, alpha):
@@ -124,6 +126,7 @@ def _marker_positions(ctx, pair) -> dict[str, int]:
     return {w: i for i, w in enumerate(words) if w in planted.MARKERS}
 
 
+@pytest.mark.planted("suffix_recovery")
 @pytest.mark.parametrize("family", ["distributed", "delimiter"])
 def test_suffix_recovery_finds_the_planted_notes(arch, cache, monkeypatch, family):
     """The top-1 held-out position is a planted note position on every pair, and the single-position
@@ -162,6 +165,7 @@ def test_suffix_recovery_finds_the_planted_notes(arch, cache, monkeypatch, famil
         assert all(_marker_positions(ctx, by_id[r["pair"]])["note"] > r["field"][1] + 3 for r in res["rows"])
 
 
+@pytest.mark.planted("heads")
 def test_heads_ranks_the_planted_read_and_write_heads_first(arch, cache, monkeypatch):
     """Mixed family (alpha 0.3): the notes read head (1, 0) ranks first, the field read head (1, 1)
     second; the write head (0, 0) leads the write side; on the delimiter family the distractor
@@ -179,6 +183,7 @@ def test_heads_ranks_the_planted_read_and_write_heads_first(arch, cache, monkeyp
     assert ranks[0] == used[0] and truth["distractor_heads"][0] not in ranks[:ranks.index(used[0]) + 1]
 
 
+@pytest.mark.planted("injection")
 @pytest.mark.parametrize("family,follows", [("notes", 1.0), ("direct", 0.0)])
 def test_injection_follows_the_planted_source(arch, cache, monkeypatch, family, follows):
     ctx = _context(cache, monkeypatch, family, "injection", n_instances=1, arch=arch)
@@ -187,6 +192,7 @@ def test_injection_follows_the_planted_source(arch, cache, monkeypatch, family, 
         assert cell["follow_notes"]["p"] == follows
 
 
+@pytest.mark.planted("read_location")
 @pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.3), ("direct", 1.0)])
 def test_read_location_knockouts_move_the_planted_shares(arch, cache, monkeypatch, family, alpha):
     """Hiding a key group from the decision query in every layer removes exactly what the model reads
@@ -239,6 +245,7 @@ def test_kv_head_sites_split_the_planted_read_heads(cache, monkeypatch):
                 assert float(moved[i]) == pytest.approx(part * beta, abs=BAR * beta), name
 
 
+@pytest.mark.planted("edit")
 @pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.3), ("mixed", 0.7), ("direct", 1.0)])
 def test_edit_refresh_fails_where_the_notes_decide_and_selective_recompute_recovers(arch, cache, monkeypatch, family,
                                                                                      alpha):
@@ -274,6 +281,7 @@ def test_edit_refresh_fails_where_the_notes_decide_and_selective_recompute_recov
                 assert r["sweep"][f"selective_{ranking}@{k}"]["r"] == pytest.approx(want, abs=EXACT), (ranking, k)
 
 
+@pytest.mark.planted("direction")
 def test_direction_is_the_planted_value_direction(arch, cache, monkeypatch):
     """Notes family: the layer chosen on the selection split is the write layer's output (layer 0,
     after which the markers hold the notes), and adding the held-out pairs' difference along the
@@ -334,6 +342,7 @@ def test_bench_auto_scores_the_diagnostic_against_the_planted_truth(cache, monke
         assert ran.returncode == 2 and says in ran.stderr and "Traceback" not in ran.stderr, ran.stderr
 
 
+@pytest.mark.planted("components")
 def test_components_attribute_the_decision_to_the_read_layer_and_cannot_see_the_notes(arch, cache, monkeypatch):
     """Mixed family (alpha 0.3): at the decision position the whole change of the logit difference is
     the attention of the read heads' layer (1): embedding, the other layers and every MLP add
@@ -360,6 +369,7 @@ def test_components_attribute_the_decision_to_the_read_layer_and_cannot_see_the_
         assert max(abs(x) for x in [*r["at_note"]["attn"], *r["at_note"]["mlp"], r["at_note"]["final"]]) < EXACT
 
 
+@pytest.mark.planted("screen")
 def test_screen_finds_every_planted_pair_flipping_and_owned(arch, cache, monkeypatch):
     """Every aligned pair of the planted suite flips under both rules: the clean scores are about
     +-beta and each clean run's top-1 token is its own value (the model owns the decision)."""
@@ -370,6 +380,7 @@ def test_screen_finds_every_planted_pair_flipping_and_owned(arch, cache, monkeyp
     assert all(abs(r["s_new"] - beta) < SCALE * beta and abs(r["s_old"] + beta) < SCALE * beta for r in res["rows"])
 
 
+@pytest.mark.planted("blast_radius")
 @pytest.mark.parametrize("family", ["notes", "distributed"])
 def test_blast_radius_moves_the_values_of_the_note_positions_only(arch, cache, monkeypatch, family):
     """A field change moves no key downstream (keys read role flags only) and the values of exactly
@@ -386,30 +397,25 @@ def test_blast_radius_moves_the_values_of_the_note_positions_only(arch, cache, m
     assert max(max(layer[b:d]) for layer in ex["maps"]["k_rel"]) < EXACT
 
 
-#: Every probe of conf/probe, scored here against the planted truth (its test) or not, with why.
-SCORED = {"field_refresh": "test_field_refresh_recovers_the_planted_field_share",
-          "suffix_recovery": "test_suffix_recovery_finds_the_planted_notes",
-          "heads": "test_heads_ranks_the_planted_read_and_write_heads_first",
-          "injection": "test_injection_follows_the_planted_source",
-          "direction": "test_direction_is_the_planted_value_direction",
-          "read_location": "test_read_location_knockouts_move_the_planted_shares",
-          "edit": "test_edit_refresh_fails_where_the_notes_decide_and_selective_recompute_recovers",
-          "components": "test_components_attribute_the_decision_to_the_read_layer_and_cannot_see_the_notes",
-          "screen": "test_screen_finds_every_planted_pair_flipping_and_owned",
-          "blast_radius": "test_blast_radius_moves_the_values_of_the_note_positions_only"}
-NOT_SCORED = {
-    "dissociation": "its pairs flip a rule's trigger word; the construction has no rule that gates the decision",
-    "compose": "the construction is position-independent (rotary frequencies ~0), so re-rotated chunks cannot err",
-    "agent": "multi-turn tool transcripts; the planted tokenizer reads every non-role word as <unk>",
-    "locomo": "LoCoMo conversations; every non-role word is <unk> to the planted tokenizer",
-    **{f"memory_{m}": "user-memory personas; every non-role word is <unk> to the planted tokenizer"
-       for m in ("agent", "edits", "granularity", "placement", "transplant")}}
+def planted_scored() -> dict[str, list[str]]:
+    """Probe -> the tests that score it against the planted truth: every test marked
+    ``@pytest.mark.planted("<probe>")`` anywhere under ``tests/`` (a probe's own test file included)."""
+    out: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for name in re.findall(r'@pytest\.mark\.planted\("(\w+)"\)', path.read_text()):
+            out.setdefault(name, []).append(path.name)
+    return out
 
 
 def test_the_lane_names_every_probe():
-    """docs/results/planted.md lists the same probes: each scored with its bar, or why not."""
+    """Every probe is scored against the planted truth (a test marked ``planted``) or its module says
+    why it cannot be (``PLANTED_NOT_SCORED``): the lane discovers both, it names no probe; and
+    docs/results/planted.md's scorecard has a row for every scored probe."""
     names = set(conf_names("probe"))
-    assert set(SCORED) | set(NOT_SCORED) == names and not set(SCORED) & set(NOT_SCORED)
-    assert all(callable(globals().get(test)) for test in SCORED.values())
+    scored = set(planted_scored())
+    not_scored = {n for n in names if getattr(kvnotes.probes.module(n), "PLANTED_NOT_SCORED", None)}
+    assert scored <= names, f"planted tests of unknown probes: {sorted(scored - names)}"
+    assert scored | not_scored == names, f"neither scored nor declared not scored: {sorted(names - scored - not_scored)}"
+    assert not scored & not_scored, f"scored and declared not scored: {sorted(scored & not_scored)}"
     doc = (ROOT / "docs" / "results" / "planted.md").read_text()
-    assert all(f"`{name}`" in doc for name in names)
+    assert all(f"`{name}`" in doc for name in scored)

@@ -97,6 +97,23 @@ def test_embedded_compose_record(result, tmp_path):
     check_figures("compose", result, tmp_path)
 
 
+def test_composition_controls_compare_the_composed_run_with_the_full_one(result):
+    """The referee's controls (docs/probes/compose.md): the residual entering layer 0 is the token
+    embedding, identical in both runs at every position; deeper, the composed positions (computed
+    behind their sink only) differ from the full run's, and each composed position's query saw
+    less than its whole causal context. The control's composed decision is the probe's own
+    (rotate, seam 0) variant's."""
+    c = result["aggregates"]["controls"]
+    assert c["check_abs_logprob_diff"] < 1e-4
+    bos = c["sink=bos"]
+    for where in ("composed positions", "computed positions"):
+        assert bos[where]["rel_l2"][0]["mean"] == pytest.approx(0.0, abs=1e-6)
+        assert bos[where]["cosine"][0]["mean"] == pytest.approx(1.0, abs=1e-6)
+    last = max(bos["composed positions"]["rel_l2"])
+    assert bos["composed positions"]["rel_l2"][last]["mean"] > 1e-3
+    assert 0.0 < bos["context_seen"]["mean"] < 1.0
+
+
 def test_edit_arms_are_judged_against_the_edited_text(result):
     arms = result["aggregates"]["edit_arms"]
     for arm, keys in (("erratum", ("composed/seam=0", "full")), ("field_in_chunk", ("refreshed/seam=0", "stale/seam=0"))):

@@ -176,7 +176,8 @@ def test_figure_from_record(result, tmp_path):
     check_schema("field_refresh", res)
     record = record_of("field_refresh", res)
     paths = plot_record(record, tmp_path)
-    assert [p.name for p in paths] == ["field_refresh.png"] and paths[0].stat().st_size > 10_000
+    assert [p.name for p in paths] == ["field_refresh-family-recovery.png", "field_refresh-family-flipped.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
 
 
 def test_cot_reads_each_variant_after_its_generated_reasoning(smol):

@@ -510,7 +510,7 @@ def _probe_keys() -> list[tuple[str, str]]:
     out = []
     for name in ("screen", "field_refresh", "edit", "suffix_recovery", "compose", "heads", "read_location",
                  "agent", "memory_placement"):
-        tree = OmegaConf.to_container(registry.load_config(name), resolve=False)
+        tree = OmegaConf.to_container(OmegaConf.structured(registry.load_config(name)), resolve=False)
         out += [(name, key) for key in _leaves({k: v for k, v in tree.items() if k not in ("name", "_target_")})]
     return sorted(out)
 
