@@ -109,22 +109,21 @@ def check_choices(argv: list[str], dirs: Sequence[Path] = ()) -> None:
 
 def probe_choices(args: Sequence[str]) -> set[str] | None:
     """The probes a command line (or a sweep point's overrides) composes: the values of ``probe=``
-    (a comma sweep gives several), else ``conf/config.yaml``'s default; None when a sweep function
+    (a comma sweep gives several) and ``conf/config.yaml``'s default; None when a sweep function
     (``choice(...)``, ``glob(...)``) names them, so every probe is registered
     (:func:`kvnotes.harness.registry.register_schemas`)."""
-    out: set[str] = set()
+    from omegaconf import OmegaConf
+
+    # the default probe too: a multirun composes the primary config with it before the sweep's points
+    defaults = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml")).get("defaults", [])  # type: ignore[union-attr]
+    out: set[str] = {str(d["probe"]) for d in defaults if isinstance(d, dict) and "probe" in d}
     for arg in args:
         key, sep, value = arg.partition("=")
         if sep and key.lstrip("+") == "probe":
             if any(c in value for c in "()*[]"):
                 return None
             out.update(v.strip() for v in value.split(",") if v.strip())
-    if out:
-        return out
-    from omegaconf import OmegaConf
-
-    defaults = OmegaConf.load(CONF / "config.yaml").get("defaults", [])
-    return {str(d["probe"]) for d in defaults if isinstance(d, dict) and "probe" in d} or None
+    return out or None
 
 
 def _hydra_message(exc: Exception) -> str:

@@ -115,6 +115,25 @@ def test_run_py_refuses_bad_values_before_loading(args, needles, tmp_path, monke
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*"))
 
 
+def test_a_probe_sweep_registers_the_default_probe_too():
+    """Hydra's multirun composes the primary config, with the default probe, before the sweep's
+    points: its schema must be registered too (``python run.py -m probe=field_refresh,suffix_recovery``
+    used to stop on "Could not find 'probe/schema/blast_radius'")."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from kvnotes.cli.run import probe_choices
+
+    default = next(str(d["probe"]) for d in OmegaConf.to_container(OmegaConf.load(registry.CONF_DIR.parent / "config.yaml"))["defaults"]
+                   if isinstance(d, dict) and "probe" in d)
+    named = probe_choices(["-m", "probe=field_refresh,suffix_recovery"])
+    assert named == {"field_refresh", "suffix_recovery", default}
+    GlobalHydra.instance().clear()
+    registry.register_schemas((), named)
+    with initialize_config_dir(str(registry.CONF_DIR.parent), version_base="1.3"):
+        assert compose("config").probe.name == default
+
+
 def test_probe_interpolations_resolve_against_the_run_config():
     """``scenario.memory`` reaches a memory probe's ``suite`` (it fell back to the default suite
     when the probe node was typed apart from the run config)."""
