@@ -30,7 +30,7 @@ def test_planted_write_and_commit_depths(arch, cache, monkeypatch):  # noqa: F81
     planted marker. The probe at the decision may decode at layer 0 (Llama): the decision's layer-0
     attention is not one-hot, and per-feature standardisation lifts that trace of the value into a
     feature where nothing else varies (docs/probes/write_timing.md)."""
-    ctx = _context(cache, monkeypatch, "notes", "write_timing", n_instances=3, arch=arch)
+    ctx = _context(cache, monkeypatch, "notes", "write_timing", {}, {"max_pairs": 8}, n_instances=2, arch=arch)
     res = kvnotes.probes.get(ctx.cfg)(ctx)
     agg = res["aggregates"]
     assert agg["cv_groups"] == "scenario" and agg["n_groups"] >= 2 and agg["n_pairs"] >= 6
@@ -51,18 +51,22 @@ def test_planted_write_and_commit_depths(arch, cache, monkeypatch):  # noqa: F81
 @pytest.mark.embedded
 def test_write_timing_on_the_embedded_model(smol):
     """On SmolLM2 the record is complete and self-consistent: the lens at the last layer equals the
-    clean score, every depth lies within the layers, and prompts the probe could not decode are
-    counted, not scored."""
+    clean score, every depth lies within the layers; grouped by instance the probe scores every
+    prompt whose candidate another instance decides (the two scenarios have their own candidates: by
+    scenario none could be decoded), and says how many it left out."""
     from tests.helpers import recall_pairs
 
-    ctx = kvnotes.probes.ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour", "favourite_fruit"]),
+    ctx = kvnotes.probes.ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour", "home_city"]),
                                       cfg=kvnotes.probes.load_config("write_timing", {"progress": False, "n_boot": 100,
-                                                                                       "max_pairs": 6}))
+                                                                                       "max_pairs": 6, "cv_groups": "instance"}))
     res = kvnotes.probes.get(ctx.cfg)(ctx)
     agg = res["aggregates"]
     n_layers = smol.model.config.num_hidden_layers
     assert agg["checks"]["max_abs_lens_final_minus_score"] < READOUT
-    assert len(agg["timing"]["note"]["probe accuracy"]) == n_layers
+    assert len(agg["timing"]["note"]["probe accuracy"]) == n_layers and agg["cv_groups"] == "instance"
+    unseen = agg["depths"]["decision"]["probe"]["n_unseen_label"]
+    assert unseen < agg["n_prompts"] and res["warnings"] == [w for w in res["warnings"] if "no other instance" in w]
+    assert agg["timing"]["decision"]["probe accuracy"][n_layers - 1]["n"] == agg["n_prompts"] - unseen
     for r in res["rows"]:
         assert r["field"][1] <= r["note_position"] < r["decision"]
         assert all(c is None or 0 <= c < n_layers for c in (r["commit_decision_old"], r["commit_decision_new"]))
