@@ -136,7 +136,11 @@ def test_notebook_executes_on_sweep_records(sweep):
     finally:
         os.environ.pop("KVNOTES_RUNS")
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
-    assert "6 rows from 2 records" in text and "2 figures" in text
+    from kvnotes.records.presentation import presentation
+
+    records = [json.loads(p.read_text()) for p in Path(out).rglob("record.json")]
+    drawn = sum(len(spec.data(rec)) for rec in records for spec in presentation(rec).figures)   # one per figure spec
+    assert "6 rows from 2 records" in text and f"{drawn} figures" in text and drawn >= len(records)
 
 
 def test_recurrent_architecture_is_refused_before_loading(tmp_path):
