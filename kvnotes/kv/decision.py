@@ -142,7 +142,8 @@ def kl_nats(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
     the reference), a patched run against the clean one.
 
     Args:
-        p_log, q_log: fp32 log-probs ``[..., vocab]`` (log-softmax outputs), same shape.
+        p_log: fp32 log-probs ``[..., vocab]`` (log-softmax outputs) of the reference.
+        q_log: the same of the compared distribution, same shape.
 
     Returns:
         ``[...]`` nats (0 when the distributions are equal; float rounding can leave it at -1e-7).
@@ -158,7 +159,8 @@ def recovery(s, s_old: float, s_new: float):
     Args:
         s: the intervened run's score ``log p(new) - log p(old)`` (nats): a float, a tensor of
             scores, or None (a chain that missed its marker).
-        s_old, s_new: the old and new runs' scores (nats).
+        s_old: the old (corrupted) run's score (nats).
+        s_new: the new (clean) run's score (nats).
 
     Returns:
         like ``s``; None where ``s`` is None, or a float ``s`` whose clean runs score alike.
