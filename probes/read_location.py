@@ -471,13 +471,20 @@ def _subset(agg: dict, family: str) -> dict | None:
 
 def attention_by_layer(res: dict) -> dict:
     """Over all families (flipping pairs when any): per run, per key group, the mean decision-row
-    attention mass at each layer, for a :class:`Curves` over layers."""
+    attention mass at each layer with its interval, for a :class:`Curves` over layers."""
     entry = _subset(res.get("aggregates", {}).get("attention", {}), "all") or {}
     groups = res.get("groups", [])
-    return {f"{run} run": {g: {layer: row[j] for layer, row in enumerate(entry[run]["layers"]["mean"])
-                                if row[j] is not None}
-                           for j, g in enumerate(groups)}
-            for run in RUNS if isinstance(entry.get(run), dict) and entry[run].get("layers", {}).get("mean")}
+    out: dict = {}
+    for run in RUNS:
+        mat = (entry.get(run) or {}).get("layers") or {}
+        if not mat.get("mean"):
+            continue
+        lo, hi = mat.get("ci_low") or [], mat.get("ci_high") or []
+        out[f"{run} run"] = {g: {layer: {"mean": row[j], "n": mat["n"],
+                                         "ci_mean": [lo[layer][j], hi[layer][j]] if lo and hi else None}
+                                 for layer, row in enumerate(mat["mean"]) if row[j] is not None}
+                             for j, g in enumerate(groups)}
+    return out
 
 
 def knockout_by_band(res: dict) -> dict:

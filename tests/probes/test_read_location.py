@@ -4,6 +4,8 @@ the probe runs on the embedded model."""
 
 from __future__ import annotations
 
+import json
+
 import copy
 import sys
 from collections import Counter
@@ -298,6 +300,12 @@ def test_probe_runs_on_embedded_model(smol, tmp_path):
     cell = agg["recall"]["new"]["field@L23-29"]
     assert cell["n"] >= 2 and cell["delta_toward_other"]["mean"] > 0.5
     check_figures("read_location", res, tmp_path)
+    from kvnotes.probes.read_location import PRESENTATION
+    from kvnotes.records.store import to_jsonable
+    from tests.helpers import record_of
+
+    rec = json.loads(json.dumps(to_jsonable(record_of("read_location", res))))   # as read back from a record
+    assert all(spec.data(rec) for spec in PRESENTATION.figures)           # every figure finds its values
 
 
 # -------------------- the generated readout (scenario.variant=cot)
