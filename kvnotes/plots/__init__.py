@@ -125,8 +125,8 @@ def png(d: BarData | CurveData, record: dict, out_dir: Path) -> Path:
                     continue
                 ys = [p for _, p in pts]
                 ax.errorbar([x for x, _ in pts], [p.y for p in ys], yerr=np.clip(np.array(_errors(ys)), 0, None),
-                            fmt="o" if spec.markers else "o-", ms=3, lw=1, capsize=2, color=f"C{c % 10}",
-                            ls="--" if t.startswith(spec.dashed) and not spec.markers else None,
+                            fmt="o", ms=3, lw=1, capsize=2, color=f"C{c % 10}",
+                            ls="none" if spec.markers else "--" if t.startswith(spec.dashed) else "-",
                             label=(t or spec.ylabel) if i == 0 else None)
             ref = d.refs.get(name)
             if ref is not None:

@@ -357,8 +357,11 @@ def test_interrupted_job_leaves_no_record(fruit, tmp_path, sig, status, word):
     record's lock (an event, not a time: the test holds on a loaded machine)."""
     e = dict(os.environ, HF_HUB_OFFLINE="1")
     out = tmp_path / "runs"
+    # as from a terminal: Ctrl-C's default action even where this worker ignores SIGINT (a child
+    # inherits an ignored SIGINT, and Python then installs no KeyboardInterrupt for it)
     proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *fruit, f"out_root={out}"], cwd=ROOT,
-                            env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + HANG_S
     while not list(tmp_path.rglob("record.json.lock")) and proc.poll() is None:
         assert time.monotonic() < deadline, "the job never took its record's lock"
