@@ -175,10 +175,17 @@ def per_prompt(fn: Callable[[torch.Tensor], T], size: int = 4) -> Callable[[torc
     return lambda ids: cached(tuple(ids.tolist()))
 
 
+def config_value(cfg, key: str, default=None):
+    """``key`` of a probe config, whether a typed ``Config`` instance or a mapping (a YAML node not
+    typed yet); ``default`` when it has none."""
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
 def progress(ctx) -> bool:
     """The probe config's ``progress`` flag (progress bars on stderr)."""
-    cfg = ctx.cfg
-    return bool(cfg.get("progress", True) if isinstance(cfg, Mapping) else getattr(cfg, "progress", True))
+    return bool(config_value(ctx.cfg, "progress", True))
 
 
 def units(ctx, items: Iterable[T], desc: str) -> Iterator[T]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
@@ -27,7 +27,7 @@ from kvnotes import CONF_DIR as _CONF
 from kvnotes.kv.cache import DEFAULT_BUDGET_BYTES
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.constraints import check_values
-from kvnotes.harness.kit import CleanRuns, ProbeConfig
+from kvnotes.harness.kit import CleanRuns, ProbeConfig, config_value
 from kvnotes.models.loading import ModelBundle
 from kvnotes.harness.pairs import PairSet
 from kvnotes.harness.readout import check_flip_rule
@@ -122,14 +122,6 @@ def register_schemas(config_dirs: Sequence[str | Path] = (), names: Collection[s
             _REGISTERED[path.stem] = schema
             done.append(path.stem)
     return done
-
-
-def config_value(cfg, key: str, default=None):
-    """``key`` of a probe config, whether a typed ``Config`` instance or a mapping (a YAML node not
-    typed yet); ``default`` when it has none."""
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
 
 
 def module(cfg_or_name):

@@ -449,11 +449,6 @@ class Reshaped:
         self.figure.draw(page, rec, self.reshape(rec["result"]))
 
 
-#: A figure spec: what both renderers read (the report's plotly page; ``kvnotes plot``'s PNG,
-#: :func:`kvnotes.plots.plot_record`).
-FigureSpec = Bars | Curves | Reshaped
-
-
 #: The flip-share axis title of a patch probe's figures.
 FLIPPED = "share of pairs whose decision the patch flipped (Wilson 95%)"
 

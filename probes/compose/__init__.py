@@ -348,10 +348,9 @@ def run(ctx) -> dict:
                 prompt_rows.append(_direct_prompt_row(cols, r, cand[0]))
                 if engine is not None:
                     with ctx.timer("controls"):
-                        prompt_rows[-1]["controls"] = {
-                            sink: composition_controls(model, engine, prompt.ids, pair.chunks, sink, memo["chunks"],
-                                                       r["variants"].get(variant_name(True, sink, 0), {}).get("logprobs"))
-                            for sink in sinks}
+                        prompt_rows[-1]["controls"] = composition_controls(
+                            model, engine, prompt.ids, pair.chunks, sinks, memo["chunks"],
+                            {s: r["variants"].get(variant_name(True, s, 0), {}).get("logprobs") for s in sinks})
                 if image is not None:
                     with ctx.timer("image_chunk"):
                         prompt_rows[-1]["image_chunk"] = image_arm(model, prompt.ids, pair.chunks, sinks, image)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kvnotes.harness.chunks import precompiled, sink_ids
+from kvnotes.harness.chunks import precompiled, prompt_parts, sink_ids
 from kvnotes.kv.engine import Site
 from kvnotes.ops import compose as kvcompose
 
@@ -67,16 +67,30 @@ def compare(comp: tuple[torch.Tensor, torch.Tensor], full: tuple[torch.Tensor, t
 
 
 @torch.no_grad()
-def composition_controls(model, engine, ids: torch.Tensor, chunks: tuple, sink: str, chunk_memo: dict | None = None,
-                         composed_logprobs: torch.Tensor | None = None) -> dict:
-    """The controls of one prompt composed with re-positioned chunks (seam 0) behind ``sink``,
-    against its full prefill (module docstring).
+def composition_controls(model, engine, ids: torch.Tensor, chunks: tuple, sinks: list[str],
+                         chunk_memo: dict | None = None, composed_logprobs: dict | None = None) -> dict:
+    """The controls of one prompt composed with re-positioned chunks (seam 0) behind each sink, against
+    its full prefill (module docstring), captured once.
 
     Args:
         ids: ``[T]`` the prompt through its decision token.
         chunks: the chunks' token spans ``(a, b)``, in order.
-        composed_logprobs: the probe's own composed decision log-probs of this variant, to check the
-            control's composed run against (``check_abs_logprob_diff``).
+        composed_logprobs: sink -> the probe's own composed decision log-probs of that variant, to
+            check the control's composed run against (``check_abs_logprob_diff``).
+
+    Returns:
+        sink -> :func:`sink_controls`.
+    """
+    full = _capture(engine, ids)[:2]
+    return {sink: sink_controls(model, engine, ids, chunks, sink, full, chunk_memo,
+                                (composed_logprobs or {}).get(sink)) for sink in sinks}
+
+
+def sink_controls(model, engine, ids: torch.Tensor, chunks: tuple, sink: str,
+                  full: tuple[torch.Tensor, torch.Tensor], chunk_memo: dict | None = None,
+                  composed_logprobs: torch.Tensor | None = None) -> dict:
+    """The controls of the prompt composed behind ``sink`` against its full prefill's residuals
+    ``full`` (entering each layer and its MLP norm, ``[n_layers, T, d_model]``).
 
     Returns:
         ``{"composed positions": metrics, "computed positions": metrics}`` (:func:`compare`, per
@@ -84,7 +98,7 @@ def composition_controls(model, engine, ids: torch.Tensor, chunks: tuple, sink: 
         |log-prob difference| at the decision between this composed run and the probe's; None without).
     """
     T = ids.shape[0]
-    full_pre, full_mid, _ = _capture(engine, ids)
+    full_pre, full_mid = full
     sink_tok = sink_ids(ids, sink, chunks[0][0])
     k = 0 if sink_tok is None else len(sink_tok)
     pre, mid, seen = [], [], []
@@ -96,12 +110,8 @@ def composition_controls(model, engine, ids: torch.Tensor, chunks: tuple, sink: 
         seen += [(k + i + 1) / (a + i + 1) for i in range(b - a)]
     positions = [p for a, b in chunks for p in range(a, b)]
     end = chunks[-1][1]
-    parts, pos = [], 0
-    for (a, b) in chunks:
-        if a > pos:
-            parts.append(ids[None, pos:a])
-        parts.append(precompiled(model, ids[a:b], sink_tok, chunk_memo))
-        pos = b
+    parts = prompt_parts(ids[None, :end], chunks, [precompiled(model, ids[a:b], sink_tok, chunk_memo)
+                                                   for a, b in chunks])[:-1]        # the live tail is fed below
     cache, _ = kvcompose.compose(model, parts, True, 0, static=False)
     tail_pre, tail_mid, lp = _capture(engine, ids[end:], cache=cache, start=end)
     check = None if composed_logprobs is None else float((lp - composed_logprobs.to(lp)).abs().max())
