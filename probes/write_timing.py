@@ -19,7 +19,6 @@ from kvnotes.harness.constraints import Count, NonNegativeFloat, PositiveFloat, 
 from kvnotes.harness.kit import ProbeConfig, summary
 from kvnotes.harness.protocol import pair_loop
 from kvnotes.harness.selection import sample_pairs
-from kvnotes.harness.stats import proportion
 from kvnotes.kv.engine import BACKENDS, Site, make_engine
 from kvnotes.kv.patch import candidate_logits
 from kvnotes.models.adapters import Adapter
@@ -259,7 +258,8 @@ def _aggregates(rows: list[dict], feats: list[np.ndarray], n_layers: int, cfg: C
             else:
                 probe_curve.append(summary([], "c", n_boot, seed))
             committed = [r[f"commit_{position}_{run_name}"] for r, run_name in examples]
-            lens_curve.append(proportion(sum(c is not None and c <= layer for c in committed), len(committed)))
+            lens_curve.append(summary([e | {"c": float(c is not None and c <= layer)} for e, c in zip(ex_rows, committed)],
+                                      "c", n_boot, seed))          # prompts cluster by scenario: no Wilson
         commits = [e | {"c": r[f"commit_{position}_{run_name}"]} for e, (r, run_name) in zip(ex_rows, examples)]
         timing[position] = {"probe accuracy": dict(enumerate(probe_curve)),
                             "lens committed": dict(enumerate(lens_curve))}
