@@ -16,8 +16,8 @@ import torch
 from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import OpenFraction, one_of
 from kvnotes.harness.kit import ProbeConfig
-from kvnotes.harness.protocol import start_circuit
-from kvnotes.harness.selection import ALIGNED, ANCHORS, coverage, coverage_warnings, offset_profiles, profile_for, rank_positions, split_warnings
+from kvnotes.harness.protocol import note_profiles, start_circuit
+from kvnotes.harness.selection import ALIGNED, ANCHORS, coverage, coverage_warnings, profile_for, rank_positions, split_warnings
 from kvnotes.kv.engine import BACKENDS, Engine, Site
 from kvnotes.records.figures import Curves
 from kvnotes.records.presentation import Presentation
@@ -141,16 +141,9 @@ def run(ctx) -> dict:
     eps = engine.adapter.final_norm_eps(model)
     n_boot = int(cfg.n_boot)
     # 1. the top note offset per family, from selection pairs only
-    for run_, row in K.units(ctx, zip(fs.runs, rows), "components: position maps"):
-        if row["split"] == "selection":
-            with ctx.timer("position_map"):
-                row["position_map"] = run_.recovery(
-                    K.single_position_scores(model, run_, "first_token", ctx.budget_bytes)).tolist()
     families = K.families_of(ctx, rows + fs.excluded)
     anchor = str(cfg.topk_anchor)
-    profiles = offset_profiles([{**r, "single": r["position_map"], "downstream": (r["field"][1], r["decision"]),
-                                 "downstream_ids": run_.pair.downstream_ids}
-                                for run_, r in zip(fs.runs, rows) if r["split"] == "selection"], anchor)
+    profiles = note_profiles(ctx, fs.runs, rows, anchor, "components: position maps")
     offsets = {level: {key: top_note(prof, anchor) for key, prof in profiles[level].items()}
                for level in ("scenario", "family")} | {"anchor": anchor}
     # 2. decomposition of every pair at the decision position and the family's note offset; a prompt

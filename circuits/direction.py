@@ -16,6 +16,7 @@ import torch
 from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Count, NonNegatives, OpenFraction, one_of, require_instances
 from kvnotes.harness.kit import ProbeConfig, RandomControl, scan_layers
+from kvnotes.harness.pairs import outcome_pair, outcomes
 from kvnotes.harness.protocol import start_circuit
 from kvnotes.harness.readout import PairRun, first_token_scores
 from kvnotes.harness.selection import pair_rng, sample_pairs, selection_source, split_warnings
@@ -146,19 +147,6 @@ class Config(ProbeConfig):
         """
         require_instances(run, 2, "direction", "fits the direction and chooses its layer on selection instances "
                           "and tests it on held-out ones")
-
-
-def outcomes(run: PairRun) -> tuple[str, str]:
-    """The outcomes the clean old and new runs of a flipping pair decide: their expected
-    candidates' text (stripped), e.g. ``("Berlin", "Madrid")``. Under the ``owned`` flip rule these
-    are the model's own top-1 answers."""
-    return run.pair.spec.cand_old.strip(), run.pair.spec.cand_new.strip()
-
-
-def outcome_pair(o_old: str, o_new: str) -> str:
-    """Order-free key of an outcome pair (``"A|B"`` with ``A < B``): runs are grouped by the
-    conclusion they reach, not by which value the scenario file lists first."""
-    return "|".join(sorted((o_old, o_new)))
 
 
 def accumulate(stats: dict, row: dict, outs: tuple[str, str], x_old: torch.Tensor, x_new: torch.Tensor) -> None:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.tokens import TokenizedPair, tokenize_pair, tokenize_polarity_pair
 from kvnotes.models.text import thinking_kwargs
 from kvnotes.scenarios import build_pairs, load_suite
 from kvnotes.scenarios.instances import build_polarity_pairs
+
+if TYPE_CHECKING:
+    from kvnotes.harness.readout import PairRun
 
 
 @dataclass
@@ -144,3 +147,16 @@ def prepare_for_probe(tokenizer, kind: str, scenario_cfg: Any, model_cfg: Any) -
     if kind == "polarity":
         return prepare_polarity_pairs(tokenizer, scenario_cfg, template_kwargs=kwargs)
     return prepare_pairs(tokenizer, scenario_cfg, template_kwargs=kwargs)
+
+
+def outcomes(run: PairRun) -> tuple[str, str]:
+    """The outcomes the clean old and new runs of a flipping pair decide: their expected
+    candidates' text (stripped), e.g. ``("Berlin", "Madrid")``. Under the ``owned`` flip rule these
+    are the model's own top-1 answers (``direction``, ``scrubbing``, ``sae_features``)."""
+    return run.pair.spec.cand_old.strip(), run.pair.spec.cand_new.strip()
+
+
+def outcome_pair(o_old: str, o_new: str) -> str:
+    """Order-free key of an outcome pair (``"A|B"`` with ``A < B``): runs are grouped by the
+    conclusion they reach, not by which value the scenario file lists first."""
+    return "|".join(sorted((o_old, o_new)))

@@ -60,6 +60,9 @@ BOUNDS = {
                   "probe.fit_scope=scenario"],
     "read_location": ["probe.bands=[[0.0,0.5],[0.0,1.0]]", "probe.knockout_groups=[[field],[downstream]]"],
     "agent": ["probe.turns=2"],
+    "scrubbing": ["probe.random.n_draws=1"],
+    "sae_features": ["probe.n_layers_scan=2", "probe.expansion=1", "probe.k=4", "probe.steps=10", "probe.batch=64", "probe.ks=[1]",
+                     "probe.random.n_draws=1"],
     "memory_transplant": ["probe.lengths=[96]", "probe.personas=[maria]", "probe.seams=[0,1]"],
     "memory_edits": ["probe.lengths=[96]", "probe.personas=[maria]", "probe.ks=[4]"],
     "memory_granularity": ["probe.lengths=[96]", "probe.personas=[maria]", "probe.blocks=[1,2]"],
@@ -78,6 +81,11 @@ TL_EVERY = ("components",)
 #: tests/context/test_context.py and tests/ops/test_compose.py check on all five tiny architectures; on every
 #: entry they doubled the lane.
 MEMORY_LANE = {"smollm2-135m", "gemma-3-1b"}
+#: Probes built from machinery every other entry already exercises (K/V patches, RoPE repositioning,
+#: engine additions, the single-position map) run on the same two shapes as the memory probes: there
+#: what is theirs (a donor's K/V carried into a windowed cache; an SAE's training and clamps) meets
+#: one KV head and sliding windows; on every entry they added about 20 s to the lane.
+TWO_SHAPE_PROBES = ("scrubbing", "sae_features")
 #: Probes whose data is a file the lane does not ship (LoCoMo; its splice is compose's, which runs on
 #: every entry; tests/probes/test_locomo.py runs it on tiny Llama and Gemma-3 models and the embedded one).
 DATA_PROBES = ("locomo",)
@@ -90,11 +98,11 @@ MROPE_BOUNDS = {"compose": ["probe.seams=[0]", "probe.edit_arm_seams=[]"]}
 
 
 def lane_probes(model: str, bundle) -> list[str]:
-    """The probes the lane runs on one entry (:data:`MEMORY_LANE`, :data:`MROPE_PROBES`)."""
+    """The probes the lane runs on one entry (:data:`MEMORY_LANE`, :data:`TWO_SHAPE_PROBES`, :data:`MROPE_PROBES`)."""
     import kvnotes.probes
 
-    names = [n for n in kvnotes.probes.names() if (not n.startswith("memory_") or model in MEMORY_LANE)
-             and n not in DATA_PROBES]
+    names = [n for n in kvnotes.probes.names()
+             if (not (n.startswith("memory_") or n in TWO_SHAPE_PROBES) or model in MEMORY_LANE) and n not in DATA_PROBES]
     if bundle.adapter.paths.get("rope_index"):
         names = [n for n in names if n in MROPE_PROBES]
     return names
