@@ -220,6 +220,7 @@ def run(ctx) -> dict:
     sites = [Site(str(cfg.site), layer) for layer in layers]
     acts = K.per_prompt(lambda ids: engine.run(ids, capture=sites).acts)
     notes = []                                   # (row, side, outcome, [n_scan, d_model] activations at the top note)
+    train: dict = {}                             # selection prompts' activations at every scanned site, [0, d]
     for run_, row in K.units(ctx, zip(fs.runs, rows), "sae_features: notes"):
         pair = run_.pair
         b, d = pair.field[1], pair.decision
@@ -227,8 +228,10 @@ def run(ctx) -> dict:
             continue
         row["note_position"] = p = rank_positions(found[0], (b, d), anchor, pair.downstream_ids)[0]
         with ctx.timer("activations"):
-            at_note = {side: torch.stack([acts(ids[: d + 1])[s][0, p].float() for s in sites])
-                       for side, ids in (("old", pair.old.ids), ("new", pair.new.ids))}
+            full = {side: acts(ids[: d + 1]) for side, ids in (("old", pair.old.ids), ("new", pair.new.ids))}
+            at_note = {side: torch.stack([a[s][0, p].float() for s in sites]) for side, a in full.items()}
+            if row["split"] == "selection":
+                train |= {(row["pair"], side): a for side, a in full.items()}
             if row["split"] == "selection" and len(layers) > 1:
                 prefix = kvcache.prefix_cache(ctx.bundle.model, run_.old_cache, pair.old.ids, p)
                 row["layer_scan"] = [float(run_.recovery(added_scores(engine, run_, pair.old.ids, prefix, s, p,
@@ -238,14 +241,12 @@ def run(ctx) -> dict:
     scan = [r["layer_scan"] for r in rows if "layer_scan" in r]
     li = int(np.argmax(np.mean(scan, axis=0))) if scan else len(layers) // 2
     site = sites[li]
-    train = [acts(ids[: run_.pair.decision + 1])[site][0].float() for run_, r in zip(fs.runs, rows)
-             if r["split"] == "selection" and "note_position" in r for ids in (run_.pair.old.ids, run_.pair.new.ids)]
     scanned = {"layers": layers, "selection_recovery": np.mean(scan, axis=0).tolist() if scan else None}
     if not train:
         return _result(ctx, fs, rows, sel, held, site, None, scanned,
                        ["sae_features: no selection pair with a note position: nothing to train the SAE on"])
     with ctx.timer("train"):
-        data = torch.cat(train)
+        data = torch.cat([a[site][0].float() for a in train.values()])
         sae = train_sae(data, int(cfg.n_latents or cfg.expansion * data.shape[1]), int(cfg.k), int(cfg.steps),
                         int(cfg.batch), float(cfg.lr), ctx.seed)
     sel_notes = [(o, x[li]) for r, _, o, x in notes if r["split"] == "selection"]
