@@ -9,9 +9,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")      # before huggingface_hub reads
 import pytest  # noqa: E402
 import torch  # noqa: E402
 #: Torch threads per test process: the machine's cores (at most 2), shared out among pytest-xdist's
-#: workers (``-n``), so parallel workers do not oversubscribe the cores.
+#: workers (``-n``), so parallel workers do not oversubscribe the cores. ``OMP_NUM_THREADS`` carries
+#: the share to what a test starts: ``run.py`` subprocesses and the in-process ``kvnotes`` commands'
+#: ``--threads`` default (:func:`kvnotes.cli.default_threads`). A command on two threads beside the
+#: other worker's one ran 5-10x slower (OpenMP's waiting threads spin on a busy core).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
+THREADS = max(1, min(2, os.cpu_count() or 1) // _WORKERS)
+os.environ["OMP_NUM_THREADS"] = str(THREADS)
+torch.set_num_threads(THREADS)
 
 from tests.helpers import ARCHS, build_tiny, fruit_scenario  # noqa: E402
 from kvnotes.harness.registry import register_schemas  # noqa: E402

@@ -28,7 +28,8 @@ entry's full-size architecture (``conf/model/MODEL.yaml``) with random weights a
 ``--prompt-len`` random tokens (one field token changed; candidates: the two runs' top-1 tokens).
 The ratio and the exactness check hold; the scores mean nothing.
 
-Threads: ``--threads`` defaults to every CPU the process may use (``os.sched_getaffinity``; torch's
+Threads: ``--threads`` defaults to ``OMP_NUM_THREADS`` when set, else every CPU the process may use
+(``os.sched_getaffinity``; torch's
 own default counts physical cores, 1 on the 2-vCPU CI machine). The naive loop's batch-1 decode is
 bound by reading the weights from memory, the batched one by arithmetic, so the ratio grows with
 the cores (docs/results/performance.md has the numbers of the 2-vCPU CI machine).

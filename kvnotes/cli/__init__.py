@@ -11,8 +11,8 @@
     kvnotes locomo --data FILE [flags]   LoCoMo QA: transplanted session memory against a full prefill
 
 Each subcommand's ``--help`` gives its flags. Shared flags mean the same everywhere: ``--device``
-(``cpu``, ``cuda``, ``auto``), ``--threads`` (torch CPU threads; default every CPU this process may
-use), ``--json PATH`` (also write the numbers), ``--model`` (a ``conf/model`` name).
+(``cpu``, ``cuda``, ``auto``), ``--threads`` (torch CPU threads; default ``OMP_NUM_THREADS`` when set,
+else every CPU this process may use), ``--json PATH`` (also write the numbers), ``--model`` (a ``conf/model`` name).
 
 Every subcommand runs inside one error boundary (:func:`kvnotes.cli.errors.guarded`): bad input is
 one ``kvnotes: error: <message>`` line on stderr and exit status 2 (argparse's own errors also exit
@@ -100,14 +100,22 @@ def _dispatch(argv: list[str]) -> None:
     importlib.import_module(target).main()
 
 
+def default_threads() -> int:
+    """``--threads``' default: ``OMP_NUM_THREADS`` when it is a positive whole number (so
+    ``OMP_NUM_THREADS=1 kvnotes bench edit`` runs on one thread), else every CPU this process may use
+    (``os.sched_getaffinity``)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else len(os.sched_getaffinity(0))
+
+
 def add_machine_flags(ap, device: str = "cpu") -> None:
-    """The flags every benchmark shares: ``--device``, ``--threads`` (default: every CPU this process
-    may use) and ``--json PATH``, each checked as it is parsed (:mod:`kvnotes.cli.errors`: an unknown
-    device, ``cuda`` without CUDA, fewer than one thread, a ``--json`` path that cannot be written
+    """The flags every benchmark shares: ``--device``, ``--threads`` (default: :func:`default_threads`)
+    and ``--json PATH``, each checked as it is parsed (:mod:`kvnotes.cli.errors`: an unknown device,
+    ``cuda`` without CUDA, fewer than one thread, a ``--json`` path that cannot be written
     are one ``kvnotes: error:`` line before any work)."""
     from kvnotes.cli.errors import device_name, int_at_least, output_file
 
     ap.add_argument("--device", default=device, type=device_name, help=f"cpu, cuda or auto (default {device})")
-    ap.add_argument("--threads", type=int_at_least("--threads", 1), default=len(os.sched_getaffinity(0)),
-                    help="torch CPU threads (default: every CPU this process may use)")
+    ap.add_argument("--threads", type=int_at_least("--threads", 1), default=default_threads(),
+                    help="torch CPU threads (default: OMP_NUM_THREADS when set, else every CPU this process may use)")
     ap.add_argument("--json", default=None, type=output_file("--json"), help="also write the numbers to this file")

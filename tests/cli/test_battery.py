@@ -172,7 +172,7 @@ def test_battery_writes_the_records_run_py_writes(tmp_path, monkeypatch, capsys)
                                                 "n_instances: 1\n")
     monkeypatch.chdir(tmp_path)
     ran = run_kvnotes(monkeypatch, capsys, "battery", "--config-dir", conf, "--probes", "screen", "--scenario", "one",
-                      "--records", battery, "--threads", "2")
+                      "--records", battery)
     assert ran.returncode == 0, ran.stderr
     assert "screen" in ran.stdout
     path = battery / "smollm2-135m" / "screen" / "one" / "record.json"
@@ -204,7 +204,7 @@ def test_battery_lengths_times_each_probe_per_length_and_fits_the_growth(tmp_pat
 
     out = tmp_path / "lengths.json"
     ran = run_kvnotes(monkeypatch, capsys, "battery", "--model", "planted-notes", "--scenario", "planted",
-                      "--lengths", "200,800", "--floor", "--probes", "field_refresh", "--threads", "2", "--json", out,
+                      "--lengths", "200,800", "--floor", "--probes", "field_refresh", "--json", out,
                       "flip_rule=relative")
     assert ran.returncode == 0, ran.stderr
     runs = json.loads(out.read_text())
@@ -240,7 +240,7 @@ def test_battery_on_a_random_weight_shape_with_per_probe_overrides(tmp_path, mon
 
     tok = tmp_path / "tok"
     random_init_tokenizer("smollm2-135m").save_pretrained(tok)
-    common = ["--model", "qwen3-8b", "--scenario", "small", "--device", "cpu", "--threads", "2",
+    common = ["--model", "qwen3-8b", "--scenario", "small", "--device", "cpu",
               "model.random_init.enabled=true", f"model.random_init.tokenizer={tok}", "flip_rule=synthetic",
               "min_effect=0.005", "scenario.families=null", "scenario.ids=[favourite_colour]", "scenario.n_instances=2"]
     out, records = tmp_path / "run.json", tmp_path / "records"

@@ -129,7 +129,7 @@ def test_ownership_scan_is_a_view_of_a_screen_record(tmp_path, monkeypatch, caps
     from kvnotes.records.ownership import ownership
 
     suite = ROOT / "scenarios" / "suites" / "recall" / "home_city.yaml"
-    args = ["ownership-scan", str(suite), "--n-instances", "1", "--threads", "2", "--json", str(tmp_path / "scan.json")]
+    args = ["ownership-scan", str(suite), "--n-instances", "1", "--json", str(tmp_path / "scan.json")]
     monkeypatch.chdir(tmp_path)
     ran = run_kvnotes(monkeypatch, capsys, *args)
     assert ran.returncode == 0, ran.stderr
@@ -147,3 +147,15 @@ def test_ownership_scan_is_a_view_of_a_screen_record(tmp_path, monkeypatch, caps
             and "FAMILY recall: owned" in out), out
     assert json.loads((tmp_path / "scan.json").read_text())["scenarios"] == counts
     assert f"{path.relative_to(tmp_path)} is complete; skipping" in run_kvnotes(monkeypatch, capsys, *args).stdout
+
+
+@pytest.mark.parametrize("env, want", [("1", 1), ("3", 3), ("0", None), ("two", None), ("", None)])
+def test_threads_default_honours_omp_num_threads(monkeypatch, env, want):
+    """``OMP_NUM_THREADS=1 kvnotes bench edit`` runs on one thread (the flag's default used to be every
+    CPU, overriding the variable the docs' commands set); unset or not a positive whole number: every CPU."""
+    import os
+
+    from kvnotes.cli import default_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", env)
+    assert default_threads() == (want or len(os.sched_getaffinity(0)))
