@@ -18,6 +18,7 @@ from kvnotes.harness.constraints import OpenFraction, one_of
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.protocol import note_profiles, start_circuit
 from kvnotes.harness.selection import ALIGNED, ANCHORS, coverage, coverage_warnings, profile_for, rank_positions, split_warnings
+from kvnotes.harness.registry import Conformance, Invariants, flipping_rows
 from kvnotes.kv.engine import BACKENDS, Engine, Site
 from kvnotes.records.figures import Curves
 from kvnotes.records.presentation import Presentation
@@ -214,3 +215,21 @@ PRESENTATION = Presentation(figures=tuple(Curves(f"layer-contributions-{where}",
                            f"new - old direct logit attribution per layer, {what} (held-out; mean, 95% interval)",
                            "layer", "Δ logit attribution (nats)")
                     for where, what in (("at_note", "top note position"), ("at_decision", "decision position"))))
+
+
+#: Nats: direct logit attribution's parts against the model's own logit difference (fp32).
+DLA_TOL = 1e-3
+
+
+def invariants(rec: dict) -> Invariants:
+    """What a record holds on any model and backend: the DLA parts add up to the logit difference,
+    and the decision's final difference is the runs' score difference."""
+    rows = flipping_rows(rec)
+    return Invariants("DLA sums", len(rows), [
+        f"{r['pair']}: decomposition error {r['decomposition_error']}, logit difference error {r['logit_diff_error']}"
+        for r in rows if not (abs(r["decomposition_error"]) < DLA_TOL and abs(r["logit_diff_error"]) < DLA_TOL)])
+
+
+#: The zoo conformance lane runs it on every entry, on the TransformerLens backend too (its hook
+#: names and head outputs of that architecture; :class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(transformer_lens="every", invariants=invariants)

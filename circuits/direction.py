@@ -20,6 +20,7 @@ from kvnotes.harness.pairs import outcome_pair, outcomes
 from kvnotes.harness.protocol import start_circuit
 from kvnotes.harness.readout import PairRun, first_token_scores
 from kvnotes.harness.selection import pair_rng, sample_pairs, selection_source, split_warnings
+from kvnotes.harness.registry import Conformance
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.engine import BACKENDS, Engine, Intervention, Site
 from kvnotes.records.figures import Curves
@@ -546,3 +547,8 @@ PRESENTATION = Presentation(figures=(
            "old prefill, per layer (held-out; mean, 95% interval)", "layer", "recovery"),
     Curves("layer-curves-nec", "curves/nec/*/#/@", "necessity: drop / (s_new - s_old) mean-ablating the "
            "projection in the new prefill, per layer (held-out; mean, 95% interval)", "layer", "drop")))
+
+
+#: The zoo conformance lane's settings for it (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(bounds=("probe.n_layers_scan=2", "probe.random.n_draws=1", "probe.max_pairs_per_family=1",
+                                  "probe.fit_scope=scenario"), transformer_lens="two")

@@ -21,6 +21,7 @@ from kvnotes.harness.protocol import start_circuit
 from kvnotes.harness.readout import PairRun
 from kvnotes.harness.selection import (coverage, coverage_warnings, pair_rng, random_head_sets, rank_by_mean,
                                        sample_pairs, selection_source, split_warnings)
+from kvnotes.harness.registry import Conformance
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.engine import BACKENDS, Engine
 from kvnotes.records.figures import Curves
@@ -274,3 +275,8 @@ PRESENTATION = Presentation(headline="curves/read/all_heads/all",
     figures=tuple(Curves(f"k-curves-{mode}", f"curves/{mode}/[topk,random]/#/@", f"{mode} heads: cumulative "
                       "top-k recovery against k-matched random heads (held-out pairs; mean, 95% interval)",
                       "k heads patched jointly", "recovery", xlog=True) for mode in ("read", "write")))
+
+
+#: The zoo conformance lane's settings for it (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(bounds=("probe.random.n_draws=1", "probe.max_map_pairs_per_family=1", "probe.ks=[1,4]"),
+                          transformer_lens="two")

@@ -25,6 +25,7 @@ from kvnotes.harness.pairs import outcome_pair, outcomes
 from kvnotes.harness.protocol import note_profiles, pair_profile
 from kvnotes.harness.readout import PairRun, first_token_scores
 from kvnotes.harness.selection import ANCHORS, pair_rng, rank_positions, split_warnings, with_split
+from kvnotes.harness.registry import Conformance
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.engine import BACKENDS, Engine, Intervention, Site, make_engine
 from kvnotes.records.figures import Curves, Reshaped
@@ -380,3 +381,8 @@ def _curves(res: dict) -> dict:
 PRESENTATION = Presentation(headline="top_separation", table=sae_table, figures=(
     Reshaped(Curves("clamps", "@/[top,random]/#", "held-out recovery by features clamped (95% intervals)",
                     "features clamped (K)", "recovery"), _curves),))
+
+
+#: The zoo conformance lane runs it on its two cache shapes (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(bounds=("probe.n_layers_scan=2", "probe.expansion=1", "probe.k=4", "probe.steps=10",
+                                  "probe.batch=64", "probe.ks=[1]", "probe.random.n_draws=1"), shapes="two")

@@ -23,6 +23,7 @@ from kvnotes.harness.protocol import note_profiles, pair_profile
 from kvnotes.harness.readout import PairRun, variant_scores
 from kvnotes.harness.selection import (ANCHORS, align_positions, pair_rng, position_values,
                                        rank_values, split_warnings, with_split)
+from kvnotes.harness.registry import Conformance
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv import patch as kvpatch
 from kvnotes.kv.rope import reposition
@@ -291,3 +292,7 @@ PRESENTATION = Presentation(headline="interchange/notes/all", table=scrub_table,
          "interchange recovery per family, K/V from the opposite run (held-out; 95% interval)", "recovery"),
     Bars("drift", "drift/[notes,rest,downstream]/@",
          "drift per family, K/V from a same-conclusion donor (held-out; 95% interval)", "|Δs| / |s_new - s_old|")))
+
+
+#: The zoo conformance lane runs it on its two cache shapes (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(bounds=("probe.random.n_draws=1",), shapes="two")

@@ -22,6 +22,7 @@ from kvnotes.harness.pairs import transcript_turns
 from kvnotes.harness.selection import pair_rng
 from kvnotes.harness.timing import elapsed_ms
 from kvnotes.harness.tokens import CANDIDATE_MERGES, Prompt, build_conversation, candidates_after, continuation_ids
+from kvnotes.harness.registry import Conformance
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.decision import kl_nats
 from kvnotes.kv.generate import CotReadout, Generated, answer_marker, decode_after, stop_tokens, unreached_label
@@ -523,3 +524,7 @@ PRESENTATION = Presentation(figures=(
     Reshaped(Curves("agent-turns", "@/*", "agent: agreement per turn", "turn", "share of rows", xy=("x", "y")),
              turn_agreement)),
     table=agent_table)
+
+
+#: The zoo conformance lane's settings for it (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(bounds=("probe.turns=2",))

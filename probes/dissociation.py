@@ -14,6 +14,7 @@ import torch
 from kvnotes.harness import kit as K
 from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.readout import PairRun, variant_scores
+from kvnotes.harness.registry import RECOVERY_TOL, Conformance, Invariants, flipping_rows
 from kvnotes.harness.stats import proportion
 from kvnotes.harness.tokens import PolarityPair
 from kvnotes.kv import cache as kvcache
@@ -194,3 +195,14 @@ PRESENTATION = Presentation(figures=(
          "95% interval)", "nats"),
     Bars("family-two-by-two", "@/two_by_two/cells/*", "clean 2x2: log p(A) - log p(B) per field value outcome "
          "and rule polarity (mean, 95% interval)", "nats")))
+
+
+def invariants(rec: dict) -> Invariants:
+    """What a record holds on any model: trigger and notes patched together recover 1."""
+    rows = flipping_rows(rec)
+    return Invariants("trigger+notes=1", len(rows),
+                      [f"{r['pair']}: r_both {r['r_both']}" for r in rows if abs(r["r_both"] - 1) > RECOVERY_TOL])
+
+
+#: The zoo conformance lane runs it on the one polarity scenario of its suite (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(bounds=("scenario.ids=[account_role]",), invariants=invariants)

@@ -25,6 +25,7 @@ from kvnotes.harness.kit import ProbeConfig, families_of, summaries_by_family
 from kvnotes.harness.protocol import GeneratedReadout, Read, ScreenedPair, pair_loop, read_caches, readout_aggregates
 from kvnotes.harness.selection import SELECTION, alternate_splits, pair_rng, round_robin, with_split
 from kvnotes.harness.stats import proportion
+from kvnotes.harness.registry import Conformance
 from kvnotes.kv.cache import AllSlotCache
 from kvnotes.kv.decision import kl_nats, recovery
 from kvnotes.ops import edit, methods
@@ -514,3 +515,8 @@ PRESENTATION = Presentation(figures=(
     Bars("erratum-wordings-follow", "wordings/*/recovery/@/decision_flipped", "the erratum in each wording: "
          "share of decisions that take the new value (Wilson 95%)", "share of pairs")),
     table=edit_table)
+
+
+#: The zoo conformance lane's settings for it, multimodal entries included (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(bounds=("probe.ks=[0,4]", "probe.max_pairs=4", "probe.sweep_max_pairs=1", "probe.max_control_pairs=2"),
+                          mrope=())

@@ -16,6 +16,7 @@ from kvnotes.harness import kit as K
 from kvnotes.harness.kit import ProbeConfig, families_of, summaries_by_family
 from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, patch_columns, readout_aggregates, run_patches
 from kvnotes.harness.readout import PairRun, variant_scores
+from kvnotes.harness.registry import RECOVERY_TOL, Conformance, Invariants, flipping_rows
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv import patch as kvpatch
 from kvnotes.kv.patch import exact_field_source
@@ -188,3 +189,23 @@ PRESENTATION = Presentation(results=FIELD_REFRESH_RESULTS, headline="recovery/fi
          "mean recovery per family and patch (95% interval)", "recovery"),
     Bars("family-flipped", "recovery/[field,field_exact,downstream,field_downstream]/@/decision_flipped",
          FLIPPED, "share of pairs")))
+
+
+#: fp32 K/V of two computations of the same thing (the exact refresh and the new run's field).
+KV_TOL = 1e-4
+
+
+def invariants(rec: dict) -> Invariants:
+    """What a record holds on any model: patching field and downstream (or everything) recovers 1,
+    the exact refresh recovers what the copied field K/V does, and its K/V equals the new run's."""
+    rows = flipping_rows(rec)
+    bad = [f"{r['pair']}: r_field_downstream {r['r_field_downstream']}, r_all {r['r_all']}, r_field_exact "
+           f"{r['r_field_exact']} vs r_field {r['r_field']}, K/V diff {max(r['k_max_abs_diff'], r['v_max_abs_diff'])}"
+           for r in rows if not (abs(r["r_field_downstream"] - 1) <= RECOVERY_TOL and abs(r["r_all"] - 1) <= RECOVERY_TOL
+                                 and abs(r["r_field_exact"] - r["r_field"]) <= RECOVERY_TOL
+                                 and max(r["k_max_abs_diff"], r["v_max_abs_diff"]) < KV_TOL)]
+    return Invariants("field+downstream=1", len(rows), bad)
+
+
+#: The zoo conformance lane runs it on every entry, multimodal ones too (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(mrope=(), invariants=invariants)

@@ -15,6 +15,7 @@ import torch
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.constraints import Count, Counts, NonNegative, PositiveFloat, one_of
 from kvnotes.harness.kit import ProbeConfig
+from kvnotes.harness.registry import Conformance
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import TypedDict
 
@@ -297,3 +298,9 @@ def locomo_table(rec: dict) -> str:
 
 #: How this probe's records are shown (:mod:`kvnotes.records.presentation`).
 PRESENTATION = Presentation(table=locomo_table)
+
+
+#: Not run by the zoo conformance lane: its data is a LoCoMo file the lane does not ship (its splice is
+#: compose's, which runs on every entry; tests/probes/test_locomo.py runs it on tiny Llama and Gemma-3
+#: models and the embedded one) (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(shapes="none")

@@ -18,6 +18,7 @@ from scipy.stats import linregress
 from kvnotes.harness import memory as mem
 from kvnotes.harness.kit import units
 from kvnotes.harness.constraints import Count, one_of
+from kvnotes.harness.registry import Conformance
 from kvnotes.records.memory_tables import arm_cells, memory_settings
 from kvnotes.records.tables import Lines, fmt, fmt_counts
 from kvnotes.records.figures import Bars, Curves, Reshaped
@@ -221,3 +222,8 @@ PRESENTATION = Presentation(table=memory_agent_table, figures=(
                     "KL (nats)", xy=("x", "y"), ylog=True), drift_by_turn("kl_mean")),
     Reshaped(Bars("session-ttft", "@/*", "timed sessions: cumulative time to first token (mean over personas; "
                   "measured on this machine)", "seconds"), session_ttft)))
+
+
+#: The zoo conformance lane runs it on its two cache shapes (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(bounds=("probe.lengths=[96]", "probe.personas=[maria]", "probe.turns=2", "probe.long_turns=3",
+                                  "probe.long_length=96"), shapes="two")

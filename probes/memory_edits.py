@@ -15,6 +15,7 @@ from kvnotes.context import EditableContext
 from kvnotes.harness import memory as mem
 from kvnotes.harness.kit import units
 from kvnotes.harness.constraints import Count, Counts, NonNegative
+from kvnotes.harness.registry import Conformance
 from kvnotes.records.figures import Bars
 from kvnotes.records.memory_tables import MEMORY_HEAD, arm_cells, memory_settings
 from kvnotes.records.tables import Lines, fmt_counts
@@ -180,3 +181,7 @@ PRESENTATION = Presentation(figures=(
          "length and arm (Wilson 95%)", "agreement"),
     mem.KL_BARS),
     table=memory_edits_table)
+
+
+#: The zoo conformance lane runs it on its two cache shapes (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(bounds=("probe.lengths=[96]", "probe.personas=[maria]", "probe.ks=[4]"), shapes="two")

@@ -17,6 +17,7 @@ from kvnotes.harness.kit import units
 from kvnotes.harness.constraints import Counts, NonNegative
 from kvnotes.harness.paired import mcnemar_exact
 from kvnotes.harness.stats import proportion
+from kvnotes.harness.registry import Conformance
 from kvnotes.ops.edit import stack
 from kvnotes.records.figures import Curves
 from kvnotes.records.memory_tables import MEMORY_HEAD, arm_cells, memory_settings
@@ -246,3 +247,7 @@ PRESENTATION = Presentation(figures=(
     Curves("s-curves-kl", "@/by_S/#/kl", "KL(full || composed) against the number of blocks S, per memory "
            "length (mean, 95% interval)", "blocks S", "KL (nats)", xlog=True, ylog=True)),
     table=memory_granularity_table)
+
+
+#: The zoo conformance lane runs it on its two cache shapes (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(bounds=("probe.lengths=[96]", "probe.personas=[maria]", "probe.blocks=[1,2]"), shapes="two")

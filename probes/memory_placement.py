@@ -17,6 +17,7 @@ from kvnotes.harness import memory as mem
 from kvnotes.harness.kit import units
 from kvnotes.harness.constraints import Count
 from kvnotes.harness.stats import proportion, summarize
+from kvnotes.harness.registry import Conformance
 from kvnotes.ops.edit import stack
 from kvnotes.records.figures import Bars
 from kvnotes.records.memory_tables import kl_cell, memory_settings, tests_cells
@@ -197,3 +198,7 @@ PRESENTATION = Presentation(figures=(
     Bars("length-accuracy", "@/by_depth/*/[accuracy_early,accuracy_late]", "accuracy with the memory early "
          "and late per memory length and depth (facts) (95% interval)", "accuracy"),),
     table=memory_placement_table)
+
+
+#: The zoo conformance lane runs it on its two cache shapes (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(bounds=("probe.lengths=[96]", "probe.personas=[maria]"), shapes="two")

@@ -14,6 +14,7 @@ import torch
 from kvnotes.harness import memory as mem
 from kvnotes.harness.kit import units
 from kvnotes.harness.constraints import NonNegatives
+from kvnotes.harness.registry import Conformance
 from kvnotes.ops import compose as kvcompose
 from kvnotes.ops.edit import stack
 from kvnotes.records.figures import Bars
@@ -145,3 +146,7 @@ PRESENTATION = Presentation(figures=(
          "memory length and arm (owned queries; Wilson 95%)", "agreement"),
     mem.KL_BARS),
     table=memory_transplant_table)
+
+
+#: The zoo conformance lane runs it on its two cache shapes (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(bounds=("probe.lengths=[96]", "probe.personas=[maria]", "probe.seams=[0,1]"), shapes="two")

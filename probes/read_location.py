@@ -20,6 +20,7 @@ from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.protocol import GeneratedReadout, pair_loop, readout_aggregates
 from kvnotes.harness.readout import candidate_scores, collapse_flags, first_token_scores
 from kvnotes.harness.stats import matrix_summary, proportion
+from kvnotes.harness.registry import Conformance
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.generate import owned_side
 from kvnotes.kv.knockout import (CHAIN_GROUPS, GROUPS, DecisionRead, chain_spans, decision_forward, generate_knocked,
@@ -506,3 +507,7 @@ PRESENTATION = Presentation(figures=(
                     "heads and pairs; flipping pairs when any)", "layer", "attention mass"), attention_by_layer),
     *(Reshaped(Bars(f"knockout-{run}", f"{run}/@/*", f"decision-row knockout per layer band, {run} run: score "
                     "change knocked - clean (mean, 95% interval)", "nats"), knockout_by_band) for run in RUNS)))
+
+
+#: The zoo conformance lane's settings for it (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(bounds=("probe.bands=[[0.0,0.5],[0.0,1.0]]", "probe.knockout_groups=[[field],[downstream]]"))

@@ -20,6 +20,7 @@ from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, pair_loop, 
 from kvnotes.harness.selection import (ANCHORS, OFFSET_ANCHORS, coverage, coverage_warnings, grid_points, k_for, offset_profiles, offsets, pair_rng,
                                        position_sets, position_values, profile_for, rank_values, split_instances,
                                        split_warnings)
+from kvnotes.harness.registry import Conformance
 from kvnotes.kv.masks import VariantPlan, patched_positions
 from kvnotes.records.figures import Bars, Curves
 from kvnotes.records.presentation import Presentation, ResultsColumn
@@ -520,3 +521,8 @@ PRESENTATION = Presentation(results=SUFFIX_RECOVERY_RESULTS, headline="reference
     Curves("offset-profile", "single/by_offset/decision/*", "single-position recovery by offset from the "
            "decision position (mean over flipping pairs)", "offset d - p", "recovery", xy=("offset", "mean"),
            xreverse=True)))
+
+
+#: The zoo conformance lane's settings for it (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(bounds=("probe.random.n_draws=1", "probe.grid.fractions=[0.5,1.0]", "probe.grid.counts=[1,4]",
+                                  "probe.layer_bands=2"))

@@ -18,7 +18,7 @@ import importlib
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, Literal, TypeVar, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
@@ -173,6 +173,64 @@ def typed_config(cfg) -> ProbeConfig:
         raise KvnotesError(f"probe '{raw.get('name')}': {msg} (declared keys: {', '.join(known)})") from None
     check_values(schema, cast(dict, OmegaConf.to_container(out, resolve=True)))
     return cast(ProbeConfig, OmegaConf.to_object(out))
+
+
+#: Recovery units: how far a conformance invariant's recovery may sit from its construction's value
+#: on random weights (fp32 quotients of score differences of ~0.01 nats; :class:`Conformance`).
+RECOVERY_TOL = 2e-3
+
+
+@dataclass
+class Invariants:
+    """What a probe's record held on one model (:attr:`Conformance.invariants`).
+
+    Attributes:
+        what: the invariant in a few words (``"field+downstream=1"``).
+        n: rows checked (0: the record had none to check).
+        violations: one line per row that broke it (empty: it held).
+    """
+
+    what: str
+    n: int
+    violations: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Conformance:
+    """How the zoo conformance lane (``pytest -m zoo``: every ``conf/model`` entry on its shrunk
+    random-weight model through ``run.py``'s job path) runs a probe: declared by the probe module as
+    ``CONFORMANCE``; a module without one runs on every entry as configured and checks nothing of
+    its own beyond its record's schema. The lane discovers these; it names no probe.
+
+    Attributes:
+        bounds: overrides bounding the probe's work there (fewer random draws, sweep points,
+            seams); every method and arm still runs.
+        shapes: ``"every"`` entry; ``"two"``: the lane's two cache shapes only (the Llama shape and
+            Gemma-3's one KV head with sliding windows), for a probe built from machinery every
+            entry already exercises; ``"none"``: its data is a file the lane does not ship.
+        mrope: overrides on multimodal (M-RoPE) entries, or None: not run there (their text decoder
+            is one the other entries cover; what is theirs is the 3-D position bookkeeping).
+        transformer_lens: also run on the TransformerLens backend (``probe.backend=transformer_lens``)
+            on ``"every"`` entry that has an adapter, on the ``"two"`` shapes, or ``"none"``.
+        invariants: ``record -> Invariants``: what the probe's record holds by construction on any
+            architecture and any weights (recovery identities, sums that must add up).
+    """
+
+    bounds: tuple[str, ...] = ()
+    shapes: Literal["every", "two", "none"] = "every"
+    mrope: tuple[str, ...] | None = None
+    transformer_lens: Literal["every", "two", "none"] = "none"
+    invariants: Callable[[dict], Invariants] | None = None
+
+
+def conformance(name: str) -> Conformance:
+    """Probe ``name``'s :class:`Conformance` (its module's ``CONFORMANCE``, or the default)."""
+    return getattr(module(name), "CONFORMANCE", None) or Conformance()
+
+
+def flipping_rows(rec: dict) -> list[dict]:
+    """The rows of a record's result whose pair flips."""
+    return [r for r in rec["result"]["rows"] if r.get("flips")]
 
 
 #: A probe's ``Config`` class.

@@ -20,6 +20,7 @@ from kvnotes.harness.constraints import Count, NonNegative, NonNegatives, one_of
 from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family, summary
 from kvnotes.harness.pairs import pair_row, transcript_turns
 from kvnotes.harness.stats import proportion
+from kvnotes.harness.registry import Conformance
 from kvnotes.kv.decision import recovery
 from kvnotes.kv.engine import make_engine
 from kvnotes.kv.generate import owned_side, stop_tokens
@@ -448,3 +449,8 @@ PRESENTATION = Presentation(figures=(
                       ("rms_ratio_attn_norm", "RMS ratio of the attention norm's input")))),
     table=compose_table)
 
+
+#: The zoo conformance lane's settings for it; on multimodal entries one seam and no edit arms (Qwen2.5-VL
+#: keeps its 2048 width when shrunk) (:class:`kvnotes.harness.registry.Conformance`).
+CONFORMANCE = Conformance(bounds=("probe.seams=[0,2]", "probe.sinks=[bos]", "probe.edit_arm_seams=[0]"),
+                          mrope=("probe.seams=[0]", "probe.edit_arm_seams=[]"))
