@@ -256,6 +256,21 @@ class SharedDecisionRows:
 
 
 @torch.no_grad()
+def _refuse_all_slots(model, what: str, *caches) -> None:
+    """Refuse an all-slot cache (:class:`kvnotes.kv.cache.AllSlotCache`) of a model with sliding-window
+    layers: the rows these hooks run would attend past the window (a prefix cache holds it).
+
+    Raises:
+        KvnotesError: one line naming ``what``.
+    """
+    if any(isinstance(c, kvcache.AllSlotCache) for c in caches):
+        from kvnotes.models.adapters import Adapter
+
+        if "sliding_attention" in Adapter.for_model(model).layer_types:
+            raise KvnotesError(f"{what}: an all-slot cache of a model with sliding-window layers would let the decision "
+                               "row attend past the window; pass its prefix cache (kvnotes.kv.cache.prefill)")
+
+
 def decision_forward(model, cache, tokens: torch.Tensor, knock: Masks | None = None,
                      capture: bool = False, budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES,
                      source=None) -> DecisionRead:
@@ -281,8 +296,12 @@ def decision_forward(model, cache, tokens: torch.Tensor, knock: Masks | None = N
         :class:`DecisionRead` (``2V`` rows with ``source``).
 
     Raises:
-        KvnotesError: a knockout under an attention implementation other than sdpa/eager.
+        KvnotesError: a knockout under an attention implementation other than sdpa/eager, or an
+            all-slot cache (:class:`kvnotes.kv.cache.AllSlotCache`) of a model with sliding-window
+            layers: the decision row would attend past the window (its prefix cache,
+            :func:`kvnotes.kv.cache.prefill`, holds the window).
     """
+    _refuse_all_slots(model, "decision_forward", cache, source)
     d = kvcache.seq_length(cache)
     V = 1 if knock is None else knock.shape[0]
     lps, probs, errs = [], [], []
@@ -412,8 +431,12 @@ def generate_knocked(model, cache, token: int, max_new_tokens: int, reached, sto
         (:class:`kvnotes.kv.generate.Generated`, the :class:`ChainRowsHook` with the captured masses).
 
     Raises:
-        KvnotesError: a knockout under an attention implementation other than sdpa/eager.
+        KvnotesError: a knockout under an attention implementation other than sdpa/eager, or an
+            all-slot cache (:class:`kvnotes.kv.cache.AllSlotCache`) of a model with sliding-window
+            layers: the decision row would attend past the window (its prefix cache,
+            :func:`kvnotes.kv.cache.prefill`, holds the window).
     """
+    _refuse_all_slots(model, "generate_knocked", cache)
     d = kvcache.seq_length(cache)
     V = 1 if knock is None else knock.shape[0]
     hook = ChainRowsHook(model, d, d, None if knock is None else knock.to(model.device), spans)

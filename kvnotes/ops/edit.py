@@ -44,6 +44,7 @@ import torch
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.cache import AllSlotCache, check_all_slots, extend
 from kvnotes.kv.capture import attention_hook
+from kvnotes.kv.knockout import additive_mask, eager_probabilities
 
 
 @dataclass
@@ -302,8 +303,9 @@ def rank_attention(model, stale: AllSlotCache, token: int, downstream: tuple[int
     """Downstream positions by the attention the decision row pays them on the stale cache.
 
     The decision token is fed at ``d`` on the stale cache; every layer's attention probabilities of
-    that query (post-RoPE ``q.k * scaling``, soft-capped where the layer passes ``softcap``, masked
-    as the layer masks) are averaged over layers and heads.
+    that query (the model's own eager attention on the call's post-RoPE inputs and mask:
+    :func:`kvnotes.kv.knockout.eager_probabilities`, the probabilities every probe reads) are
+    averaged over layers and heads.
 
     Returns:
         (positions in ``[b, d)`` sorted by decreasing attention, cost ``{tokens, flops, seconds}``).
@@ -313,16 +315,10 @@ def rank_attention(model, stale: AllSlotCache, token: int, downstream: tuple[int
 
     def fn(base, module, query, key, value, attention_mask, **kwargs):
         out = base(module, query, key, value, attention_mask, **kwargs)
-        q = query[:, :, -1:].float()
-        kk = key.float().repeat_interleave(query.shape[1] // key.shape[1], dim=1)
-        s = (q @ kk.transpose(-1, -2)) * kwargs.get("scaling", getattr(module, "scaling", 1.0))
-        cap = kwargs.get("softcap")
-        if cap:
-            s = torch.tanh(s / cap) * cap
-        if attention_mask is not None:
-            m = attention_mask[..., -1:, : s.shape[-1]]
-            s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
-        p = torch.softmax(s, dim=-1)[0, :, 0, :d].mean(0)
+        q_len, kv_len = query.shape[2], key.shape[2]
+        mask = additive_mask(attention_mask, q_len, kv_len, query.device)[..., -1:, :kv_len]
+        probs, _ = eager_probabilities(module, query[:, :, -1:], key, value, mask, **kwargs)   # [1, H, 1, kv_len]
+        p = probs[0, :, 0, :d].mean(0)
         scores[: p.shape[0]] += p.cpu()
         return out
 

@@ -150,6 +150,34 @@ def test_rankings_cover_downstream(tiny):
     assert len(tiny.model.layers) == tiny.config.num_hidden_layers
 
 
+#: fp32 attention probabilities of the same query and keys through two forwards (a hook on one row,
+#: the knockout capture's batched rows).
+PROB_TOL = 1e-6
+
+
+def test_attention_ranking_reads_the_probabilities_every_probe_reads(tiny):
+    """``rank_attention`` orders downstream positions by the decision row's layer- and head-mean
+    attention as the knockout capture computes it (one attention-probability computation:
+    :func:`kvnotes.kv.knockout.eager_probabilities`): its order is non-increasing in those masses."""
+    from kvnotes.errors import KvnotesError
+    from kvnotes.kv.cache import prefill
+    from kvnotes.kv.knockout import decision_forward
+    from kvnotes.ops.slots import has_sliding_layers
+
+    old, _ = tiny_pair()
+    stale = AllSlotCache.prefill(tiny, old[:D])
+    down = (FIELD[1], D)
+    order, _ = edit.rank_attention(tiny, stale, int(old[D]), down)
+    read = decision_forward(tiny, prefill(tiny, old[:D]), old[D:D + 1], capture=True)   # the prefix cache holds the window
+    if has_sliding_layers(tiny):               # the all-slot cache would let the row attend past it: refused
+        with pytest.raises(KvnotesError, match="sliding-window"):
+            decision_forward(tiny, stale, old[D:D + 1], capture=True)
+    mass = read.probs[0, :, :D].mean(0)                   # [D]: mean over layers of the head-mean row
+    ranked = mass[order]
+    assert (ranked[1:] - ranked[:-1]).max() <= PROB_TOL, ranked
+    assert ranked[0] - ranked[-1] > 10 * PROB_TOL        # the masses differ: the order is not vacuous
+
+
 def test_flops_formula():
     from tests.helpers import tiny_config
 
