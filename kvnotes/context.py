@@ -164,6 +164,13 @@ FALLBACKS = ("full", "corrected")
 DEFAULT_CHECK, DEFAULT_RULE, DEFAULT_FALLBACK = "selective@50%", "extrapolate", "full"
 
 
+def _common_prefix(old: torch.Tensor, new: torch.Tensor) -> int:
+    """Length of the longest common prefix of two ``[T]`` id tensors, short of the shorter one's last token."""
+    n = min(len(old), len(new)) - 1
+    diff = (old[:n] != new[:n]).nonzero()
+    return int(diff[0]) if len(diff) else n
+
+
 class EditableContext:
     """A cached prompt of text, named fields and precompiled chunks, edited in place (module docstring).
 
@@ -400,12 +407,8 @@ class EditableContext:
             raise KvnotesError(f"unknown diagnostic rule {rule!r}; choose one of {', '.join(RULES)}")
         if kind not in _CORRECTED:
             raise KvnotesError(f"unknown diagnostic check {check!r}; choose one of {', '.join(CHECKS)}")
-        ip, c_ip, applied_ip = self._in_place(state, name, value)
-        if methods.for_mode(kind).ranked:
-            fe, c_fe, fe_applied = self._selective_after(ip, c_ip, applied_ip, name, k)
-            c_fe = Cost(c_fe.tokens - c_ip.tokens, c_fe.flops - c_ip.flops, c_fe.seconds - c_ip.seconds)
-        else:
-            fe, c_fe, fe_applied = self._erratum_after(ip, applied_ip, name, value)
+        (ip, c_ip, applied_ip), (fe, c_all, fe_applied) = self._arms(state, name, value, methods.for_mode(kind), k)
+        c_fe = Cost(c_all.tokens - c_ip.tokens, c_all.flops - c_ip.flops, c_all.seconds - c_ip.seconds)
         t0 = time.perf_counter()
         d_ip, d_fe = self._decide(ip, candidates), self._decide(fe, candidates)
         read = Cost(2, ops.forward_flops(self.model.config, 2, ip.layout.length + fe.layout.length),
@@ -449,74 +452,74 @@ class EditableContext:
         self._state, self._segments = new, list(new.segments)
         return cost
 
-    def _in_place(self, state: _State, name: str, value: str) -> tuple[_State, Cost, str]:
+    def _with_value(self, state: _State, name: str, value: str) -> tuple[tuple[Segment, ...], Layout, bool]:
+        """Segments and layout with ``name`` set to ``value``, and whether they are token-aligned with the
+        cached prompt's (same length and field span and tokens outside it): only then is a refresh in place."""
         segments = tuple(replace(s, text=value) if s.kind == "field" and s.name == name else s for s in state.segments)
         layout = self._layout(segments)
         a, b = state.layout.fields[name]
-        a2, b2 = layout.fields[name]
         old, new = state.layout.ids, layout.ids
-        aligned = (layout.length == state.layout.length and (a, b) == (a2, b2) and b < layout.length - 1
+        aligned = (layout.length == state.layout.length and (a, b) == layout.fields[name] and b < layout.length - 1
                    and torch.equal(old[:a], new[:a]) and torch.equal(old[b:], new[b:]))
-        if not aligned:
-            nxt, cost = self._extend(state, segments, layout)
-            return nxt, cost, "reprefill_from_field"
-        ed = ops.refresh_field(self.model, state.cache, new, (a, b))
-        return _State(segments, layout, ed.cache), Cost(ed.tokens, ed.flops, ed.seconds), "in_place"
+        return segments, layout, aligned
 
-    def _erratum(self, state: _State, name: str, value: str) -> tuple[_State, Cost]:
-        notice = self._notice(name, value)
-        segments = self._insert_before_request(state.segments, Segment("erratum", notice, name))
-        return self._extend(state, segments)
+    def _source(self, state: _State, segments: tuple[Segment, ...], layout: Layout, name: str, value: str,
+                erratum: bool) -> tuple[methods.EditSource, tuple[Segment, ...]]:
+        """The edit-method registry's source for ``layout`` (token-aligned with the cached prompt), with the
+        erratum prompt if asked (forwarded from the common token prefix), and the segments the edit leaves."""
+        prompts = {}
+        if erratum:
+            segments = self._insert_before_request(segments, Segment("erratum", self._notice(name, value), name))
+            e = self._layout(segments)
+            prompts["erratum"] = methods.Prompted(state.cache, e.ids, _common_prefix(layout.ids, e.ids), e.length - 1)
+        d = layout.length - 1
+        return methods.EditSource(self.model, state.cache, layout.ids, layout.fields[name], d, int(layout.ids[d]),
+                                  prompts), segments
+
+    def _made(self, method: methods.EditMethod, src: methods.EditSource, segments: tuple[Segment, ...],
+              k: int | float | None = None) -> tuple[_State, Cost, str]:
+        """``method``'s edit from ``src`` (:func:`kvnotes.ops.methods.apply`): the next state, its cost and what it
+        applied; a ranked method recomputes the top ``k`` (or share ``k``) downstream positions by K/V deviation."""
+        b, d = src.downstream
+        n = (k if isinstance(k, int) else math.ceil((k or 0) * (d - b))) if method.ranked else 0
+        ed, _ = methods.apply(method, src, n, methods.RANKINGS["kv_deviation"].rank(src) if method.ranked else None)
+        return (_State(segments, self._layout(segments), ed.cache), Cost(ed.tokens + ed.rank_tokens, ed.flops, ed.seconds),
+                f"{method.mode}@{n}" if method.ranked else str(method.mode))
 
     def _apply(self, method: methods.EditMethod, state: _State, name: str, value: str,
                k: int | float | None) -> tuple[_State, Cost, str]:
-        """``method``'s steps for the field's new value (a mode of the registry, not a re-prefill): the
-        in-place edit (refresh), then the erratum (the one prompt a context renders) or the top ``k``
-        downstream positions (ranked); without the refresh, the erratum alone or nothing."""
+        """``method``'s edit for the field's new value (a registry mode, not a re-prefill; :meth:`_made`)."""
         if method.prompt not in (None, "erratum"):
             raise KvnotesError(f"edit mode {method.mode!r}: a context renders no {method.prompt!r} prompt")
-        if not method.refresh:
-            new, cost = self._erratum(state, name, value) if method.prompt else (state, Cost())
-            return new, cost, str(method.mode)
-        ip, c_ip, applied = self._in_place(state, name, value)
-        if method.prompt is not None:
-            fe, c_fe, fe_applied = self._erratum_after(ip, applied, name, value)
-            return fe, c_ip + c_fe, fe_applied
-        return self._selective_after(ip, c_ip, applied, name, k) if method.ranked else (ip, c_ip, applied)
+        if method.refresh:
+            return self._arms(state, name, value, method, k)[1]
+        return self._made(method, *self._source(state, state.segments, state.layout, name, value, bool(method.prompt)))
 
-    def _erratum_after(self, ip: _State, applied: str, name: str, value: str) -> tuple[_State, Cost, str]:
-        """The erratum on top of an in-place edited state, and what the pair applied."""
-        fe, c_fe = self._erratum(ip, name, value)
-        return fe, c_fe, "field_plus_erratum" if applied == "in_place" else "reprefill_from_field+erratum"
-
-    def _selective_after(self, ip: _State, c_ip: Cost, applied: str, name: str,
-                         k: int | float | None) -> tuple[_State, Cost, str]:
-        """Recompute the top ``k`` downstream positions (an int, or a share of them as a float) of an
-        in-place edited state, ranked by CacheBlend's layer-1 K/V deviation."""
-        assert k is not None
-        if applied != "in_place":                     # downstream already recomputed exactly
-            return ip, c_ip, applied
-        T = ip.layout.length
-        b = ip.layout.fields[name][1]
-        n = k if isinstance(k, int) else math.ceil(k * (T - 1 - b))
-        refreshed = ops.Edited(ip.cache, T - 1, int(c_ip.tokens), c_ip.flops, c_ip.seconds)
-        order, rank = ops.rank_kv_deviation(self.model, refreshed, ip.layout.ids, (b, T - 1))
-        ed = ops.selective(self.model, refreshed, ip.layout.ids, order[:n], rank["seconds"], rank["tokens"], rank["flops"])
-        return _State(ip.segments, ip.layout, ed.cache), Cost(ed.tokens + ed.rank_tokens, ed.flops, ed.seconds), \
-            f"selective@{n}"
+    def _arms(self, state: _State, name: str, value: str, method: methods.EditMethod,
+              k: int | float | None) -> tuple[tuple[_State, Cost, str], tuple[_State, Cost, str]]:
+        """The in-place edit and ``method``'s built on it (one field refresh), each ``(state, cost from the cached
+        state, applied)``; a value that changes the prompt's tokens is re-prefilled from the field on (exact)."""
+        segments, layout, aligned = self._with_value(state, name, value)
+        if not aligned:
+            nxt, cost = self._extend(state, segments, layout)
+            ip = (nxt, cost, "reprefill_from_field")
+            if method.prompt is None:
+                return ip, ip
+            fe, c_fe = self._extend(nxt, self._insert_before_request(segments, Segment("erratum", self._notice(
+                name, value), name)))
+            return ip, (fe, cost + c_fe, "reprefill_from_field+erratum")
+        src, edited = self._source(state, segments, layout, name, value, bool(method.prompt))
+        return self._made(methods.for_mode("in_place"), src, segments), self._made(method, src, edited, k)
 
     def _extend(self, state: _State, segments: tuple[Segment, ...], layout: Layout | None = None) -> tuple[_State, Cost]:
         """Re-render ``segments`` and forward the new prompt from its longest common token prefix
         with the cached one (exact for everything forwarded)."""
         layout = layout or self._layout(segments)
-        old, new = state.layout.ids, layout.ids
-        n = min(len(old), len(new)) - 1
-        diff = (old[:n] != new[:n]).nonzero()
-        reuse = int(diff[0]) if len(diff) else n
+        reuse = _common_prefix(state.layout.ids, layout.ids)
         T = layout.length
         if reuse >= T - 1:                           # nothing before the fed token changed
             return _State(segments, layout, state.cache.truncate(T - 1)), Cost()
-        ed = ops.extend_from(self.model, state.cache, new, reuse, T - 1)
+        ed = ops.extend_from(self.model, state.cache, layout.ids, reuse, T - 1)
         return _State(segments, layout, ed.cache), Cost(ed.tokens, ed.flops, ed.seconds)
 
     # ------------------------------------------------------------------------------- reading
