@@ -244,12 +244,13 @@ def test_battery_on_a_random_weight_shape_with_per_probe_overrides(tmp_path, mon
               "model.random_init.enabled=true", f"model.random_init.tokenizer={tok}", "flip_rule=synthetic",
               "min_effect=0.005", "scenario.families=null", "scenario.ids=[favourite_colour]", "scenario.n_instances=2"]
     out, records = tmp_path / "run.json", tmp_path / "records"
-    ran = run_kvnotes(monkeypatch, capsys, "battery", *common, "heads:probe.ks=[1,4]", "heads:probe.random.n_draws=1",
-                      "--lengths", "240,600", "--records", records, "--json", out, "--probes", "screen", "heads")
+    heads_keys = ["probe.ks=[1,4]", "probe.random.n_draws=1", "probe.max_map_pairs_per_family=1"]
+    ran = run_kvnotes(monkeypatch, capsys, "battery", *common, *(f"heads:{k}" for k in heads_keys),
+                      "--lengths", "200,320", "--records", records, "--json", out, "--probes", "screen", "heads")
     assert ran.returncode == 0, ran.stderr
     runs = json.loads(out.read_text())["lengths"]
     assert [r["median_tokens"] for r in runs.values()] == sorted(r["median_tokens"] for r in runs.values())
-    assert all(r["probe_overrides"] == {"heads": ["probe.ks=[1,4]", "probe.random.n_draws=1"]} for r in runs.values())
+    assert all(r["probe_overrides"] == {"heads": heads_keys} for r in runs.values())
     heads = [json.loads(p.read_text()) for p in records.rglob("record.json") if "/heads/" in str(p)]
     assert heads and all(h["config"]["probe"]["ks"] == [1, 4] and h["model"]["source"] == "random" for h in heads)
     assert all(h["inputs"]["weights"]["tokenizer"]["path"] == str(tok.resolve()) for h in heads)
