@@ -2,8 +2,9 @@
 records as they were: ``kvnotes battery --compare DIR``).
 
 Only the ``result`` block is compared; wall times inside it (keys with a word ``ms``, ``seconds``,
-``time`` or ``timing``, or ending in ``_s``: ``agent_ms``, ``oracle_ms_total``, ``time_ratio``,
-``full_seconds``, ``setup_s``, a ``time`` block; not ``s_old``) are skipped. Numbers match when ``|a - b| <= atol + rtol * |b|``;
+``time``, ``timing``, ``ttft`` or ``cum`` (cumulative time), or ending in ``_s`` or ``_s_mean``:
+``agent_ms``, ``oracle_ms_total``, ``time_ratio``, ``full_seconds``, ``setup_s``, ``full_s_mean``,
+``cum_ttft_ratio``, a ``time`` block; not ``s_old`` or ``cumulative_length``) are skipped. Numbers match when ``|a - b| <= atol + rtol * |b|``;
 every other leaf (strings, booleans, integers such as token ids, list lengths, keys) must be equal.
 """
 
@@ -21,8 +22,8 @@ RECORD_RTOL = 1e-3
 
 
 #: A key naming a wall time or a ratio of wall times (``agent_ms``, ``oracle_ms_total``, ``time_ratio``,
-#: ``full_seconds``, ``timing``).
-_TIMING = re.compile(r"(^|_)(ms|seconds|time|timing)(_|$)|_s$")
+#: ``full_seconds``, ``timing``, ``ttft``, ``cum_full``, ``prefill_s_mean``).
+_TIMING = re.compile(r"(^|_)(ms|seconds|time|timing|ttft|cum)(_|$)|_s(_mean)?$")
 
 
 def _timing_key(key: str) -> bool:

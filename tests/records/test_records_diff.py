@@ -19,3 +19,14 @@ def test_result_diff_tolerates_noise_and_lists_changes():
     assert "result.rows[0].top1: 8 != 7" in got and "result.rows[0].owned: False != True" in got
     assert any(m.startswith("result.aggregates: keys") for m in got)
     assert not any("agent_ms" in m for m in got)                       # wall times are not compared
+
+
+def test_the_memory_probes_wall_times_are_not_compared():
+    """The memory probes' wall times (time to first token, cumulative time, a mean of seconds) are
+    skipped like every other wall time; a cumulative length is not a time."""
+    ref = {"result": {"rows": [{"ttft": 1.0, "cum": 2.0, "ttft_full": 1.0, "cum_full": 2.0, "cumulative_length": 5.0}],
+                      "aggregates": {"full_s_mean": 1.4, "cum_ttft_ratio": 1.3, "cum_ttft_full_s": 2.0}}}
+    slower = {"result": {"rows": [{"ttft": 9.0, "cum": 9.0, "ttft_full": 9.0, "cum_full": 9.0, "cumulative_length": 6.0}],
+                         "aggregates": {"full_s_mean": 0.7, "cum_ttft_ratio": 1.9, "cum_ttft_full_s": 9.0}}}
+    assert result_diff(slower, ref).mismatches == ["result.rows[0].cumulative_length: 6 != 5"]
+
