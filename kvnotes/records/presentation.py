@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,12 +93,26 @@ def source_module(rec: dict) -> str | None:
 
 @functools.cache
 def _declared(module: str) -> Presentation:
+    """The module's ``PRESENTATION``; :data:`DEFAULT` when the module is not installed here (a record of
+    another project's probe) or declares none. A module that is here but fails to import gets the
+    default too, said on stderr in one ``kvnotes: warning:`` line (it used to be silent)."""
     try:
         mod = importlib.import_module(module)
-    except ImportError:
-        return DEFAULT
+    except ModuleNotFoundError as exc:
+        if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
+            return DEFAULT
+        return _broken(module, exc)
+    except ImportError as exc:
+        return _broken(module, exc)
     got = getattr(mod, "PRESENTATION", DEFAULT)
     return got if isinstance(got, Presentation) else DEFAULT
+
+
+def _broken(module: str, exc: ImportError) -> Presentation:
+    """:data:`DEFAULT`, with one stderr line saying the module that wrote a record fails to import."""
+    print(f"kvnotes: warning: {module} (which wrote a record) fails to import ({' '.join(str(exc).split())}); "
+          "its records are shown with the default presentation", file=sys.stderr)
+    return DEFAULT
 
 
 def presentation(rec: dict) -> Presentation:
