@@ -140,10 +140,10 @@ def run(ctx) -> dict:
     model = ctx.bundle.model
     L = engine.adapter.n_layers
     eps = engine.adapter.final_norm_eps(model)
-    n_boot = int(cfg.n_boot)
+    n_boot = cfg.n_boot
     # 1. the top note offset per family, from selection pairs only
     families = K.families_of(ctx, rows + fs.excluded)
-    anchor = str(cfg.topk_anchor)
+    anchor = cfg.topk_anchor
     profiles = note_profiles(ctx, fs.runs, rows, anchor, "components: position maps")
     offsets = {level: {key: top_note(prof, anchor) for key, prof in profiles[level].items()}
                for level in ("scenario", "family")} | {"anchor": anchor}

@@ -473,14 +473,14 @@ def run(ctx) -> dict:
     cfg = ctx.cfg
     L = ctx.bundle.adapter.n_layers
     layers = scan_layers(L, cfg.layers, cfg.n_layers_scan)
-    scope, ablate_to = str(cfg.fit_scope), str(cfg.ablate_to)
+    scope, ablate_to = cfg.fit_scope, cfg.ablate_to
     if scope not in SCOPES or ablate_to not in ABLATE_TO:
         raise ValueError(f"fit_scope in {SCOPES}, ablate_to in {ABLATE_TO}; got {scope!r}, {ablate_to!r}")
     n_draws = int(cfg.random.n_draws)
     if n_draws < 1:
         raise ValueError("random.n_draws must be >= 1: the norm-matched random control is required")
     engine, fs, rows, sel, held = start_circuit(ctx)
-    n_boot = int(cfg.n_boot)
+    n_boot = cfg.n_boot
     w = _Work(ctx, engine, fs, rows, layers, eval_pairs(rows, cfg.max_pairs_per_family, ctx.seed))
     families = K.families_of(ctx, rows + fs.excluded)
     _capture_residuals(w, scope)

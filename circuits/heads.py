@@ -216,9 +216,9 @@ def run(ctx) -> dict:
     ks, dropped = head_ks(cfg.ks, ctx.bundle.adapter.n_layers, ctx.bundle.adapter.n_heads)    # before any work
     engine, fs, rows, sel, held = start_circuit(ctx)
     L, H = engine.adapter.n_layers, engine.adapter.n_heads
-    chunk = int(cfg.chunk_heads)
+    chunk = cfg.chunk_heads
     n_draws = int(cfg.random.n_draws)
-    n_boot = int(cfg.n_boot)
+    n_boot = cfg.n_boot
     modes = [m for m in HEAD_SITES if m in cfg.modes]
     if not modes or set(cfg.modes) - set(HEAD_SITES):
         raise KvnotesError(f"heads: modes must be a non-empty subset of {list(HEAD_SITES)} (got {list(cfg.modes)})")

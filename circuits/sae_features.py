@@ -215,10 +215,10 @@ def run(ctx) -> dict:
     engine = make_engine(ctx.bundle.model, cfg.backend)
     layers = K.scan_layers(engine.adapter.n_layers, cfg.layers, cfg.n_layers_scan)
     fs = K.flipping_pairs(ctx, keep_caches=True)
-    rows, sel, held = with_split(fs.rows, float(cfg.selection_fraction), ctx.seed)
-    anchor = str(cfg.topk_anchor)
+    rows, sel, held = with_split(fs.rows, cfg.selection_fraction, ctx.seed)
+    anchor = cfg.topk_anchor
     profiles = note_profiles(ctx, fs.runs, rows, anchor, "sae_features: position maps")
-    sites = [Site(str(cfg.site), layer) for layer in layers]
+    sites = [Site(cfg.site, layer) for layer in layers]
     acts = K.per_prompt(lambda ids: engine.run(ids, capture=sites).acts)
     notes = []                                   # (row, side, outcome, [n_scan, d_model] activations at the top note)
     train: dict = {}                             # selection prompts' activations at every scanned site, [0, d]
@@ -248,8 +248,8 @@ def run(ctx) -> dict:
                        ["sae_features: no selection pair with a note position: nothing to train the SAE on"])
     with ctx.timer("train"):
         data = torch.cat([a[site][0].float() for a in train.values()])
-        sae = train_sae(data, int(cfg.n_latents or cfg.expansion * data.shape[1]), int(cfg.k), int(cfg.steps),
-                        int(cfg.batch), float(cfg.lr), ctx.seed)
+        sae = train_sae(data, int(cfg.n_latents or cfg.expansion * data.shape[1]), cfg.k, cfg.steps,
+                        cfg.batch, cfg.lr, ctx.seed)
     sel_notes = [(o, x[li]) for r, _, o, x in notes if r["split"] == "selection"]
     held_notes = {(r["pair"], side): x[li] for r, side, _, x in notes if r["split"] == "heldout"}
     z_sel = sae.latents(torch.stack([x for _, x in sel_notes]))
@@ -318,7 +318,7 @@ def _clamp(ctx, engine, sae: TrainedSAE, site: Site, run_: PairRun, row: dict, n
 def _result(ctx, fs, rows: list[dict], sel: set, held: set, site: Site, sae: TrainedSAE | None, scanned: dict,
             warnings: list[str]) -> dict:
     cfg: Config = ctx.cfg
-    n_boot, seed = int(cfg.n_boot), ctx.seed
+    n_boot, seed = cfg.n_boot, ctx.seed
     clamped = [r for r in rows if "sufficiency" in r]
 
     def by_k(name: str, arm: str) -> dict:
@@ -344,7 +344,7 @@ def _result(ctx, fs, rows: list[dict], sel: set, held: set, site: Site, sae: Tra
                                           "library": "sparsify (EleutherAI) SparseCoder"},
         "checks": {"max_unclamped_error": max((max(r["sufficiency_unclamped_error"], r["necessity_unclamped_error"])
                                                for r in clamped), default=None)}}
-    return {"rows": rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": str(cfg.backend),
+    return {"rows": rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": cfg.backend,
             "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates,
             "warnings": warnings}
 

@@ -182,8 +182,8 @@ def run(ctx) -> dict:
     K.require_first_token(ctx)
     model = ctx.bundle.model
     fs = K.flipping_pairs(ctx, keep_caches=True)
-    rows, sel, held = with_split(fs.rows, float(cfg.selection_fraction), ctx.seed)
-    anchor = str(cfg.topk_anchor)
+    rows, sel, held = with_split(fs.rows, cfg.selection_fraction, ctx.seed)
+    anchor = cfg.topk_anchor
     profiles = note_profiles(ctx, fs.runs, rows, anchor, "scrubbing: position maps")
     pool = donors(fs.runs, rows)
     prefill = K.per_prompt(lambda ids: kvcache.AllSlotCache.prefill(model, ids))
@@ -202,8 +202,8 @@ def _scrub(ctx, runs: list[PairRun], run_: PairRun, row: dict, profiles: dict, p
     if (found := pair_profile(profiles, row)) is None:
         return
     profile, level = found
-    values = position_values(profile, (b, d), str(cfg.topk_anchor), pair.downstream_ids)
-    notes = note_set(values, (b, d), str(cfg.topk_anchor), int(cfg.k), float(cfg.min_recovery))
+    values = position_values(profile, (b, d), cfg.topk_anchor, pair.downstream_ids)
+    notes = note_set(values, (b, d), cfg.topk_anchor, cfg.k, cfg.min_recovery)
     if not notes:
         row["skipped"] = "empty_note_set"
         return
@@ -230,7 +230,7 @@ def _scrub(ctx, runs: list[PairRun], run_: PairRun, row: dict, profiles: dict, p
 
 
 def _result(ctx, fs, rows: list[dict], sel: set, held: set, profiles: dict) -> dict:
-    n_boot, seed = int(ctx.cfg.n_boot), ctx.seed
+    n_boot, seed = ctx.cfg.n_boot, ctx.seed
     families = K.families_of(ctx, rows + fs.excluded)
     scrubbed = [r for r in rows if "interchange" in r]
     drifted = [r for r in scrubbed if "drift" in r]
@@ -258,8 +258,8 @@ def _result(ctx, fs, rows: list[dict], sel: set, held: set, profiles: dict) -> d
                         f"candidate) for {len(scrubbed) - len(drifted)} of {len(scrubbed)} scrubbed pairs: no drift")
     aggregates = K.pair_counts(ctx, rows, fs.excluded, families) | agg | {
         "n_selection": len(rows) - len(held_rows), "n_heldout": len(held_rows), "n_scrubbed": len(scrubbed),
-        "n_drift": len(drifted), "anchor": profiles["anchor"], "k": int(ctx.cfg.k),
-        "min_recovery": float(ctx.cfg.min_recovery), "checks": checks,
+        "n_drift": len(drifted), "anchor": profiles["anchor"], "k": ctx.cfg.k,
+        "min_recovery": ctx.cfg.min_recovery, "checks": checks,
         "skipped": dict(Counter(r["skipped"] for r in held_rows if "skipped" in r))}
     return {"rows": rows, "exclusions": fs.exclusions, "excluded": fs.excluded, "backend": "kv_attention",
             "split": {"selection": sorted(sel), "heldout": sorted(held)}, "aggregates": aggregates,

@@ -409,7 +409,7 @@ def run(ctx) -> dict:
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     if ctx.scenario_cfg is None:
         raise KvnotesError("probe agent needs the scenario config (it renders its own conversations)")
-    turns, seam, sink = int(cfg.turns), int(cfg.seam), str(cfg.sink)
+    turns, seam, sink = cfg.turns, cfg.seam, cfg.sink
     tk = dict(ctx.template_kwargs)              # the model's chat-template arguments, thinking switch applied
     scenario = ctx.scenario
     chat, variant = scenario.chat_template, scenario.variant
@@ -418,7 +418,7 @@ def run(ctx) -> dict:
     if not instances:
         raise KvnotesError(f"probe agent: no scenario of the selection has the '{variant}' variant")
     cot_on, thinking = variant == "cot", bool(getattr(ctx, "thinking", False))
-    max_new = int(cfg.cot_max_new_tokens)
+    max_new = cfg.cot_max_new_tokens
     stop = tuple(stop_tokens(tok)) if cot_on else ()
     layout_turns = transcript_turns(ctx.scenario_cfg)
     first = layout_prompt(tok, instances[0], next(iter(instances[0].scenario.values)), CHUNKED_ORDER, CHUNK_NAMES,
@@ -438,7 +438,7 @@ def run(ctx) -> dict:
                              "instance": inst.id} | why)
     families = sorted({s.family for s in ctx.pairs.scenarios})
     with ctx.timer("statistics"):
-        agg = aggregate(rows, families, int(cfg.n_boot), ctx.seed)
+        agg = aggregate(rows, families, cfg.n_boot, ctx.seed)
     aggregates = {"turns": turns, "seam": seam, "sink": sink, "n_trajectories": len({r["trajectory"] for r in rows}),
                   "n_excluded": len(excluded), "families": families, "by_family": agg,
                   "device": model.device.type, "readout": "generated" if cot_on else "direct"}

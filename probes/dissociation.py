@@ -155,7 +155,7 @@ def run(ctx) -> dict:
     """
     cfg = ctx.cfg
     model = ctx.bundle.model
-    n_boot = int(cfg.n_boot)
+    n_boot = cfg.n_boot
     rows = []
     for run_, row in K.each_pair(ctx, desc="dissociation"):
         pair = cast(PolarityPair, run_.pair)

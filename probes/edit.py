@@ -46,7 +46,7 @@ class PairEditor(EditSource):
         self.ctx, self.pair = ctx, pair
         self.tok = ctx.bundle.tokenizer
         cfg = ctx.cfg
-        self.placement = str(cfg.placement)
+        self.placement = cfg.placement
         self.template = str(cfg.erratum_template or sedits.ERRATUM_TEMPLATE)
         self.chat = ctx.scenario.chat_template
         self.kwargs = kwargs
@@ -407,11 +407,11 @@ def run(ctx) -> dict:
     rankings = [str(r) for r in cfg.rankings]
     ks = [int(k) for k in (cfg.cot_ks if generated else cfg.ks)]
     oracle_ranking = None if generated else cfg.oracle_ranking
-    n_boot, seed = int(cfg.n_boot), ctx.seed
+    n_boot, seed = cfg.n_boot, ctx.seed
     pr = pair_loop(ctx, "edit: clean runs", keep=True)        # every flipping row first: the cap is round-robin
     # the split is over every flipping pair's instances, before the caps (a cap that keeps one instance
     # of a scenario would put it on the held-out side); the sweep takes both sides in turn
-    split_rows, _, _ = with_split(pr.rows, float(cfg.selection_fraction), seed)
+    split_rows, _, _ = with_split(pr.rows, cfg.selection_fraction, seed)
     order = round_robin(split_rows)
     limit, sweep_limit = cfg.max_pairs, None if generated else cfg.sweep_max_pairs
     if limit is not None and len(order) > int(limit):
@@ -426,7 +426,7 @@ def run(ctx) -> dict:
                                     [str(w) for w in cfg.erratum_wordings]))
     families = families_of(ctx, rows + pr.excluded)
     with ctx.timer("controls"):
-        ctrl_rows, ctrl_skipped = control_pairs(ctx, pr.excluded, kwargs, int(cfg.max_control_pairs))
+        ctrl_rows, ctrl_skipped = control_pairs(ctx, pr.excluded, kwargs, cfg.max_control_pairs)
     with ctx.timer("statistics"):
         named = {m: method_summary(rows, m, families, n_boot, seed) for m in EDIT_METHODS}
         index = {n: (v["ranking"], v["k"]) for r in rows for n, v in r["sweep"].items()}

@@ -133,15 +133,15 @@ def run(ctx) -> dict:
     refresh is checked; under the generated readout variants whose chain does not reach the marker
     are left out of that variant's summary and counted (``n_unreached``)."""
     cfg = ctx.cfg
-    n_boot = int(cfg.n_boot)
+    n_boot = cfg.n_boot
     generated = K.is_cot(ctx)
-    exact = bool(cfg.exact) and not generated
+    exact = cfg.exact and not generated
 
     def exact_columns(sp, row):
         return exact_refresh(ctx.bundle.model, sp.run, row["s_field"], ctx.readout, ctx.budget_bytes)
 
     pr = run_patches(ctx, lambda pair: variant_positions(pair.field, pair.decision), "field_refresh",
-                     keep_caches=bool(cfg.keep_caches), extra=exact_columns if exact else None)
+                     keep_caches=cfg.keep_caches, extra=exact_columns if exact else None)
     rows = pr.rows
     families = families_of(ctx, rows + pr.excluded)
     with ctx.timer("statistics"):

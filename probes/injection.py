@@ -177,7 +177,7 @@ def run(ctx) -> dict:
             "n_pairs": len(rows), "n_flip": len(flipping),
             "n_pairs_by_family": dict(Counter(r["family"] for r in rows)),
             "n_flip_by_family": dict(Counter(r["family"] for r in flipping)),
-            "flipping": _aggregate(flipping, int(ctx.cfg.n_boot), ctx.seed, generated),
+            "flipping": _aggregate(flipping, ctx.cfg.n_boot, ctx.seed, generated),
             "checks": {"max_field_and_notes_score_err": max(score_err, default=None)},
         }
     if generated:

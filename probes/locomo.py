@@ -284,8 +284,8 @@ def run(ctx) -> dict:
         raise KvnotesError("probe locomo reads a LoCoMo file: scenario=locomo scenario.locomo=PATH "
                            "(LoCoMo's data/locomo10.json; not shipped)")
     samples = load_locomo(resolve_path(str(cfg.data)))
-    res = run_locomo_qa(ctx.bundle.model, ctx.bundle.tokenizer, samples, cfg.max_questions, int(cfg.max_new_tokens),
-                        tuple(cfg.categories), cfg.max_context, bool(cfg.rotate), int(cfg.seam), float(cfg.margin))
+    res = run_locomo_qa(ctx.bundle.model, ctx.bundle.tokenizer, samples, cfg.max_questions, cfg.max_new_tokens,
+                        tuple(cfg.categories), cfg.max_context, cfg.rotate, cfg.seam, cfg.margin)
     return {"rows": res["records"], "aggregates": res["summary"], "exclusions": {}, "excluded": [],
             "config": res["config"]}
 

@@ -123,18 +123,18 @@ def aggregate(rows: list[dict], cfg, seed: int) -> tuple[dict, dict, dict]:
         cum_full = float(np.mean([r["cum_full"] for r in last]))
         per = {}
         for a in cfg.arms:
-            s = mem.arm_summary(rs, a, int(cfg.n_boot), seed)
+            s = mem.arm_summary(rs, a, cfg.n_boot, seed)
             cum = float(np.mean([r["arms"][a]["cum"] for r in last]))
             s |= {"cum_ttft_s": cum, "cum_ttft_ratio": cum_full / cum if cum else None,
                   "applied": dict(Counter(r["arms"][a]["applied"] for r in rs))}
             if run == "long":
                 s["drift"] = drift(rs, a)
             per[a] = s
-            tests[f"{run}/{L}/{a}"] = mem.paired_tests(rs, a, float(cfg.alpha), float(cfg.margin_accuracy),
-                                                       float(cfg.margin_kl))
+            tests[f"{run}/{L}/{a}"] = mem.paired_tests(rs, a, cfg.alpha, cfg.margin_accuracy,
+                                                       cfg.margin_kl)
         agg[f"{run}/{L}"] = {"arms": per, "n": len(rs), "turns": max(r["turn"] for r in rs), "cum_ttft_full_s": cum_full,
                              "prompt_tokens_mean": float(np.mean([r["prompt_tokens"] for r in rs]))}
-    return agg, tests, mem.adjust(tests, float(cfg.alpha))
+    return agg, tests, mem.adjust(tests, cfg.alpha)
 
 
 def run(ctx) -> dict:
@@ -143,14 +143,14 @@ def run(ctx) -> dict:
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     suite = mem.load_suite(cfg)
     tk = dict(ctx.template_kwargs) or None          # the model's chat-template arguments, thinking switch applied
-    jobs = [("session", int(L), int(cfg.turns)) for L in cfg.lengths]
+    jobs = [("session", int(L), cfg.turns) for L in cfg.lengths]
     if cfg.long_length:
-        jobs.append(("long", int(cfg.long_length), int(cfg.long_turns)))
+        jobs.append(("long", int(cfg.long_length), cfg.long_turns))
     rows: list[dict] = []
     excluded: list[dict] = []
     for (name, L, n), persona in units(ctx, [(j, p) for j in jobs for p in suite.personas], "memory_agent"):
         with ctx.timer("render"):
-            prompt = mem.build_prompt(tok, suite, persona, L, int(cfg.seed), chat_template=bool(cfg.chat_template),
+            prompt = mem.build_prompt(tok, suite, persona, L, cfg.seed, chat_template=cfg.chat_template,
                                       template_kwargs=tk)
         if not mem.toggle_schedule(suite, persona):
             excluded.append({"persona": persona.id, "length": L, "reason": "no_toggleable_fact"})
@@ -161,7 +161,7 @@ def run(ctx) -> dict:
         agg, tests, adjusted = aggregate(rows, cfg, ctx.seed)
     return {"rows": rows, "aggregates": agg, "tests": tests, "bh": adjusted, "arm_names": list(cfg.arms),
             "exclusions": dict(Counter(e["reason"] for e in excluded)), "excluded": excluded,
-            "settings": mem.settings(cfg, suite, turns=int(cfg.turns), long_turns=int(cfg.long_turns),
+            "settings": mem.settings(cfg, suite, turns=cfg.turns, long_turns=cfg.long_turns,
                                      long_length=cfg.long_length, arms=list(cfg.arms))}
 
 

@@ -114,17 +114,17 @@ def aggregate(rows: list[dict], names: list[str], cfg, seed: int) -> tuple[dict,
         rs = [r for r in rows if r["length"] == L]
         per = {}
         for a in names:
-            s = mem.arm_summary(rs, a, int(cfg.n_boot), seed)
+            s = mem.arm_summary(rs, a, cfg.n_boot, seed)
             for k in ("tokens", "seconds", "token_ratio", "time_ratio"):
                 s[f"{k}_mean"] = sum(r["arms"][a][k] for r in rs) / len(rs)
             s["applied"] = dict(Counter(r["arms"][a]["applied"] for r in rs))
             per[a] = s
-            tests[f"{L}/{a}"] = mem.paired_tests(rs, a, float(cfg.alpha), float(cfg.margin_accuracy),
-                                                 float(cfg.margin_kl))
+            tests[f"{L}/{a}"] = mem.paired_tests(rs, a, cfg.alpha, cfg.margin_accuracy,
+                                                 cfg.margin_kl)
         agg[str(L)] = {"arms": per, "n": len(rs), "full_tokens_mean": sum(r["full_tokens"] for r in rs) / len(rs),
                        "full_s_mean": sum(r["full_s"] for r in rs) / len(rs),
                        "stale_owned_old": sum(r["arms"]["stale"]["choice"] == r["old_answer"] for r in rs)}
-    return agg, tests, mem.adjust(tests, float(cfg.alpha))
+    return agg, tests, mem.adjust(tests, cfg.alpha)
 
 
 def run(ctx) -> dict:
@@ -134,22 +134,22 @@ def run(ctx) -> dict:
     suite = mem.load_suite(cfg)
     names = arm_names([int(k) for k in cfg.ks])
     tk = dict(ctx.template_kwargs) or None          # the model's chat-template arguments, thinking switch applied
-    jobs = [(L, p, e) for L in cfg.lengths for p in suite.personas for e in p.edits[:int(cfg.max_edits_per_persona)]]
+    jobs = [(L, p, e) for L in cfg.lengths for p in suite.personas for e in p.edits[:cfg.max_edits_per_persona]]
     rows = []
     for L, persona, edit in units(ctx, jobs, "memory_edits"):
         with ctx.timer("render"):
-            prompt = mem.build_prompt(tok, suite, persona, int(L), int(cfg.seed), chat_template=bool(cfg.chat_template),
+            prompt = mem.build_prompt(tok, suite, persona, int(L), cfg.seed, chat_template=cfg.chat_template,
                                       template_kwargs=tk)
         with ctx.timer("edits"):
             rows.append(edit_session(model, tok, suite, persona, prompt, edit, [int(k) for k in cfg.ks],
-                                     int(cfg.recompile_seam), bool(cfg.chat_template), tk))
+                                     cfg.recompile_seam, cfg.chat_template, tk))
     with ctx.timer("statistics"):
         agg, tests, adjusted = aggregate(rows, names, cfg, ctx.seed)
     checks = {"recompile_same_tokens": sum(r["arms"]["recompile_chunk"]["same_tokens"] for r in rows), "n_rows": len(rows)}
     return {"rows": rows, "aggregates": agg, "tests": tests, "bh": adjusted, "arm_names": names, "checks": checks,
             "exclusions": {}, "excluded": [],
-            "settings": mem.settings(cfg, suite, ks=[int(k) for k in cfg.ks], recompile_seam=int(cfg.recompile_seam),
-                                     max_edits_per_persona=int(cfg.max_edits_per_persona))}
+            "settings": mem.settings(cfg, suite, ks=[int(k) for k in cfg.ks], recompile_seam=cfg.recompile_seam,
+                                     max_edits_per_persona=cfg.max_edits_per_persona)}
 
 
 def memory_edits_table(rec: dict) -> str:

@@ -147,7 +147,7 @@ def aggregate(out: dict, Ss: list[int], cfg, seed: int) -> tuple[dict, dict, dic
     """Per length: per ``S`` the arm summary and mean costs (``rows``), the edit's summary and mean
     cost (``edit_rows``), the cross-referential summary (pooled and per ``S``); tests per cell and BH."""
     agg, tests = {}, {}
-    alpha, ma, mk = float(cfg.alpha), float(cfg.margin_accuracy), float(cfg.margin_kl)
+    alpha, ma, mk = cfg.alpha, cfg.margin_accuracy, cfg.margin_kl
     for L in dict.fromkeys(r["length"] for r in out["rows"]):
         rs = [r for r in out["rows"] if r["length"] == L]
         es = [r for r in out["edit_rows"] if r["length"] == L]
@@ -157,13 +157,13 @@ def aggregate(out: dict, Ss: list[int], cfg, seed: int) -> tuple[dict, dict, dic
                    "full_tokens_mean": sum(c["full_tokens"] for c in cs) / len(cs)}
         for S in Ss:
             arm = f"S={S}"
-            s = mem.arm_summary(rs, arm, int(cfg.n_boot), seed)
+            s = mem.arm_summary(rs, arm, cfg.n_boot, seed)
             for k in ("precompile_tokens", "precompile_s", "compose_s", "block_tokens_max"):
                 s[f"{k}_mean"] = sum(c["by_S"][str(S)][k] for c in cs) / len(cs)
             a["by_S"][str(S)] = s
             tests[f"{L}/S={S}"] = mem.paired_tests(rs, arm, alpha, ma, mk)
             if es:
-                e = mem.arm_summary(es, arm, int(cfg.n_boot), seed)
+                e = mem.arm_summary(es, arm, cfg.n_boot, seed)
                 for k in ("edit_tokens", "edit_s", "token_ratio", "time_ratio"):
                     e[f"{k}_mean"] = sum(r["arms"][arm][k] for r in es) / len(es)
                 a["edit_by_S"][str(S)] = e
@@ -186,17 +186,17 @@ def run(ctx) -> dict:
     jobs = [(L, p) for L in cfg.lengths for p in suite.personas]
     for L, persona in units(ctx, jobs, "memory_granularity"):
         with ctx.timer("render"):
-            kw = {"chat_template": bool(cfg.chat_template), "template_kwargs": tk}
-            prompt = mem.build_prompt(tok, suite, persona, int(L), int(cfg.seed), **kw)
+            kw = {"chat_template": cfg.chat_template, "template_kwargs": tk}
+            prompt = mem.build_prompt(tok, suite, persona, int(L), cfg.seed, **kw)
             edited, fact = None, None
             if persona.edits:
                 e = persona.edits[0]
-                edited = mem.with_answer(mem.build_prompt(tok, suite, persona, int(L), int(cfg.seed), {e.fact: e.value},
+                edited = mem.with_answer(mem.build_prompt(tok, suite, persona, int(L), cfg.seed, {e.fact: e.value},
                                                           prompt.n_filler, **kw), e.query, e.answer)
                 fact = e.fact
         excluded += mem.excluded_rows(prompt)
         with ctx.timer("granularity"):
-            res = granularity(model, tok, prompt, Ss, int(cfg.seam), edited, fact)
+            res = granularity(model, tok, prompt, Ss, cfg.seam, edited, fact)
         for k in ("rows", "edit_rows", "cross_rows"):
             out[k] += res[k]
         out["costs"].append(res["cost"])
@@ -204,7 +204,7 @@ def run(ctx) -> dict:
         agg, tests, adjusted = aggregate(out, Ss, cfg, ctx.seed)
     return {**out, "aggregates": agg, "tests": tests, "bh": adjusted,
             "exclusions": dict(Counter(e["reason"] for e in excluded)), "excluded": excluded,
-            "settings": mem.settings(cfg, suite, blocks=Ss, seam=int(cfg.seam))}
+            "settings": mem.settings(cfg, suite, blocks=Ss, seam=cfg.seam)}
 
 
 def memory_granularity_table(rec: dict) -> str:

@@ -109,15 +109,15 @@ def aggregate(rows: list[dict], costs: list[dict], cfg, seed: int) -> tuple[dict
         by_depth = {}
         for d in sorted({r["depth"] for r in rs}):
             rd = [r for r in rs if r["depth"] == d]
-            by_depth[str(d)] = cell_summary(rd, int(cfg.n_boot), seed)
-            tests[f"{L}/depth={d}"] = mem.paired_tests(rd, "late", float(cfg.alpha), float(cfg.margin_accuracy),
-                                                       float(cfg.margin_kl))
+            by_depth[str(d)] = cell_summary(rd, cfg.n_boot, seed)
+            tests[f"{L}/depth={d}"] = mem.paired_tests(rd, "late", cfg.alpha, cfg.margin_accuracy,
+                                                       cfg.margin_kl)
         agg[str(L)] = {"by_depth": by_depth,
                        "memory_tokens_mean": sum(c["memory_tokens"] for c in cs) / len(cs),
                        "document_tokens_mean": sum(c["document_tokens"] for c in cs) / len(cs),
                        "prompt_tokens_mean": sum(r["prompt_tokens"] for r in rs) / len(rs),
                        "prefill_s_mean": {p: sum(c["prefill_s"][p] for c in cs) / len(cs) for p in PLACEMENTS}}
-    return agg, tests, mem.adjust(tests, float(cfg.alpha))
+    return agg, tests, mem.adjust(tests, cfg.alpha)
 
 
 def context_of(model) -> int | None:
@@ -138,10 +138,10 @@ def run(ctx) -> dict:
     jobs = [(L, p) for L in cfg.lengths for p in suite.personas]
     for L, persona in units(ctx, jobs, "memory_placement"):
         with ctx.timer("render"):
-            prompt = mem.build_prompt(tok, suite, persona, int(L), int(cfg.seed), chat_template=bool(cfg.chat_template),
+            prompt = mem.build_prompt(tok, suite, persona, int(L), cfg.seed, chat_template=cfg.chat_template,
                                       template_kwargs=tk)
             target = int(cfg.document) if cfg.document else int(L)
-            entries = mem.document_entries(tok, suite, persona, target, int(cfg.seed))
+            entries = mem.document_entries(tok, suite, persona, target, cfg.seed)
             if limit is not None:
                 longest = max((int(q.suffix.shape[0]) for q in prompt.queries.values()), default=0)
                 budget = limit - prompt.start - int(prompt.memory.shape[0]) - longest

@@ -83,15 +83,15 @@ def aggregate(rows: list[dict], costs: list[dict], names: list[str], cfg, seed: 
     for L in dict.fromkeys(r["length"] for r in rows):
         rs = [r for r in rows if r["length"] == L]
         cs = [c for c in costs if c["length"] == L]
-        agg[str(L)] = {"arms": {a: mem.arm_summary(rs, a, int(cfg.n_boot), seed) for a in names},
+        agg[str(L)] = {"arms": {a: mem.arm_summary(rs, a, cfg.n_boot, seed) for a in names},
                        "memory_tokens_mean": sum(c["memory_tokens"] for c in cs) / len(cs),
                        "full_s_mean": sum(c["full_s"] for c in cs) / len(cs),
                        "precompile_s_mean": sum(c["precompile_s"] for c in cs) / len(cs),
                        "compose_s_mean": {a: sum(c["compose_s"][a] for c in cs) / len(cs) for a in names}}
         for a in names:
-            tests[f"{L}/{a}"] = mem.paired_tests(rs, a, float(cfg.alpha), float(cfg.margin_accuracy),
-                                                 float(cfg.margin_kl))
-    return agg, tests, mem.adjust(tests, float(cfg.alpha))
+            tests[f"{L}/{a}"] = mem.paired_tests(rs, a, cfg.alpha, cfg.margin_accuracy,
+                                                 cfg.margin_kl)
+    return agg, tests, mem.adjust(tests, cfg.alpha)
 
 
 def run(ctx) -> dict:
@@ -106,7 +106,7 @@ def run(ctx) -> dict:
     jobs = [(L, p) for L in cfg.lengths for p in suite.personas]
     for L, persona in units(ctx, jobs, "memory_transplant"):
         with ctx.timer("render"):
-            prompt = mem.build_prompt(tok, suite, persona, int(L), int(cfg.seed), chat_template=bool(cfg.chat_template),
+            prompt = mem.build_prompt(tok, suite, persona, int(L), cfg.seed, chat_template=cfg.chat_template,
                                       template_kwargs=tk)
         excluded += mem.excluded_rows(prompt)
         with ctx.timer("transplant"):

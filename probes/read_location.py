@@ -392,9 +392,9 @@ def run(ctx) -> dict:
     """
     cfg = ctx.cfg
     generated = K.is_cot(ctx)
-    n_sinks = int(cfg.n_sinks)
+    n_sinks = cfg.n_sinks
     drop_nats, top_k = float(cfg.collapse.drop_nats), int(cfg.collapse.top_k)
-    n_boot = int(cfg.n_boot)
+    n_boot = cfg.n_boot
     bands, variants = _variants(cfg, ctx.bundle.adapter.n_layers)
     ko_rows: list[dict] = []
     unreached: list[dict] = []

@@ -404,14 +404,14 @@ def run(ctx) -> dict:
         grid, fams = grid_points(list(cfg.grid.fractions), list(cfg.grid.counts)), list(SET_FAMILIES)
     bands_spec = cfg.layer_bands
     bands = K.layer_bands(n_layers, bands_spec if isinstance(bands_spec, int) else [list(x) for x in bands_spec])
-    anchor = str(cfg.topk_anchor)
+    anchor = cfg.topk_anchor
     n_draws = int(cfg.random.n_draws)
-    n_boot = int(cfg.n_boot)
+    n_boot = cfg.n_boot
 
     pr = pair_loop(ctx, "suffix_recovery", exclude=lambda p: NO_DOWNSTREAM if p.decision <= p.field[1] else None,
-                   keep=True, keep_caches=bool(cfg.keep_caches))
+                   keep=True, keep_caches=cfg.keep_caches)
     rows, excluded = pr.rows, pr.excluded
-    sel, held = (set(), set()) if generated else split_instances(rows, float(cfg.selection_fraction), ctx.seed)
+    sel, held = (set(), set()) if generated else split_instances(rows, cfg.selection_fraction, ctx.seed)
     order = sorted(range(len(rows)), key=lambda i: rows[i]["instance"] not in sel)   # selection first, stable
     out_rows: list[dict | None] = [None] * len(rows)
     profiles = None
@@ -431,7 +431,7 @@ def run(ctx) -> dict:
                 topk_order = rank_values(vals, down, anchor)
                 row["topk_unmatched"] = int(np.isnan(vals).sum())
         row |= evaluate_pair(pr.pairs[i], grid, bands, pair_rng(ctx.seed, row["pair"]), n_draws, topk_order,
-                             bool(cfg.with_field), bool(cfg.store_sets), fams, single=not generated)
+                             cfg.with_field, cfg.store_sets, fams, single=not generated)
         pr.pairs[i] = pr.pairs[i].released()                                     # free the caches
         out_rows[i] = row
     rows = [r for r in out_rows if r is not None]
@@ -468,7 +468,7 @@ def run(ctx) -> dict:
     aggregates["profile_coverage"] = coverage(sel_rows, {r["pair"] for r in sel_rows}, ("scenario",))
     warnings += coverage_warnings("suffix_recovery", aggregates["profile_coverage"], "position ranking")
     return out | {"aggregates": aggregates, "set_families": list(SET_FAMILIES), "warnings": warnings,
-                  "split": {"selection_fraction": float(cfg.selection_fraction), "seed": ctx.seed,
+                  "split": {"selection_fraction": cfg.selection_fraction, "seed": ctx.seed,
                             "selection": sorted(sel), "heldout": sorted(held)},
                   "selection_pairs": [r["pair"] for r in rows if r["split"] == "selection"], "examples": examples}
 

@@ -235,12 +235,12 @@ def run(ctx) -> dict:
 def _aggregates(rows: list[dict], feats: list[np.ndarray], n_layers: int, cfg: Config, seed: int) -> dict:
     """Per position and instrument, the per-layer curve (probe accuracy; lens share of prompts
     committed by that layer) with intervals fitted to the clusters, and the depths."""
-    n_boot = int(cfg.n_boot)
+    n_boot = cfg.n_boot
     # one example per prompt: (row, run)
     examples = [(r, run_name) for r in rows for run_name in RUNS]
     ex_rows = [{"scenario": r["scenario"], "instance": r["instance"], "family": r["family"]} for r, _ in examples]
     labels = [r[f"label_{run_name}"] for r, run_name in examples]
-    by = str(cfg.cv_groups) if len({r["scenario"] for r in rows}) >= 2 else "instance"
+    by = cfg.cv_groups if len({r["scenario"] for r in rows}) >= 2 else "instance"
     groups = [r["scenario"] if by == "scenario" else f"{r['scenario']}/{r['instance']}" for r, _ in examples]
     warnings = []
     if len(set(groups)) < 2:
@@ -252,7 +252,7 @@ def _aggregates(rows: list[dict], feats: list[np.ndarray], n_layers: int, cfg: C
         for layer in range(n_layers):
             if len(set(groups)) >= 2:
                 X = np.stack([feats[k // len(RUNS)][layer, k % len(RUNS), j] for k in range(len(examples))])
-                acc = probe_accuracy(X, labels, groups, int(cfg.n_splits), float(cfg.C), seed)
+                acc = probe_accuracy(X, labels, groups, cfg.n_splits, float(cfg.C), seed)
                 unseen.append(acc["n_unseen"])
                 probe_curve.append(summary([e | {"c": c} for e, c in zip(ex_rows, acc["correct"])], "c", n_boot, seed))
             else:
@@ -264,7 +264,7 @@ def _aggregates(rows: list[dict], feats: list[np.ndarray], n_layers: int, cfg: C
         timing[position] = {"probe accuracy": dict(enumerate(probe_curve)),
                             "lens committed": dict(enumerate(lens_curve))}
         depths[position] = {
-            "probe": {"depth": first_layer(probe_curve, "mean", float(cfg.accuracy)),
+            "probe": {"depth": first_layer(probe_curve, "mean", cfg.accuracy),
                       "n_unseen_label": max(unseen, default=0)},
             "lens": {"depth": summary([c for c in commits if c["c"] is not None], "c", n_boot, seed),
                      "n_never": sum(c["c"] is None for c in commits)}}
@@ -273,7 +273,7 @@ def _aggregates(rows: list[dict], feats: list[np.ndarray], n_layers: int, cfg: C
         warnings.append(f"write_timing: {n} of {len(examples)} prompts decide a candidate no other {by} "
                         "decides; the probe cannot decode them across groups and leaves them out")
     return {"n_pairs": len(rows), "n_prompts": len(examples), "cv_groups": by, "n_groups": len(set(groups)),
-            "n_layers": n_layers, "accuracy_bar": float(cfg.accuracy),
+            "n_layers": n_layers, "accuracy_bar": cfg.accuracy,
             "write_depth": depths["note"]["probe"]["depth"],
             "commit_depth": depths["decision"]["lens"]["depth"], "depths": depths, "timing": timing,
             "note_recovery": summary(rows, "note_recovery", n_boot, seed),

@@ -300,7 +300,7 @@ def run(ctx) -> dict:
     if ctx.scenario_cfg is None:
         raise KvnotesError("probe compose needs the scenario config (it renders its own chunked prompts)")
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
-    n_boot = int(cfg.n_boot)
+    n_boot = cfg.n_boot
     sinks = [str(s) for s in cfg.sinks]
     seams = [int(s) for s in (cfg.cot_seams if generated else cfg.seams)]
     arm_seams = [] if generated else [int(s) for s in cfg.edit_arm_seams]
@@ -322,7 +322,7 @@ def run(ctx) -> dict:
         chosen, beyond = K.cot_selection(cctx, None if limit is None else int(limit))
         index = {id(p): i for i, p in enumerate(cpairs.pairs)}
         pairs, flips = sorted(chosen, key=lambda p: index[id(p)]), set()   # suite order: an instance's pairs share prompts
-        max_new, stop = int(cfg.cot_max_new_tokens), stop_tokens(tok)
+        max_new, stop = cfg.cot_max_new_tokens, stop_tokens(tok)
     else:
         fs = flipping_pairs(cctx, keep_caches=False)
         pairs, beyond, flips = cpairs.pairs, 0, {r["pair"] for r in fs.rows}
