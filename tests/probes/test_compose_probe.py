@@ -76,7 +76,9 @@ def test_on_a_transcript_suite_the_chunks_are_the_unrelated_tool_results(smol):
         assert torch.equal(prompt.ids, p.old.ids) and spans[1:] == p.chunks
         assert spans[0][0] <= p.field[0] and p.field[1] <= spans[0][1]          # the record's result holds the field
     cfg = probe_yaml("compose")
-    cfg.progress, cfg.n_boot, cfg.seams, cfg.sinks, cfg.edit_arm_seams = False, 50, [0, 10_000], ["bos"], [0]
+    # the whole-chunk seam and the edit arms; no controls (they run on the default suite's record,
+    # test_embedded_compose_record): what is the transcript's own is the chunking
+    cfg.progress, cfg.n_boot, cfg.seams, cfg.sinks, cfg.edit_arm_seams, cfg.controls = False, 50, [10_000], ["bos"], [0], False
     res = run(ProbeContext(bundle=smol, pairs=ps, cfg=cfg, seed=0, scenario_cfg=sc))
     assert res["aggregates"]["checks"]["max_abs_logit_diff_full_seam"] < FULL_SEAM_ATOL
     assert res["aggregates"]["n_prompts"] == 3
