@@ -277,6 +277,9 @@ PRESENTATION = Presentation(headline="curves/read/all_heads/all",
                       "k heads patched jointly", "recovery", xlog=True) for mode in ("read", "write")))
 
 
-#: The zoo conformance lane's settings for it (:class:`kvnotes.harness.registry.Conformance`).
+#: The zoo conformance lane runs it on its two cache shapes, on both backends: what is its own there,
+#: the KV-head sites (one KV head, grouped heads, sliding windows), tests/kv/test_head_masks.py checks
+#: on all five tiny architectures; on every entry it cost 3-7 s each, the lane's dearest probe
+#: (:class:`kvnotes.harness.registry.Conformance`).
 CONFORMANCE = Conformance(bounds=("probe.random.n_draws=1", "probe.max_map_pairs_per_family=1", "probe.ks=[1,4]"),
-                          transformer_lens="two")
+                          shapes="two", transformer_lens="two")

@@ -206,8 +206,9 @@ class Conformance:
         bounds: overrides bounding the probe's work there (fewer random draws, sweep points,
             seams); every method and arm still runs.
         shapes: ``"every"`` entry; ``"two"``: the lane's two cache shapes only (the Llama shape and
-            Gemma-3's one KV head with sliding windows), for a probe built from machinery every
-            entry already exercises; ``"none"``: its data is a file the lane does not ship.
+            Gemma-3's one KV head with sliding windows), for a probe whose own machinery other
+            entries or the tiny-architecture tests already exercise (its module says which);
+            ``"none"``: its data is a file the lane does not ship.
         mrope: overrides on multimodal (M-RoPE) entries, or None: not run there (their text decoder
             is one the other entries cover; what is theirs is the 3-D position bookkeeping).
         transformer_lens: also run on the TransformerLens backend (``probe.backend=transformer_lens``)
