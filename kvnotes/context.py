@@ -464,26 +464,26 @@ class EditableContext:
         return segments, layout, aligned
 
     def _source(self, state: _State, segments: tuple[Segment, ...], layout: Layout, name: str, value: str,
-                erratum: bool) -> tuple[methods.EditSource, tuple[Segment, ...]]:
+                erratum: bool) -> tuple[methods.EditSource, tuple[tuple[Segment, ...], Layout]]:
         """The edit-method registry's source for ``layout`` (token-aligned with the cached prompt), with the
-        erratum prompt if asked (forwarded from the common token prefix), and the segments the edit leaves."""
-        prompts = {}
+        erratum prompt if asked (forwarded from the common token prefix), and the segments and layout the edit leaves."""
+        prompts, after = {}, (segments, layout)
         if erratum:
-            segments = self._insert_before_request(segments, Segment("erratum", self._notice(name, value), name))
-            e = self._layout(segments)
+            with_erratum = self._insert_before_request(segments, Segment("erratum", self._notice(name, value), name))
+            after = (with_erratum, e := self._layout(with_erratum))
             prompts["erratum"] = methods.Prompted(state.cache, e.ids, _common_prefix(layout.ids, e.ids), e.length - 1)
         d = layout.length - 1
         return methods.EditSource(self.model, state.cache, layout.ids, layout.fields[name], d, int(layout.ids[d]),
-                                  prompts), segments
+                                  prompts), after
 
-    def _made(self, method: methods.EditMethod, src: methods.EditSource, segments: tuple[Segment, ...],
+    def _made(self, method: methods.EditMethod, src: methods.EditSource, after: tuple[tuple[Segment, ...], Layout],
               k: int | float | None = None) -> tuple[_State, Cost, str]:
         """``method``'s edit from ``src`` (:func:`kvnotes.ops.methods.apply`): the next state, its cost and what it
         applied; a ranked method recomputes the top ``k`` (or share ``k``) downstream positions by K/V deviation."""
         b, d = src.downstream
         n = (k if isinstance(k, int) else math.ceil((k or 0) * (d - b))) if method.ranked else 0
         ed, _ = methods.apply(method, src, n, methods.RANKINGS["kv_deviation"].rank(src) if method.ranked else None)
-        return (_State(segments, self._layout(segments), ed.cache), Cost(ed.tokens + ed.rank_tokens, ed.flops, ed.seconds),
+        return (_State(*after, ed.cache), Cost(ed.tokens + ed.rank_tokens, ed.flops, ed.seconds),
                 f"{method.mode}@{n}" if method.ranked else str(method.mode))
 
     def _apply(self, method: methods.EditMethod, state: _State, name: str, value: str,
@@ -509,7 +509,7 @@ class EditableContext:
                 name, value), name)))
             return ip, (fe, cost + c_fe, "reprefill_from_field+erratum")
         src, edited = self._source(state, segments, layout, name, value, bool(method.prompt))
-        return self._made(methods.for_mode("in_place"), src, segments), self._made(method, src, edited, k)
+        return self._made(methods.for_mode("in_place"), src, (segments, layout)), self._made(method, src, edited, k)
 
     def _extend(self, state: _State, segments: tuple[Segment, ...], layout: Layout | None = None) -> tuple[_State, Cost]:
         """Re-render ``segments`` and forward the new prompt from its longest common token prefix
