@@ -1,2 +1,2 @@
 """Component-level analyses (heads, directions, attention vs MLP), run as probes by name; their common
-start is :func:`kvnotes.harness.protocol.start_circuit`."""
+start is :func:`kvnotes.harness.circuit.start_circuit`."""

@@ -16,7 +16,7 @@ import torch
 from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import OpenFraction, one_of
 from kvnotes.harness.kit import ProbeConfig
-from kvnotes.harness.protocol import note_profiles, start_circuit
+from kvnotes.harness.circuit import note_profiles, start_circuit
 from kvnotes.harness.selection import ALIGNED, ANCHORS, coverage, coverage_warnings, profile_for, rank_positions, split_warnings
 from kvnotes.harness.registry import Conformance, Invariants, flipping_rows
 from kvnotes.kv.engine import BACKENDS, Engine, Site

@@ -17,7 +17,7 @@ from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Count, NonNegatives, OpenFraction, one_of, require_instances
 from kvnotes.harness.kit import ProbeConfig, RandomControl, scan_layers
 from kvnotes.harness.pairs import outcome_pair, outcomes
-from kvnotes.harness.protocol import start_circuit
+from kvnotes.harness.circuit import start_circuit
 from kvnotes.harness.readout import PairRun, first_token_scores
 from kvnotes.harness.selection import pair_rng, sample_pairs, selection_source, split_warnings
 from kvnotes.harness.registry import Conformance

@@ -17,7 +17,7 @@ from kvnotes.harness.constraints import Count, Counts, OpenFraction, one_of, req
 from kvnotes.harness.head_patch import (HEAD_SITES, clean_residuals, head_outputs, patched_scores, set_masks,
                                         single_head_map)
 from kvnotes.harness.kit import ProbeConfig, RandomControl
-from kvnotes.harness.protocol import start_circuit
+from kvnotes.harness.circuit import start_circuit
 from kvnotes.harness.readout import PairRun
 from kvnotes.harness.selection import (coverage, coverage_warnings, pair_rng, random_head_sets, rank_by_mean,
                                        sample_pairs, selection_source, split_warnings)

@@ -22,7 +22,7 @@ from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Count, Counts, NonNegatives, OpenFraction, PositiveFloat, one_of, require_instances
 from kvnotes.harness.kit import ProbeConfig, RandomControl
 from kvnotes.harness.pairs import outcome_pair, outcomes
-from kvnotes.harness.protocol import note_profiles, pair_profile
+from kvnotes.harness.circuit import note_profiles, pair_profile
 from kvnotes.harness.readout import PairRun, first_token_scores
 from kvnotes.harness.selection import ANCHORS, pair_rng, rank_positions, split_warnings, with_split
 from kvnotes.harness.registry import Conformance

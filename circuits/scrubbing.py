@@ -19,7 +19,7 @@ from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Count, OpenFraction, Share, one_of, require_instances
 from kvnotes.harness.kit import ProbeConfig, RandomControl
 from kvnotes.harness.pairs import outcomes
-from kvnotes.harness.protocol import note_profiles, pair_profile
+from kvnotes.harness.circuit import note_profiles, pair_profile
 from kvnotes.harness.readout import PairRun, variant_scores
 from kvnotes.harness.selection import (ANCHORS, align_positions, pair_rng, position_values,
                                        rank_values, split_warnings, with_split)

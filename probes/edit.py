@@ -22,7 +22,8 @@ from kvnotes.harness import edit_prompts as sedits
 from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Count, NonNegative, OpenFraction, one_of
 from kvnotes.harness.kit import ProbeConfig, families_of, summaries_by_family
-from kvnotes.harness.protocol import GeneratedReadout, Read, ScreenedPair, pair_loop, read_caches, readout_aggregates
+from kvnotes.harness.protocol import (PROMPT_VARIANT, GeneratedReadout, Read, ScreenedPair, pair_loop, read_caches,
+                                      readout_aggregates, readout_config)
 from kvnotes.harness.selection import SELECTION, alternate_splits, pair_rng, round_robin, with_split
 from kvnotes.harness.stats import proportion
 from kvnotes.harness.registry import Conformance
@@ -183,8 +184,8 @@ Ranking = Annotated[str, AfterValidator(_ranking)]
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
     """Keys of ``conf/probe/edit.yaml``
-    (the defaults are here; the YAML sets what differs; see the specification); ``cot_ks``: the K
-    sweep under the generated readout (every ranking of ``rankings``, no upper bound)."""
+    (the defaults are here; the YAML sets what differs; see the specification); ``cot_<key>``
+    stands in for ``<key>`` under the generated readout (:func:`kvnotes.harness.protocol.readout_config`)."""
 
     #: selective@K rankings of downstream positions
     rankings: list[Ranking] = field(default_factory=lambda: ["attention", "kv_deviation", "last", "random"])
@@ -209,8 +210,11 @@ class Config(ProbeConfig, GeneratedReadout):
     max_control_pairs: NonNegative = 8
     #: null = the model's (its chat_template_kwargs and thinking switch); an override must match them
     chat_template_kwargs: Any = None
-    #: the K sweep under cot (rankings as above, no upper bound; every pair)
+    #: under cot (:func:`kvnotes.harness.protocol.readout_config`): the K sweep (rankings as above),
+    #: the upper bound (null: off) and the pairs swept (null: every edited pair)
     cot_ks: list[NonNegative] = field(default_factory=lambda: [8, 32])
+    cot_oracle_ranking: Optional[Ranking] = None
+    cot_sweep_max_pairs: Optional[NonNegative] = None
 
 
 class Result(BaseResult):
@@ -236,9 +240,7 @@ def _metrics(read: Read, full: Read, e: edit.Edited, ref: edit.Edited, sp: Scree
            "tokens": e.tokens, "frac": e.tokens / ref.tokens,
            "flops_frac": e.flops / ref.flops if np.isfinite(e.flops) else None,
            "time_ratio": e.seconds / ref.seconds if np.isfinite(e.seconds) else None}
-    if read.chain is not None:
-        out |= {"reached": read.reached, "chain_len": read.chain.length, "side": read.side}
-    return out
+    return out | read.chain_columns(reached="reached", length="chain_len", side="side")
 
 
 def edit_pair(ctx, sp: ScreenedPair, kwargs, rankings, ks, oracle_ranking, sweep: bool,
@@ -401,19 +403,18 @@ def _no_choice(rows, rankings, n_swept: dict, n_instances: int | None) -> str:
 
 def run(ctx) -> dict:
     """Every edit method on every flipping pair under the run's readout; see the specification."""
-    cfg = ctx.cfg
-    generated = K.is_cot(ctx)
+    cfg = readout_config(ctx)                # under cot: cot_ks, cot_oracle_ranking, cot_sweep_max_pairs
     kwargs = dict(cfg.chat_template_kwargs or ctx.template_kwargs or {})
     rankings = [str(r) for r in cfg.rankings]
-    ks = [int(k) for k in (cfg.cot_ks if generated else cfg.ks)]
-    oracle_ranking = None if generated else cfg.oracle_ranking
+    ks = [int(k) for k in cfg.ks]
+    oracle_ranking = cfg.oracle_ranking
     n_boot, seed = cfg.n_boot, ctx.seed
     pr = pair_loop(ctx, "edit: clean runs", keep=True)        # every flipping row first: the cap is round-robin
     # the split is over every flipping pair's instances, before the caps (a cap that keeps one instance
     # of a scenario would put it on the held-out side); the sweep takes both sides in turn
     split_rows, _, _ = with_split(pr.rows, cfg.selection_fraction, seed)
     order = round_robin(split_rows)
-    limit, sweep_limit = cfg.max_pairs, None if generated else cfg.sweep_max_pairs
+    limit, sweep_limit = cfg.max_pairs, cfg.sweep_max_pairs
     if limit is not None and len(order) > int(limit):
         pr.exclusions["beyond_max_pairs"] = pr.exclusions.get("beyond_max_pairs", 0) + len(order) - int(limit)
         order = order[: int(limit)]
@@ -441,7 +442,7 @@ def run(ctx) -> dict:
         choice = choose_ranking(rows, rankings, ks, ctx.scenario.n_instances)
         verdicts = ranking_verdict(rows, choice, ks, families, n_boot, seed)
     aggregates = K.pair_counts(ctx, rows, pr.excluded, families) | {
-                  "variant": "cot" if generated else "direct", "methods": named, "sweep": sweep,
+                  "variant": PROMPT_VARIANT[pr.readout], "methods": named, "sweep": sweep,
                   "sweep_index": {n: {"ranking": index[n][0], "k": index[n][1]} for n in sweep_names},
                   "ranking_choice": choice, "controls": controls, "control_pairs_skipped": ctrl_skipped,
                   "wordings": wordings, "verdicts": verdicts,
@@ -464,17 +465,17 @@ def edit_table(record: dict) -> str:
     w = Lines()
     agg = record["result"]["aggregates"]
     variant = agg.get("variant", "direct")
-    generated = variant == "cot"
+    chains = any("reached_marker" in m for m in agg["methods"].values())     # a generated readout's column
     w(f"## {record['model']['name']} · edit · {record['scenario']['name']} · {variant} · "
           f"n_flip={agg['n_flip']} · exclusions {record['result']['exclusions']}\n")
-    w("| method | agrees with full (Wilson 95%) | " + ("reached marker | " if generated else "")
+    w("| method | agrees with full (Wilson 95%) | " + ("reached marker | " if chains else "")
       + "mean recovery | KL(full‖m) nats | top-1 = full | tokens / total | FLOPs / full | time / full (median) |")
-    w("|---|---|---|---|---|---|---|---|" + ("---|" if generated else ""))
+    w("|---|---|---|---|---|---|---|---|" + ("---|" if chains else ""))
     worded = [(f"erratum, wording {w}", m) for w, m in agg.get("wordings", {}).items()]
     for name, m in [*agg["methods"].items(), *agg["sweep"].items(), *worded]:
         rec = m["recovery"]["all"]
-        agree = m["agreement"]["all"] if generated else rec.get("decision_flipped")
-        w(f"| {name} | {fmt_p(agree)} | " + (f"{fmt_p(m['reached_marker'])} | " if generated else "")
+        agree = m["agreement"]["all"] if chains else rec.get("decision_flipped")
+        w(f"| {name} | {fmt_p(agree)} | " + (f"{fmt_p(m['reached_marker'])} | " if chains else "")
           + f"{fmt(rec['mean'], '.2f')} | {fmt(m['kl']['all']['mean'])} | {fmt_p(m['top1']['all'])} | "
           f"{fmt(m['frac']['all']['mean'])} | {fmt(m['flops_frac']['all']['mean'])} | "
           f"{fmt(m['time_ratio']['all']['median'], '.2f')} |")

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 
 from kvnotes.harness import kit as K
 from kvnotes.harness.kit import ProbeConfig, families_of, summaries_by_family
-from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, patch_columns, readout_aggregates, run_patches
+from kvnotes.harness.protocol import (Check, GeneratedReadout, Measure, ScreenedPair, patch_columns, readout_aggregates,
+                                      run_patches)
 from kvnotes.harness.readout import PairRun, variant_scores
 from kvnotes.harness.registry import RECOVERY_TOL, Conformance, Invariants, flipping_rows
 from kvnotes.kv import cache as kvcache
@@ -124,48 +124,53 @@ class Result(BaseResult):
     variants: list[str]
 
 
+def _exact_checks(rows: list[dict]) -> dict:
+    """The exact field refresh's checks: its K/V against the new run's, its score and recovery
+    against the copied field K/V's, and how each pair's was computed."""
+    return {"k_max_abs_diff": max((r["k_max_abs_diff"] for r in rows), default=None),
+            "v_max_abs_diff": max((r["v_max_abs_diff"] for r in rows), default=None),
+            "score_abs_diff_exact": max((r["score_abs_diff_exact"] for r in rows), default=None),
+            "max_abs_r_field_exact_minus_copy": max((abs(r["r_field_exact"] - r["r_field"]) for r in rows),
+                                                    default=None),
+            "exact_methods": dict(Counter(r["exact_method"] for r in rows))}
+
+
+#: Checks of the patch variants fixed by construction (:data:`CHECK_VARIANTS`): ``[a, d)`` patched
+#: equals all of ``[0, d)`` only when the decision is read at ``d`` directly.
+CHECKS = (Check("max_abs_none", lambda rows: K.worst(rows, "r_none")),
+          Check("max_abs_all_minus_1", lambda rows: K.worst(rows, "r_all", 1.0)),
+          Check("max_abs_field_downstream_minus_1", lambda rows: K.worst(rows, "r_field_downstream", 1.0),
+                readouts=("direct",)))
+
+
 def run(ctx) -> dict:
     """Field-only vs field+downstream refresh of every flipping pair under the run's readout
     (:func:`kvnotes.harness.protocol.run_patches`); see the specification.
 
     Under the direct readout each flipping pair is refreshed right after its clean run (its prefix
     caches are used once and dropped), so every pair is prefilled once per job, and the exact field
-    refresh is checked; under the generated readout variants whose chain does not reach the marker
-    are left out of that variant's summary and counted (``n_unreached``)."""
+    refresh (a :class:`kvnotes.harness.protocol.Measure` of the direct readout) is checked; under the
+    generated readout variants whose chain does not reach the marker are left out of that variant's
+    summary and counted (``n_unreached``)."""
     cfg = ctx.cfg
-    n_boot = cfg.n_boot
-    generated = K.is_cot(ctx)
-    exact = cfg.exact and not generated
 
     def exact_columns(sp, row):
         return exact_refresh(ctx.bundle.model, sp.run, row["s_field"], ctx.readout, ctx.budget_bytes)
 
     pr = run_patches(ctx, lambda pair: variant_positions(pair.field, pair.decision), "field_refresh",
-                     keep_caches=cfg.keep_caches, extra=exact_columns if exact else None)
+                     keep_caches=cfg.keep_caches, names=VARIANTS,
+                     extra=Measure("field_exact", exact_columns, readouts=("direct",)) if cfg.exact else None)
     rows = pr.rows
     families = families_of(ctx, rows + pr.excluded)
     with ctx.timer("statistics"):
-        recovery = {v: summaries_by_family(rows, f"r_{v}", f"flipped_{v}", families, n_boot, ctx.seed)
-                    for v in VARIANTS + (("field_exact",) if exact else ())}
-    worst = partial(K.worst, rows)
-    checks = {"max_abs_none": worst("r_none"), "max_abs_all_minus_1": worst("r_all", 1.0)}
-    if not generated:                     # [a, d) patched equals all of [0, d) only when read at d directly
-        checks["max_abs_field_downstream_minus_1"] = worst("r_field_downstream", 1.0)
-    if exact:
-        checks |= {"k_max_abs_diff": max((r["k_max_abs_diff"] for r in rows), default=None),
-                   "v_max_abs_diff": max((r["v_max_abs_diff"] for r in rows), default=None),
-                   "score_abs_diff_exact": max((r["score_abs_diff_exact"] for r in rows), default=None),
-                   "max_abs_r_field_exact_minus_copy": max((abs(r["r_field_exact"] - r["r_field"]) for r in rows),
-                                                           default=None),
-                   "exact_methods": dict(Counter(r["exact_method"] for r in rows))}
+        recovery = {v: summaries_by_family(rows, f"r_{v}", f"flipped_{v}", families, cfg.n_boot, ctx.seed)
+                    for v in VARIANTS + tuple(pr.measured)}
+    checks = pr.checks(CHECKS) | (_exact_checks(rows) if "field_exact" in pr.measured else {})
     aggregates = K.pair_counts(ctx, rows, pr.excluded, families) | {
-        "findings": ["field", "downstream"] + (["field_exact"] if exact else []),
+        "findings": ["field", "downstream"] + pr.measured,
         "checks_by_construction": list(CHECK_VARIANTS), "recovery": recovery, "checks": checks}
-    if generated:
-        aggregates |= readout_aggregates(ctx, pr) | {
-            "n_unreached": {v: sum(not r[f"reached_{v}"] for r in rows) for v in VARIANTS}}
     return {"rows": rows, "exclusions": dict(pr.exclusions), "excluded": pr.excluded, "variants": list(VARIANTS),
-            "aggregates": aggregates}
+            "aggregates": aggregates | readout_aggregates(ctx, pr)}
 
 
 # ---------------------------------------------------------------------------------------------

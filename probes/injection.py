@@ -14,7 +14,7 @@ import torch
 
 from kvnotes.harness import kit as K
 from kvnotes.harness.kit import ProbeConfig
-from kvnotes.harness.protocol import GeneratedPair, GeneratedReadout, ScreenedPair, pair_loop, readout_aggregates
+from kvnotes.harness.protocol import Check, GeneratedReadout, ScreenedPair, pair_loop, readout_aggregates
 from kvnotes.harness.readout import PairRun, run_pair
 from kvnotes.harness.stats import proportion
 from kvnotes.kv import cache as kvcache
@@ -73,37 +73,31 @@ def inject(sp: ScreenedPair) -> dict:
     Returns:
         per direction ``D`` in :data:`DIRECTIONS`: ``D_s_notes`` (score with the source's notes),
         ``D_s_all`` (field + notes from the source), ``D_follows_notes`` (the injected run decides
-        for the source's candidate: direct, the score's sign is the source run's; generated, the
-        chain names the source's candidate after its marker), ``D_r_notes`` and ``D_r_all``
-        (``(s - s_base) / (s_source - s_base)``, None when the two runs score equally). Under the
-        generated readout also ``D_side_notes`` (the candidate the chain names, None when
-        neither), ``D_chain_notes`` / ``D_chain_all`` (chain records), ``D_unreached_reason`` and
-        ``D_chain_all_matches_source``; a chain without its marker has None scores and follow flag.
+        for the source's candidate, :meth:`kvnotes.harness.protocol.ScreenedPair.clean_side`),
+        ``D_r_notes`` and ``D_r_all`` (``(s - s_base) / (s_source - s_base)``, None when the two runs
+        score equally), ``D_side_notes`` (the candidate the notes-injected run decides for: direct by
+        the score's sign; generated the one its chain names, None when neither). Under the
+        generated readout also ``D_chain_notes`` / ``D_chain_all`` (chain records),
+        ``D_unreached_reason`` and ``D_chain_all_matches_source``
+        (:meth:`kvnotes.harness.protocol.ScreenedPair.chain_columns`); a chain without its marker
+        has None scores and follow flag.
     """
     pair = sp.pair
     clean = {"old": sp.s_old, "new": sp.s_new}
     masks = injection_masks(sp.model.config.get_text_config().num_hidden_layers, pair.field, pair.decision)
-    sc = sp.score(torch.cat([masks[n] for n in DIRECTIONS]))
-    generated = sc.chains is not None
-    sides = {"old": "new" if clean["old"] > 0 else "old", "new": "new" if clean["new"] > 0 else "old"}
+    sc = sp.score(torch.cat([masks[n] for n in DIRECTIONS]), names=[n for n in DIRECTIONS for _ in range(2)])
     out: dict = {}
     for k, (name, (base, source)) in enumerate(DIRECTIONS.items()):
         i, j = 2 * k, 2 * k + 1
         s_notes, s_all = sc.s[i], sc.s[j]
         out |= {
             f"{name}_s_notes": s_notes, f"{name}_s_all": s_all,
-            f"{name}_follows_notes": None if not sc.reached[i] else
-            sc.side[i] == (source if generated else sides[source]),
+            f"{name}_follows_notes": sc.side[i] == sp.clean_side(source) if sc.reached[i] else None,
             f"{name}_r_notes": recovery(s_notes, clean[base], clean[source]),
             f"{name}_r_all": recovery(s_all, clean[base], clean[source]),
-        }
-        if generated:
-            chains = sc.chains
-            assert chains is not None and isinstance(sp, GeneratedPair)
-            out |= {f"{name}_side_notes": sc.side[i],
-                    f"{name}_chain_notes": chains[i].record(), f"{name}_chain_all": chains[j].record(),
-                    f"{name}_unreached_reason": None if chains[i].reached else K.cot_unreached(sp.ctx, name, chains[i]),
-                    f"{name}_chain_all_matches_source": chains[j].ids == sp.chain_ids[source]}
+            f"{name}_side_notes": sc.side[i],
+        } | sp.chain_columns(sc, i, chain=f"{name}_chain_notes", unreached=f"{name}_unreached_reason") \
+          | sp.chain_columns(sc, j, chain=f"{name}_chain_all", reproduces=(f"{name}_chain_all_matches_source", source))
     return out
 
 
@@ -115,25 +109,39 @@ def inject_pair(model, pair, mode: str = "first_token", budget_bytes: int = kvca
     return run.status(min_effect, flip_rule) | inject_run(model, run, mode, budget_bytes)
 
 
-def _aggregate(rows: list[dict], n_boot: int, seed: int, generated: bool) -> dict:
+def _aggregate(rows: list[dict], n_boot: int, seed: int) -> dict:
     """Per family and ``all``, per direction: follow rates (Wilson CIs) over the injected runs that
     decided (under the generated readout: whose chain reached its marker; ``follow_field`` = the
-    base run's candidate, a chain naming neither counts in ``n`` only, and ``n_neither`` /
-    ``n_unreached`` are reported), and ``r_notes`` (cluster-bootstrap CI)."""
+    base run's candidate, a chain naming neither counts in ``n`` only), ``n_neither`` and
+    ``n_unreached`` (both 0 under the direct readout, which always decides), and ``r_notes``
+    (cluster-bootstrap CI)."""
     out = {}
     for fam, rs in K.by_family(rows).items():
         out[fam] = {}
         for name in DIRECTIONS:
             done = [r for r in rs if r[f"{name}_follows_notes"] is not None]
             follows = sum(bool(r[f"{name}_follows_notes"]) for r in done)
-            neither = sum(r[f"{name}_side_notes"] is None for r in done) if generated else 0
-            cell = {"follow_notes": proportion(follows, len(done)),
-                    "follow_field": proportion(len(done) - follows - neither, len(done))}
-            if generated:
-                cell |= {"n_neither": neither, "n_unreached": len(rs) - len(done)}
-            out[fam][name] = cell | {"r_notes": K.summary([r for r in done if r[f"{name}_r_notes"] is not None],
-                                                          f"{name}_r_notes", n_boot, seed)}
+            neither = sum(r[f"{name}_side_notes"] is None for r in done)
+            out[fam][name] = {"follow_notes": proportion(follows, len(done)),
+                              "follow_field": proportion(len(done) - follows - neither, len(done)),
+                              "n_neither": neither, "n_unreached": len(rs) - len(done),
+                              "r_notes": K.summary([r for r in done if r[f"{name}_r_notes"] is not None],
+                                                   f"{name}_r_notes", n_boot, seed)}
     return out
+
+
+#: The injections that write the field and the notes from the source run reproduce it: its score
+#: (every readout; under the generated one where the chain is the source's own), its recovery 1
+#: (direct), its chain token for token (generated).
+CHECKS = (
+    Check("max_field_and_notes_score_err", lambda rows: max(
+        (abs(r[f"{n}_s_all"] - r[f"s_{src}"]) for r in rows for n, (_, src) in DIRECTIONS.items()
+         if r[f"{n}_s_all"] is not None and r.get(f"{n}_chain_all_matches_source") is not False), default=None)),
+    Check("max_field_and_notes_recovery_err", lambda rows: max(
+        (abs(r[f"{n}_r_all"] - 1) for r in rows for n in DIRECTIONS if r[f"{n}_r_all"] is not None), default=None),
+        readouts=("direct",)),
+    Check("n_field_and_notes_chain_mismatch", lambda rows: sum(
+        not r[f"{n}_chain_all_matches_source"] for r in rows for n in DIRECTIONS), readouts=("generated",)))
 
 
 class InjectionRow(PairRow):
@@ -166,31 +174,18 @@ def run(ctx) -> dict:
         (reason -> count: tokenisation exclusions, clean chains without their marker, non-flipping
         pairs), ``excluded``, ``directions``.
     """
-    generated = K.is_cot(ctx)
     pr = pair_loop(ctx, "injection", lambda sp, row: inject(sp), scope="all")
     rows = pr.rows
     flipping = [r for r in rows if r["flips"]]
-    score_err = [abs(r[f"{n}_s_all"] - r[f"s_{src}"]) for r in rows for n, (_, src) in DIRECTIONS.items()
-                 if r[f"{n}_s_all"] is not None and (not generated or r[f"{n}_chain_all_matches_source"])]
     with ctx.timer("statistics"):
         aggregates: dict[str, Any] = {
             "n_pairs": len(rows), "n_flip": len(flipping),
             "n_pairs_by_family": dict(Counter(r["family"] for r in rows)),
             "n_flip_by_family": dict(Counter(r["family"] for r in flipping)),
-            "flipping": _aggregate(flipping, ctx.cfg.n_boot, ctx.seed, generated),
-            "checks": {"max_field_and_notes_score_err": max(score_err, default=None)},
-        }
-    if generated:
-        aggregates |= readout_aggregates(ctx, pr) | {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded),
-                                                     "n_reached": len(rows)}
-        aggregates["checks"]["n_field_and_notes_chain_mismatch"] = sum(
-            not r[f"{n}_chain_all_matches_source"] for r in rows for n in DIRECTIONS)
-    else:
-        aggregates["checks"]["max_field_and_notes_recovery_err"] = max(
-            (abs(r[f"{n}_r_all"] - 1) for r in rows for n in DIRECTIONS if r[f"{n}_r_all"] is not None), default=None)
-    what = "generated flips ({n} pairs whose clean chains reached the marker" if generated else \
-        "flipping pairs ({n} aligned pairs"
-    notes = {f: (f"no {what.format(n=n)}: {dict(Counter(r['reason'] for r in rows if r['family'] == f))}): "
+            "flipping": _aggregate(flipping, ctx.cfg.n_boot, ctx.seed),
+            "checks": pr.checks(CHECKS),
+        } | readout_aggregates(ctx, pr)
+    notes = {f: (f"no {pr.flips_phrase(n)}: {dict(Counter(r['reason'] for r in rows if r['family'] == f))}): "
                  "follow rates are undefined for this family and not reported")
              for f, n in aggregates["n_pairs_by_family"].items() if f not in aggregates["n_flip_by_family"]}
     return {"rows": rows, "aggregates": aggregates, "notes": notes, "exclusions": pr.exclusions,

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
@@ -45,10 +45,8 @@ from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Count, NonNegative
 from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
-from kvnotes.harness.selection import offset_profiles, profile_for, with_split
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.decision import recovery
-from kvnotes.kv.engine import make_engine
 from kvnotes.kv.masks import KVSite, Masks, site_masks
 from kvnotes.kv import patch as kvpatch
 from kvnotes.kv import generate as kvgen
@@ -61,6 +59,69 @@ Variants = Callable[[Any], Mapping[str, "Sequence[int] | KVSite"]]
 #: ``"flipping"``: measure the pairs that flip, exclude the rest; ``"all"``: measure every screened
 #: pair (rows keep ``flips`` / ``reason``), and also list the non-flipping ones as exclusions.
 Scope = Literal["flipping", "all"]
+#: The readouts a decision is read under (module docstring): ``scenario.variant=direct`` / ``cot``.
+Readout = Literal["direct", "generated"]
+READOUTS: tuple[Readout, ...] = ("direct", "generated")
+
+
+@dataclass(frozen=True)
+class Check:
+    """A quantity a probe's rows hold by construction (a check, not a finding), computed by the
+    harness under the readouts it holds under (:meth:`PairRows.checks`).
+
+    Attributes:
+        name: its key in the record's ``aggregates.checks``.
+        value: ``rows -> value`` (e.g. the largest ``|r - 1|`` of a variant that must recover 1).
+        readouts: the readouts under which the identity holds: patching ``[a, d)`` equals patching
+            ``[0, d)`` only when the decision is read at ``d`` (direct); chains are compared only
+            where there are chains (generated).
+    """
+
+    name: str
+    value: Callable[[list[dict]], Any]
+    readouts: tuple[Readout, ...] = READOUTS
+
+
+@dataclass(frozen=True)
+class Measure:
+    """Columns a probe adds to each measured row, under the readouts it is defined under.
+
+    Attributes:
+        name: listed in :attr:`PairRows.measured` when it ran.
+        columns: ``(screened pair, row so far) -> columns``.
+        readouts: e.g. ``("direct",)`` for a measurement read at the decision position itself (the
+            exact field refresh), which a generated readout would not read.
+    """
+
+    name: str
+    columns: Callable[["ScreenedPair", dict], dict]
+    readouts: tuple[Readout, ...] = READOUTS
+
+
+#: The scenario prompt variant each readout reads (``scenario.variant``).
+PROMPT_VARIANT: dict[Readout, str] = {"direct": "direct", "generated": "cot"}
+
+
+def readout_of(ctx) -> Readout:
+    """The run's readout: ``"generated"`` under ``scenario.variant=cot``, else ``"direct"``."""
+    return "generated" if K.is_cot(ctx) else "direct"
+
+
+def readout_config(ctx):
+    """The probe's config as the run's readout reads it: under the generated readout a key
+    ``cot_<k>`` of the probe's ``Config`` stands in for ``<k>`` (a sweep of its own, a cap, an arm
+    left off: decoding a chain per variant costs more than reading one decision), but for
+    :class:`GeneratedReadout`'s own keys; the direct readout reads the config as it is.
+
+    Returns:
+        ``ctx.cfg``, or a copy of it (:func:`dataclasses.replace`) with the ``cot_`` values.
+    """
+    cfg = ctx.cfg
+    if readout_of(ctx) == "direct":
+        return cfg
+    own = {f.name for f in fields(GeneratedReadout)}
+    keys = {f.name for f in fields(cfg)}
+    return replace(cfg, **{k: getattr(cfg, f"cot_{k}") for k in keys if f"cot_{k}" in keys and f"cot_{k}" not in own})
 
 
 @dataclass
@@ -90,6 +151,9 @@ class Scored:
             score's sign; generated: the owned top-1 after the marker, None when neither).
         reached: the chain reached its marker (always true under the direct readout).
         chains: the generated chains (:class:`kvnotes.kv.generate.Chain`), None under direct.
+        unreached: per variant, the exclusion reason of a chain that missed its marker
+            (``<name>_no_marker``, ``<name>_truncated_in_think``: :func:`kvnotes.harness.kit.cot_unreached`,
+            named by the variant names given to :meth:`ScreenedPair.score`), else None; None under direct.
     """
 
     s: list[float | None]
@@ -98,6 +162,7 @@ class Scored:
     side: list[str | None]
     reached: list[bool]
     chains: list[kvgen.Chain] | None = None
+    unreached: list[str | None] | None = None
 
 
 class ScreenedPair:
@@ -133,6 +198,20 @@ class ScreenedPair:
     def s_new(self) -> float:
         return self.run.s_new
 
+    def clean_side(self, run: str) -> str:
+        """The candidate a clean run (``"old"`` / ``"new"``) decides for: by its score's sign."""
+        return "new" if (self.s_new if run == "new" else self.s_old) > 0 else "old"
+
+    def chain_columns(self, sc: Scored, i: int, *, chain: str | None = None, length: str | None = None,
+                      reached: str | None = None, unreached: str | None = None,
+                      reproduces: tuple[str, str] | None = None) -> dict:
+        """The generated readout's columns of variant ``i`` of ``sc``, under the keys the probe
+        names: ``chain`` its chain record (:meth:`kvnotes.kv.generate.Chain.record`), ``length`` its
+        length, ``reached``, ``unreached`` its exclusion reason (None when it reached its marker),
+        ``reproduces`` ``(key, run)``: whether it decoded the clean ``run``'s chain token for token.
+        None under the direct readout, which reads no chain."""
+        return {}
+
     def masks(self, sets: Sequence[Sequence[int] | KVSite]) -> Masks:
         """Patch masks ``[V, n_layers, d]`` of position sets in ``[0, d)`` (every layer and KV head) or
         of :class:`kvnotes.kv.masks.KVSite` (positions in some layers and KV heads: a head patch,
@@ -145,10 +224,11 @@ class ScreenedPair:
         return kvpatch.position_masks(n_layers, self.pair.decision, [list(s) for s in sets])
 
     @torch.no_grad()
-    def score(self, masks: Masks) -> Scored:
+    def score(self, masks: Masks, names: Sequence[str] | None = None) -> Scored:
         """Score ``masks`` (bool ``[V, n_layers, d]``: patch from the new run where true; or
         :class:`kvnotes.kv.masks.FactoredMasks`) in one
-        batched call chunked to the memory budget (:func:`kvnotes.harness.readout.variant_scores`).
+        batched call chunked to the memory budget (:func:`kvnotes.harness.readout.variant_scores`);
+        ``names`` (one per variant) label a generated chain's exclusion reason.
 
         Raises:
             ValueError: the readout mode is not one.
@@ -191,9 +271,27 @@ class GeneratedPair(ScreenedPair):
     def s_new(self) -> float:
         return self._s_new
 
+    def clean_side(self, run: str) -> str:
+        """The candidate a clean run decides for: its own (the generated screen measures a pair
+        when both clean chains reached their markers)."""
+        return run
+
+    def chain_columns(self, sc: Scored, i: int, *, chain: str | None = None, length: str | None = None,
+                      reached: str | None = None, unreached: str | None = None,
+                      reproduces: tuple[str, str] | None = None) -> dict:
+        """:meth:`ScreenedPair.chain_columns` of a generated chain."""
+        assert sc.chains is not None and sc.unreached is not None
+        c = sc.chains[i]
+        named = {chain: c.record(), length: c.length, reached: c.reached, unreached: sc.unreached[i]}
+        out = {key: value for key, value in named.items() if key is not None}
+        if reproduces is not None:
+            out[reproduces[0]] = c.ids == self.chain_ids[reproduces[1]]
+        return out
+
     @torch.no_grad()
-    def score(self, masks: Masks) -> Scored:
-        """Decode every variant's chain in one batch and read each decision after its marker."""
+    def score(self, masks: Masks, names: Sequence[str] | None = None) -> Scored:
+        """Decode every variant's chain in one batch and read each decision after its marker
+        (``names`` label the exclusion reason of a chain that missed it)."""
         ctx, pair = self.ctx, self._pair
         model, d = ctx.bundle.model, pair.decision
         with ctx.timer("generate"):
@@ -203,8 +301,11 @@ class GeneratedPair(ScreenedPair):
         reached = [c.reached for c in gen.chains]
         side = [kvgen.owned_side(lp, pair) if ok else None for lp, ok in zip(gen.logprobs, reached)]
         s = [float(first_token_scores(lp[None], pair)[0]) if ok else None for lp, ok in zip(gen.logprobs, reached)]
+        names = names or [str(i) for i in range(len(gen.chains))]
+        unreached = [None if c.reached else K.cot_unreached(ctx, names[i], c) for i, c in enumerate(gen.chains)]
         return Scored(s, [recovery(x, self._s_old, self._s_new) for x in s],
-                      [x == "new" if ok else None for x, ok in zip(side, reached)], side, reached, gen.chains)
+                      [x == "new" if ok else None for x, ok in zip(side, reached)], side, reached, gen.chains,
+                      unreached)
 
     def released(self) -> "GeneratedPair":
         return self
@@ -224,15 +325,31 @@ class PairRows:
             generated).
         variants: a patch probe's variant names, in order.
         pairs: with ``keep``: the measured rows' :class:`ScreenedPair`, aligned with ``rows``.
+        scope: the loop's :data:`Scope`.
+        measured: the names of the probe's :class:`Measure` that ran (those defined under the readout).
     """
 
     rows: list[dict] = field(default_factory=list)
     excluded: list[dict] = field(default_factory=list)
     exclusions: dict[str, int] = field(default_factory=dict)
-    readout: str = "direct"
+    readout: Readout = "direct"
     n_screened: int = 0
     variants: list[str] = field(default_factory=list)
     pairs: list[ScreenedPair] = field(default_factory=list)
+    scope: Scope = "flipping"
+    measured: list[str] = field(default_factory=list)
+
+    def checks(self, checks: Sequence[Check], rows: list[dict] | None = None) -> dict:
+        """The values of the probe's :class:`Check` that hold under this run's readout, over
+        ``rows`` (default: :attr:`rows`), by name."""
+        rows = self.rows if rows is None else rows
+        return {c.name: c.value(rows) for c in checks if self.readout in c.readouts}
+
+    def flips_phrase(self, n: int) -> str:
+        """What a family without flipping pairs lacks, for a note: ``flipping pairs (n aligned
+        pairs`` (direct) or ``generated flips (n pairs whose clean chains reached the marker``."""
+        return (f"generated flips ({n} pairs whose clean chains reached the marker" if self.readout == "generated"
+                else f"flipping pairs ({n} aligned pairs")
 
 
 @dataclass
@@ -256,6 +373,15 @@ class Read:
     side: str | None
     reached: bool = True
     chain: kvgen.Chain | None = None
+
+    def chain_columns(self, **names: str) -> dict:
+        """The generated readout's columns of this read, under the keys the probe names for
+        ``reached``, ``length`` (the chain's) and ``side`` (the candidate the chain names); none
+        under the direct readout, which reads no chain."""
+        if self.chain is None:
+            return {}
+        have = {"reached": self.reached, "length": self.chain.length, "side": self.side}
+        return {key: have[what] for what, key in names.items()}
 
 
 @torch.no_grad()
@@ -303,10 +429,18 @@ def read_caches(ctx, pair, items: Mapping[str, tuple[Any, int, int]]) -> dict[st
 
 def readout_aggregates(ctx, pr: PairRows) -> dict:
     """The aggregates every pair probe adds under the generated readout (``readout``,
-    ``max_new_tokens``, ``n_screened``); none under direct."""
+    ``max_new_tokens``, ``n_screened``; a patch probe's ``n_unreached``, per variant the measured
+    rows whose chain missed its marker; a loop of scope ``"all"``: ``n_pairs``, every pair of the
+    suite, tokenisation exclusions and ``beyond_max_pairs`` included, and ``n_reached``, the pairs
+    measured); none under direct."""
     if pr.readout != "generated":
         return {}
-    return {"readout": "generated", "max_new_tokens": int(ctx.cfg.cot_max_new_tokens), "n_screened": pr.n_screened}
+    out = {"readout": "generated", "max_new_tokens": int(ctx.cfg.cot_max_new_tokens), "n_screened": pr.n_screened}
+    if pr.variants:
+        out["n_unreached"] = {v: sum(not r[f"reached_{v}"] for r in pr.rows) for v in pr.variants}
+    if pr.scope == "all":
+        out |= {"n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded), "n_reached": len(pr.rows)}
+    return out
 
 
 def _screened(ctx, desc: str, pairs: list | None) -> Iterator[tuple[ScreenedPair | None, dict]]:
@@ -373,12 +507,13 @@ def pair_loop(ctx, desc: str, measure: Callable[[ScreenedPair, dict], dict] | No
     Returns:
         :class:`PairRows`.
     """
-    generated = K.is_cot(ctx)
+    readout = readout_of(ctx)
+    generated = readout == "generated"
     pairs, beyond = None, 0
     if generated:
         limit = ctx.cfg.cot_max_pairs
         pairs, beyond = K.cot_selection(ctx, None if limit is None else int(limit))
-    out = PairRows(excluded=list(ctx.pairs.excluded), readout="generated" if generated else "direct")
+    out = PairRows(excluded=list(ctx.pairs.excluded), readout=readout, scope=scope)
     late: list[dict] = []
 
     def excluded(row: dict) -> dict:
@@ -416,19 +551,18 @@ def patch_columns(sp: ScreenedPair, sets: Mapping[str, Sequence[int] | KVSite]) 
 
     Returns:
         per variant ``v``: ``r_<v>`` (recovery), ``s_<v>`` (score, nats), ``flipped_<v>``; under the
-        generated readout also ``reached_<v>`` and ``chain_len_<v>``.
+        generated readout also ``reached_<v>`` and ``chain_len_<v>`` (:meth:`ScreenedPair.chain_columns`).
     """
     sc = sp.score(sp.masks(list(sets.values())))
     out: dict = {}
     for i, v in enumerate(sets):
         out |= {f"r_{v}": sc.r[i], f"s_{v}": sc.s[i], f"flipped_{v}": sc.flipped[i]}
-        if sc.chains is not None:
-            out |= {f"reached_{v}": sc.reached[i], f"chain_len_{v}": sc.chains[i].length}
+        out |= sp.chain_columns(sc, i, reached=f"reached_{v}", length=f"chain_len_{v}")
     return out
 
 
 def run_patches(ctx, variants: Variants, desc: str, keep_caches: bool = False,
-                extra: Callable[[ScreenedPair, dict], dict] | None = None) -> PairRows:
+                extra: Measure | None = None, names: Sequence[str] = ()) -> PairRows:
     """The pair loop of a patch probe under the run's readout (module docstring).
 
     Args:
@@ -437,75 +571,23 @@ def run_patches(ctx, variants: Variants, desc: str, keep_caches: bool = False,
         desc: the progress bar's label.
         keep_caches: direct readout: keep the flipping pairs' prefix caches (no second prefill for
             a later probe of the job).
-        extra: ``(screened pair, row with the variant columns) -> columns`` of the probe's own,
-            added to the row.
+        extra: the probe's own :class:`Measure` (``(screened pair, row with the variant columns)
+            -> columns``), run on each pair when the run's readout is one of its readouts.
+        names: the variant names, when the probe's are fixed: :attr:`PairRows.variants` (and the
+            generated readout's ``n_unreached``) name them even when no pair is measured.
 
     Returns:
         :class:`PairRows`.
     """
-    names: list[str] = []
+    seen: list[str] = list(names)
+    extra = extra if extra is not None and readout_of(ctx) in extra.readouts else None
 
     def measure(sp: ScreenedPair, row: dict) -> dict:
         sets = variants(sp.pair)
-        names[:] = list(sets)
+        seen[:] = list(sets)
         out = patch_columns(sp, sets)
-        return out | (extra(sp, row | out) if extra is not None else {})
+        return out | (extra.columns(sp, row | out) if extra is not None else {})
 
     pr = pair_loop(ctx, desc, measure, keep=keep_caches, keep_caches=keep_caches)
-    pr.variants = names
+    pr.variants, pr.measured = seen, [extra.name] if extra is not None else []
     return pr
-
-
-def start_circuit(ctx):
-    """The common start of a circuit probe: the first-token readout check, the engine of the
-    config's ``backend``, the flipping pairs with their prefix caches, and their selection /
-    held-out split (``selection_fraction``, ``ctx.seed``).
-
-    Returns:
-        (engine, :class:`kvnotes.harness.kit.FlippingSet`, rows tagged with ``split``, selection instance
-        ids, held-out instance ids).
-
-    Raises:
-        KvnotesError: a readout other than ``first_token``.
-    """
-    K.require_first_token(ctx)
-    engine = make_engine(ctx.bundle.model, ctx.cfg.backend)
-    fs = K.flipping_pairs(ctx, keep_caches=True)
-    rows, sel, held = with_split(fs.rows, float(ctx.cfg.selection_fraction), ctx.seed)
-    return engine, fs, rows, sel, held
-
-
-def note_profiles(ctx, runs: Sequence[PairRun], rows: list[dict], anchor: str, desc: str) -> dict:
-    """The note-position profiles of a probe that chooses its note positions on selection instances
-    (``components``, ``scrubbing``, ``sae_features``): each selection row with a downstream position
-    gets ``position_map``, the recovery of every downstream position patched alone
-    (:func:`kvnotes.harness.kit.single_position_scores`), and the profiles are their means per scenario and family
-    (:func:`kvnotes.harness.selection.offset_profiles`; positions carried by ``anchor``).
-
-    Args:
-        runs: the flipping pairs' clean runs (with prefix caches), in the order of ``rows``.
-        rows: their rows, tagged with ``split`` (:func:`kvnotes.harness.selection.with_split`).
-
-    Returns:
-        :func:`kvnotes.harness.selection.offset_profiles`' profiles.
-    """
-    model = ctx.bundle.model
-    for run_, row in K.units(ctx, zip(runs, rows), desc):
-        if row["split"] == "selection" and row["field"][1] < row["decision"]:
-            with ctx.timer("position_map"):
-                row["position_map"] = run_.recovery(
-                    K.single_position_scores(model, run_, "first_token", ctx.budget_bytes)).tolist()
-    return offset_profiles([r | {"single": r["position_map"], "downstream": (r["field"][1], r["decision"]),
-                                 "downstream_ids": run_.pair.downstream_ids}
-                            for run_, r in zip(runs, rows) if "position_map" in r], anchor)
-
-
-def pair_profile(profiles: dict, row: dict) -> tuple[dict, str] | None:
-    """The profile (:func:`note_profiles`) a pair's note positions are read from, its scenario's or
-    else its family's, with that level; None when there is none or the pair has no downstream
-    position, said in ``row["skipped"]`` (``no_profile``, ``no_downstream``)."""
-    profile, level = profile_for(profiles, row["scenario"], row["family"])
-    if profile is None or row["field"][1] >= row["decision"]:
-        row["skipped"] = "no_profile" if profile is None else "no_downstream"
-        return None
-    return profile, str(level)
