@@ -15,6 +15,7 @@ import torch
 from annotated_types import Len
 from scipy.stats import linregress
 
+from kvnotes.context import EditableContext
 from kvnotes.harness import memory as mem
 from kvnotes.harness.kit import units
 from kvnotes.harness.constraints import Count, one_of
@@ -23,6 +24,7 @@ from kvnotes.records.memory_tables import arm_cells, memory_settings
 from kvnotes.records.tables import Lines, fmt, fmt_counts
 from kvnotes.records.figures import Bars, Curves, Reshaped
 from kvnotes.records.presentation import Presentation
+from kvnotes.scenarios.memory import filler_lines, memory_lines
 
 #: Session arms (edit modes of :class:`kvnotes.context.EditableContext`).
 ARMS = ("in_place", "erratum", "auto")
@@ -56,14 +58,60 @@ class Result(mem.MemoryResult):
     arm_names: list[str]
 
 
+def toggle_schedule(suite, persona) -> list[tuple[str, str, str, str]]:
+    """The facts a session toggles, in order: ``(fact, query, original value, other value)`` for each
+    fact with a value and a query that uses it alone; the other value is the suite's edit of that
+    fact, else the query's first other candidate."""
+    out = []
+    for f in persona.facts:
+        q = next((q for q in persona.queries if list(q.uses) == [f.id]), None)
+        if f.value is None or q is None:
+            continue
+        cands = list(suite.candidates(q))
+        edit = next((e for e in persona.edits if e.fact == f.id), None)
+        other = edit.value if edit is not None else next((c for c in cands if c != f.value), None)
+        if other is not None and f.value in cands and other in cands:
+            out.append((f.id, q.id, f.value, other))
+    return out
+
+
+def memory_context(model, tokenizer, suite, persona, prompt: mem.MemoryPrompt, cfg,
+                   template_kwargs: dict | None = None) -> EditableContext:
+    """The persona's memory as an editable context (facts with a value as fields), not prefilled,
+    rendered with the model's chat-template arguments ``template_kwargs``: the session of
+    ``memory_agent`` (``docs/probes/memory_agent.md``)."""
+    kw = {"answer_prefix": suite.answer_prefix, "chat_template": bool(cfg.chat_template),
+          "template_kwargs": template_kwargs}
+    ctx = EditableContext(model, tokenizer, **kw)
+    ctx.add_text(suite.header + "\n")
+    for line, fid in memory_lines(persona, filler_lines(suite, persona.id, prompt.n_filler)):
+        fact = persona.fact(fid) if fid is not None else None
+        if fact is None or fact.value is None or "{value}" not in fact.text:
+            ctx.add_text(line + "\n")
+            continue
+        head, _, tail = fact.text.partition("{value}")
+        ctx.add_text(head).add_field(fid, fact.value, label=fact.label).add_text(tail + "\n")
+    return ctx
+
+
+def context_query(suite, persona, qid: str, answer: str, ctx: EditableContext) -> tuple[mem.TokQuery, list[str]]:
+    """Query ``qid`` of ``persona`` as read on the context ``ctx`` (its tokens and the candidates'
+    first tokens there), expecting ``answer``; with the candidates' strings, for
+    :meth:`kvnotes.context.EditableContext.decide`."""
+    q = persona.query(qid)
+    cands = suite.candidates(q)
+    firsts = mem.first_tokens(ctx.tokenizer, ctx, cands)
+    return mem.TokQuery(q.id, ctx.layout.ids, firsts, answer, tuple(q.uses)), list(cands.values())
+
+
 @torch.no_grad()
 def run_session(model, tokenizer, suite, persona, prompt: mem.MemoryPrompt, cfg, n_turns: int, run: str,
                 template_kwargs: dict | None = None) -> list[dict]:
     """One session of ``n_turns`` turns (the specification): one row per turn."""
-    plan = mem.toggle_schedule(suite, persona)
+    plan = toggle_schedule(suite, persona)
     if not plan:
         return []
-    base = mem.memory_context(model, tokenizer, suite, persona, prompt, cfg, template_kwargs)
+    base = memory_context(model, tokenizer, suite, persona, prompt, cfg, template_kwargs)
     first_q = suite.question.format(question=persona.query(plan[0][1]).question)
     base.add_request(first_q)
     base.prefill()
@@ -77,7 +125,7 @@ def run_session(model, tokenizer, suite, persona, prompt: mem.MemoryPrompt, cfg,
         question = suite.question.format(question=persona.query(qid).question)
         ref.set_request(question)
         rep = ref.edit(fid, value, "full")
-        tq, cands = mem.context_query(suite, persona, qid, value, ref)
+        tq, cands = context_query(suite, persona, qid, value, ref)
         d_full, t_read = mem.timed(ref.decide, cands)
         ttft_full = rep.cost.seconds + t_read
         cum["full"] += ttft_full
@@ -152,7 +200,7 @@ def run(ctx) -> dict:
         with ctx.timer("render"):
             prompt = mem.build_prompt(tok, suite, persona, L, cfg.seed, chat_template=cfg.chat_template,
                                       template_kwargs=tk)
-        if not mem.toggle_schedule(suite, persona):
+        if not toggle_schedule(suite, persona):
             excluded.append({"persona": persona.id, "length": L, "reason": "no_toggleable_fact"})
             continue
         with ctx.timer("turns"):

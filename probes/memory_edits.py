@@ -20,6 +20,7 @@ from kvnotes.records.figures import Bars
 from kvnotes.records.memory_tables import MEMORY_HEAD, arm_cells, memory_settings
 from kvnotes.records.tables import Lines, fmt_counts
 from kvnotes.records.presentation import Presentation
+from kvnotes.scenarios.memory import filler_lines, memory_lines
 
 #: The arms besides ``selective@K``, in report order (``full`` last: the reference).
 BASE_ARMS = ("stale", "in_place", "erratum", "recompile_chunk")
@@ -48,6 +49,21 @@ class Result(mem.MemoryResult):
     checks: dict
 
 
+def memory_texts(suite, persona, prompt: mem.MemoryPrompt, fact: str, value: str | None = None) -> tuple[str, str, str]:
+    """``(memory text before the fact's value, after it, whole memory with value)``, the lines of
+    ``prompt`` (same filler), with the fact's value ``value`` (None: the persona's own); the edited
+    session of ``memory_edits`` is built from them (``docs/probes/memory_edits.md``)."""
+    lines = memory_lines(persona, filler_lines(suite, persona.id, prompt.n_filler),
+                         {fact: value} if value is not None else None)
+    i = next(j for j, (_, f) in enumerate(lines) if f == fact)
+    f = persona.fact(fact)
+    head, _, tail = f.text.partition("{value}")
+    before = "".join(line + "\n" for line, _ in lines[:i]) + head
+    after = tail + "\n" + "".join(line + "\n" for line, _ in lines[i + 1:])
+    whole = "".join(line + "\n" for line, _ in lines)
+    return before, after, whole
+
+
 def arm_names(ks: list[int]) -> list[str]:
     return ["stale", "in_place", *[f"selective@{k}" for k in ks], "erratum", "recompile_chunk"]
 
@@ -68,7 +84,7 @@ def edit_session(model, tokenizer, suite, persona, prompt: mem.MemoryPrompt, edi
     cands = suite.candidates(q)
     question = suite.question.format(question=q.question)
     head = suite.header + "\n"
-    before, after, _ = mem.memory_texts(suite, persona, prompt, fact.id)
+    before, after, _ = memory_texts(suite, persona, prompt, fact.id)
     kw = {"answer_prefix": suite.answer_prefix, "chat_template": chat_template, "template_kwargs": template_kwargs}
     base = EditableContext(model, tokenizer, **kw)
     base.add_text(head + before).add_field(fact.id, fact.value or "", label=fact.label).add_text(after)
@@ -82,7 +98,7 @@ def edit_session(model, tokenizer, suite, persona, prompt: mem.MemoryPrompt, edi
         d = c.decide(list(cands.values()))
         runs[arm] = (c, d.logprobs, rep.cost, rep.applied)
     full_ctx = runs["full"][0]
-    _, _, whole_new = mem.memory_texts(suite, persona, prompt, fact.id, edit.value)
+    _, _, whole_new = memory_texts(suite, persona, prompt, fact.id, edit.value)
     chunked = EditableContext(model, tokenizer, seam=seam, **kw)
     chunked.add_text(head).add_chunk(whole_new).add_request(question)
     cost = chunked.prefill(compose_chunks=True)

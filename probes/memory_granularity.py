@@ -18,6 +18,7 @@ from kvnotes.harness.constraints import Counts, NonNegative
 from kvnotes.harness.paired import mcnemar_exact
 from kvnotes.harness.stats import proportion
 from kvnotes.harness.registry import Conformance
+from kvnotes.ops import compose as kvcompose
 from kvnotes.ops.edit import stack
 from kvnotes.records.figures import Curves
 from kvnotes.records.memory_tables import MEMORY_HEAD, arm_cells, memory_settings
@@ -49,6 +50,85 @@ class Result(mem.MemoryResult):
     costs: list[dict]
 
 
+def partition(offsets: list[int], S: int) -> list[tuple[int, int]]:
+    """``S`` contiguous line ranges ``[i, j)`` of about equal token count.
+
+    Args:
+        offsets: line token offsets and the total at the end
+            (:meth:`kvnotes.harness.memory.MemoryPrompt.offsets`), ``n_lines + 1`` values.
+        S: number of blocks, ``1 <= S <= n_lines``.
+
+    Returns:
+        the ranges; boundary ``k`` is the first line starting at or after ``k * M / S`` tokens (moved
+        on when two boundaries would coincide).
+
+    Raises:
+        KvnotesError: ``S`` outside ``[1, n_lines]``.
+    """
+    n = len(offsets) - 1
+    if not 1 <= S <= n:
+        raise KvnotesError(f"cannot split {n} memory lines into {S} blocks")
+    M = offsets[-1]
+    cuts = [0]
+    for k in range(1, S):
+        c = next(i for i in range(1, n + 1) if offsets[i] >= k * M / S)
+        c = min(max(c, cuts[-1] + 1), n - (S - k))
+        cuts.append(c)
+    cuts.append(n)
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def cross_variants(blocks: list[tuple[int, int]], a: int, b: int) -> dict[str, list[tuple[int, int]]]:
+    """The ``together`` and ``split`` partitions for adjacent lines ``a < b = a + 1``, each with
+    ``len(blocks)`` blocks (``memory_granularity``, ``docs/probes/memory_granularity.md``)."""
+    cuts = [i for i, _ in blocks][1:]
+    if b in cuts:
+        together = [c if c != b else b + 1 for c in cuts]
+        split = cuts
+    else:
+        near = min(range(len(cuts)), key=lambda k: abs(cuts[k] - b))
+        together, split = cuts, sorted(cuts[:near] + [b] + cuts[near + 1:])
+    n = blocks[-1][1]
+
+    def ranges(cs):
+        cs = sorted(set(c for c in cs if 0 < c < n))
+        return list(zip([0, *cs], [*cs, n]))
+    return {"together": ranges(together), "split": ranges(split)}
+
+
+class Blocks:
+    """Precompiled blocks of one prompt, keyed by line range (each precompiled once)."""
+
+    def __init__(self, model, prompt: mem.MemoryPrompt, sink: torch.Tensor | None) -> None:
+        self.model, self.prompt, self.sink = model, prompt, sink
+        self.store: dict[tuple[int, int], kvcompose.Chunk] = {}
+        self.cost: dict[tuple[int, int], tuple[int, float]] = {}      # (tokens forwarded, seconds) per block
+        self.tokens, self.seconds = 0, 0.0
+
+    def get(self, i: int, j: int) -> kvcompose.Chunk:
+        if (i, j) not in self.store:
+            ids = torch.cat(self.prompt.entries[i:j])
+            self.store[(i, j)], t = mem.timed(kvcompose.precompile, self.model, ids, self.sink)
+            n = int(ids.shape[0]) + (0 if self.sink is None else int(self.sink.shape[0]))
+            self.cost[(i, j)] = (n, t)
+            self.tokens += n
+            self.seconds += t
+        return self.store[(i, j)]
+
+    def compose(self, ranges: list[tuple[int, int]], seam: int):
+        """The all-slot cache of ``[prefix | blocks]`` and the splice's wall seconds."""
+        parts = [self.prompt.prefix, *[self.get(i, j) for i, j in ranges]]
+        (cache, _), t = mem.timed(kvcompose.compose, self.model, parts, True, seam, all_slots=True)
+        return cache, t
+
+
+def with_answer(prompt: mem.MemoryPrompt, query: str, answer: str) -> mem.MemoryPrompt:
+    """``prompt`` whose query ``query`` expects ``answer`` (after an edit)."""
+    q = prompt.queries[query]
+    return mem.MemoryPrompt(prompt.persona, prompt.target, prompt.prefix, prompt.entries, prompt.facts, prompt.n_filler,
+                        {**prompt.queries, query: mem.TokQuery(q.id, q.suffix, q.firsts, answer, q.uses)}, prompt.excluded)
+
+
 def _read_all(model, prompt: mem.MemoryPrompt, caches: list) -> dict[str, torch.Tensor]:
     pos = prompt.start + int(prompt.memory.shape[0])
     batch = stack(caches, pos)
@@ -69,9 +149,9 @@ def granularity(model, tokenizer, prompt: mem.MemoryPrompt, Ss: list[int], seam:
     """
     sink = mem.bos_sink(tokenizer, prompt)
     full, t_full = mem.prefill(model, prompt.base)
-    store = mem.Blocks(model, prompt, sink)
+    store = Blocks(model, prompt, sink)
     offs = prompt.offsets()
-    parts = {S: mem.partition(offs, S) for S in Ss}
+    parts = {S: partition(offs, S) for S in Ss}
     cost: dict = {"persona": prompt.persona, "length": prompt.target, "memory_tokens": int(prompt.memory.shape[0]),
                   "full_s": t_full, "full_tokens": int(prompt.base.shape[0]), "by_S": {}}
     caches = []
@@ -97,7 +177,7 @@ def granularity(model, tokenizer, prompt: mem.MemoryPrompt, Ss: list[int], seam:
         if b != a + 1:
             continue
         for S in (s for s in Ss if s >= 2):
-            variants = mem.cross_variants(parts[S], a, b)
+            variants = cross_variants(parts[S], a, b)
             vc = [store.compose(variants[v], seam)[0] for v in ("together", "split")]
             lp = _read_all(model, prompt, vc)[q.id]
             full_lp = lps[q.id][0]
@@ -107,7 +187,7 @@ def granularity(model, tokenizer, prompt: mem.MemoryPrompt, Ss: list[int], seam:
     edit_rows = []
     if edited is not None and fact is not None:
         full_new, t_new = mem.prefill(model, edited.base)
-        new_store = mem.Blocks(model, edited, sink)
+        new_store = Blocks(model, edited, sink)
         line = edited.line_of(fact)
         caches, costs = [], {}
         for S in Ss:
@@ -191,7 +271,7 @@ def run(ctx) -> dict:
             edited, fact = None, None
             if persona.edits:
                 e = persona.edits[0]
-                edited = mem.with_answer(mem.build_prompt(tok, suite, persona, int(L), cfg.seed, {e.fact: e.value},
+                edited = with_answer(mem.build_prompt(tok, suite, persona, int(L), cfg.seed, {e.fact: e.value},
                                                           prompt.n_filler, **kw), e.query, e.answer)
                 fact = e.fact
         excluded += mem.excluded_rows(prompt)

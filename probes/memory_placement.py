@@ -23,6 +23,7 @@ from kvnotes.records.figures import Bars
 from kvnotes.records.memory_tables import kl_cell, memory_settings, tests_cells
 from kvnotes.records.tables import Lines, fmt, fmt_kn
 from kvnotes.records.presentation import Presentation
+from kvnotes.scenarios.memory import MemorySuite, Persona, filler_lines
 
 #: The two placements, in the order of the batch read.
 PLACEMENTS = ("early", "late")
@@ -46,6 +47,36 @@ class Config(mem.MemoryConfig):
 class Result(mem.MemoryResult):
     placements: list[str]
     costs: list[dict]
+
+
+def document_entries(tokenizer, suite: MemorySuite, persona: Persona, target: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Per line the ``[n_i]`` ids of a neutral document of at least ``target`` tokens, for
+    ``memory_placement`` (``docs/probes/memory_placement.md``); a longer document extends a shorter one."""
+    n = max(8, target // 6)
+    while True:
+        lines = filler_lines(suite, f"{persona.id}/document", n, seed)
+        ids = [torch.tensor(x, dtype=torch.long)
+               for x in tokenizer([s + "\n" for s in lines], add_special_tokens=False)["input_ids"]]
+        total, out = 0, []
+        for e in ids:
+            if total >= target:
+                return tuple(out)
+            out.append(e)
+            total += int(e.shape[0])
+        if total >= target:
+            return tuple(out)
+        n *= 2
+
+
+def fit(entries: tuple[torch.Tensor, ...], budget: int) -> tuple[torch.Tensor, ...]:
+    """The longest prefix of ``entries`` whose tokens fit ``budget``."""
+    out, total = [], 0
+    for e in entries:
+        if total + int(e.shape[0]) > budget:
+            break
+        out.append(e)
+        total += int(e.shape[0])
+    return tuple(out)
 
 
 def placements(prompt: mem.MemoryPrompt, doc: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -141,11 +172,11 @@ def run(ctx) -> dict:
             prompt = mem.build_prompt(tok, suite, persona, int(L), cfg.seed, chat_template=cfg.chat_template,
                                       template_kwargs=tk)
             target = int(cfg.document) if cfg.document else int(L)
-            entries = mem.document_entries(tok, suite, persona, target, cfg.seed)
+            entries = document_entries(tok, suite, persona, target, cfg.seed)
             if limit is not None:
                 longest = max((int(q.suffix.shape[0]) for q in prompt.queries.values()), default=0)
                 budget = limit - prompt.start - int(prompt.memory.shape[0]) - longest
-                entries = mem.fit(entries, budget)
+                entries = fit(entries, budget)
             if not entries:
                 raise KvnotesError(f"memory_placement: no room for a document next to a {L}-token memory in a "
                                    f"{limit}-token context")

@@ -24,11 +24,9 @@ correctness (margin ``margin_accuracy``, a share) and of KL(full || arm) against
 ``margin_kl``, nats) over persona clusters; Benjamini-Hochberg over every test of one family in a
 record (:func:`adjust`).
 
-**Inputs of the experiments** (their specifications are ``docs/probes/memory_*.md``): a neutral
-document beside the memory (:func:`document_entries`, :func:`fit`; E1), the memory split into
-independently precompiled blocks (:func:`partition`, :func:`cross_variants`, :class:`Blocks`; E4),
-the memory text around one fact (:func:`memory_texts`; E3) and the memory as an editable session
-whose facts are fields (:func:`memory_context`, :func:`toggle_schedule`, :func:`context_query`; E5).
+Each experiment's own inputs (a neutral document beside the memory, the memory split into
+precompiled blocks, the memory text around one fact, the memory as an editable session) live in its
+probe module; its specification is its page under ``docs/probes/``.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ from typing import Annotated, Any
 
 import torch
 
-from kvnotes.context import EditableContext
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.constraints import Counts, OpenFraction, PositiveFloat, Share, one_of
 from kvnotes.harness.kit import ProbeConfig
@@ -48,7 +45,6 @@ from kvnotes.harness.stats import proportion, summarize
 from kvnotes.records.figures import Bars
 from kvnotes.kv.cache import AllSlotCache
 from kvnotes.kv.decision import kl_nats
-from kvnotes.ops import compose as kvcompose
 from kvnotes.models.text import render_text, tokenize
 from kvnotes.records.schema import TypedDict
 from kvnotes.scenarios.memory import MemorySuite, Persona, filler_lines, load_memory, memory_lines
@@ -234,13 +230,6 @@ def first_tokens(tokenizer, ctx, cands: dict[str, str]) -> dict[str, int]:
     return {k: int(tokenize(tokenizer, ctx.text + c)[0][n]) for k, c in cands.items()}
 
 
-def with_answer(prompt: MemoryPrompt, query: str, answer: str) -> MemoryPrompt:
-    """``prompt`` whose query ``query`` expects ``answer`` (after an edit)."""
-    q = prompt.queries[query]
-    return MemoryPrompt(prompt.persona, prompt.target, prompt.prefix, prompt.entries, prompt.facts, prompt.n_filler,
-                        {**prompt.queries, query: TokQuery(q.id, q.suffix, q.firsts, answer, q.uses)}, prompt.excluded)
-
-
 @torch.no_grad()
 def read(model, cache: AllSlotCache, pos: int, suffix: torch.Tensor) -> torch.Tensor:
     """Decision log-probs after ``suffix`` on ``cache``.
@@ -407,166 +396,3 @@ def bos_sink(tokenizer, prompt: MemoryPrompt) -> torch.Tensor | None:
     """The BOS token the memory is precompiled behind (``[1]``), or None when the prompt has none."""
     bos = tokenizer.bos_token_id
     return prompt.prefix[:1] if bos is not None and int(prompt.prefix[0]) == bos else None
-
-
-def document_entries(tokenizer, suite: MemorySuite, persona: Persona, target: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Per line the ``[n_i]`` ids of a neutral document of at least ``target`` tokens, for
-    ``memory_placement`` (``docs/probes/memory_placement.md``); a longer document extends a shorter one."""
-    n = max(8, target // 6)
-    while True:
-        lines = filler_lines(suite, f"{persona.id}/document", n, seed)
-        ids = [torch.tensor(x, dtype=torch.long)
-               for x in tokenizer([s + "\n" for s in lines], add_special_tokens=False)["input_ids"]]
-        total, out = 0, []
-        for e in ids:
-            if total >= target:
-                return tuple(out)
-            out.append(e)
-            total += int(e.shape[0])
-        if total >= target:
-            return tuple(out)
-        n *= 2
-
-
-def fit(entries: tuple[torch.Tensor, ...], budget: int) -> tuple[torch.Tensor, ...]:
-    """The longest prefix of ``entries`` whose tokens fit ``budget``."""
-    out, total = [], 0
-    for e in entries:
-        if total + int(e.shape[0]) > budget:
-            break
-        out.append(e)
-        total += int(e.shape[0])
-    return tuple(out)
-
-
-def partition(offsets: list[int], S: int) -> list[tuple[int, int]]:
-    """``S`` contiguous line ranges ``[i, j)`` of about equal token count.
-
-    Args:
-        offsets: line token offsets and the total at the end
-            (:meth:`kvnotes.harness.memory.MemoryPrompt.offsets`), ``n_lines + 1`` values.
-        S: number of blocks, ``1 <= S <= n_lines``.
-
-    Returns:
-        the ranges; boundary ``k`` is the first line starting at or after ``k * M / S`` tokens (moved
-        on when two boundaries would coincide).
-
-    Raises:
-        KvnotesError: ``S`` outside ``[1, n_lines]``.
-    """
-    n = len(offsets) - 1
-    if not 1 <= S <= n:
-        raise KvnotesError(f"cannot split {n} memory lines into {S} blocks")
-    M = offsets[-1]
-    cuts = [0]
-    for k in range(1, S):
-        c = next(i for i in range(1, n + 1) if offsets[i] >= k * M / S)
-        c = min(max(c, cuts[-1] + 1), n - (S - k))
-        cuts.append(c)
-    cuts.append(n)
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
-def cross_variants(blocks: list[tuple[int, int]], a: int, b: int) -> dict[str, list[tuple[int, int]]]:
-    """The ``together`` and ``split`` partitions for adjacent lines ``a < b = a + 1``, each with
-    ``len(blocks)`` blocks (``memory_granularity``, ``docs/probes/memory_granularity.md``)."""
-    cuts = [i for i, _ in blocks][1:]
-    if b in cuts:
-        together = [c if c != b else b + 1 for c in cuts]
-        split = cuts
-    else:
-        near = min(range(len(cuts)), key=lambda k: abs(cuts[k] - b))
-        together, split = cuts, sorted(cuts[:near] + [b] + cuts[near + 1:])
-    n = blocks[-1][1]
-
-    def ranges(cs):
-        cs = sorted(set(c for c in cs if 0 < c < n))
-        return list(zip([0, *cs], [*cs, n]))
-    return {"together": ranges(together), "split": ranges(split)}
-
-
-class Blocks:
-    """Precompiled blocks of one prompt, keyed by line range (each precompiled once)."""
-
-    def __init__(self, model, prompt: MemoryPrompt, sink: torch.Tensor | None) -> None:
-        self.model, self.prompt, self.sink = model, prompt, sink
-        self.store: dict[tuple[int, int], kvcompose.Chunk] = {}
-        self.cost: dict[tuple[int, int], tuple[int, float]] = {}      # (tokens forwarded, seconds) per block
-        self.tokens, self.seconds = 0, 0.0
-
-    def get(self, i: int, j: int) -> kvcompose.Chunk:
-        if (i, j) not in self.store:
-            ids = torch.cat(self.prompt.entries[i:j])
-            self.store[(i, j)], t = timed(kvcompose.precompile, self.model, ids, self.sink)
-            n = int(ids.shape[0]) + (0 if self.sink is None else int(self.sink.shape[0]))
-            self.cost[(i, j)] = (n, t)
-            self.tokens += n
-            self.seconds += t
-        return self.store[(i, j)]
-
-    def compose(self, ranges: list[tuple[int, int]], seam: int):
-        """The all-slot cache of ``[prefix | blocks]`` and the splice's wall seconds."""
-        parts = [self.prompt.prefix, *[self.get(i, j) for i, j in ranges]]
-        (cache, _), t = timed(kvcompose.compose, self.model, parts, True, seam, all_slots=True)
-        return cache, t
-
-
-def memory_texts(suite, persona, prompt: MemoryPrompt, fact: str, value: str | None = None) -> tuple[str, str, str]:
-    """``(memory text before the fact's value, after it, whole memory with value)``, the lines of
-    ``prompt`` (same filler), with the fact's value ``value`` (None: the persona's own); the edited
-    session of ``memory_edits`` is built from them (``docs/probes/memory_edits.md``)."""
-    lines = memory_lines(persona, filler_lines(suite, persona.id, prompt.n_filler),
-                         {fact: value} if value is not None else None)
-    i = next(j for j, (_, f) in enumerate(lines) if f == fact)
-    f = persona.fact(fact)
-    head, _, tail = f.text.partition("{value}")
-    before = "".join(line + "\n" for line, _ in lines[:i]) + head
-    after = tail + "\n" + "".join(line + "\n" for line, _ in lines[i + 1:])
-    whole = "".join(line + "\n" for line, _ in lines)
-    return before, after, whole
-
-
-def toggle_schedule(suite, persona) -> list[tuple[str, str, str, str]]:
-    """The facts a session toggles, in order: ``(fact, query, original value, other value)`` for each
-    fact with a value and a query that uses it alone; the other value is the suite's edit of that
-    fact, else the query's first other candidate."""
-    out = []
-    for f in persona.facts:
-        q = next((q for q in persona.queries if list(q.uses) == [f.id]), None)
-        if f.value is None or q is None:
-            continue
-        cands = list(suite.candidates(q))
-        edit = next((e for e in persona.edits if e.fact == f.id), None)
-        other = edit.value if edit is not None else next((c for c in cands if c != f.value), None)
-        if other is not None and f.value in cands and other in cands:
-            out.append((f.id, q.id, f.value, other))
-    return out
-
-
-def memory_context(model, tokenizer, suite, persona, prompt: MemoryPrompt, cfg,
-                   template_kwargs: dict | None = None) -> EditableContext:
-    """The persona's memory as an editable context (facts with a value as fields), not prefilled,
-    rendered with the model's chat-template arguments ``template_kwargs``: the session of
-    ``memory_agent`` (``docs/probes/memory_agent.md``)."""
-    kw = {"answer_prefix": suite.answer_prefix, "chat_template": bool(cfg.chat_template),
-          "template_kwargs": template_kwargs}
-    ctx = EditableContext(model, tokenizer, **kw)
-    ctx.add_text(suite.header + "\n")
-    for line, fid in memory_lines(persona, filler_lines(suite, persona.id, prompt.n_filler)):
-        fact = persona.fact(fid) if fid is not None else None
-        if fact is None or fact.value is None or "{value}" not in fact.text:
-            ctx.add_text(line + "\n")
-            continue
-        head, _, tail = fact.text.partition("{value}")
-        ctx.add_text(head).add_field(fid, fact.value, label=fact.label).add_text(tail + "\n")
-    return ctx
-
-
-def context_query(suite, persona, qid: str, answer: str, ctx: EditableContext) -> tuple[TokQuery, list[str]]:
-    """Query ``qid`` of ``persona`` as read on the context ``ctx`` (its tokens and the candidates'
-    first tokens there), expecting ``answer``; with the candidates' strings, for
-    :meth:`kvnotes.context.EditableContext.decide`."""
-    q = persona.query(qid)
-    cands = suite.candidates(q)
-    firsts = first_tokens(ctx.tokenizer, ctx, cands)
-    return TokQuery(q.id, ctx.layout.ids, firsts, answer, tuple(q.uses)), list(cands.values())

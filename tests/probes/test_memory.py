@@ -100,7 +100,7 @@ def test_malformed_suite_is_one_line(tmp_path):
 
 
 def test_partition_covers_the_lines_in_equal_blocks():
-    from kvnotes.harness.memory import cross_variants, partition
+    from kvnotes.probes.memory_granularity import cross_variants, partition
 
     offsets = list(range(0, 101, 5))                 # 20 lines of 5 tokens
     for S in (1, 2, 4, 8, 16, 20):
@@ -117,7 +117,7 @@ def test_partition_covers_the_lines_in_equal_blocks():
 def test_one_block_equals_the_one_chunk_transplant(llama, tok, suite):
     """S = 1 (E4) composes exactly E2's one precompiled chunk."""
     from kvnotes.ops import compose as kvcompose
-    from kvnotes.harness.memory import Blocks, partition
+    from kvnotes.probes.memory_granularity import Blocks, partition
 
     p = prompt_of(tok, suite)
     pos = p.start + p.memory.shape[0]

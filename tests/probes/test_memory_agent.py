@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import kvnotes.probes
-from kvnotes.harness.memory import toggle_schedule
-from kvnotes.probes.memory_agent import drift
+from kvnotes.probes.memory_agent import drift, toggle_schedule
 from kvnotes.scenarios.memory import load_memory
 from tests.probes.test_memory import SUITE, check_record_fields, fake_ctx, llama, threads, tok  # noqa: F401
 

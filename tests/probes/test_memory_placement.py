@@ -13,8 +13,7 @@ import torch
 import kvnotes.probes
 from kvnotes.harness import memory as mem
 from kvnotes.ops.edit import stack
-from kvnotes.harness.memory import document_entries, fit
-from kvnotes.probes.memory_placement import PLACEMENTS, placements
+from kvnotes.probes.memory_placement import PLACEMENTS, document_entries, fit, placements
 from tests.probes.test_memory import check_record_fields, fake_ctx, llama, prompt_of, suite, threads, tok  # noqa: F401
 
 #: fp32 decision log-probs of a prefill plus a suffix forward on a batch-2 cache vs one plain forward
