@@ -23,6 +23,10 @@ from kvnotes.harness.registry import register_schemas  # noqa: E402
 
 register_schemas()          # the probes' Config dataclasses, for every test that composes with Hydra
 
+#: Fixtures shared across test folders, reaching every test without an import: the planted-mechanism
+#: models (tests/planted.py) and the embedded models' recall pairs (tests/recall.py).
+pytest_plugins = ["tests.planted", "tests.recall"]
+
 #: Fixtures that load the embedded model (directly or through another fixture): their tests are
 #: marked ``embedded`` automatically, so ``pytest -m "not embedded"`` is the fast lane.
 EMBEDDED_FIXTURES = {"smol", "gemma", "sweep"}

@@ -96,6 +96,14 @@ def build_tiny(arch: str, seed: int = 0):
     return model
 
 
+def default_probe() -> str:
+    """The probe ``run.py`` runs when none is named: ``conf/config.yaml``'s defaults list."""
+    from omegaconf import OmegaConf
+
+    defaults = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "config.yaml"))["defaults"]
+    return next(str(d["probe"]) for d in defaults if isinstance(d, dict) and "probe" in d)
+
+
 def probe_yaml(name: str):
     """Probe ``name``'s config as run.py composes it, as a plain (non-struct) ``DictConfig`` a test
     may edit: its ``Config`` dataclass's defaults, then what ``conf/probe/<name>.yaml`` sets (the

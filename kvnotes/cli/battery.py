@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=2 kvnotes battery [--scenario default] [--threads 2] [--probes a b ...] [--records runs]
 
 The model (``--model``, default the embedded SmolLM2-135M) is loaded once and the pairs of the
-suite prepared once per kind (field pairs; polarity pairs for ``dissociation``), and each pair's
+suite prepared once per kind (field pairs; polarity pairs for a probe that asks for them), and each pair's
 clean runs (prefix caches, clean scores, decisions) are computed once for the whole battery and
 shared by every probe that screens it (:class:`kvnotes.harness.kit.CleanRuns`, up to ``--clean-runs-mb``
 of caches; ``--clean-runs-mb 0`` makes every probe prefill its pairs itself, as ``run.py`` does,
@@ -14,7 +14,7 @@ composes for ``model=``, ``probe=``, ``scenario=`` (and ``device=`` when not ``a
 before the model loads, the probe's result checked against its schema, the record's envelope
 checked; a line is printed before the model loads (``battery: loading <model> ...``) and as each
 probe starts, its probe time as it finishes, with the total at the end (a probe whose pairs the suite cannot give, such as
-``dissociation`` without polarity scenarios, is skipped with one line). ``--floor`` also prints each probe's roofline floor: every
+polarity pairs from a suite without polarity scenarios, is skipped with one line). ``--floor`` also prints each probe's roofline floor: every
 call of a linear layer (a forward hook on each ``nn.Linear``) costs at least its FLOPs at this
 machine's best GEMM rate or its weight's bytes at its best weight-read rate, whichever is larger
 (:class:`kvnotes.harness.roofline.Roofline`): a time no implementation making the same calls can beat (attention and
@@ -295,7 +295,7 @@ def run_suite(args, dirs, extra: list[str], label: str = "", loaded: dict | None
         if kind not in pair_sets:
             try:
                 pair_sets[kind] = prepare_for_probe(bundle.tokenizer, kind, job.cfg.scenario, job.cfg.model)
-            except KvnotesError as exc:          # e.g. a suite without polarity scenarios for dissociation
+            except KvnotesError as exc:          # e.g. polarity pairs from a suite without polarity scenarios
                 print(f"  {name:16s}  skipped: {exc}", flush=True)
                 continue
         done = roof.calls.copy() if roof else None

@@ -2,8 +2,7 @@
 from a pair's clean new run into its old run, at the decision position (read heads) or the note
 positions (write heads), through a :class:`kvnotes.kv.engine.Engine` (docs/design.md §6).
 
-Used by the ``heads`` circuit (``docs/probes/heads.md``) and its benchmark
-(:mod:`kvnotes.bench.circuits`). Head outputs are not K/V sites: they are patched after attention,
+Used by the head-patching circuit and its benchmark (:mod:`kvnotes.bench.circuits`). Head outputs are not K/V sites: they are patched after attention,
 as engine interventions (docs/design.md §4).
 """
 

@@ -95,7 +95,7 @@ def scenario_files(scenario_cfg: Any) -> list[tuple[str, Path]]:
     """``(name, path)`` of every file a scenario config reads: the YAML files under ``paths`` (as
     :func:`kvnotes.scenarios.schema.load_suite` lists them; a missing path is left to the loader's error)
     the memory suite file ``memory`` (as :func:`kvnotes.scenarios.memory.load_memory` resolves it) and
-    the LoCoMo file ``locomo`` of ``probe=locomo``."""
+    the LoCoMo file ``scenario.locomo``."""
     from kvnotes.scenarios.schema import resolve_path
 
     out: list[tuple[str, Path]] = []

@@ -152,7 +152,7 @@ def prepare_for_probe(tokenizer, kind: str, scenario_cfg: Any, model_cfg: Any) -
 def outcomes(run: PairRun) -> tuple[str, str]:
     """The outcomes the clean old and new runs of a flipping pair decide: their expected
     candidates' text (stripped), e.g. ``("Berlin", "Madrid")``. Under the ``owned`` flip rule these
-    are the model's own top-1 answers (``direction``, ``scrubbing``, ``sae_features``)."""
+    are the model's own top-1 answers."""
     return run.pair.spec.cand_old.strip(), run.pair.spec.cand_new.strip()
 
 

@@ -3,7 +3,7 @@
 A probe is one module with ``run(ctx: ProbeContext) -> dict`` and a ``Config`` dataclass of its
 keys (a subclass of :class:`kvnotes.harness.kit.ProbeConfig`), plus one config file
 ``conf/probe/<name>.yaml`` whose ``_target_`` names the run function (``probes.<name>.run``, or
-any importable module: ``circuits.heads.run``, ``mypackage.myprobe.run``). The ``Config`` holds
+any importable module: ``circuits.<name>.run``, ``mypackage.myprobe.run``). The ``Config`` holds
 the keys' defaults (shared keys ``progress``, ``n_boot``, ``pairs`` on ``ProbeConfig``); Hydra composes
 a run from it (:func:`register_schemas`) and the YAML sets only what differs. Probes never load models
 or write files: ``run.py`` hands them a loaded model and token-aligned pairs and serialises the

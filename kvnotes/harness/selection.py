@@ -1,8 +1,8 @@
 """Selection on one split, evaluation on the other (``docs/design.md``, "Traps": never select on
 the data you evaluate on).
 
-Every probe that chooses something from data — top-k positions (``suffix_recovery``), heads
-(``heads``), the note offset (``components``), the layer (``direction``) — splits the instances of
+Every probe that chooses something from data — top-k positions, heads, the note offset, the
+layer — splits the instances of
 each scenario into a **selection** set and a **held-out** set (:func:`split_instances`), ranks on
 selection rows only (:func:`rank_by_mean`, :func:`selection_source`) and reports numbers on held-out
 rows. Capped sweeps draw pairs stratified over scenarios and instances (:func:`sample_pairs`), and
@@ -82,7 +82,7 @@ def split_warnings(probe: str, rows: list[dict], what: str, n_used: int | None =
     Nothing when there are no rows (the run's outcome line says no pair flipped).
 
     Returns:
-        at most one line, e.g. ``"suffix_recovery: no held-out top-k curve: none of the 6 flipping
+        at most one line, e.g. ``"<probe>: no held-out top-k curve: none of the 6 flipping
         pairs is on a selection instance (...)"``.
     """
     if not rows:
@@ -232,8 +232,7 @@ def round_robin(rows: list[dict]) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# position rankings learned on the selection split (suffix_recovery's top-k positions, components'
-# note position)
+# position rankings learned on the selection split (top-k positions, a note position)
 
 #: How a held-out pair's downstream positions are matched to the selection pairs' (``topk_anchor``):
 #: ``aligned`` aligns the downstream tokens (:func:`align_positions`); ``decision`` and ``field_end``

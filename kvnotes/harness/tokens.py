@@ -211,7 +211,7 @@ def align_field_pair(tokenizer, spec: PairSpec, old: Prompt, new: Prompt) -> tup
 
 @dataclass(frozen=True)
 class PolarityPair(TokenizedPair):
-    """A token-aligned polarity pair (field fixed, rule trigger flipped; docs/design.md §5 ``dissociation``).
+    """A token-aligned polarity pair (field fixed, rule trigger flipped; docs/design.md §5).
 
     The two prompts differ only in the trigger span, so the inherited :attr:`field` — the span in
     which old and new differ, which all cache machinery patches — is the *trigger* span ``[t0, t1)``

@@ -469,7 +469,7 @@ def _span_slots(layer, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def exact_field_source(model, run) -> tuple[DynamicCache, dict]:
     """The old prefix cache with the field's KV recomputed from the new field tokens: the exact
-    patch source of a field refresh (``field_refresh``, ``docs/probes/field_refresh.md``).
+    patch source of a field refresh (docs/design.md §3).
 
     ``run`` is a pair's clean run (:class:`kvnotes.harness.readout.PairRun`: its ``pair`` with the
     field span and both prompts' ids, and the batch-1 ``old_cache`` / ``new_cache`` over ``[0, d)``).

@@ -72,7 +72,7 @@ DEFAULT = Presentation()
 
 
 #: Where the modules named by records written before the probes installed inside the package live now
-#: (``probes.edit.run`` -> ``kvnotes.probes.edit``): such records keep their tables and figures.
+#: (``probes.<name>.run`` -> ``kvnotes.probes.<name>``): such records keep their tables and figures.
 MOVED = {"probes": "kvnotes.probes", "circuits": "kvnotes.circuits"}
 
 

@@ -1,11 +1,14 @@
 """Residual decomposition of the components probe: embedding + every attention and MLP addition
 == final pre-norm residual on every adapter architecture (Gemma-2/3 post-norms included), and the
-projections onto the conclusion direction add up."""
+projections onto the conclusion direction add up; on the planted constructions the decision is the read
+layer's attention and the note is placed by alignment across distances."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+import kvnotes.probes
 from kvnotes.circuits.components import (
     contributions,
     decomposition_error,
@@ -17,6 +20,8 @@ from kvnotes.circuits.components import (
 from kvnotes.kv.engine import NNsightEngine
 from kvnotes.models.adapters import Adapter
 from tests.helpers import VOCAB, check_schema, recall_pairs
+from tests.planted import (EXACT, FOUND, SCALE, marker_positions, note_position, planted_context,
+                            planted_truth, run_spaced)
 
 TOL = 1e-4
 # fp32 logits of a tiny model are O(1); the attribution re-derives them through the final norm in a
@@ -133,3 +138,40 @@ def test_probe_run_on_embedded_model_matches_its_schema(smol):
     res = run_components(ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], per_instance=2), cfg=cfg, seed=0))
     check_schema("components", res)
     assert res["rows"] and res["aggregates"]["checks"]["max_logit_diff_error"] < DLA_TOL
+
+
+# --- the planted constructions (tests/planted.py) -------------------------------------------------
+
+
+@pytest.mark.planted("components")
+def test_components_attribute_the_decision_to_the_read_layer_and_cannot_see_the_notes(planted_arch, planted_cache,
+                                                                                        monkeypatch):
+    """Mixed family (alpha 0.3): at the decision position the whole change of the logit difference is
+    the attention of the read heads' layer (1): embedding, the other layers and every MLP add
+    nothing. The note offset chosen on the selection split is the planted marker; there direct
+    logit attribution is 0 in every component, the write layer's included: the notes sit in a
+    direction the unembedding does not read and act only through the read heads' attention (what
+    the attribution cannot see, documented in docs/results/planted.md)."""
+    ctx = planted_context(planted_cache, monkeypatch, "mixed", "components", {"planted": {"alpha": 0.3}},
+                          {"topk_anchor": "field_end"}, arch=planted_arch)
+    res = kvnotes.probes.get(ctx.cfg)(ctx)
+    truth = planted_truth(ctx)
+    read_layer = truth["read_heads"]["notes"][0][0]
+    assert read_layer == truth["read_heads"]["field"][0][0]
+    by_id = {p.spec.id: p for p in ctx.pairs.pairs}
+    held = [r for r in res["rows"] if r["split"] == "heldout"]
+    assert held
+    for r in held:
+        at = r["at_decision"]
+        assert at["final"] == pytest.approx(2 * truth["beta"], rel=SCALE)       # -beta -> +beta
+        assert at["attn"][read_layer] == pytest.approx(at["final"], rel=EXACT)
+        others = [abs(x) for i, x in enumerate(at["attn"]) if i != read_layer] + [abs(x) for x in at["mlp"]]
+        assert max(others) < EXACT * truth["beta"] and abs(at["embed"]) < EXACT * truth["beta"]
+        assert r["note_position"] == marker_positions(ctx, by_id[r["pair"]])["note"]
+        assert max(abs(x) for x in [*r["at_note"]["attn"], *r["at_note"]["mlp"], r["at_note"]["final"]]) < EXACT
+
+
+def test_components_places_the_note_by_alignment_across_distances(planted_arch, planted_cache, monkeypatch):
+    ctx, _, held, distances = run_spaced(planted_cache, monkeypatch, "components", planted_arch)
+    assert len(held) == 12 and len(distances) > 1
+    assert sum(r["note_position"] == note_position(ctx, r["pair"]) for r in held) >= FOUND

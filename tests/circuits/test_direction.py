@@ -1,6 +1,6 @@
 """Direction probe: norm- and k-matched random controls, leave-one-scenario-out fits, layer choice
-without held-out instances, exactness of full-difference injection through the engine, and an
-end-to-end run on the embedded model."""
+without held-out instances, exactness of full-difference injection through the engine, an
+end-to-end run on the embedded model, and on the planted constructions the planted value direction."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 import kvnotes.circuits.direction as D
+import kvnotes.probes
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.kit import scan_layers
 from kvnotes.kv.engine import Intervention, NNsightEngine, Site
@@ -19,7 +20,9 @@ from kvnotes.kv import cache as kvcache
 from kvnotes.harness.readout import first_token_scores, run_pair
 from kvnotes.harness.selection import pair_rng, with_split
 from tests.helpers import check_schema, build_tiny, probe_yaml
+from kvnotes.models import planted
 from tests.circuits.test_heads import synthetic_pair
+from tests.planted import BAR, planted_context, planted_truth
 
 HID = 64
 
@@ -287,3 +290,35 @@ def test_run_on_embedded_model_is_finite_and_clean(smol):
     ch = agg["at_chosen"]["suff"]["direction"]["recall"]
     assert ch["n"] >= 1 and math.isfinite(ch["mean"])
     assert np.isfinite(agg["curves"]["nec"]["random"][str(agg["layers"][0])]["all"]["mean"])
+
+
+@pytest.mark.planted("direction")
+def test_direction_is_the_planted_value_direction(planted_arch, planted_cache, monkeypatch):
+    """Notes family: the layer chosen on the selection split is the write layer's output (layer 0,
+    after which the markers hold the notes), and adding the held-out pairs' difference along the
+    direction there recovers the decision (sufficiency 1 by construction). The difference-of-means
+    direction fitted there has cosine at least 0.95 with the planted one (``note_<new> -
+    note_<old>`` in the residual stream), for every held-out pair it is fitted for (the fits are
+    read as the probe makes them)."""
+    import kvnotes.circuits.direction as direction
+
+    fits = []
+    real = direction.fit_direction
+
+    def spy(stats, row, outs, scope="all"):
+        fit = real(stats, row, outs, scope)
+        fits.append((outs, fit))
+        return fit
+
+    monkeypatch.setattr(direction, "fit_direction", spy)
+    ctx = planted_context(planted_cache, monkeypatch, "notes", "direction", arch=planted_arch)
+    agg = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]
+    truth = planted_truth(ctx)
+    assert agg["chosen_layers"]["planted"]["layer"] == truth["write_heads"][0][0]
+    assert agg["at_chosen"]["suff"]["direction"]["all"]["mean"] == pytest.approx(1.0, abs=BAR)
+    li = agg["layers"].index(truth["write_heads"][0][0])
+    assert fits and all(f is not None for _, f in fits)
+    for (old, new), fit in fits:
+        want = torch.zeros(planted.HIDDEN)
+        want[truth["dims"][f"note_{new}"]], want[truth["dims"][f"note_{old}"]] = 1.0, -1.0
+        assert float(fit.u[li] @ (want / want.norm())) >= 0.95, (old, new, float(fit.u[li] @ (want / want.norm())))

@@ -1,5 +1,6 @@
 """Head patching: read/write invariants against cache patching, batching, resumed prefills, and
-selection that never sees held-out instances."""
+selection that never sees held-out instances; on the planted constructions the planted read and write
+heads rank first, from a map that represents the family's mechanisms."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvnotes.probes
 from kvnotes.kv.engine import Intervention, NNsightEngine, Site
 from kvnotes.harness.selection import pair_rng, random_head_sets, rank_by_mean, with_split
 from kvnotes.circuits.heads import map_pairs
@@ -17,6 +19,7 @@ from kvnotes.kv import cache as kvcache
 from kvnotes.kv import patch as kvpatch
 from kvnotes.harness.readout import first_token_scores, run_pair, variant_scores
 from tests.helpers import VOCAB, build_tiny, check_schema, probe_yaml
+from tests.planted import planted_context, planted_truth
 
 T, A, B = 15, 4, 6          # prompt length, field span [A, B); decision d = T - 1
 
@@ -174,3 +177,63 @@ def test_probe_run_on_embedded_model_with_capped_maps(smol):
     assert agg["modes"] == ["read"] and "write" not in agg["curves"] and "topk_write" not in res["rows"][-1]
     held = agg["curves"]["read"]["topk"]["1"]["recall"]
     assert held["n"] == agg["n_heldout"] and np.isfinite(held["mean"])
+
+
+# --- the planted constructions (tests/planted.py) -------------------------------------------------
+
+
+@pytest.mark.planted("heads")
+def test_heads_ranks_the_planted_read_and_write_heads_first(planted_arch, planted_cache, monkeypatch):
+    """Mixed family (alpha 0.3): the notes read head (1, 0) ranks first, the field read head (1, 1)
+    second; the write head (0, 0) leads the write side; on the delimiter family the distractor
+    (1, 2), which reads the field and writes nothing used, ranks below every head the decision uses."""
+    ctx = planted_context(planted_cache, monkeypatch, "mixed", "heads", {"planted": {"alpha": 0.3}},
+                          scenario_ids=["adjacent"], arch=planted_arch)
+    ranks = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]["rankings"]
+    truth = planted_truth(ctx)
+    assert ranks["read"]["planted"]["top"][:2] == truth["read_heads"]["notes"] + truth["read_heads"]["field"]
+    assert ranks["write"]["planted"]["top"][:1] == truth["write_heads"]
+    ctx = planted_context(planted_cache, monkeypatch, "delimiter", "heads", scenario_ids=["delimited"],
+                          arch=planted_arch)
+    ranks = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]["rankings"]["read"]["planted"]["top"]
+    truth = planted_truth(ctx)
+    used = truth["read_heads"]["notes"]                               # alpha 0: the field read head writes nothing
+    assert ranks[0] == used[0] and truth["distractor_heads"][0] not in ranks[:ranks.index(used[0]) + 1]
+
+
+def _heads(cache, monkeypatch, arch, cap: int, seed: int):
+    """The read side of ``heads`` on the mixed family (alpha 0.3) over ``planted_varied``'s scenarios with
+    and without notes (issue #53), mapping at most ``cap`` pairs per family."""
+    ctx = planted_context(cache, monkeypatch, "mixed", "heads", {"planted": {"alpha": 0.3}},
+                          {"max_map_pairs_per_family": cap, "modes": ["read"]}, ["with_notes", "without_notes"],
+                          n_instances=4, arch=arch, suite="planted_varied", seed=seed)
+    return ctx, kvnotes.probes.get(ctx.cfg)(ctx)
+
+
+def test_heads_maps_both_mechanisms_and_a_one_scenario_map_is_not_supported(planted_arch, planted_cache,
+                                                                            monkeypatch):
+    """With the default cap the map pairs are stratified over the family's scenarios: the planted
+    read heads rank first. A cap of one pair maps one scenario; drawn from the scenario without
+    notes (seed 3; on Llama, the Gemma-3 case being the same) the notes read head falls behind heads that read nothing, and the record says
+    so: a warning, and no ``supported`` verdict, naming the scenarios that disagree."""
+    ctx, res = _heads(planted_cache, monkeypatch, planted_arch, 2, 0)
+    truth = planted_truth(ctx)
+    read = [list(h) for h in truth["read_heads"]["notes"] + truth["read_heads"]["field"]]
+    rank = res["aggregates"]["rankings"]["read"]["planted_mechanisms"]
+    assert sorted(rank["top"][:2]) == sorted(read)
+    assert {p.split("/")[0] for p in rank["pairs"]} == {"with_notes", "without_notes"}
+    assert res["aggregates"]["map_coverage"]["planted_mechanisms"]["represents"]
+    if planted_arch != "llama":                      # the failure case once (it is the same on Gemma-3)
+        return
+
+    ctx, res = _heads(planted_cache, monkeypatch, planted_arch, 1, 3)
+    rank = res["aggregates"]["rankings"]["read"]["planted_mechanisms"]
+    assert [p.split("/")[0] for p in rank["pairs"]] == ["without_notes"]
+    assert rank["top"].index(read[0]) > 1                                    # the notes read head is not in the top 2
+    assert any("comes from 1 of its 2 scenarios" in w for w in res["warnings"])
+    cell = res["aggregates"]["verdicts"]["read"]["by_family"]["planted_mechanisms"]
+    assert cell["verdict"] != "supported"
+    assert sorted(cell["disagree"]) == ["with_notes", "without_notes"] and "scenarios disagree" in cell["reason"]
+    with_notes = cell["scenarios"]["with_notes"]["selected"]["mean"]
+    without = cell["scenarios"]["without_notes"]["selected"]["mean"]
+    assert with_notes < without - 0.1                                        # the ranking fits one scenario only

@@ -11,7 +11,7 @@ import torch
 import kvnotes.probes
 from kvnotes.circuits.sae_features import auc, rank_features
 from tests.helpers import check_figures
-from tests.lanes.test_planted import _context, _truth, arch, cache  # noqa: F401  (fixtures)
+from tests.planted import planted_context, planted_truth
 
 #: the issue's bar: cosine of the top feature's decoder row with the planted value direction
 ALIGNED = 0.9
@@ -28,21 +28,21 @@ def test_auc_counts_ties_half_and_ranks_by_distance_from_chance():
 
 
 @pytest.mark.planted("sae_features")
-def test_planted_top_feature_is_the_note_direction(arch, cache, monkeypatch, tmp_path):  # noqa: F811
+def test_planted_top_feature_is_the_note_direction(planted_arch, planted_cache, monkeypatch, tmp_path):
     """The write head's output at layer 0 is the note's one-hot alone (the residual there also holds
     the marker's flag, which always comes with it, so a residual SAE mixes the two: the
     specification's planted section). One feature per value (k = 1) is the planted direction; it
     ranks first for every outcome pair; clamping it (K = 1) moves the decision halfway (the old
     note is still there), clamping the pair's two (K = 2) flips it (measured: recovery 1.00 on
     every held-out pair; the bounds leave room for the SAE's training on another CPU)."""
-    ctx = _context(cache, monkeypatch, "notes", "sae_features", {},
-                   {"layers": [0], "site": "attn_out", "n_latents": 32, "k": 1, "steps": 1000, "lr": 0.01, "ks": [1, 2]},
-                   n_instances=2, arch=arch)
+    ctx = planted_context(planted_cache, monkeypatch, "notes", "sae_features", {},
+                          {"layers": [0], "site": "attn_out", "n_latents": 32, "k": 1, "steps": 1000, "lr": 0.01,
+                           "ks": [1, 2]}, n_instances=2, arch=planted_arch)
     res = kvnotes.probes.get(ctx.cfg)(ctx)
     agg = res["aggregates"]
     assert agg["n_clamped"] >= 6, res["warnings"]
     assert agg["checks"]["max_unclamped_error"] < READOUT
-    dims = _truth(ctx)["value_directions"]["notes"]
+    dims = planted_truth(ctx)["value_directions"]["notes"]
     for key, feat in agg["features"].items():                # per outcome pair: the top feature's decoder row
         row = torch.tensor(feat["top_decoder"])
         assert max(float(row[dims[v]]) for v in key.split("|")) >= ALIGNED, (key, feat)
@@ -50,5 +50,5 @@ def test_planted_top_feature_is_the_note_direction(arch, cache, monkeypatch, tmp
     e = agg["effects"]["sufficiency"]
     assert e["top"]["1"]["mean"] > e["random"]["1"]["mean"] + 0.3           # about 0.5: the old note stays
     assert e["top"]["2"]["mean"] > e["random"]["2"]["mean"] + 0.5 and agg["decision_flipped"]["2"]["mean"] >= 0.8
-    if arch == "llama":
+    if planted_arch == "llama":
         check_figures("sae_features", res, tmp_path)

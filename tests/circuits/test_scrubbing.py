@@ -9,7 +9,7 @@ import pytest
 import kvnotes.probes
 from kvnotes.circuits.scrubbing import position_map
 from tests.helpers import check_figures
-from tests.lanes.test_planted import BAR, _context, _truth, arch, cache  # noqa: F401  (fixtures)
+from tests.planted import BAR, planted_context, planted_truth
 
 #: recovery units: a same-conclusion donor's notes carry the same one-hot (fp32 and the norm's
 #: constant component)
@@ -23,15 +23,16 @@ def test_equal_gaps_between_matched_blocks_pair_in_order():
 
 
 @pytest.mark.planted("scrubbing")
-def test_planted_note_set_interchange_and_drift(arch, cache, monkeypatch, tmp_path):  # noqa: F811
-    ctx = _context(cache, monkeypatch, "mixed", "scrubbing", {"planted": {"alpha": 0.3}}, {}, n_instances=4, arch=arch)
+def test_planted_note_set_interchange_and_drift(planted_arch, planted_cache, monkeypatch, tmp_path):
+    ctx = planted_context(planted_cache, monkeypatch, "mixed", "scrubbing", {"planted": {"alpha": 0.3}}, {},
+                          n_instances=4, arch=planted_arch)
     res = kvnotes.probes.get(ctx.cfg)(ctx)
     agg = res["aggregates"]
-    alpha = _truth(ctx)["alpha"]
+    alpha = planted_truth(ctx)["alpha"]
     assert agg["n_scrubbed"] >= 6 and agg["n_drift"] == agg["n_scrubbed"], res["warnings"]
     tok = ctx.bundle.tokenizer
     pairs = {p.spec.id: p for p in ctx.pairs.pairs}
-    markers = set(_truth(ctx)["notes"]["tokens"])
+    markers = set(planted_truth(ctx)["notes"]["tokens"])
     for r in res["rows"]:
         if "interchange" not in r:
             continue
@@ -43,5 +44,5 @@ def test_planted_note_set_interchange_and_drift(arch, cache, monkeypatch, tmp_pa
         assert r["unmapped"]["notes"] == 0
     assert agg["checks"]["max_unscrubbed_score_error"] < 1e-4
     assert agg["checks"]["selection_pairs_in_heldout"] == 0
-    if arch == "llama":
+    if planted_arch == "llama":
         check_figures("scrubbing", res, tmp_path)

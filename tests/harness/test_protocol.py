@@ -1,11 +1,15 @@
 """The harness's pair loop (:mod:`kvnotes.harness.protocol`): the two readouts score the same patched
-variants alike when nothing is generated, and the loop partitions the pairs into rows and
-exclusions by the documented rules, under both readouts."""
+variants alike when nothing is generated, K/V head sites split the planted read heads by their planted
+shares, and the loop partitions the pairs into rows and exclusions by the documented rules, under both
+readouts."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +20,7 @@ from kvnotes.kv.masks import KVSite
 from tests.helpers import cot_tiny_ctx
 from tests.kv.test_cache import prompts
 from tests.probes.test_injection import synthetic_pair
+from tests.planted import BAR, EXACT, marker_positions, planted_context, planted_truth
 
 #: nats / recovery units: a zero-token generated readout against the direct readout (batch shapes differ)
 TOL = 1e-4
@@ -65,6 +70,40 @@ def test_head_sites_score_alike_under_both_readouts(tiny, monkeypatch):
         assert abs(want[f"r_h{h}"]) > 10 * TOL and abs(want[f"r_h{h}"] - want["r_downstream"]) > 10 * TOL
 
 
+def test_kv_head_sites_split_the_planted_read_heads(planted_cache, monkeypatch):
+    """Head patches and head knockouts (:class:`kvnotes.kv.masks.KVSite`) on the Llama construction,
+    one KV head per query head (the Gemma-3 one shares a single KV head, so KV heads cannot split its
+    read heads). In the read layer, the notes read head's K/V at the note marker carries ``1 - alpha``
+    of each decision and the field read head's K/V at the field ``alpha``; the other head at each
+    site carries nothing. Patched from the new run, each recovers its share; hidden from the decision
+    query, each moves the score its share of ``beta`` towards the other run's."""
+    from kvnotes.kv.knockout import decision_forward
+    from kvnotes.kv.masks import site_masks
+    from kvnotes.models import planted
+
+    ctx = planted_context(planted_cache, monkeypatch, "mixed", "field_refresh", {"planted": {"alpha": 0.3}},
+                          n_instances=1, scenario_ids=["adjacent"])
+    model, truth = ctx.bundle.model, planted_truth(ctx)
+    alpha, beta = truth["alpha"], truth["beta"]
+    (layer, notes_head), = truth["read_heads"]["notes"]
+    (field_layer, field_head), = truth["read_heads"]["field"]
+    assert field_layer == layer and ctx.pairs.pairs
+    share = {"notes": 1 - alpha, "field": alpha, "notes_other": 0.0, "field_other": 0.0}
+    for pair in ctx.pairs.pairs:
+        note, field = [marker_positions(ctx, pair)["note"]], range(*pair.field)
+        sites = {"notes": KVSite(note, [layer], [notes_head]), "field": KVSite(field, [layer], [field_head]),
+                 "notes_other": KVSite(note, [layer], [field_head]), "field_other": KVSite(field, [layer], [notes_head])}
+        run = run_pair(model, pair)
+        cols = patch_columns(ScreenedPair(run, model), sites)
+        knock = site_masks(planted.N_LAYERS, pair.decision, list(sites.values()), model.config.num_key_value_heads)
+        for cache_, s_clean, s_other in ((run.old_cache, run.s_old, run.s_new), (run.new_cache, run.s_new, run.s_old)):
+            lp = decision_forward(model, cache_, pair.old.ids[pair.decision: pair.decision + 1], knock).logprobs[:, 0]
+            moved = (lp[:, pair.cand_new[0]] - lp[:, pair.cand_old[0]] - s_clean) * np.sign(s_other - s_clean)
+            for i, (name, part) in enumerate(share.items()):
+                assert cols[f"r_{name}"] == pytest.approx(part, abs=EXACT), name
+                assert float(moved[i]) == pytest.approx(part * beta, abs=BAR * beta), name
+
+
 def _ctx(model, n_pairs: int, flips: list[bool]):
     """A direct-readout context whose pair screen is scripted: ``flips[i]`` says whether pair ``i`` flips."""
     pairs = [synthetic_pair(*prompts(seed)) for seed in range(n_pairs)]
@@ -95,3 +134,25 @@ def test_the_loop_partitions_pairs_by_the_rules(tiny, monkeypatch, scope):
     assert [r["pair"] for r in pr.rows] == seen and all(r["m"] == 1 for r in pr.rows)
     assert len(pr.pairs) == len(pr.rows) and pr.exclusions == {r: reasons.count(r) for r in set(reasons)}
     assert all(torch.is_tensor(sp.pair.old.ids) for sp in pr.pairs)
+
+
+#: The probes that still ask which readout runs (issue #51's remainder): the list may only shrink.
+STILL_BRANCHING = {"agent", "compose", "read_location", "suffix_recovery"}
+#: How a module asks: the scenario variant, a ``generated`` flag, a readout compared, chains tested.
+READOUT_BRANCH = re.compile(r"\bis_cot\(|\bgenerated\s*=|\bcot_on\b|[!=]=\s*['\"](?:generated|direct|cot)['\"]"
+                            r"|chains is not None")
+
+
+def test_probes_run_on_the_protocols_readout():
+    """A probe module (its package included) leaves the readout to the protocol: columns from
+    ``ScreenedPair.chain_columns``, checks declared with their readouts, measurements with theirs."""
+    root = Path(kit.__file__).resolve().parents[2]
+    branching = set()
+    for folder in ("probes", "circuits"):
+        for path in (root / folder).rglob("*.py"):
+            name = path.parent.name if path.parent.name not in ("probes", "circuits") else path.stem
+            if READOUT_BRANCH.search(path.read_text()):
+                branching.add(name)
+    assert branching == STILL_BRANCHING, (f"new readout branches: {sorted(branching - STILL_BRANCHING)}; "
+                                          f"no longer branching (drop them): {sorted(STILL_BRANCHING - branching)}")
+    assert READOUT_BRANCH.search("generated = K.is_cot(ctx)") and not READOUT_BRANCH.search("pr.checks(CHECKS)")

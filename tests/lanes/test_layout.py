@@ -4,12 +4,15 @@ editing/composition library (:mod:`kvnotes.ops`) loads without scenarios, probes
 from __future__ import annotations
 
 import ast
+import re
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import default_probe
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,7 +116,8 @@ def test_layout_check_can_fail():
     deps = _imports(src, "kvnotes.harness.jobs")
     assert "kvnotes.harness.pairs" in deps
     assert _package("kvnotes.harness.pairs") == "kvnotes.harness"
-    assert "kvnotes.probes" not in ALLOWED["kvnotes.harness"] and _package("kvnotes.probes.screen") == "kvnotes.probes"
+    probe = next(p.stem for p in sorted((ROOT / "probes").glob("*.py")) if p.stem != "__init__")
+    assert "kvnotes.probes" not in ALLOWED["kvnotes.harness"] and _package(f"kvnotes.probes.{probe}") == "kvnotes.probes"
 
 
 def test_one_import_namespace():
@@ -181,7 +185,7 @@ def test_every_probe_module_links_its_specification_page():
     spec.loader.exec_module(hook)
     nav = {page for entry in hook.probe_pages() for page in entry.values()}
     assert "docs/_ext/probe_nav.py" in (ROOT / "mkdocs.yml").read_text()
-    # a probe is a module (probes/heads.py) or a package (probes/compose/__init__.py: its name is the folder's)
+    # a probe is a module (probes/<name>.py) or a package (probes/<name>/__init__.py: its name is the folder's)
     modules = sorted((p, p.stem, f"{p.parent.name}/{p.name}") for folder in ("probes", "circuits")
                      for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py")
     modules += sorted((p, p.parent.name, f"{p.parent.parent.name}/{p.parent.name}/")
@@ -199,7 +203,7 @@ def test_every_probe_module_links_its_specification_page():
 
 
 def _owner(module: str) -> str | None:
-    """The probe or circuit a module belongs to (``kvnotes.probes.compose.arms`` -> ``kvnotes.probes.compose``)."""
+    """The probe or circuit a module belongs to (``kvnotes.probes.<name>.<part>`` -> ``kvnotes.probes.<name>``)."""
     parts = module.split(".")
     return ".".join(parts[:3]) if parts[:2] in (["kvnotes", "probes"], ["kvnotes", "circuits"]) and len(parts) > 2 else None
 
@@ -217,3 +221,52 @@ def test_no_harness_module_serves_one_probe_alone():
                 users.setdefault(target, set()).add(_owner(name) or name)
     private = {m: sorted(u) for m, u in users.items() if len(u) == 1 and _owner(next(iter(u)))}
     assert not private, f"harness modules only one probe uses (move them into it): {private}"
+
+
+def _probe_names() -> list[str]:
+    return sorted(p.stem for p in (ROOT / "conf" / "probe").glob("*.yaml"))
+
+
+def _mentions(name: str, text: str, lane: bool = False) -> list[str]:
+    """How ``text`` names probe ``name``: any occurrence of a name no other concept shares (one with
+    an underscore); else as a probe's module (``probes.name``, ``circuits.name``) or spec page, and
+    in a lane (``lane``) also as a run's probe (``probe=name``, a quoted name). A single-word name
+    elsewhere is a term of the field (an edit method, composition, heads, the screen)."""
+    if "_" in name:
+        pattern = rf"(?<![\w-]){name}(?![\w-])"
+    else:
+        pattern = rf"\b(?:probes|circuits)\.{name}\b|docs/probes/{name}\.md"
+        if lane:
+            pattern += rf"|probe[=:]\s*{name}\b|['\"]{name}['\"]|planted\(['\"]{name}"
+    return re.findall(pattern, text)
+
+
+def test_no_file_outside_a_probe_names_it():
+    """A probe is its module, its YAML and its spec page (issue #51): no other file of ``kvnotes/``,
+    ``conf/``, ``tests/lanes/`` or ``mkdocs.yml`` names it (:func:`_mentions`), but for the run's own
+    choice of a default probe (``conf/config.yaml``, and the usage lines of ``run.py``, the
+    experiments and the launchers that show it) and a command of the probe's own
+    (``kvnotes/cli/<name>.py``: ``kvnotes locomo`` runs its probe on a LoCoMo file)."""
+    names = _probe_names()
+    default = default_probe()
+    files = [p for p in (ROOT / "kvnotes").rglob("*") if p.is_file() and p.suffix in (".py", ".yaml", ".md")
+             and not {"probes", "circuits"} & set(p.relative_to(ROOT / "kvnotes").parts[:1])]
+    files += [p for p in (ROOT / "conf").rglob("*.yaml")] + [p for p in (ROOT / "tests" / "lanes").glob("*.py")
+                                                             if p.name != Path(__file__).name]
+    files.append(ROOT / "mkdocs.yml")
+    found = []
+    for path in files:
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text()
+        for name in names:
+            if rel in (f"conf/probe/{name}.yaml", f"kvnotes/cli/{name}.py") or (name == default and rel.startswith(
+                    ("conf/config.yaml", "conf/experiment/", "conf/hydra/launcher/", "kvnotes/cli/run.py"))):
+                continue
+            found += [f"{rel}: {m}" for m in _mentions(name, text, rel.startswith("tests/lanes/"))]
+    assert not found, "files that name a probe:\n" + "\n".join(found)
+
+
+def test_the_probe_name_check_can_fail():
+    assert _mentions("field_refresh", "see field_refresh's page") and _mentions("edit", "from probes.edit import")
+    assert _mentions("edit", "probe=edit", lane=True) and not _mentions("edit", "probe=edit")
+    assert not _mentions("edit", "an edit method", lane=True) and not _mentions("field_refresh", "a field_refresher")

@@ -30,6 +30,7 @@ import torch
 from kvnotes.harness.kit import CleanRuns
 from kvnotes.harness.registry import conformance
 from kvnotes.models import zoo
+from tests.helpers import default_probe
 
 pytestmark = [pytest.mark.zoo, pytest.mark.embedded]
 
@@ -166,7 +167,7 @@ def check_reposition(bundle) -> str:
 def test_zoo_entry(model, tmp_path):
     from kvnotes.harness.jobs import load_bundle
 
-    bundle = load_bundle(compose_cfg(model, "screen"))
+    bundle = load_bundle(compose_cfg(model, default_probe()))           # any probe's config: the model is the entry's
     assert bundle.adapter.n_kv_heads == zoo.architecture_config(zoo.zoo_config(model)).get_text_config(
         decoder=True).num_key_value_heads
     check_selective_equals_full(bundle)

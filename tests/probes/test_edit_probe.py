@@ -1,5 +1,6 @@
 """The ``edit`` probe end to end on the embedded model, the prompt edits of kvnotes.harness.edit_prompts, and the
-CoT decision reader."""
+CoT decision reader; on the planted constructions the in-place refresh fails where the notes decide, selective
+recompute recovers, and no erratum wording can matter."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import kvnotes.probes
 from kvnotes.harness.selection import round_robin
+from kvnotes.models import planted
 from tests.helpers import check_figures, recall_pairs, probe_yaml
+from tests.planted import EXACT, planted_context, planted_truth
 
 # fp32 CPU: K=0 selective and the field refresh are the same cache; the KL of the same
 # distribution computed twice is rounding only.
@@ -215,3 +219,65 @@ def test_the_chosen_ranking_gets_a_verdict_against_the_random_ranking():
     assert "attention ranking" in got["ranking"]["claim"]
     assert ranking_verdict(rows, {"chosen": None}, [1, 4], ["f"], 200, 0) == {}
     assert ranking_verdict(rows, {"chosen": "random"}, [1, 4], ["f"], 200, 0) == {}
+
+
+# --- the planted constructions (tests/planted.py) -------------------------------------------------
+
+
+@pytest.mark.planted("edit")
+@pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.3), ("mixed", 0.7), ("direct", 1.0)])
+def test_edit_refresh_fails_where_the_notes_decide_and_selective_recompute_recovers(planted_arch, planted_cache,
+                                                                                     monkeypatch, family, alpha):
+    if planted_arch == "gemma3" and family != "mixed":
+        pytest.skip("Gemma-3: the mixed family's two sides of alpha = 0.5 (the others run on Llama)")
+    """The in-place field refresh moves exactly the share the model reads from the field (recovery
+    ``alpha``) and so decides like the full re-prefill exactly where ``alpha > 0.5``; recomputing
+    one downstream position, ranked by attention or by first-layer K/V deviation, recomputes the
+    planted note and recovers the decision. The erratum (the new value restated before the request)
+    recovers ``alpha / 2``: the direct read head splits its attention between the two field tokens
+    and the notes keep the old value.
+
+    What the attention ranking cannot see, on Gemma-3: it averages the decision's attention over
+    every layer and head, and the heads that read nothing in the sliding-window layers spread theirs
+    over the window, so the ``W - 1`` positions before the decision outrank the one note, which
+    ranks ``W``-th (``W`` the window): recomputing ``W - 1`` positions leaves the edit at ``alpha``,
+    ``W`` recover it. The K/V-deviation ranking finds the note first on both."""
+    window = planted.SLIDING_WINDOW
+    ctx = planted_context(planted_cache, monkeypatch, family, "edit", {"planted": {"alpha": alpha}},
+                          {"ks": [0, 1, window - 1, window], "rankings": ["attention", "kv_deviation"],
+                           "oracle_ranking": None, "max_control_pairs": 0, "sweep_max_pairs": None},
+                          n_instances=1, scenario_ids=["adjacent"], arch=planted_arch)
+    res = kvnotes.probes.get(ctx.cfg)(ctx)
+    truth = planted_truth(ctx)
+    assert res["rows"] and truth["notes"]["weights"] == [1.0]          # one note position
+    note_rank = {"attention": truth.get("sliding_window", 1), "kv_deviation": 1}
+    for r in res["rows"]:
+        m = r["methods"]
+        assert m["refresh_field"]["r"] == pytest.approx(alpha, abs=EXACT) and m["refresh_field"]["agree"] == (alpha > 0.5)
+        assert m["erratum"]["r"] == pytest.approx(alpha / 2, abs=EXACT)
+        for ranking, rank in note_rank.items():
+            for k in (0, 1, window - 1, window):
+                want = 1.0 if k >= rank else alpha
+                assert r["sweep"][f"selective_{ranking}@{k}"]["r"] == pytest.approx(want, abs=EXACT), (ranking, k)
+
+
+def test_erratum_wording_cannot_matter_where_only_the_value_is_read(planted_arch, planted_cache, monkeypatch):
+    """``probe.erratum_wordings`` runs the registry's erratum with each wording (issue #52). The planted
+    model reads role words only (every other word is ``<unk>``), so every wording is the new value
+    plus words it cannot read: each recovers the construction's ``alpha / 2`` (the field read head
+    splits its attention between the stale field and the erratum's value; the notes are never
+    re-read), and none takes the decision at ``alpha`` 0.3."""
+    from kvnotes.context import ERRATUM_WORDINGS
+
+    ctx = planted_context(planted_cache, monkeypatch, "mixed", "edit", {"planted": {"alpha": 0.3}},
+                          {"erratum_wordings": list(ERRATUM_WORDINGS), "ks": [], "rankings": [], "oracle_ranking": None,
+                           "max_control_pairs": 0, "sweep_max_pairs": 0}, ["adjacent"], n_instances=1,
+                          arch=planted_arch)
+    res = kvnotes.probes.get(ctx.cfg)(ctx)
+    got = res["aggregates"]["wordings"]
+    assert list(got) == list(ERRATUM_WORDINGS) and res["rows"]
+    for wording, m in got.items():
+        rec = m["recovery"]["all"]
+        assert rec["n"] == len(res["rows"]) and rec["mean"] == pytest.approx(0.15, abs=2e-3), wording
+        assert rec["decision_flipped"]["k"] == 0
+    assert all(abs(r["wordings"][w]["r"] - 0.15) < 2e-3 for r in res["rows"] for w in ERRATUM_WORDINGS)

@@ -1,5 +1,7 @@
 """field_refresh: the exact (recomputed) field refresh equals the copied one on every architecture,
-the by-construction checks hold, exclusions are counted, and a run on the embedded model is sane."""
+the by-construction checks hold, exclusions are counted, and a run on the embedded model is sane; on
+the planted constructions it recovers the planted field share, wherever the field sits; on Gemma-3-270M
+its invariants hold on a prompt past the sliding window."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import kvnotes.probes
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness.pairs import PairSet
 from kvnotes.plots import plot_record
@@ -18,6 +21,8 @@ from kvnotes.kv.patch import exact_field_source
 from kvnotes.probes.field_refresh import VARIANTS, refresh_pair, variant_positions
 from kvnotes.probes.field_refresh import run as run_probe
 from tests.helpers import VOCAB, WINDOW, check_schema, recall_pairs, record_of, probe_yaml
+from tests.planted import BAR, EXACT, planted_context, planted_truth
+from tests.recall import gemma_ctx
 
 T = 3 * WINDOW            # prefix length: longer than the sliding window, so windows fill
 FIELD = (5, 8)
@@ -211,3 +216,85 @@ def test_cot_reads_each_variant_after_its_generated_reasoning(smol):
                    text_marker(smol.tokenizer, marker), stop_tokens(smol.tokenizer))
     assert ref.chains[0].reached and ref.chains[0].length == rows[0]["chain_len_all"]
     assert abs(float(first_token_scores(ref.logprobs[:1], pair)[0]) - rows[0]["s_all"]) < 1e-3
+
+
+# --- the planted constructions (tests/planted.py) -------------------------------------------------
+
+
+@pytest.mark.planted("field_refresh")
+@pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.1), ("mixed", 0.5), ("mixed", 0.9),
+                                          ("direct", 1.0)])
+def test_field_refresh_recovers_the_planted_field_share(planted_arch, planted_cache, monkeypatch, family, alpha):
+    ctx = planted_context(planted_cache, monkeypatch, family, "field_refresh", {"planted": {"alpha": alpha}},
+                          n_instances=1, scenario_ids=["adjacent"], arch=planted_arch)
+    assert planted_truth(ctx)["alpha"] == alpha
+    res = kvnotes.probes.get(ctx.cfg)(ctx)
+    rec = res["aggregates"]["recovery"]
+    assert res["aggregates"]["n_flip"] == len(ctx.pairs.pairs) > 0
+    assert rec["field"]["all"]["mean"] == pytest.approx(alpha, abs=BAR)
+    assert rec["downstream"]["all"]["mean"] == pytest.approx(1 - alpha, abs=BAR)
+    assert max(abs(r["r_field"] - alpha) for r in res["rows"]) < EXACT         # every pair, not only the mean
+
+
+def test_field_refresh_follows_the_construction_at_every_field_placement(planted_arch, planted_cache, monkeypatch):
+    """``scenario.field_placement`` moves the field's line after the filler or just before the
+    request (the paper's dose-response, issue #52); the planted decision reads the field with weight
+    ``alpha`` wherever it sits, and the notes the rest."""
+    starts = set()
+    for placement in ("first", "after_filler", "before_request"):
+        ctx = planted_context(planted_cache, monkeypatch, "mixed", "field_refresh", {"planted": {"alpha": 0.3}},
+                              n_instances=1, scenario_ids=["adjacent"], arch=planted_arch)
+        ctx.scenario_cfg.field_placement = placement
+        from kvnotes.harness.pairs import prepare_pairs
+        ctx.pairs = prepare_pairs(ctx.bundle.tokenizer, ctx.scenario_cfg)
+        assert {p.spec.instance.placement for p in ctx.pairs.pairs} == {placement}
+        starts.add(ctx.pairs.pairs[0].field[0])
+        res = kvnotes.probes.get(ctx.cfg)(ctx)
+        assert res["aggregates"]["n_flip"] == len(ctx.pairs.pairs) > 0
+        assert max(abs(r["r_field"] - 0.3) for r in res["rows"]) < 2e-3
+        assert max(abs(r["r_downstream"] - 0.7) for r in res["rows"]) < 2e-3
+    assert len(starts) == 3                                                   # the field moved each time
+
+
+# --- Gemma-3-270M: a short recall scenario and one past its sliding window (tests/recall.py) --------
+
+# Recovery is a ratio of score differences of >= 1 nat (the flip rule); patched and clean scores
+# come from fp32 forwards over caches that are bitwise equal where they should be, but batched
+# variant forwards (V rows) and the clean runs (2 rows) may reduce in different orders.
+GEMMA_RECOVERY_TOL = 1e-3
+# Recomputed vs copied field K/V: same tokens at the same positions over the same prefix; the
+# prefix is re-prefilled with a different length (different matmul shapes) on the long prompt.
+GEMMA_KV_TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def gemma_refreshed(gemma, gemma_pairs):
+    # the invariants hold for any flipping pair: the relative rule keeps the long pair whatever the
+    # base model's top-1 there
+    return run_probe(gemma_ctx(gemma, gemma_pairs, "field_refresh", "relative", keep_caches=True, n_boot=200))
+
+
+@pytest.mark.embedded
+def test_field_refresh_invariants(gemma_refreshed, gemma_screened):
+    rows = gemma_refreshed["rows"]
+    # the probe keeps the flips of the configured flip rule: candidate-relative flips, of which the
+    # model's own top-1 answers are a subset
+    flipping = {r["pair"] for r in gemma_screened["rows"] if r["flips_relative"]}
+    owned = {r["pair"] for r in gemma_screened["rows"] if r["flips_owned"]}
+    assert owned <= {r["pair"] for r in rows} == flipping
+    assert {r["scenario"] for r in rows} == {"favourite_colour", "favourite_colour_long"}
+    for r in rows:
+        assert abs(r["r_none"]) < GEMMA_RECOVERY_TOL
+        assert abs(r["r_all"] - 1) < GEMMA_RECOVERY_TOL
+        assert abs(r["r_field_downstream"] - 1) < GEMMA_RECOVERY_TOL   # field + downstream: 1 (prefix identical)
+        assert r["flipped_field_downstream"] and not r["flipped_none"]
+        # exact field refresh (recomputed against the old prefix) equals the copied field KV
+        assert r["k_max_abs_diff"] < GEMMA_KV_TOL and r["v_max_abs_diff"] < GEMMA_KV_TOL
+        assert abs(r["r_field_exact"] - r["r_field"]) < GEMMA_RECOVERY_TOL
+        # on the long prompt the sliding windows have dropped the start of the prefix, so the exact
+        # refresh must prefill [0, a) instead of viewing the old cache
+        long = r["scenario"] == "favourite_colour_long"
+        assert r["exact_method"] == ("prefix_prefill" if long else "truncated_view")
+    checks = gemma_refreshed["aggregates"]["checks"]
+    assert checks["max_abs_field_downstream_minus_1"] < GEMMA_RECOVERY_TOL
+    assert checks["exact_methods"]["prefix_prefill"] >= 1

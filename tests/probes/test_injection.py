@@ -1,6 +1,6 @@
 """injection: writing the other run's notes into a cache matches an independent reference, writing
-field + notes reproduces the other run exactly, follow rates only count flipping pairs, and the probe
-runs on the embedded model."""
+field + notes reproduces the other run exactly, follow rates only count flipping pairs, the probe
+runs on the embedded model, and on the planted constructions it follows the planted source."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import kvnotes.probes
 from kvnotes.harness.pairs import prepare_pairs
 from kvnotes.harness.tokens import Prompt, TokenizedPair
 from kvnotes.probes import ProbeContext
@@ -24,6 +25,7 @@ from kvnotes.harness.protocol import screen_generated
 from kvnotes.kv.generate import token_marker
 from kvnotes.probes import injection
 from tests.helpers import job_record, VOCAB, cot_tiny_ctx
+from tests.planted import planted_context
 
 CANDS = ((3,), (7,))      # candidate first tokens on the tiny vocabulary (old, new)
 TOL = 1e-5
@@ -166,3 +168,12 @@ def test_run_py_writes_a_generated_readout_record(smol, tmp_path):
         for name in DIRECTIONS:
             chain = r[f"{name}_chain_notes"]
             assert len(chain["ids"]) == chain["length"] and (r[f"{name}_follows_notes"] is None) != chain["reached"]
+
+
+@pytest.mark.planted("injection")
+@pytest.mark.parametrize("family,follows", [("notes", 1.0), ("direct", 0.0)])
+def test_injection_follows_the_planted_source(planted_arch, planted_cache, monkeypatch, family, follows):
+    ctx = planted_context(planted_cache, monkeypatch, family, "injection", n_instances=1, arch=planted_arch)
+    flipping = kvnotes.probes.get(ctx.cfg)(ctx)["aggregates"]["flipping"]["all"]
+    for cell in flipping.values():
+        assert cell["follow_notes"]["p"] == follows

@@ -1,6 +1,6 @@
 """read_location: decision-row attention masses match eager attention (incl. Gemma-2 soft-capping and
-sliding windows), knockouts hide exactly the chosen keys, knocking out nothing changes nothing, and
-the probe runs on the embedded model."""
+sliding windows), knockouts hide exactly the chosen keys, knocking out nothing changes nothing, the
+probe runs on the embedded model, and on the planted constructions its knockouts move the planted shares."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import kvnotes.probes
 from kvnotes.kv import cache as kvcache
 from kvnotes.models.adapters import Adapter
 from kvnotes.kv.capture import attention_hook
@@ -28,6 +29,8 @@ from kvnotes.kv.generate import token_marker
 from kvnotes.kv.knockout import generate_knocked
 from kvnotes.kv.knockout import CHAIN_GROUPS, chain_spans
 from tests.helpers import job_record
+from kvnotes.models import planted
+from tests.planted import BAR, planted_context, planted_truth
 
 T = 3 * WINDOW            # prefix length (longer than the sliding window)
 FIELD = (5, 8)
@@ -449,3 +452,21 @@ def test_run_py_writes_a_generated_readout_record(smol, tmp_path):
         assert "ids" in k["chain"] and k["variant"] == "field@L15-29"
     if res["rows"]:
         assert agg["checks"]["max_knocked_mass"] == 0.0 and agg["checks"]["max_mass_sum_err"] < 1e-4
+
+
+@pytest.mark.planted("read_location")
+@pytest.mark.parametrize("family,alpha", [("notes", 0.0), ("mixed", 0.3), ("direct", 1.0)])
+def test_read_location_knockouts_move_the_planted_shares(planted_arch, planted_cache, monkeypatch, family, alpha):
+    """Hiding a key group from the decision query in every layer removes exactly what the model reads
+    there: the downstream notes carry ``(1 - alpha) * beta`` nats of each clean score, the field
+    ``alpha * beta`` (the score moves that far towards the other run's), the sinks nothing."""
+    ctx = planted_context(planted_cache, monkeypatch, family, "read_location", {"planted": {"alpha": alpha}},
+                          n_instances=1, scenario_ids=["adjacent"], arch=planted_arch)
+    res = kvnotes.probes.get(ctx.cfg)(ctx)
+    beta = planted_truth(ctx)["beta"]
+    every = next(b["name"] for b in res["bands"] if b["layers"] == [0, planted.N_LAYERS])
+    share = {"downstream": 1 - alpha, "field": alpha, "sinks": 0.0}
+    for run, cells in res["aggregates"]["knockout"]["flipping"]["all"].items():
+        for group, part in share.items():
+            moved = cells[f"{group}@{every}"]["delta_toward_other"]["mean"]
+            assert moved == pytest.approx(part * beta, abs=BAR * 2 * beta), (run, group)

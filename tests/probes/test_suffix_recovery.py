@@ -1,6 +1,7 @@
 """suffix_recovery: position sets are what they claim, top-k sets are chosen on selection instances
 only and evaluated on held-out ones, the by-construction checks hold, exclusions are counted, and a
-run on the embedded model gives sane numbers and figures."""
+run on the embedded model gives sane numbers and figures; on the planted constructions it finds the
+planted notes, and carries the note by alignment where its distance from the field varies."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import kvnotes.harness.selection as S
+import kvnotes.probes
 import kvnotes.probes.suffix_recovery as sr
 from kvnotes.harness.kit import layer_bands
 from kvnotes.harness.pairs import PairSet
@@ -27,6 +29,7 @@ from kvnotes.scenarios import build_pairs
 from tests.helpers import job_record, VOCAB, cot_tiny_ctx
 from tests.kv.test_cache import FIELD, full_logprobs, prompts
 from tests.harness.test_tokens import scenario
+from tests.planted import BAR, FOUND, marker_positions, note_position, planted_context, planted_truth, run_spaced
 
 GRID = {"fractions": [0.1, 0.5, 1.0], "counts": [1, 4, 1000]}     # 1000 exceeds every downstream
 N_DRAWS = 3
@@ -350,3 +353,64 @@ def test_run_py_writes_a_generated_readout_record(smol, tmp_path):
             assert len(chain["ids"]) == chain["length"] <= 40
         assert all((v is None) == (not r["chains"][f"suffix@{i}"]["reached"]) for i, v in enumerate(r["curves"]["suffix"]))
         assert sum(not c["reached"] for c in r["chains"].values()) == r["n_unreached"]
+
+
+# --- the planted constructions (tests/planted.py) -------------------------------------------------
+
+
+@pytest.mark.planted("suffix_recovery")
+@pytest.mark.parametrize("family", ["distributed", "delimiter"])
+def test_suffix_recovery_finds_the_planted_notes(planted_arch, planted_cache, monkeypatch, family):
+    """The top-1 held-out position is a planted note position on every pair, and the single-position
+    map follows the planted weights (delimiter: the marker several tokens after the field, not the
+    token after it; on Gemma-3 no marker as far from the field as the write layer's sliding window,
+    which the distributed family's last marker is in the delimited scenario). Positions transfer by
+    their offset from the field's end: the planted scenarios'
+    filler sentences differ in length between instances, so an offset from the decision does not
+    name the same token in two instances (the default anchor, ``decision``, is for suites whose
+    tail is shared text)."""
+    ctx = planted_context(planted_cache, monkeypatch, family, "suffix_recovery",
+                          probe_overrides={"topk_anchor": "field_end"},
+                          scenario_ids=["delimited"] if family == "delimiter" else None, arch=planted_arch)
+    truth = planted_truth(ctx)
+    weights = dict(zip(truth["notes"]["tokens"], truth["notes"]["weights"]))
+    res = kvnotes.probes.get(ctx.cfg)(ctx)
+    by_id = {p.spec.id: p for p in ctx.pairs.pairs}
+    held = [r for r in res["rows"] if r["split"] == "heldout" and r.get("topk_sets")]
+    assert held
+    for row in res["rows"]:
+        pair = by_id[row["pair"]]
+        markers = marker_positions(ctx, pair)
+        b, _ = row["downstream"]
+        single = np.asarray(row["single"])
+        # Gemma-3: the write layer slides, so a marker as far from the field as the window holds no note
+        window = truth.get("sliding_window", len(single) + b)
+        written = {m: w for m, w in weights.items() if markers[m] - (row["field"][1] - 1) < window}
+        read = (1 - truth["alpha"]) * sum(written.values()) + truth["alpha"]   # the clean effect's share left
+        for word, w in weights.items():
+            assert single[markers[word] - b] == pytest.approx((1 - truth["alpha"]) * written.get(word, 0.0) / read,
+                                                              abs=BAR)
+        others = [v for i, v in enumerate(single) if b + i not in {markers[m] for m in weights}]
+        assert max(others) < BAR
+        if row in held:
+            assert row["topk_sets"][res["grid"].index({"kind": "count", "value": 1})] == [markers["note"]]
+    if family == "delimiter":
+        assert all(marker_positions(ctx, by_id[r["pair"]])["note"] > r["field"][1] + 3 for r in res["rows"])
+
+
+def test_suffix_recovery_carries_the_note_by_alignment_across_distances(planted_arch, planted_cache, monkeypatch):
+    """The default anchor (``aligned``) puts the held-out top-1 on the planted note although the
+    note's distance from the field and from the decision differs between instances; an offset
+    anchor, on the same pairs, does not (the case the alignment exists for)."""
+    def found(overrides=None):
+        cheap = {"with_field": False, "random": {"n_draws": 1}, "layer_bands": 1}
+        ctx, res, held, distances = run_spaced(planted_cache, monkeypatch, "suffix_recovery", planted_arch,
+                                               cheap | (overrides or {}))
+        k1 = res["grid"].index({"kind": "count", "value": 1})
+        return sum(r["topk_sets"][k1] == [note_position(ctx, r["pair"])] for r in held), len(held), distances
+
+    hit, n, distances = found()
+    assert n == 12 and len(distances) > 1
+    assert hit >= FOUND
+    if planted_arch == "llama":                      # the failure it fixes (the same on Gemma-3; one is enough)
+        assert found({"topk_anchor": "field_end"})[0] < FOUND

@@ -8,7 +8,7 @@ import pytest
 import kvnotes.probes
 from kvnotes.probes.write_timing import commit_depth
 from tests.helpers import check_schema
-from tests.lanes.test_planted import _context, _truth, arch, cache  # noqa: F401  (fixtures)
+from tests.planted import planted_context, planted_truth
 
 #: nats: the lens at the last layer and the decision is the model's own readout (fp32 rounding)
 READOUT = 1e-4
@@ -23,14 +23,15 @@ def test_commit_is_the_first_layer_that_keeps_the_sign():
 
 
 @pytest.mark.planted("write_timing")
-def test_planted_write_and_commit_depths(arch, cache, monkeypatch):  # noqa: F811
+def test_planted_write_and_commit_depths(planted_arch, planted_cache, monkeypatch):
     """The write head writes the note at layer 0, the read heads read it at layer 1: write depth 0
     (probe at the note), commit depth 1 (lens at the decision), and the lens at the note never
     commits (the unembedding reads only the output directions). The top note position is the
     planted marker. The probe at the decision may decode at layer 0 (Llama): the decision's layer-0
     attention is not one-hot, and per-feature standardisation lifts that trace of the value into a
     feature where nothing else varies (docs/probes/write_timing.md)."""
-    ctx = _context(cache, monkeypatch, "notes", "write_timing", {}, {"max_pairs": 8}, n_instances=2, arch=arch)
+    ctx = planted_context(planted_cache, monkeypatch, "notes", "write_timing", {}, {"max_pairs": 8}, n_instances=2,
+                          arch=planted_arch)
     res = kvnotes.probes.get(ctx.cfg)(ctx)
     agg = res["aggregates"]
     assert agg["cv_groups"] == "scenario" and agg["n_groups"] >= 2 and agg["n_pairs"] >= 6
@@ -41,10 +42,10 @@ def test_planted_write_and_commit_depths(arch, cache, monkeypatch):  # noqa: F81
     assert agg["checks"]["max_abs_lens_final_minus_score"] < READOUT
     tok = ctx.bundle.tokenizer
     pairs = {p.spec.id: p for p in ctx.pairs.pairs}
-    markers = set(_truth(ctx)["notes"]["tokens"])
+    markers = set(planted_truth(ctx)["notes"]["tokens"])
     assert all(tok.convert_ids_to_tokens(int(pairs[r["pair"]].old.ids[r["note_position"]])) in markers
                for r in res["rows"])
-    if arch == "llama":
+    if planted_arch == "llama":
         check_schema("write_timing", res)
 
 
