@@ -19,7 +19,8 @@ from kvnotes.harness.kit import ProbeConfig
 from kvnotes.harness.circuit import note_profiles, start_circuit
 from kvnotes.harness.selection import ALIGNED, ANCHORS, coverage, coverage_warnings, profile_for, rank_positions, split_warnings
 from kvnotes.harness.registry import Conformance, Invariants, flipping_rows
-from kvnotes.kv.engine import BACKENDS, Engine, Site
+from kvnotes.kv.engine import BACKENDS, Engine
+from kvnotes.kv.sites import Site
 from kvnotes.records.figures import Curves
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import CircuitResult, SplitRow

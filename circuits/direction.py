@@ -22,7 +22,8 @@ from kvnotes.harness.readout import PairRun, first_token_scores
 from kvnotes.harness.selection import pair_rng, sample_pairs, selection_source, split_warnings
 from kvnotes.harness.registry import Conformance
 from kvnotes.kv import cache as kvcache
-from kvnotes.kv.engine import BACKENDS, Engine, Intervention, Site
+from kvnotes.kv.engine import BACKENDS, Engine, Intervention
+from kvnotes.kv.sites import Site
 from kvnotes.records.figures import Curves
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import CircuitResult
@@ -105,7 +106,7 @@ def added_scores(engine: Engine, run: PairRun, ids: torch.Tensor, prefix, layer:
     """
     pair = run.pair
     b, d = pair.field[1], pair.decision
-    iv = Intervention(Site("resid_post", layer), list(range(b, d)), values, mode="add")
+    iv = Intervention(Site("resid_post", layer, range(b, d)), values, mode="add")
     lp = engine.run(ids[b: d + 1][None].expand(values.shape[0], -1), [iv], cache=prefix, start=b).logprobs
     return first_token_scores(lp[:, -1], pair).float().cpu()
 

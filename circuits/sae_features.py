@@ -27,7 +27,8 @@ from kvnotes.harness.readout import PairRun, first_token_scores
 from kvnotes.harness.selection import ANCHORS, pair_rng, rank_positions, split_warnings, with_split
 from kvnotes.harness.registry import Conformance
 from kvnotes.kv import cache as kvcache
-from kvnotes.kv.engine import BACKENDS, Engine, Intervention, Site, make_engine
+from kvnotes.kv.engine import BACKENDS, Engine, Intervention, make_engine
+from kvnotes.kv.sites import Site
 from kvnotes.records.figures import Curves, Reshaped
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import CircuitResult
@@ -203,7 +204,7 @@ def added_scores(engine: Engine, run: PairRun, ids: torch.Tensor, prefix, site: 
         ``[V]`` first-token scores (nats).
     """
     d = run.pair.decision
-    iv = Intervention(site, [p], adds[:, None], mode="add")
+    iv = Intervention(Site(site.kind, site.layers, [p]), adds[:, None], mode="add")
     lp = engine.run(ids[p: d + 1][None].expand(adds.shape[0], -1), [iv], cache=prefix, start=p).logprobs
     return first_token_scores(lp[:, -1], run.pair).float().cpu()
 

@@ -19,7 +19,8 @@ from kvnotes.harness.constraints import Count, NonNegativeFloat, PositiveFloat, 
 from kvnotes.harness.kit import ProbeConfig, summary
 from kvnotes.harness.protocol import pair_loop
 from kvnotes.harness.selection import sample_pairs
-from kvnotes.kv.engine import BACKENDS, Site, make_engine
+from kvnotes.kv.engine import BACKENDS, make_engine
+from kvnotes.kv.sites import Site
 from kvnotes.kv.patch import candidate_logits
 from kvnotes.models.adapters import Adapter
 from kvnotes.records.figures import Curves, Reshaped

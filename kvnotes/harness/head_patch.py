@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from kvnotes.harness.readout import PairRun, first_token_scores
-from kvnotes.kv.engine import Engine, Intervention, Site
+from kvnotes.kv.engine import Engine, Intervention
+from kvnotes.kv.sites import Site
 
 
 #: Where head outputs are patched: at the decision position (read) or the note positions (write).
@@ -92,7 +93,7 @@ def patched_scores(engine: Engine, run: PairRun, source: torch.Tensor, masks: to
     for s in range(0, masks.shape[0], chunk):
         idx = order[s: s + chunk]
         m = masks[idx]
-        ivs = [Intervention(Site("hook_z", l), positions, source[l, positions][None],
+        ivs = [Intervention(Site("hook_z", l, positions), source[l, positions][None],
                             where=m[:, l][:, None, :].expand(-1, P, -1))
                for l in range(m.shape[1]) if bool(m[:, l].any())]
         l0 = min(int(lowest[idx].min()), L - 1)

@@ -47,15 +47,16 @@ from kvnotes.harness.pairs import pair_row
 from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.decision import recovery
-from kvnotes.kv.masks import KVSite, Masks, site_masks
+from kvnotes.kv.masks import Masks, site_masks
+from kvnotes.kv.sites import Site, kv_site
 from kvnotes.kv import patch as kvpatch
 from kvnotes.kv import generate as kvgen
 from kvnotes.models.adapters import Adapter
 from kvnotes.ops import edit as kvedit
 
 #: ``pair -> {variant name: positions in [0, d)}`` (patched in every layer and KV head) or
-#: ``{variant name: KVSite}`` (:class:`kvnotes.kv.masks.KVSite`: some layers and KV heads), in scoring order.
-Variants = Callable[[Any], Mapping[str, "Sequence[int] | KVSite"]]
+#: ``{variant name: Site}`` (a K/V :class:`kvnotes.kv.sites.Site`: some layers and KV heads), in scoring order.
+Variants = Callable[[Any], Mapping[str, "Sequence[int] | Site"]]
 #: ``"flipping"``: measure the pairs that flip, exclude the rest; ``"all"``: measure every screened
 #: pair (rows keep ``flips`` / ``reason``), and also list the non-flipping ones as exclusions.
 Scope = Literal["flipping", "all"]
@@ -212,14 +213,14 @@ class ScreenedPair:
         None under the direct readout, which reads no chain."""
         return {}
 
-    def masks(self, sets: Sequence[Sequence[int] | KVSite]) -> Masks:
+    def masks(self, sets: Sequence[Sequence[int] | Site]) -> Masks:
         """Patch masks ``[V, n_layers, d]`` of position sets in ``[0, d)`` (every layer and KV head) or
-        of :class:`kvnotes.kv.masks.KVSite` (positions in some layers and KV heads: a head patch,
+        of K/V :class:`kvnotes.kv.sites.Site` (positions in some layers and KV heads: a head patch,
         :func:`kvnotes.kv.masks.site_masks`)."""
-        if any(isinstance(s, KVSite) for s in sets):
+        if any(isinstance(s, Site) for s in sets):
             ad = Adapter.for_model(self.model)                     # heads as the cache holds them
             return site_masks(ad.n_layers, self.pair.decision,
-                              [s if isinstance(s, KVSite) else KVSite(s) for s in sets], ad.cache_heads)
+                              [s if isinstance(s, Site) else kv_site(s) for s in sets], ad.cache_heads)
         n_layers = self.model.config.get_text_config().num_hidden_layers
         return kvpatch.position_masks(n_layers, self.pair.decision, [list(s) for s in sets])
 
@@ -540,14 +541,14 @@ def pair_loop(ctx, desc: str, measure: Callable[[ScreenedPair, dict], dict] | No
     return out
 
 
-def patch_columns(sp: ScreenedPair, sets: Mapping[str, Sequence[int] | KVSite]) -> dict:
+def patch_columns(sp: ScreenedPair, sets: Mapping[str, Sequence[int] | Site]) -> dict:
     """One pair's variants under the run's readout: each named position set patched (every layer)
     from the new run's prefix cache into the old run's, all scored in one batched call.
 
     Args:
         sp: the screened pair.
         sets: variant name -> positions in ``[0, d)`` (every layer and KV head), or a
-            :class:`kvnotes.kv.masks.KVSite` (those positions in some layers and KV heads).
+            K/V :class:`kvnotes.kv.sites.Site` (those positions in some layers and KV heads).
 
     Returns:
         per variant ``v``: ``r_<v>`` (recovery), ``s_<v>`` (score, nats), ``flipped_<v>``; under the

@@ -14,18 +14,17 @@ Sites (``kind``), all per decoder layer ``layer`` and per token position:
 - ``"resid_pre"``: the decoder layer's input (residual stream before it; at layer 0 the scaled
   embedding). ``[B, T, hidden]``.
 
-K/V sites (cached keys and values at positions, per layer and KV head) are not engine sites: they are
-executed in the attention backend (:class:`kvnotes.kv.masks.KVSite`, :func:`kvnotes.kv.masks.site_masks`;
-patches :mod:`kvnotes.kv.patch`, knockouts :mod:`kvnotes.kv.knockout`), one site vocabulary with the
-engine's: a :class:`kvnotes.kv.masks.KVSite` names positions, layers and KV heads; a :class:`Site`
-names a layer's residual or head-output activation, at the positions of its :class:`Intervention`.
+Sites are :class:`kvnotes.kv.sites.Site`, the one site vocabulary: the engine runs the residual
+and head-output kinds above; K/V sites (kind ``"kv"``: cached keys and values at positions, per layer
+and KV head) are executed in the attention backend (:func:`kvnotes.kv.masks.site_masks`; patches
+:mod:`kvnotes.kv.patch`, knockouts :mod:`kvnotes.kv.knockout`) and refused here.
 
 Names are TransformerLens hook names (``blocks.l.attn.hook_z``, ``hook_attn_out``, ``hook_mlp_out``,
 ``hook_resid_pre``, ``hook_resid_post``). ``resid_pre[l] + attn_out[l] + mlp_out[l] == resid_post[l]``
 on every adapter architecture
 (tests/circuits/test_components.py).
 
-An :class:`Intervention` writes ``value`` at absolute positions (``position_ids``) of one site:
+An :class:`Intervention` writes ``value`` at the absolute positions (``position_ids``) its site names:
 ``mode="set"`` replaces, ``mode="add"`` adds; an optional bool ``where`` (per variant, position
 and, for heads, head) keeps the original activation where false — that is how a batch of
 variants patches a different head each in one forward. Captured activations are the values that
@@ -54,56 +53,60 @@ from einops import rearrange
 from transformers import DynamicCache
 
 from kvnotes.kv import cache as kvcache
+from kvnotes.kv.sites import ENGINE_KINDS, Site
 from kvnotes.models.adapters import Adapter
 
-SiteKind = Literal["resid_pre", "hook_z", "attn_out", "mlp_out", "resid_post"]
-KINDS: tuple[str, ...] = get_args(SiteKind)
+#: The kinds of site the engine runs (:data:`kvnotes.kv.sites.ENGINE_KINDS`).
+KINDS: tuple[str, ...] = ENGINE_KINDS
 InterventionMode = Literal["set", "add"]
 INTERVENTION_MODES: tuple[str, ...] = get_args(InterventionMode)
 # Execution order of the sites inside one decoder layer (nnsight requires in-order access).
-_ORDER = {k: i for i, k in enumerate(KINDS)}
-
-
-@dataclass(frozen=True)
-class Site:
-    """One site: ``kind`` (see :data:`KINDS`) at decoder layer ``layer``."""
-
-    kind: SiteKind
-    layer: int
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"site kind must be one of {KINDS}, got {self.kind!r}")
+_ORDER = {k: i for i, k in enumerate(ENGINE_KINDS)}
 
 
 @dataclass
 class Intervention:
-    """Replace or add ``value`` at ``positions`` of one site.
+    """Replace or add ``value`` at one site's positions (and heads).
 
     Attributes:
-        site: where.
-        positions: absolute token positions (the forward's ``position_ids``); each must lie inside
-            the fed span ``[start, start + n)``.
+        site: where: an engine site (:class:`kvnotes.kv.sites.Site`) of one layer whose
+            ``positions`` (absolute token positions, the forward's ``position_ids``) lie inside the fed
+            span ``[start, start + n)``; a ``hook_z`` site's ``heads`` are the heads ``value``
+            covers (None: all).
         value: head sites ``[V|1, P, n_heads, head_dim]`` (``heads`` given: ``[V|1, P, len(heads),
             head_dim]``); other sites ``[V|1, P, hidden]``. Cast to the model's dtype/device by the engine.
         mode: ``"set"`` (replace) or ``"add"``.
-        heads: head sites only: the heads ``value`` covers (default all).
         where: optional bool mask, head sites ``[V|1, P, n_sel_heads]``, else ``[V|1, P]``: entries
             that are false keep the original activation.
+
+    Raises:
+        ValueError: an unknown mode, a K/V site, or a site without positions.
     """
 
     site: Site
-    positions: Sequence[int]
     value: torch.Tensor
     mode: InterventionMode = "set"
-    heads: Sequence[int] | None = None
     where: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.mode not in INTERVENTION_MODES:
             raise ValueError(f"intervention mode must be one of {INTERVENTION_MODES}, got {self.mode!r}")
-        if self.heads is not None and self.site.kind != "hook_z":
-            raise ValueError("heads= only applies to head sites")
+        if self.site.kind not in ENGINE_KINDS:
+            raise ValueError(f"a {self.site.kind!r} site is not an engine site: K/V sites run in the attention "
+                             "backend (kvnotes.kv.masks.site_masks)")
+        if self.site.positions is None:
+            raise ValueError(f"an intervention's site names its positions: {self.site}")
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        """The absolute positions written."""
+        assert self.site.positions is not None
+        return self.site.positions
+
+    @property
+    def heads(self) -> tuple[int, ...] | None:
+        """A head site's heads (None: all)."""
+        return self.site.heads
 
 
 @dataclass
@@ -181,7 +184,8 @@ class Engine(ABC):
         Args:
             ids: ``[n]`` or ``[V|1, n]`` token ids fed at positions ``start .. start + n - 1``.
             interventions: applied in the forward, at their sites.
-            capture: sites whose activations are returned.
+            capture: sites whose activations are returned (kind and layer: every fed position), the
+                keys of :attr:`EngineOutput.acts`.
             cache: prefix cache over ``[0, start)`` (batch 1 or ``V``); it is not modified (a view
                 is extended). None with ``start == 0``.
             n_keep: logits of the last ``n_keep`` fed positions (None: all).
@@ -198,7 +202,8 @@ class Engine(ABC):
 
         Raises:
             ValueError: ``start > 0`` without a cache, a cache that does not hold ``start``
-                positions, a site layer out of range, or a site below the ``resume`` layer.
+                positions, a K/V site, a capture that names positions or heads, a site layer out of
+                range, or a site below the ``resume`` layer.
         """
         ids = ids.view(1, -1) if ids.dim() == 1 else ids
         if (cache is None) != (start == 0):
@@ -206,6 +211,11 @@ class Engine(ABC):
         if cache is not None and kvcache.seq_length(cache) != start:
             raise ValueError(f"cache holds {kvcache.seq_length(cache)} positions, start={start}")
         for s in [iv.site for iv in interventions] + list(capture):
+            if s.kind not in ENGINE_KINDS:
+                raise ValueError(f"a {s.kind!r} site is not an engine site: K/V sites run in the attention backend "
+                                 "(kvnotes.kv.masks.site_masks)")
+            if s in capture and s != s.at:
+                raise ValueError(f"a capture names a kind and a layer (it returns every fed position): {s}")
             if not 0 <= s.layer < self.adapter.n_layers:
                 raise ValueError(f"layer {s.layer} out of range [0, {self.adapter.n_layers})")
             if resume is not None and s.layer < resume[0]:
@@ -233,10 +243,11 @@ class Engine(ABC):
 
     def _schedule(self, interventions, capture):
         """Operations in execution order: ``[(site, [interventions], capture?)]``."""
-        sites = {iv.site for iv in interventions} | set(capture)
+        sites = {iv.site.at for iv in interventions} | {s.at for s in capture}
+        captured = {s.at for s in capture}
         ops = []
         for s in sorted(sites, key=lambda s: (s.layer, _ORDER[s.kind])):
-            ops.append((s, [iv for iv in interventions if iv.site == s], s in set(capture)))
+            ops.append((s, [iv for iv in interventions if iv.site.at == s], s in captured))
         return ops
 
     def _shape_capture(self, site: Site, x: torch.Tensor) -> torch.Tensor:

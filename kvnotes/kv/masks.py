@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
+
+from kvnotes.kv.sites import Site, kv_site
 
 
 @dataclass(frozen=True)
@@ -143,21 +144,12 @@ def most_slots(masks: Masks) -> int:
     return int(masks.view(torch.uint8).sum(dim=2, dtype=torch.int32).max())
 
 
-class KVSite(NamedTuple):
-    """The K/V sites of one variant: ``positions``, in ``layers`` (None: every layer), of the KV
-    ``heads`` (None: every head) of each of those layers."""
-
-    positions: Sequence[int]
-    layers: Sequence[int] | None = None
-    heads: Sequence[int] | None = None
-
-
-def site_masks(n_layers: int, T: int, sites: Sequence[Sequence], kv_heads: int | None = None) -> FactoredMasks:
-    """Masks of K/V sites, one variant per entry of ``sites``: a :class:`KVSite` or a tuple
-    ``(positions, layers, heads)``, the positions ``[0, T)`` it acts on in ``layers`` (None: every
-    layer) and, per those layers, the KV ``heads`` (None: every head). A position patch names no
-    heads; a head patch names them; the same masks are a knockout where the decision row's attention
-    reads them (:mod:`kvnotes.kv.knockout`).
+def site_masks(n_layers: int, T: int, sites: Sequence[Site | Sequence], kv_heads: int | None = None) -> FactoredMasks:
+    """Masks of K/V sites, one variant per entry of ``sites``: a :class:`kvnotes.kv.sites.Site` of
+    kind ``"kv"`` (:func:`kvnotes.kv.sites.kv_site`) or a tuple ``(positions, layers, heads)``, the
+    positions ``[0, T)`` it acts on in ``layers`` (None: every layer) and, per those layers, the KV
+    ``heads`` (None: every head). A position patch names no heads; a head patch names them; the same
+    masks are a knockout where the decision row's attention reads them (:mod:`kvnotes.kv.knockout`).
 
     Args:
         kv_heads: KV heads per layer; needed when any site names heads.
@@ -166,11 +158,16 @@ def site_masks(n_layers: int, T: int, sites: Sequence[Sequence], kv_heads: int |
         :class:`FactoredMasks` ``[V, n_layers, T]`` (``heads`` set when any site names heads).
 
     Raises:
-        ValueError: a site names heads without ``kv_heads``, or a position, layer or head out of range
+        ValueError: a site of another kind (residual and head-output sites run in the engine), a
+            site that names heads without ``kv_heads``, or a position, layer or head out of range
             (negative indices included: they would wrap around).
     """
-    kv_sites = [KVSite(*s) for s in sites]
+    kv_sites = [s if isinstance(s, Site) else kv_site(*s) for s in sites]
     for v, site in enumerate(kv_sites):
+        if site.kind != "kv":
+            raise ValueError(f"site {v} is a {site.kind!r} site: only K/V sites are masks (the engine runs the others)")
+        if site.positions is None:
+            raise ValueError(f"site {v}: a K/V site names its positions")
         for what, idx, n in (("position", site.positions, T), ("layer", site.layers, n_layers),
                              ("KV head", site.heads, kv_heads)):
             bad = [int(i) for i in (idx if idx is not None else ()) if n is not None and not 0 <= int(i) < n]
@@ -178,11 +175,12 @@ def site_masks(n_layers: int, T: int, sites: Sequence[Sequence], kv_heads: int |
                 raise ValueError(f"site {v}: {what} {bad[0]} outside [0, {n})")
     positions = torch.zeros(len(kv_sites), T, dtype=torch.bool)
     layers = torch.zeros(len(kv_sites), n_layers, dtype=torch.bool)
-    named = any(h is not None for _, _, h in kv_sites)
+    named = any(site.heads is not None for site in kv_sites)
     if named and kv_heads is None:
         raise ValueError("sites that name KV heads need kv_heads")
     heads = torch.ones(len(kv_sites), n_layers, kv_heads, dtype=torch.bool) if named else None
-    for v, (pos, lay, hs) in enumerate(kv_sites):
+    for v, site in enumerate(kv_sites):
+        pos, lay, hs = site.positions or (), site.layers, site.heads
         positions[v, list(pos)] = True
         layers[v, list(range(n_layers)) if lay is None else list(lay)] = True
         if hs is not None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvnotes.harness.chunks import precompiled, prompt_parts, sink_ids
-from kvnotes.kv.engine import Site
+from kvnotes.kv.sites import Site
 from kvnotes.ops import compose as kvcompose
 
 #: Where the control compares: the chunk tokens, and the tail computed on the composed cache.

@@ -47,7 +47,7 @@ def test_decomposition_sums_to_final_residual(tiny):
     if engine.adapter.has_post_norms:
         # the raw sublayer outputs (before the post-norm) do NOT sum to the residual: the check
         # above would fail if the engine measured them instead of the residual additions
-        from kvnotes.kv.engine import Site
+        from kvnotes.kv.sites import Site
         raw = engine.run(_ids(0), capture=[Site("hook_z", 0)]).acts[Site("hook_z", 0)]
         o_proj = engine.adapter.module(tiny, "o_proj", 0)
         with torch.no_grad():

@@ -15,7 +15,8 @@ import kvnotes.circuits.direction as D
 import kvnotes.probes
 from kvnotes.errors import KvnotesError
 from kvnotes.harness.kit import scan_layers
-from kvnotes.kv.engine import Intervention, NNsightEngine, Site
+from kvnotes.kv.engine import Intervention, NNsightEngine
+from kvnotes.kv.sites import Site
 from kvnotes.kv import cache as kvcache
 from kvnotes.harness.readout import first_token_scores, run_pair
 from kvnotes.harness.selection import pair_rng, with_split
@@ -197,7 +198,7 @@ def test_full_difference_injection_reproduces_clean_run(tiny_run):
     for li in (0, len(layers) // 2):
         l = layers[li]
         delta = x_new[li] - x_old[li]
-        iv = Intervention(Site("resid_post", l), list(range(b, d)), delta[None], mode="add")
+        iv = Intervention(Site("resid_post", l, range(b, d)), delta[None], mode="add")
         out = engine.run(pair.old.ids[b: d + 1], [iv], capture=[Site("resid_post", l)], cache=pre[0], start=b)
         # at layer l the note residuals become the clean (new) run's ...
         assert (out.acts[Site("resid_post", l)][0, : d - b] - x_new[li]).abs().max() < 1e-4
@@ -205,7 +206,7 @@ def test_full_difference_injection_reproduces_clean_run(tiny_run):
         # unless the field and d are patched too (then it is exactly the clean run)
         full = engine.run(pair.new.ids, capture=[Site("resid_post", l)]).acts[Site("resid_post", l)][0]
         old_full = engine.run(pair.old.ids, capture=[Site("resid_post", l)]).acts[Site("resid_post", l)][0]
-        iv_all = Intervention(Site("resid_post", l), list(range(0, d + 1)), (full - old_full)[None], mode="add")
+        iv_all = Intervention(Site("resid_post", l, range(0, d + 1)), (full - old_full)[None], mode="add")
         s_all = float(first_token_scores(engine.run(pair.old.ids[: d + 1], [iv_all]).logprobs[:, -1], pair)[0])
         assert float(run.recovery(torch.tensor(s_all))) == pytest.approx(1.0, abs=1e-3)
         assert (full[:a] - old_full[:a]).abs().max() < 1e-5          # nothing before the field moves
@@ -222,7 +223,7 @@ def test_full_difference_injection_reproduces_clean_run(tiny_run):
         # exactly at the target mean, and everything orthogonal to u is untouched
         mu = torch.tensor([0.37])
         add = D.ablations(x_new[li], u[None], mu)
-        iv_n = Intervention(Site("resid_post", l), list(range(b, d)), add, mode="add")
+        iv_n = Intervention(Site("resid_post", l, range(b, d)), add, mode="add")
         got = engine.run(pair.new.ids[b: d + 1], [iv_n], capture=[Site("resid_post", l)], cache=pre[1],
                          start=b).acts[Site("resid_post", l)][0, : d - b].float()
         assert torch.allclose(got @ u, mu.expand(d - b), atol=1e-4)

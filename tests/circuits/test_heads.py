@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import kvnotes.probes
-from kvnotes.kv.engine import Intervention, NNsightEngine, Site
+from kvnotes.kv.engine import Intervention, NNsightEngine
+from kvnotes.kv.sites import Site
 from kvnotes.harness.selection import pair_rng, random_head_sets, rank_by_mean, with_split
 from kvnotes.circuits.heads import map_pairs
 from kvnotes.harness.head_patch import clean_residuals, head_outputs, patched_scores, set_masks, single_head_map
@@ -82,7 +83,7 @@ def test_resumed_write_equals_full_rerun_and_batching_is_exact(setup):
     assert (batched - one).abs().max() < 1e-4
     pos = list(range(B, d))
     for v, [(l, h)] in enumerate(sets[:: max(1, len(sets) // 3)]):
-        iv = Intervention(Site("hook_z", l), pos, src[l, pos][None, :, [h]], heads=[h])
+        iv = Intervention(Site("hook_z", l, pos, heads=[h]), src[l, pos][None, :, [h]])
         lp = engine.run(pair.old.ids[: d + 1], [iv]).logprobs          # full prefill from 0
         full = float(first_token_scores(lp[:, -1], pair)[0])
         idx = sets.index([(l, h)])
@@ -109,7 +110,7 @@ def test_write_chunks_start_at_their_lowest_layer_with_the_same_scores(setup):
         assert (resumed - full).abs().max() < 1e-4
     assert float(run.recovery(full)[len(sets) - 6]) == pytest.approx(0.0, abs=1e-5)    # the empty set
     with pytest.raises(ValueError, match="below the resume layer"):
-        engine.run(pair.old.ids[B:], [Intervention(Site("hook_z", 0), [B], src[0, [B]][None])], cache=prefix,
+        engine.run(pair.old.ids[B:], [Intervention(Site("hook_z", 0, [B]), src[0, [B]][None])], cache=prefix,
                    start=B, resume=(1, resid[1][None]))
 
 

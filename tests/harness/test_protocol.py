@@ -16,7 +16,7 @@ import torch
 from kvnotes.harness import kit
 from kvnotes.harness.protocol import ScreenedPair, pair_loop, patch_columns, screen_generated
 from kvnotes.harness.readout import run_pair
-from kvnotes.kv.masks import KVSite
+from kvnotes.kv.sites import kv_site
 from tests.helpers import cot_tiny_ctx
 from tests.kv.test_cache import prompts
 from tests.probes.test_injection import synthetic_pair
@@ -50,7 +50,7 @@ def test_zero_new_tokens_scores_like_the_direct_readout(tiny, monkeypatch):
 
 
 def test_head_sites_score_alike_under_both_readouts(tiny, monkeypatch):
-    """A probe's variants may name KV heads (:class:`kvnotes.kv.masks.KVSite`): each downstream KV
+    """A probe's variants may name KV heads (:func:`kvnotes.kv.sites.kv_site`): each downstream KV
     head alone moves the decision, but less than all of them together, which equal the plain position
     set; no head is the old run; the zero-token generated readout scores them as the direct one."""
     monkeypatch.setattr(kit, "cot_marker", lambda ctx, pair: None)
@@ -58,8 +58,8 @@ def test_head_sites_score_alike_under_both_readouts(tiny, monkeypatch):
     pair = synthetic_pair(*prompts())
     b, d = pair.field[1], pair.decision
     kvh = tiny.config.num_key_value_heads
-    sets = {"downstream": range(b, d), "all_heads": KVSite(range(b, d), None, range(kvh)),
-            "no_head": KVSite(range(b, d), None, []), **{f"h{h}": KVSite(range(b, d), None, [h]) for h in range(kvh)}}
+    sets = {"downstream": range(b, d), "all_heads": kv_site(range(b, d), None, range(kvh)),
+            "no_head": kv_site(range(b, d), None, []), **{f"h{h}": kv_site(range(b, d), None, [h]) for h in range(kvh)}}
     gen, _ = screen_generated(ctx, pair, 0)
     want, got = patch_columns(ScreenedPair(run_pair(tiny, pair), tiny), sets), patch_columns(gen, sets)
     for v in sets:
@@ -71,7 +71,7 @@ def test_head_sites_score_alike_under_both_readouts(tiny, monkeypatch):
 
 
 def test_kv_head_sites_split_the_planted_read_heads(planted_cache, monkeypatch):
-    """Head patches and head knockouts (:class:`kvnotes.kv.masks.KVSite`) on the Llama construction,
+    """Head patches and head knockouts (:func:`kvnotes.kv.sites.kv_site`) on the Llama construction,
     one KV head per query head (the Gemma-3 one shares a single KV head, so KV heads cannot split its
     read heads). In the read layer, the notes read head's K/V at the note marker carries ``1 - alpha``
     of each decision and the field read head's K/V at the field ``alpha``; the other head at each
@@ -91,8 +91,8 @@ def test_kv_head_sites_split_the_planted_read_heads(planted_cache, monkeypatch):
     share = {"notes": 1 - alpha, "field": alpha, "notes_other": 0.0, "field_other": 0.0}
     for pair in ctx.pairs.pairs:
         note, field = [marker_positions(ctx, pair)["note"]], range(*pair.field)
-        sites = {"notes": KVSite(note, [layer], [notes_head]), "field": KVSite(field, [layer], [field_head]),
-                 "notes_other": KVSite(note, [layer], [field_head]), "field_other": KVSite(field, [layer], [notes_head])}
+        sites = {"notes": kv_site(note, [layer], [notes_head]), "field": kv_site(field, [layer], [field_head]),
+                 "notes_other": kv_site(note, [layer], [field_head]), "field_other": kv_site(field, [layer], [notes_head])}
         run = run_pair(model, pair)
         cols = patch_columns(ScreenedPair(run, model), sites)
         knock = site_masks(planted.N_LAYERS, pair.decision, list(sites.values()), model.config.num_key_value_heads)

@@ -235,7 +235,7 @@ def _mentions(name: str, text: str, lane: bool = False) -> list[str]:
     if "_" in name:
         pattern = rf"(?<![\w-]){name}(?![\w-])"
     else:
-        pattern = rf"\b(?:probes|circuits)\.{name}\b|docs/probes/{name}\.md"
+        pattern = rf"\b(?:probes|circuits)\.{name}\b|\bprobes/{name}\.md"
         if lane:
             pattern += rf"|probe[=:]\s*{name}\b|['\"]{name}['\"]|planted\(['\"]{name}"
     return re.findall(pattern, text)

@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 
 from kvnotes.errors import KvnotesError
 from kvnotes.kv import cache as kvcache
-from kvnotes.kv.engine import Site, make_engine
+from kvnotes.kv.engine import make_engine
+from kvnotes.kv.sites import Site
 from kvnotes.models import cpu_linear
 from tests.helpers import ARCHS, MLA_ARCHS, build_tiny
 
