@@ -21,7 +21,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, TypeAlias, get_args
 
 SiteKind = Literal["kv", "resid_pre", "hook_z", "attn_out", "mlp_out", "resid_post"]
 #: Every kind of site (:data:`SiteKind`).
@@ -31,7 +31,8 @@ ENGINE_KINDS: tuple[str, ...] = ("resid_pre", "hook_z", "attn_out", "mlp_out", "
 #: The kinds whose sites may name heads (KV heads; attention heads).
 HEAD_KINDS = ("kv", "hook_z")
 
-Indices = "int | Iterable[int] | None"
+#: Indices as a caller may give them: one int, any iterable of ints (a range, a list, a tensor), or None.
+Indices: TypeAlias = "int | Iterable[int] | None"
 
 
 def _indices(x) -> tuple[int, ...] | None:
@@ -64,8 +65,8 @@ class Site:
     positions: tuple[int, ...] | None
     heads: tuple[int, ...] | None
 
-    def __init__(self, kind: SiteKind, layers: Indices = None, positions: Indices = None,  # type: ignore[valid-type]
-                 heads: Indices = None) -> None:  # type: ignore[valid-type]
+    def __init__(self, kind: SiteKind, layers: Indices = None, positions: Indices = None,
+                 heads: Indices = None) -> None:
         if kind not in SITE_KINDS:
             raise ValueError(f"site kind must be one of {SITE_KINDS}, got {kind!r}")
         object.__setattr__(self, "kind", kind)
