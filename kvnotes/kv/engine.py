@@ -243,11 +243,11 @@ class Engine(ABC):
 
     def _schedule(self, interventions, capture):
         """Operations in execution order: ``[(site, [interventions], capture?)]``."""
-        sites = {iv.site.at for iv in interventions} | {s.at for s in capture}
+        at = [iv.site.at for iv in interventions]
         captured = {s.at for s in capture}
         ops = []
-        for s in sorted(sites, key=lambda s: (s.layer, _ORDER[s.kind])):
-            ops.append((s, [iv for iv in interventions if iv.site.at == s], s in captured))
+        for s in sorted(set(at) | captured, key=lambda s: (s.layer, _ORDER[s.kind])):
+            ops.append((s, [iv for iv, a in zip(interventions, at) if a == s], s in captured))
         return ops
 
     def _shape_capture(self, site: Site, x: torch.Tensor) -> torch.Tensor:
