@@ -29,6 +29,8 @@ from kvnotes.records.tables import ci
 VARIANTS = ("none", "field", "downstream", "field_downstream", "all")
 #: With ``scenario.variant=cot`` the variants' reasoning is generated and the decision read after it.
 SUPPORTS_COT = True
+#: The exact field refresh's name (a Measure of the direct readout; its finding and its checks).
+EXACT = "field_exact"
 #: Variants whose recovery is fixed by construction (reported as checks, not findings).
 CHECK_VARIANTS = ("none", "field_downstream", "all")
 
@@ -159,13 +161,13 @@ def run(ctx) -> dict:
 
     pr = run_patches(ctx, lambda pair: variant_positions(pair.field, pair.decision), "field_refresh",
                      keep_caches=cfg.keep_caches, names=VARIANTS,
-                     extra=Measure("field_exact", exact_columns, readouts=("direct",)) if cfg.exact else None)
+                     extra=Measure(EXACT, exact_columns, readouts=("direct",)) if cfg.exact else None)
     rows = pr.rows
     families = families_of(ctx, rows + pr.excluded)
     with ctx.timer("statistics"):
         recovery = {v: summaries_by_family(rows, f"r_{v}", f"flipped_{v}", families, cfg.n_boot, ctx.seed)
                     for v in VARIANTS + tuple(pr.measured)}
-    checks = pr.checks(CHECKS) | (_exact_checks(rows) if "field_exact" in pr.measured else {})
+    checks = pr.checks(CHECKS) | (_exact_checks(rows) if EXACT in pr.measured else {})
     aggregates = K.pair_counts(ctx, rows, pr.excluded, families) | {
         "findings": ["field", "downstream"] + pr.measured,
         "checks_by_construction": list(CHECK_VARIANTS), "recovery": recovery, "checks": checks}
