@@ -20,12 +20,13 @@ from kvnotes.harness.edit_prompts import common_prefix_length, erratum_text, ren
 from kvnotes.harness.kit import ProbeConfig, by_family, exclusion_counts, per_prompt, summary, units
 from kvnotes.harness.pairs import transcript_turns
 from kvnotes.harness.selection import pair_rng
-from kvnotes.harness.timing import elapsed_ms
-from kvnotes.harness.tokens import CANDIDATE_MERGES, Prompt, build_conversation, candidates_after, continuation_ids
+from kvnotes.harness.protocol import Measure, measured, readout_of
+from kvnotes.harness.reader import PromptReader, Reads, prompt_reader
+from kvnotes.harness.timing import timed
+from kvnotes.harness.tokens import CANDIDATE_MERGES, Prompt, build_conversation, candidates_after
 from kvnotes.harness.registry import Conformance
 from kvnotes.kv import cache as kvcache
 from kvnotes.kv.decision import kl_nats
-from kvnotes.kv.generate import CotReadout, Generated, answer_marker, decode_after, stop_tokens, unreached_label
 from kvnotes.ops import compose as kvcompose
 from kvnotes.records.figures import Bars, Curves, Reshaped
 from kvnotes.records.presentation import Presentation
@@ -171,12 +172,6 @@ class Result(BaseResult):
     excluded: list[ExclusionRow]
 
 
-def _timed(fn):
-    box = []
-    ms = elapsed_ms(lambda: box.append(fn()))
-    return ms, box[0]
-
-
 def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
     """KL(p || q) in nats of two ``[vocab]`` log-prob vectors (:func:`kvnotes.kv.decision.kl_nats`)."""
     return float(kl_nats(p_log, q_log))
@@ -184,27 +179,29 @@ def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
 
 @torch.no_grad()
 def run_trajectory(model, tok, instance: Instance, values: list[str], variant: str, seam: int, sink: str,
-                   chat: bool, template_kwargs: dict, cot: CotReadout | None = None,
+                   chat: bool, template_kwargs: dict, reader: PromptReader,
                    layout_turns: int | None = None) -> tuple[list[dict], dict | None]:
     """Run one trajectory (see the specification).
 
     Args:
-        cot: the generated readout (``scenario.variant=cot``); None reads every decision directly at
-            the decision position.
+        reader: the run's readout of whole prompts (:func:`kvnotes.harness.reader.prompt_reader`):
+            every side's decision is read at the conversation's end (direct) or after the side's
+            generated chain (``scenario.variant=cot``).
         layout_turns: the unrelated exchanges of a transcript suite (``scenario.transcript.turns``);
             None for the one-message layout.
 
     Returns:
         (one row per turn (:class:`TurnRow`), None) for a completed trajectory, else (rows kept,
         ``{"reason": ...}``): ``chunk_boundary_inside_token`` (:mod:`kvnotes.harness.chunks`),
-        ``candidate_merges_with_prompt`` (the expected candidate's tokens merge with the answer prefix)
-        or ``transcript_not_incremental``, with no rows; under ``cot`` also ``agent_no_marker`` /
-        ``agent_truncated_in_think`` (the agent's chain missed its marker) or
-        ``agent_candidate_merges_with_prompt`` (every candidate merges with the agent's chain), with
-        the rows of the earlier turns and the exclusion's ``turn`` (and ``agent_chain``).
+        ``candidate_merges_with_prompt`` (the expected candidate's tokens merge with the answer prefix,
+        nothing generated between) or ``transcript_not_incremental``, with no rows; under the
+        generated readout also ``agent_no_marker`` / ``agent_truncated_in_think`` (the agent's chain
+        missed its marker) or ``agent_candidate_merges_with_prompt`` (every candidate merges with the
+        agent's chain), with the rows of the earlier turns and the exclusion's ``turn`` (and
+        ``agent_chain``).
 
     Raises:
-        ValueError: ``cot.max_new_tokens > 0`` without a marker test.
+        ValueError: a generated readout of ``max_new_tokens > 0`` without a marker test.
     """
     sc = instance.scenario
     first_user, field_chars, prefix = render_layout(instance, values[0], variant, CHUNKED_ORDER)
@@ -214,11 +211,10 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
         return [], {"reason": made}
     prompt1, spans = made
     sink_tokens = sink_ids(prompt1.ids, sink, spans[0][0])
-    pre_ms, chunks = _timed(lambda: [kvcompose.precompile(model, prompt1.ids[a:b], sink_tokens)
-                                           for a, b in spans])
+    pre_ms, chunks = timed(lambda: [kvcompose.precompile(model, prompt1.ids[a:b], sink_tokens) for a, b in spans])
     sliding = kvcompose.has_sliding_layers(model)
-    full = per_prompt(lambda ids: _timed(lambda: kvcompose.full_logits(model, ids)), 2 * len(values))
-    decoded = per_prompt(lambda ids: _prefill_and_decode(model, ids, cot), 2 * len(values))
+    full = per_prompt(reader.read_prompt, 2 * len(values))       # the oracle's and the transcript's reads
+    candidates = list(dict.fromkeys(sc.candidates.values()))
     users, answers, rows = [first_user], [], []
     cache, cached = None, None
     for t, value in enumerate(values, start=1):
@@ -238,16 +234,12 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
                 return [], {"reason": made}
             oracle_prompt = made[0]
         expected = sc.candidates[sc.outcome(value)]
-        if cot is None:
-            cands = {c: continuation_ids(tok, conv, c) for c in dict.fromkeys(sc.candidates.values())}
-            if cands[expected] is None:
-                return [], {"reason": CANDIDATE_MERGES}
-        # --- the agent: compose (turn 1) or forward only what is new; under cot, all but the last token
-        fed = conv.ids if cot is None else conv.ids[:-1]
+        # --- the agent: compose (turn 1) or forward only what is new, over what the readout feeds
+        fed = reader.fed(conv.ids)
         if t == 1:
             parts = prompt_parts(fed.view(1, -1), spans, chunks)
-            ms, (cache, logits) = _timed(lambda: kvcompose.compose(model, parts, True, seam, static=False))
-            agent = torch.log_softmax(logits[0], -1)
+            ms, (cache, logits) = timed(lambda: kvcompose.compose(model, parts, True, seam, static=False))
+            agent = reader.read(cache, None, conv.ids, logits=logits, label="agent")
             reuse = 0
         else:
             reuse = min(common_prefix_length(cached, fed), len(fed) - 1)
@@ -255,16 +247,17 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
                 if sliding:
                     return [], {"reason": NOT_INCREMENTAL}
                 cache.crop(reuse)
-            ms, lp = _timed(lambda: kvcache.continuation_logprobs(model, cache, fed[reuse:], reuse,
-                                                                         last_only=True))
-            agent = lp[0, -1]
+            ms, lp = timed(lambda: kvcache.continuation_logprobs(model, cache, fed[reuse:], reuse, last_only=True))
+            agent = reader.read(cache, lp[:, -1], conv.ids, label="agent")
         cached = fed
-        if cot is None:
-            sides = _direct_sides(agent, cands, full, conv, oracle_prompt)
-        else:
-            sides = _generated_sides(model, tok, cot, cache, conv, oracle_prompt, decoded,
-                                     list(dict.fromkeys(sc.candidates.values())))
-        row = sides if "reason" in sides else _turn_columns(sides, expected)
+        if not agent.reached(0):
+            return rows, agent.chain_columns(0, unreached="reason", chain="agent_chain") | {"turn": t}
+        sides = {"agent": Reading(agent, conv, tok, candidates)}
+        if not agent.chain_ids(0) and sides["agent"].cands[expected] is None:
+            return [], {"reason": CANDIDATE_MERGES}
+        sides |= {"oracle": Reading(full(oracle_prompt.ids), oracle_prompt, tok, candidates),
+                  "transcript": Reading(full(conv.ids), conv, tok, candidates)}
+        row = _turn_columns(reader, sides, expected)
         if "reason" in row:
             return rows, row | {"turn": t}
         answers.append(row.get("answer_text", row["answer"]))
@@ -275,72 +268,42 @@ def run_trajectory(model, tok, instance: Instance, values: list[str], variant: s
     return rows, None
 
 
-def _prefill_and_decode(model, ids: torch.Tensor, cot: CotReadout | None) -> tuple[float, float, Generated]:
-    """(full prefill ms of ``ids[:-1]``, decoding ms, :func:`decode_after`'s result)."""
-    assert cot is not None
-    ms, cache = _timed(lambda: kvcache.prefill(model, ids[:-1]))
-    gen_ms, gen = _timed(lambda: decode_after(model, cache, ids, cot))
-    return ms, gen_ms, gen
-
-
-@dataclass(frozen=True)
 class Reading:
-    """One side's reading of a decision: fp32 ``[vocab]`` log-probs (after the chain's marker under
-    the generated readout), the candidates' ids after the prompt and chain (None: the chain missed
-    its marker), prefill and decoding ms, the chain and its text (None and "" under the direct readout)."""
+    """One side's reading of a decision: its :class:`kvnotes.harness.reader.Reads` (one row), fp32
+    ``[vocab]`` log-probs ``lp``, and the candidates' ids after its prompt and chain (``cands``; None:
+    the chain missed its marker), with the chain's text."""
 
-    lp: torch.Tensor
-    cands: dict | None
-    ms: float = 0.0
-    gen_ms: float = 0.0
-    chain: Any = None
-    text: str = ""
+    def __init__(self, reads: Reads, prompt: Prompt, tok, candidates: list[str]):
+        self.reads, self.lp = reads, reads.logprobs[0]
+        self.text, self.cands = (candidates_after(tok, prompt, reads.chain_ids(0), candidates) if reads.reached(0)
+                                 else ("", None))
 
 
-def _direct_sides(agent: torch.Tensor, cands: dict, full, conv: Prompt, oracle_prompt: Prompt) -> dict:
-    """The direct readout: the agent's log-probs at the conversation's last position, the oracle's and
-    the transcript's from full prefills (memoised per prompt by ``full``); every side reads the
-    candidates' ids after the conversation."""
-    oracle_ms, oracle_logits = full(oracle_prompt.ids)
-    transcript_ms, transcript_logits = full(conv.ids)
-    return {"agent": Reading(agent, cands),
-            "oracle": Reading(torch.log_softmax(oracle_logits[0], -1), cands, oracle_ms),
-            "transcript": Reading(torch.log_softmax(transcript_logits[0], -1), cands, transcript_ms)}
-
-
-def _generated_sides(model, tok, cot: CotReadout, cache, conv: Prompt, oracle_prompt: Prompt, decoded,
-                     candidates: list[str]) -> dict:
-    """The generated readout: the agent decodes from its cache over ``conv`` minus its last token, the
-    oracle and the transcript from full prefills (memoised per prompt by ``decoded``); each side reads
-    the candidates' ids after its own chain. ``{"reason": ..., "agent_chain": ...}`` when the agent's
-    chain missed its marker."""
-    agent_gen_ms, agen = _timed(lambda: decode_after(model, cache, conv.ids, cot))
-    if not agen.chains[0].reached:
-        return {"reason": unreached_label(tok, "agent", agen.chains[0], cot.thinking),
-                "agent_chain": agen.chains[0].record()}
-    oracle_ms, oracle_gen_ms, ogen = decoded(oracle_prompt.ids)
-    transcript_ms, transcript_gen_ms, tgen = decoded(conv.ids)
-    out = {}
-    for side, gen, prompt, ms, gen_ms in (("agent", agen, conv, 0.0, agent_gen_ms),
-                                          ("oracle", ogen, oracle_prompt, oracle_ms, oracle_gen_ms),
-                                          ("transcript", tgen, conv, transcript_ms, transcript_gen_ms)):
-        chain = gen.chains[0]
-        text, cands = candidates_after(tok, prompt, chain.ids, candidates) if chain.reached else ("", None)
-        out[side] = Reading(gen.logprobs[0], cands, ms, gen_ms, chain, text)
+def _chain_columns(reader, sides: dict[str, Reading], first: dict, answer: str) -> dict:
+    """What only chains have: the agent's answer as the conversation carries it (its chain's text,
+    then the answer), each side's first token of the expected candidate after its own chain, and per
+    side its chain, whether it reached its marker and its decoding time."""
+    out = {"answer_text": sides["agent"].text + answer, "expected_first_tokens": first}
+    for k, r in sides.items():
+        out |= r.reads.chain_columns(0, chain=f"{k}_chain", reached=f"{k}_reached", decode_ms=f"{k}_generate_ms")
     return out
 
 
-def _turn_columns(sides: dict[str, Reading], expected: str) -> dict:
+#: What only a chain has, measured under the generated readout.
+CHAINS = Measure("chains", _chain_columns, readouts=("generated",))
+
+
+def _turn_columns(reader, sides: dict[str, Reading], expected: str) -> dict:
     """A turn's readout columns from its three readings (:class:`TurnRow`): top-1s, correctness against
     each side's first token of ``expected``, the agent's agreement with and KL from the sides that
-    reached their marker, and (generated readout) the chains. ``{"reason": ...}`` when every
+    reached their marker, and what only chains have (:data:`CHAINS`). ``{"reason": ...}`` when every
     candidate merges with the agent's chain."""
     agent = sides["agent"]
     first = {k: r.cands[expected][0] if r.cands is not None and r.cands[expected] is not None else None
              for k, r in sides.items()}
     usable = {c: ids for c, ids in agent.cands.items() if ids is not None}
     if not usable:
-        return {"reason": f"agent_{CANDIDATE_MERGES}", "agent_chain": agent.chain.record()}
+        return {"reason": f"agent_{CANDIDATE_MERGES}"} | agent.reads.chain_columns(0, chain="agent_chain")
     answer = max(usable, key=lambda c: float(agent.lp[usable[c][0]]))
     reached = {k: r.cands is not None for k, r in sides.items()}
     top = {k: int(r.lp.argmax()) if reached[k] else None for k, r in sides.items()}
@@ -349,13 +312,8 @@ def _turn_columns(sides: dict[str, Reading], expected: str) -> dict:
            "oracle_owned": correct["oracle"], **{f"{k}_correct": v for k, v in correct.items()},
            **{f"agree_{k}": top["agent"] == top[k] if reached[k] else None for k in SIDES[1:]},
            **{f"kl_{k}": _kl(sides[k].lp, agent.lp) if reached[k] else None for k in SIDES[1:]},
-           "oracle_ms": sides["oracle"].ms, "transcript_ms": sides["transcript"].ms}
-    if agent.chain is not None:
-        row |= {"answer_text": agent.text + answer, "expected_first_tokens": first,
-                **{f"{k}_chain": r.chain.record() for k, r in sides.items()},
-                **{f"{k}_reached": v for k, v in reached.items()},
-                **{f"{k}_generate_ms": r.gen_ms for k, r in sides.items()}}
-    return row
+           "oracle_ms": sides["oracle"].reads.prefill_ms, "transcript_ms": sides["transcript"].reads.prefill_ms}
+    return row | CHAINS.of(reader, sides, first, answer)
 
 
 def _share(rows: list[dict], key: str, n_boot: int, seed: int) -> dict:
@@ -417,9 +375,6 @@ def run(ctx) -> dict:
                  for inst in draw_instances(sc, scenario.n_instances, scenario.seed)]
     if not instances:
         raise KvnotesError(f"probe agent: no scenario of the selection has the '{variant}' variant")
-    cot_on, thinking = variant == "cot", bool(getattr(ctx, "thinking", False))
-    max_new = cfg.cot_max_new_tokens
-    stop = tuple(stop_tokens(tok)) if cot_on else ()
     layout_turns = transcript_turns(ctx.scenario_cfg)
     first = layout_prompt(tok, instances[0], next(iter(instances[0].scenario.values)), CHUNKED_ORDER, CHUNK_NAMES,
                           variant, None, chat, tk, layout_turns)
@@ -428,10 +383,9 @@ def run(ctx) -> dict:
     rows, excluded = [], []
     for inst in units(ctx, instances, "agent"):
         values = trajectory_values(inst, turns, ctx.seed)
-        cot = (CotReadout(max_new, answer_marker(tok, inst.scenario.variants[variant].answer_marker, thinking), stop,
-                          thinking) if cot_on else None)
         with ctx.timer("trajectories"):
-            got, why = run_trajectory(model, tok, inst, values, variant, seam, sink, chat, tk, cot, layout_turns)
+            got, why = run_trajectory(model, tok, inst, values, variant, seam, sink, chat, tk,
+                                      prompt_reader(ctx, inst.scenario), layout_turns)
         rows.extend(got)
         if why is not None:
             excluded.append({"pair": inst.id, "scenario": inst.scenario.id, "family": inst.scenario.family,
@@ -441,10 +395,10 @@ def run(ctx) -> dict:
         agg = aggregate(rows, families, cfg.n_boot, ctx.seed)
     aggregates = {"turns": turns, "seam": seam, "sink": sink, "n_trajectories": len({r["trajectory"] for r in rows}),
                   "n_excluded": len(excluded), "families": families, "by_family": agg,
-                  "device": model.device.type, "readout": "generated" if cot_on else "direct"}
-    if cot_on:
+                  "device": model.device.type, "readout": readout_of(ctx)}
+    if CHAINS.name in measured(ctx, (CHAINS,)):
         aggregates |= {
-            "cot_max_new_tokens": max_new,
+            "cot_max_new_tokens": cfg.cot_max_new_tokens,
             # agent: trajectories its chain ended (also in the exclusions); oracle/transcript: kept turns
             "n_unreached": {"agent": sum(r["reason"] in AGENT_UNREACHED for r in excluded),
                             **{k: sum(not r[f"{k}_reached"] for r in rows) for k in ("oracle", "transcript")}},

@@ -22,8 +22,9 @@ from kvnotes.harness import edit_prompts as sedits
 from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Count, NonNegative, OpenFraction, one_of
 from kvnotes.harness.kit import ProbeConfig, families_of, summaries_by_family
-from kvnotes.harness.protocol import (PROMPT_VARIANT, GeneratedReadout, Read, ScreenedPair, pair_loop, read_caches,
-                                      readout_aggregates, readout_config)
+from kvnotes.harness.protocol import (PROMPT_VARIANT, GeneratedReadout, Read, pair_loop, read_caches, readout_aggregates,
+                                      readout_config)
+from kvnotes.harness.screened import ScreenedPair
 from kvnotes.harness.selection import SELECTION, alternate_splits, pair_rng, round_robin, with_split
 from kvnotes.harness.stats import proportion
 from kvnotes.harness.registry import Conformance

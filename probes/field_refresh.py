@@ -13,8 +13,8 @@ import torch
 
 from kvnotes.harness import kit as K
 from kvnotes.harness.kit import ProbeConfig, families_of, summaries_by_family
-from kvnotes.harness.protocol import (Check, GeneratedReadout, Measure, ScreenedPair, patch_columns, readout_aggregates,
-                                      run_patches)
+from kvnotes.harness.protocol import Check, GeneratedReadout, Measure, patch_columns, readout_aggregates, run_patches
+from kvnotes.harness.screened import ScreenedPair
 from kvnotes.harness.readout import PairRun, variant_scores
 from kvnotes.harness.registry import RECOVERY_TOL, Conformance, Invariants, flipping_rows
 from kvnotes.kv import cache as kvcache

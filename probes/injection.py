@@ -14,7 +14,8 @@ import torch
 
 from kvnotes.harness import kit as K
 from kvnotes.harness.kit import ProbeConfig
-from kvnotes.harness.protocol import Check, GeneratedReadout, ScreenedPair, pair_loop, readout_aggregates
+from kvnotes.harness.protocol import Check, GeneratedReadout, pair_loop, readout_aggregates
+from kvnotes.harness.screened import ScreenedPair
 from kvnotes.harness.readout import PairRun, run_pair
 from kvnotes.harness.stats import proportion
 from kvnotes.kv import cache as kvcache
@@ -73,13 +74,13 @@ def inject(sp: ScreenedPair) -> dict:
     Returns:
         per direction ``D`` in :data:`DIRECTIONS`: ``D_s_notes`` (score with the source's notes),
         ``D_s_all`` (field + notes from the source), ``D_follows_notes`` (the injected run decides
-        for the source's candidate, :meth:`kvnotes.harness.protocol.ScreenedPair.clean_side`),
+        for the source's candidate, :meth:`kvnotes.harness.screened.ScreenedPair.clean_side`),
         ``D_r_notes`` and ``D_r_all`` (``(s - s_base) / (s_source - s_base)``, None when the two runs
         score equally), ``D_side_notes`` (the candidate the notes-injected run decides for: direct by
         the score's sign; generated the one its chain names, None when neither). Under the
         generated readout also ``D_chain_notes`` / ``D_chain_all`` (chain records),
         ``D_unreached_reason`` and ``D_chain_all_matches_source``
-        (:meth:`kvnotes.harness.protocol.ScreenedPair.chain_columns`); a chain without its marker
+        (:meth:`kvnotes.harness.screened.ScreenedPair.chain_columns`); a chain without its marker
         has None scores and follow flag.
     """
     pair = sp.pair

@@ -11,20 +11,17 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import numpy as np
-import torch
 from pydantic import AfterValidator
 
 from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import BandList, Count, NonNegative, NonNegativeFloat, one_of
 from kvnotes.harness.kit import ProbeConfig
-from kvnotes.harness.protocol import GeneratedReadout, pair_loop, readout_aggregates
-from kvnotes.harness.readout import candidate_scores, collapse_flags, first_token_scores
+from kvnotes.harness.protocol import Check, GeneratedReadout, Measure, pair_loop, readout_aggregates
+from kvnotes.harness.screened import mass_groups
+from kvnotes.harness.readout import collapse_flags
 from kvnotes.harness.stats import matrix_summary, proportion
 from kvnotes.harness.registry import Conformance
-from kvnotes.kv import cache as kvcache
-from kvnotes.kv.generate import owned_side
-from kvnotes.kv.knockout import (CHAIN_GROUPS, GROUPS, DecisionRead, chain_spans, decision_forward, generate_knocked,
-                                 group_masses, key_groups, knockout_masks)
+from kvnotes.kv.knockout import CHAIN_GROUPS, GROUPS, key_groups, knockout_masks
 from kvnotes.records.figures import Bars, Curves, Reshaped
 from kvnotes.records.presentation import Presentation
 from kvnotes.records.schema import BaseResult, NotRequired, PairRow, TypedDict
@@ -77,18 +74,6 @@ class Config(ProbeConfig, GeneratedReadout):
     collapse: Collapse = field(default_factory=Collapse)
 
 
-def _scores(model, pair, cache, knock, mode: str, capture: bool,
-            budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES, source=None) -> tuple[torch.Tensor, DecisionRead]:
-    """Scores ``[V]`` of knockout variants (:func:`kvnotes.harness.readout.candidate_scores`) and the first
-    forward's :class:`kvnotes.kv.knockout.DecisionRead`; with ``source`` (the pair's other run), ``2V``
-    rows: the variants on ``cache``, then on ``source``, in the same forwards."""
-    def forward(tokens, first):
-        read = decision_forward(model, cache, tokens, knock, capture and first, budget_bytes, source)
-        return read.logprobs, read
-
-    return candidate_scores(forward, pair, mode)
-
-
 # --------------------------------------------------------------------------------------------
 # the probe
 
@@ -114,8 +99,9 @@ def _attention_aggregates(rows, bands, n_boot, seed, groups=GROUPS) -> dict:
     return out
 
 
-def _knockout_aggregates(ko_rows, variants, n_boot, seed) -> dict:
-    """Per subset, family, run and variant: score change with CIs and the collapse / flip counts."""
+def _knockout_aggregates(ko_rows, variants, n_boot, seed, unreached: list[dict] | None = None) -> dict:
+    """Per subset, family, run and variant: score change with CIs and the collapse / flip counts;
+    with ``unreached`` (knocked chains that missed their marker) also their count, ``n_unreached``."""
     out = {}
     for subset, sel in (("flipping", [r for r in ko_rows if r["flips"]]), ("all", ko_rows)):
         out[subset] = {}
@@ -139,6 +125,10 @@ def _knockout_aggregates(ko_rows, variants, n_boot, seed) -> dict:
                         "n_changed_but_collapsed": changed - intact,
                         "flip_intact": proportion(intact, n), "collapse_rate": proportion(collapsed, n),
                     }
+                    if unreached is not None:
+                        cells[v["name"]]["n_unreached"] = sum(
+                            u["variant"] == v["name"] and u["run"] == run and (fam == "all" or u["family"] == fam)
+                            and (subset == "all" or u["flips"]) for u in unreached)
                 out[subset][fam][run] = cells
     return out
 
@@ -189,30 +179,31 @@ class Result(BaseResult):
     examples: dict[str, dict[str, Any]]
 
 
-def _knockout_rows(base: dict, run_name: str, variants: list[dict], pair, lp: torch.Tensor, scores, toward: float,
-                   drop_nats: float, top_k: int, chains=None, unreached_reason=None) -> tuple[list, list, list]:
-    """One run's knockout rows, under either readout: variant ``i`` (row ``i`` of ``lp`` fp32 ``[V, vocab]``
-    and ``scores`` ``[V]``, read at the decision position or after the chain's marker) against row 0,
-    the clean one; ``toward`` signs ``delta_toward_other``. Under the generated readout (``chains``)
-    rows keep their chain and the knocked decision's side, and a chain that missed its marker goes to
-    the unreached list with ``unreached_reason(chain)``.
+def _knockout_rows(base: dict, run_name: str, variants: list[dict], sp, kn, toward: float, drop_nats: float,
+                   top_k: int) -> tuple[list, list, list]:
+    """One run's knockout rows: variant ``i`` of ``kn`` (:class:`kvnotes.harness.screened.Knocked`:
+    its log-probs and score read at the decision position, or after its chain's marker) against
+    variant 0, the clean one; ``toward`` signs ``delta_toward_other``. Rows keep what only a chain
+    has (its record, the candidate it names: :meth:`kvnotes.harness.screened.ScreenedPair.chain_columns`);
+    a chain that missed its marker goes to the unreached list with its reason.
 
     Returns:
         (the clean ``[lp(cand_old), lp(cand_new)]``, knockout rows, unreached rows).
     """
+    pair = sp.pair
+    lp = kn.logprobs
     flags = collapse_flags(lp, (pair.cand_old[0], pair.cand_new[0]), drop_nats, top_k)
     lp_c = lp[:, [pair.cand_old[0], pair.cand_new[0]]]
-    s_clean = float(scores[0])
+    s_clean = kn.s[0]
     rows, unreached = [], []
     for i, v in enumerate(variants, start=1):
         cols = base | {"run": run_name, "variant": v["name"], "group": v["group"], "band": v["band"]}
-        if chains is not None:
-            cols["chain"] = chains[i].record()
-            if not chains[i].reached:
-                unreached.append(cols | {"reason": unreached_reason(chains[i])})
-                continue
-            cols["side_knock"] = owned_side(lp[i], pair)
-        s_k = float(scores[i])
+        cols |= sp.chain_columns(kn, i, chain="chain")
+        if not kn.reached[i]:
+            unreached.append(cols | {"reason": kn.unreached[i]})
+            continue
+        cols |= sp.chain_columns(kn, i, side="side_knock")
+        s_k = kn.s[i]
         changed = (s_k > 0) != (s_clean > 0)
         rows.append(cols | {
             "s_clean": s_clean, "s_knock": s_k, "delta": s_k - s_clean, "delta_toward_other": toward * (s_k - s_clean),
@@ -222,43 +213,52 @@ def _knockout_rows(base: dict, run_name: str, variants: list[dict], pair, lp: to
     return lp_c[0].tolist(), rows, unreached
 
 
-def _knockout_pair(ctx, pr, row: dict, variants: list[dict], n_sinks: int, drop_nats: float, top_k: int) -> list[dict]:
-    """One pair, both runs: the clean attention masses per key group (written into ``row``) and one
-    knockout row per run and variant (score change, knocked candidate log-probs, collapse flags)."""
-    model, n_layers = ctx.bundle.model, ctx.bundle.adapter.n_layers
-    pair = pr.pair
+def _knockout_pair(ctx, sp, row: dict, variants: list[dict], n_sinks: int, drop_nats: float,
+                   top_k: int) -> tuple[list[dict], list[dict]]:
+    """One pair, both runs, under the run's readout
+    (:meth:`kvnotes.harness.screened.ScreenedPair.knockout`): per run the attention masses of the
+    queries that read the decision per key group and one knockout row per variant (score change,
+    knocked candidate log-probs, collapse flags); the pair's columns are written into ``row``.
+
+    Returns:
+        (knockout rows, knockout rows whose chain missed its marker (``reason``, the chain)).
+    """
+    n_layers = ctx.bundle.adapter.n_layers
+    pair = sp.pair
     groups = key_groups(pair.field, pair.decision, n_sinks)
     masks = knockout_masks(n_layers, pair.decision, groups,           # variant 0: nothing knocked out
                            [([], [0, n_layers])] + [(v["groups"], v["layers"]) for v in variants])
     row |= {"groups": {g: list(s) for g, s in groups.items()}}
     base = {k: row[k] for k in ("pair", "scenario", "family", "instance", "flips")}
     null_err = 0.0
-    ko_rows = []
-    with ctx.timer("knockout"):                 # both runs in the same forwards: old rows, then new rows
-        both, read_both = _scores(model, pair, pr.old_cache, masks, ctx.readout, True, ctx.budget_bytes, pr.new_cache)
-    V = masks.shape[0]
-    for half, (run_name, s_clean, s_other) in enumerate((("old", pr.s_old, pr.s_new), ("new", pr.s_new, pr.s_old))):
-        rows = slice(half * V, (half + 1) * V)
-        scores = both[rows]
-        read = DecisionRead(read_both.logprobs[rows], read_both.probs[rows],
-                            read_both.recon_err_source if half else read_both.recon_err)
-        mass = group_masses(read.probs[0], groups)                       # [L, G] clean variant
-        row[f"mass_{run_name}"] = mass.tolist()
-        row[f"recon_err_{run_name}"] = read.recon_err
+    ko_rows, unreached = [], []
+    knocked = sp.knockout(masks, groups)
+    for run_name, kn in knocked.items():
+        other = "new" if run_name == "old" else "old"
+        idx = [[kn.groups.index(g) for g in v["groups"]] for v in variants]
+        row[f"mass_{run_name}"] = kn.reading_masses(0).tolist()
+        row[f"recon_err_{run_name}"] = kn.recon_err
         row[f"knocked_mass_max_{run_name}"] = max(
-            float(group_masses(read.probs[i + 1], groups)[l0:l1][:, [GROUPS.index(g) for g in v["groups"]]].sum(-1).max())
-            for i, v in enumerate(variants) for l0, l1 in [v["layers"]])
-        null_err = max(null_err, abs(float(scores[0]) - s_clean))
+            (float(kn.masses[i + 1][:, l0:l1][..., idx[i]].sum(-1).max())
+             for i, v in enumerate(variants) for l0, l1 in [v["layers"]]), default=0.0)
+        if not kn.reached[0]:                                  # the screen's chain did, this batch's did not
+            unreached += [base | {"run": run_name, "variant": v["name"], "reason": "clean_no_marker"}
+                          | sp.chain_columns(kn, i, chain="chain") for i, v in enumerate(variants, start=1)]
+            continue
+        s_clean, s_other = row[f"s_{run_name}"], row[f"s_{other}"]
+        null_err = max(null_err, abs(kn.s[0] - s_clean))
         toward = 1.0 if s_other > s_clean else -1.0
-        row[f"lp_cand_{run_name}"], got, _ = _knockout_rows(base, run_name, variants, pair, read.logprobs[:, 0],
-                                                            scores, toward, drop_nats, top_k)
+        row[f"lp_cand_{run_name}"], got, missed = _knockout_rows(base, run_name, variants, sp, kn, toward, drop_nats,
+                                                                 top_k)
         ko_rows += got
+        unreached += missed
     row["null_knockout_err"] = null_err
-    return ko_rows
+    row |= CHAINS.of(sp, knocked, groups)
+    return ko_rows, unreached
 
 
 # --------------------------------------------------------------------------------------------
-# chain of thought (scenario.variant=cot)
+# chain of thought (scenario.variant=cot): what only a chain has
 
 
 def _per_key(mass: list[list[float]], group: str, size: int, visible: float) -> float | None:
@@ -268,76 +268,42 @@ def _per_key(mass: list[list[float]], group: str, size: int, visible: float) -> 
     return float(np.mean([m[CHAIN_GROUPS.index(group)] for m in mass])) / size * visible if size else None
 
 
-def _chain_masses(masses: torch.Tensor, length: int) -> dict[str, list[list[float]]]:
-    """From one chain's captured masses ``[steps, L, G]``: ``chain`` (mean over the generated
-    tokens' queries, steps ``1..length``; the decision query's when nothing was generated),
-    ``decision`` (step 0, the decision query, as the direct probe measures it) and ``marker`` (the
-    query of the marker's last token, which the decision is read after)."""
-    gen = masses[1: length + 1] if length else masses[:1]
-    return {"chain": gen.mean(0).tolist(), "decision": masses[0].tolist(), "marker": masses[min(length, len(masses) - 1)].tolist()}
-
-
-def _knockout_chains(ctx, sp, row: dict, variants: list[dict], n_sinks: int, drop_nats: float,
-                     top_k: int) -> tuple[list[dict], list[dict]]:
-    """One pair under the generated readout, both runs (its clean chains screened it already).
-
-    Per run, one batch from the run's one prefix cache decodes the clean chain and one chain per
-    knockout variant (:func:`kvnotes.kv.knockout.generate_knocked`: the knocked keys are hidden from
-    the decision query and from every generated token's query, in the variant's layers, on every
-    decode step), capturing the attention mass of every query per layer and :data:`kvnotes.kv.knockout.CHAIN_GROUPS`
-    group; each decision is read after its chain's marker. The pair's columns are written into
-    ``row``.
-
-    Returns:
-        (knockout rows of chains that reached the marker, knockout rows of chains that did not
-        (``reason``, the chain)).
-    """
-    model, tok = ctx.bundle.model, ctx.bundle.tokenizer
-    n_layers = ctx.bundle.adapter.n_layers
-    pair, max_new = sp.pair, sp.max_new
-    d = pair.decision
-    caches = {"old": sp.old_cache, "new": sp.new_cache}
-    groups = key_groups(pair.field, d, n_sinks)
-    spans = chain_spans(groups, d)
+def _chain_columns(sp, knocked: dict, groups: dict) -> dict:
+    """Per run, of the clean chain: the decision query's masses (``mass_decision_<run>``, as the
+    direct readout reads them), the query of the marker's last token (``mass_marker_<run>``, the
+    one the decision is read after) and the field's and the downstream's mass per key
+    (:func:`_per_key`, over the keys a chain query sees on average); ``clean_chain_matches``: both
+    clean chains decoded the screen's chains token for token."""
+    d = sp.pair.decision
     sizes = {g: e - s for g, (s, e) in groups.items()}
-    masks = knockout_masks(n_layers, d, groups, [([], [0, n_layers])] + [(v["groups"], v["layers"]) for v in variants])
-    marker, stops = K.cot_marker(ctx, pair), K.stop_tokens(tok)
-    row |= {"groups": {g: list(s) for g, s in groups.items()}, "clean_chain_matches": True}
-    base = {k: row[k] for k in ("pair", "scenario", "family", "instance", "flips")}
-    null_err = 0.0
-    ko_rows, unreached = [], []
-    for run_name in RUNS:
-        other = "new" if run_name == "old" else "old"
-        with ctx.timer("knockout_generate"):
-            gen, hook = generate_knocked(model, caches[run_name], int(pair.old.ids[d]), max_new, marker, stops,
-                                         masks, spans)
-        masses = hook.step_masses()                                       # [V, steps, L, G]
-        clean = gen.chains[0]
-        m = _chain_masses(masses[0], clean.length)
-        visible = d + 1 + (clean.length + 1) / 2 if clean.length else d + 1     # mean keys a chain query sees
-        row |= {f"mass_{run_name}": m["chain"], f"mass_decision_{run_name}": m["decision"],
-                f"mass_marker_{run_name}": m["marker"], f"recon_err_{run_name}": hook.max_recon_err,
-                f"field_per_key_{run_name}": _per_key(m["chain"], "field", sizes["field"], visible),
-                f"downstream_per_key_{run_name}": _per_key(m["chain"], "downstream", sizes["downstream"], visible)}
-        row[f"knocked_mass_max_{run_name}"] = max(
-            (float(masses[i + 1][:, l0:l1][..., [CHAIN_GROUPS.index(g) for g in v["groups"]]].sum(-1).max())
-             for i, v in enumerate(variants) for l0, l1 in [v["layers"]]), default=0.0)
-        row["clean_chain_matches"] &= clean.ids == sp.chain_ids[run_name]
-        if not clean.reached:                                  # the screen's chain did, this batch's did not
-            unreached += [base | {"run": run_name, "variant": v["name"], "reason": "clean_no_marker",
-                                  "chain": gen.chains[i].record()} for i, v in enumerate(variants, start=1)]
-            continue
-        s = first_token_scores(gen.logprobs, pair)
-        s_clean, s_screen, s_other = float(s[0]), row[f"s_{run_name}"], row[f"s_{other}"]
-        null_err = max(null_err, abs(s_clean - s_screen))
-        toward = 1.0 if s_other > s_clean else -1.0
-        row[f"lp_cand_{run_name}"], got, missed = _knockout_rows(
-            base, run_name, variants, pair, gen.logprobs, s, toward, drop_nats, top_k, gen.chains,
-            lambda chain, run_name=run_name: K.cot_unreached(ctx, run_name, chain))
-        ko_rows += got
-        unreached += missed
-    row["null_knockout_err"] = null_err
-    return ko_rows, unreached
+    out: dict = {"clean_chain_matches": True}
+    for run_name, kn in knocked.items():
+        assert kn.masses is not None and kn.lengths is not None
+        masses, n = kn.masses[0], kn.lengths[0]
+        chain = kn.reading_masses(0).tolist()
+        visible = d + 1 + (n + 1) / 2 if n else d + 1                    # mean keys a chain query sees
+        out |= {f"mass_decision_{run_name}": masses[0].tolist(), f"mass_marker_{run_name}": masses[min(n, len(masses) - 1)].tolist(),
+                f"field_per_key_{run_name}": _per_key(chain, "field", sizes["field"], visible),
+                f"downstream_per_key_{run_name}": _per_key(chain, "downstream", sizes["downstream"], visible)}
+        out["clean_chain_matches"] &= sp.chain_columns(kn, 0, reproduces=("same", run_name))["same"]
+    return out
+
+
+#: What only a chain has, measured under the generated readout.
+CHAINS = Measure("chains", _chain_columns, readouts=("generated",))
+
+#: The record's checks: every captured mass matrix sums to 1 per layer, the capture reproduces the
+#: executed attention, knocking nothing out re-reads the clean score, knocked keys get no mass; and
+#: the chains re-decoded for the knockouts are the screen's.
+CHECKS = (
+    Check("max_mass_sum_err", lambda rows: max((abs(sum(m) - 1) for r in rows for k in r if k.startswith("mass_")
+                                                for m in r[k]), default=None)),
+    Check("max_recon_err", lambda rows: max((r[f"recon_err_{run}"] for r in rows for run in RUNS), default=None)),
+    Check("max_null_knockout_err", lambda rows: max((r["null_knockout_err"] for r in rows), default=None)),
+    Check("max_knocked_mass", lambda rows: max((r[f"knocked_mass_max_{run}"] for r in rows for run in RUNS),
+                                               default=None)),
+    Check("n_clean_chain_mismatch", lambda rows: sum(not r["clean_chain_matches"] for r in rows),
+          readouts=("generated",)))
 
 
 def _chain_attention(rows: list[dict], n_boot: int, seed: int) -> dict:
@@ -391,7 +357,6 @@ def run(ctx) -> dict:
         ``n_unreached``.
     """
     cfg = ctx.cfg
-    generated = K.is_cot(ctx)
     n_sinks = cfg.n_sinks
     drop_nats, top_k = float(cfg.collapse.drop_nats), int(cfg.collapse.top_k)
     n_boot = cfg.n_boot
@@ -401,56 +366,35 @@ def run(ctx) -> dict:
 
     def measure(sp, row: dict) -> dict:
         row = dict(row)
-        if generated:
-            ko, un = _knockout_chains(ctx, sp, row, variants, n_sinks, drop_nats, top_k)
-            unreached.extend(un)
-        else:
-            ko = _knockout_pair(ctx, sp.run, row, variants, n_sinks, drop_nats, top_k)
+        ko, un = _knockout_pair(ctx, sp, row, variants, n_sinks, drop_nats, top_k)
         ko_rows.extend(ko)
+        unreached.extend(un)
         return row
 
-    pr = pair_loop(ctx, "read_location", measure, scope="all")
+    pr = pair_loop(ctx, "read_location", measure, scope="all", measures=(CHAINS,))
     rows = pr.rows
-    groups = CHAIN_GROUPS if generated else GROUPS
-    mass_keys = ("mass", "mass_decision", "mass_marker") if generated else ("mass",)
+    chains = CHAINS.name in pr.measured
+    groups = mass_groups(pr.readout)
     with ctx.timer("statistics"):
-        knockout = _knockout_aggregates(ko_rows, variants, n_boot, ctx.seed)
-        for subset, fams in knockout.items() if generated else ():
-            for fam, runs in fams.items():
-                for run_name, cells in runs.items():
-                    for name, cell in cells.items():
-                        cell["n_unreached"] = sum(u["variant"] == name and u["run"] == run_name and
-                                                  (fam == "all" or u["family"] == fam) and
-                                                  (subset == "all" or u["flips"]) for u in unreached)
         aggregates = {
             "n_pairs": len(rows), "n_flip": sum(r["flips"] for r in rows),
             "n_pairs_by_family": dict(Counter(r["family"] for r in rows)),
             "n_flip_by_family": dict(Counter(r["family"] for r in rows if r["flips"])),
-            "checks": {
-                "max_mass_sum_err": max((abs(sum(m) - 1) for r in rows for run in RUNS for key in mass_keys
-                                         for m in r[f"{key}_{run}"]), default=None),
-                "max_recon_err": max((r[f"recon_err_{run}"] for r in rows for run in RUNS), default=None),
-                "max_null_knockout_err": max((r["null_knockout_err"] for r in rows), default=None),
-                "max_knocked_mass": max((r[f"knocked_mass_max_{run}"] for r in rows for run in RUNS), default=None),
-            },
+            "checks": pr.checks(CHECKS),
             "attention": _attention_aggregates(rows, bands, n_boot, ctx.seed, groups),
-            "knockout": knockout,
-        }
-        if generated:
-            aggregates |= readout_aggregates(ctx, pr) | {
-                           "n_pairs": len(ctx.pairs.pairs) + len(ctx.pairs.excluded),
-                           "n_reached": len(rows), "n_knocked_unreached": len(unreached),
-                           "chain_attention": _chain_attention(rows, n_boot, ctx.seed)}
-            aggregates["checks"]["n_clean_chain_mismatch"] = sum(not r["clean_chain_matches"] for r in rows)
+            "knockout": _knockout_aggregates(ko_rows, variants, n_boot, ctx.seed, unreached if chains else None),
+        } | readout_aggregates(ctx, pr)
+        if chains:
+            aggregates |= {"n_knocked_unreached": len(unreached), "chain_attention": _chain_attention(rows, n_boot, ctx.seed)}
     examples: dict = {}
     for row in rows:
         fam = row["family"]
         if fam not in examples or (row["flips"] and not examples[fam]["flips"]):
             examples[fam] = {k: row[k] for k in ("pair", "flips", "field", "decision", "mass_new")}
-            if generated:
+            if "chain_new" in row:
                 examples[fam]["chain_new_text"] = ctx.bundle.tokenizer.decode(row["chain_new"]["ids"],
                                                                               skip_special_tokens=True)
-    what = "(after the marker) " if generated else ""
+    what = "(after the marker) " if chains else ""
     return {"rows": rows, "knockout_rows": ko_rows, "aggregates": aggregates,
             "exclusions": pr.exclusions, "excluded": pr.excluded,
             "groups": list(groups), "n_sinks": n_sinks, "bands": bands,
@@ -458,7 +402,7 @@ def run(ctx) -> dict:
             "collapse": {"drop_nats": drop_nats, "top_k": top_k,
                          "rule": f"collapsed = both candidates' first-token log-probs {what}fall by >= drop_nats, "
                                  "or neither candidate stays in the top_k that held one of them"},
-            "examples": examples} | ({"knockout_unreached": unreached} if generated else {})
+            "examples": examples} | ({"knockout_unreached": unreached} if chains else {})
 
 
 # ---------------------------------------------------------------------------------------------

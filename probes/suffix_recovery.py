@@ -14,9 +14,11 @@ from annotated_types import Len
 from pydantic import AfterValidator
 
 from kvnotes.harness import kit as K
-from kvnotes.harness.constraints import Counts, LayerBands, OpenFraction, Share, one_of, require_instances
+from kvnotes.errors import KvnotesError
+from kvnotes.harness.constraints import Count, LayerBands, OpenFraction, Share, one_of, require_instances
 from kvnotes.harness.kit import ProbeConfig, RandomControl, families_of, summaries_by_family
-from kvnotes.harness.protocol import GeneratedReadout, ScreenedPair, pair_loop, readout_aggregates
+from kvnotes.harness.protocol import GeneratedReadout, pair_loop, readout_aggregates, readout_config
+from kvnotes.harness.screened import ScreenedPair
 from kvnotes.harness.selection import (ANCHORS, OFFSET_ANCHORS, coverage, coverage_warnings, grid_points, k_for, offset_profiles, offsets, pair_rng,
                                        position_sets, position_values, profile_for, rank_values, split_instances,
                                        split_warnings)
@@ -36,6 +38,13 @@ REFERENCES = ("none", "field", "downstream", "field_downstream")
 NO_DOWNSTREAM = "no_downstream"
 
 
+def _set_family(name: str) -> str:
+    """A set family (:data:`SET_FAMILIES`)."""
+    if name not in SET_FAMILIES:
+        raise ValueError(f"must be one of {', '.join(map(repr, SET_FAMILIES))}, got {name!r}")
+    return name
+
+
 def _cot_family(name: str) -> str:
     """A set family the cot curves run (:data:`COT_FAMILIES`)."""
     if name not in COT_FAMILIES:
@@ -51,16 +60,24 @@ class Grid:
     count larger than a pair's downstream is skipped for that pair and counted)."""
 
     fractions: Annotated[list[Share], Len(min_length=1)] = field(default_factory=lambda: [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0])
-    counts: Counts = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    counts: list[Count] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
 
 
 @dataclass
 class Config(ProbeConfig, GeneratedReadout):
     """Keys of ``conf/probe/suffix_recovery.yaml``
     (the defaults are here; the YAML sets what differs; see the specification); with
-    ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`)."""
+    ``scenario.variant=cot`` the generated readout's keys (:class:`kvnotes.harness.protocol.GeneratedReadout`),
+    and ``cot_grid``, ``cot_families`` and ``cot_single`` stand in for ``grid``, ``families`` and
+    ``single`` (:func:`kvnotes.harness.protocol.readout_config`)."""
 
     grid: Grid = field(default_factory=Grid)
+    #: the set families: last-k / first-k downstream positions, the top-k positions ranked on
+    #: selection pairs (held-out pairs), k-matched random sets
+    families: Annotated[list[Annotated[str, AfterValidator(_set_family)]], Len(min_length=1)] = field(
+        default_factory=lambda: list(SET_FAMILIES))
+    #: the single-position map (every downstream position alone; the top-k ranking reads it)
+    single: bool = True
     #: n_draws: k-matched random sets per grid point (Generator seeded from seed + pair id)
     random: RandomControl = field(default_factory=lambda: RandomControl(5))
     #: aligned: match positions by aligning the downstream tokens | decision: offsets d - p | field_end:
@@ -77,20 +94,29 @@ class Config(ProbeConfig, GeneratedReadout):
     #: keep the flipping pairs' prefix caches from the clean runs: each pair is prefilled once (~10 MB per
     #: pair on SmolLM2-135M); false bounds memory, then they are prefilled again
     keep_caches: bool = True
-    #: ``scenario.variant=cot``: set sizes (fractions of the downstream) and set families
-    cot_fractions: Annotated[list[Share], Len(min_length=1)] = field(default_factory=lambda: [0.1, 0.25, 0.5, 1.0])
-    #: last-k / first-k downstream positions
+    #: ``scenario.variant=cot``: set sizes (fractions of the downstream), set families (last-k / first-k
+    #: downstream positions), the single-position map (a chain per position: off)
+    cot_grid: Grid = field(default_factory=lambda: Grid(fractions=[0.1, 0.25, 0.5, 1.0], counts=[]))
     cot_families: Annotated[list[Annotated[str, AfterValidator(_cot_family)]], Len(min_length=1)] = field(default_factory=lambda: list(COT_FAMILIES))
+    cot_single: bool = False
 
     def check_run(self, run) -> None:
-        """The held-out top-k curve needs a selection split (direct readout; the cot curves have none).
+        """The held-out top-k curve needs a selection split, its ranking the single-position map and
+        its verdict the random sets.
 
         Raises:
-            KvnotesError: ``scenario.n_instances < 2`` under the direct readout.
+            KvnotesError: ``topk`` among the set families with ``scenario.n_instances < 2``, without
+                the single-position map or without ``random`` (its control).
         """
-        if run.scenario.variant != "cot":
+        if "topk" in self.families:
             require_instances(run, 2, "suffix_recovery", "ranks positions on selection instances and tests them "
                               "on held-out ones")
+            if not self.single:
+                raise KvnotesError("probe.single=false: the topk set family ranks positions by the selection pairs' "
+                                   "single-position map (set probe.single=true or leave topk out of probe.families)")
+            if "random" not in self.families:
+                raise KvnotesError("probe.families: the topk set family is judged against k-matched random sets, its "
+                                   "control (keep random among the families or leave topk out)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +150,7 @@ def evaluate_pair(sp: ScreenedPair, grid: list[dict], bands: list[dict], rng: np
     """Every variant of one screened pair, scored (or decoded) in one batch under the run's readout.
 
     Args:
-        sp: the screened pair (:class:`kvnotes.harness.protocol.ScreenedPair`).
+        sp: the screened pair (:class:`kvnotes.harness.screened.ScreenedPair`).
         grid: :func:`kvnotes.harness.selection.grid_points`.
         bands: :func:`kvnotes.harness.kit.layer_bands`.
         rng: the pair's generator for random sets (:func:`pair_rng`).
@@ -143,9 +169,10 @@ def evaluate_pair(sp: ScreenedPair, grid: list[dict], bands: list[dict], rng: np
         ``random``: ``random_draws`` (per grid point, per draw),
         ``random_flip_share``, ``random_sizes`` (distinct positions actually patched per draw,
         read back from the masks) and ``random_outside`` (patched positions outside ``[b, d)``,
-        must be 0); ``topk_sets`` (held-out pairs); ``n_variants`` (unique masks evaluated); under
+        must be 0); ``topk_sets`` (held-out pairs); ``n_variants`` (unique masks evaluated);
+        ``n_unreached`` (variants whose chain missed its marker: 0 under the direct readout); under
         the generated readout ``chains`` (``ref:<name>``, ``<family>@<g>``, ``band@<i>`` -> chain
-        record) and ``n_unreached``.
+        record, :meth:`kvnotes.harness.screened.ScreenedPair.chain_records`).
     """
     pair = sp.pair
     a, b = pair.field
@@ -190,10 +217,8 @@ def evaluate_pair(sp: ScreenedPair, grid: list[dict], bands: list[dict], rng: np
             out["random_sets"] = sets["random"]
     if topk_order is not None:
         out["topk_sets"] = [None if s is None else s[0] for s in sets["topk"]]
-    if sc.chains is not None:
-        out |= {"chains": {name: sc.chains[i].record() for name, i in names.items()},
-                "n_unreached": sum(not c.reached for c in sc.chains)}
-    return out
+    out["n_unreached"] = sum(not ok for ok in sc.reached)
+    return out | sp.chain_records(sc, names, "chains")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +228,7 @@ def evaluate_pair(sp: ScreenedPair, grid: list[dict], bands: list[dict], rng: np
 def _example(tokenizer, pair, row: dict) -> dict:
     """One pair's single-position map with the prompt's token strings, for figures."""
     ids = pair.new.ids[: pair.decision + 1].tolist()
-    return {"pair": row["pair"], "split": row["split"], "tokens": [tokenizer.decode([t]) for t in ids],
+    return {"pair": row["pair"], "split": row.get("split"), "tokens": [tokenizer.decode([t]) for t in ids],
             "field": list(pair.field), "decision": pair.decision, "downstream": row["downstream"],
             "single": row["single"], "old": row["old"], "new": row["new"]}
 
@@ -219,13 +244,30 @@ def _offset_map(rows: list[dict], anchor: str) -> dict:
     return {"offset": offs, "mean": [float(np.mean(acc[o])) for o in offs], "n": [len(acc[o]) for o in offs]}
 
 
-def _aggregates(rows, held, grid, bands, families, n_boot, seed, anchor) -> dict:
+def _summaries(rows: list[dict], value, flipped, families: list[str], n_boot: int, seed: int,
+               missed=None) -> dict:
+    """:func:`kvnotes.harness.kit.summaries_by_family` over the rows with a value, with
+    ``n_unreached`` per family and ``all``: the rows whose chain for this value missed its marker
+    (``missed(row)``; default: the value is None), none under the direct readout."""
+    missed = missed or (lambda r: value(r) is None)
+    got = summaries_by_family(rows, value, flipped, families, n_boot, seed)
+    for g, cell in got.items():
+        cell["n_unreached"] = sum(bool(missed(r)) for r in rows if g == "all" or r["family"] == g)
+    return got
+
+
+def _aggregates(rows, held, grid, bands, families, n_boot, seed, anchor, fams, single: bool) -> dict:
+    """The curves (held-out: the top-k ranking's pairs; all pairs), references and layer bands, the
+    single-position map's summaries (with ``single``) and the random draws' flip shares (with the
+    ``random`` family), over the values whose chain reached its marker."""
     def curve(rs, name):
         out = []
         for g in range(len(grid)):
-            got = summaries_by_family(rs, lambda r: r["curves"].get(name, [None] * len(grid))[g],
-                                      lambda r: bool(r["curves_flipped"][name][g]), families, n_boot, seed)
-            skipped = sum(1 for r in rs if name in r["curves"] and r["curves"][name][g] is None)
+            got = _summaries(rs, lambda r, g=g: r["curves"].get(name, [None] * len(grid))[g],
+                             lambda r, g=g: bool(r["curves_flipped"][name][g]), families, n_boot, seed,
+                             missed=lambda r, g=g: name in r["curves"] and r["k"][g] is not None
+                             and r["curves"][name][g] is None)
+            skipped = sum(1 for r in rs if name in r["curves"] and r["k"][g] is None)
             out.append(got | {"n_skipped_k_exceeds_downstream": skipped})
         return out
 
@@ -246,20 +288,23 @@ def _aggregates(rows, held, grid, bands, families, n_boot, seed, anchor) -> dict
             out.append(cell)
         return out
 
-    refs = {n: summaries_by_family(rows, lambda r, n=n: r[f"r_{n}"], lambda r, n=n: r[f"flipped_{n}"], families,
-                                   n_boot, seed) for n in REFERENCES}
-    band_aggs = [summaries_by_family(rows, lambda r, i=i: r["bands"][i], lambda r, i=i: r["bands_flipped"][i],
-                                     families, n_boot, seed) for i in range(len(bands))]
-    single = {
-        "max": summaries_by_family(rows, lambda r: max(r["single"]), lambda r: any(r["single_flipped"]), families,
-                                   n_boot, seed),
-        "sum": summaries_by_family(rows, lambda r: float(np.sum(r["single"])), lambda r: any(r["single_flipped"]),
-                                   families, n_boot, seed),
-        "by_offset": {anc: {g: _offset_map([r for r in rows if g == "all" or r["family"] == g], anc)
-                            for g in ["all", *families]} for anc in OFFSET_ANCHORS},
-    }
-    return {"curves": curves, "references": refs, "bands": band_aggs, "single": single,
-            "random_draw_flip_share": {"heldout": draw_share(held), "all": draw_share(rows)}}
+    refs = {n: _summaries(rows, lambda r, n=n: r[f"r_{n}"], lambda r, n=n: bool(r[f"flipped_{n}"]), families,
+                          n_boot, seed) for n in REFERENCES}
+    band_aggs = [_summaries(rows, lambda r, i=i: r["bands"][i], lambda r, i=i: bool(r["bands_flipped"][i]),
+                            families, n_boot, seed) for i in range(len(bands))]
+    out = {"curves": curves, "references": refs, "bands": band_aggs}
+    if single:
+        out["single"] = {
+            "max": summaries_by_family(rows, lambda r: max(r["single"]), lambda r: any(r["single_flipped"]), families,
+                                       n_boot, seed),
+            "sum": summaries_by_family(rows, lambda r: float(np.sum(r["single"])), lambda r: any(r["single_flipped"]),
+                                       families, n_boot, seed),
+            "by_offset": {anc: {g: _offset_map([r for r in rows if g == "all" or r["family"] == g], anc)
+                                for g in ["all", *families]} for anc in OFFSET_ANCHORS},
+        }
+    if "random" in fams:
+        out["random_draw_flip_share"] = {"heldout": draw_share(held), "all": draw_share(rows)}
+    return out
 
 
 class Band(TypedDict):
@@ -270,12 +315,14 @@ class Band(TypedDict):
 
 
 class SuffixRow(PairRow):
-    """A flipping pair: split, single-position map, band and curve recoveries (under cot: no split
-    or single-position map, and None where a chain missed its marker)."""
+    """A flipping pair: split (with the ``topk`` family), single-position map (with ``single``), band
+    and curve recoveries (None where a chain missed its marker)."""
 
     split: NotRequired[str]
     downstream: list[int]
     single: NotRequired[list[float]]
+    #: variants whose chain missed its marker (0 under the direct readout)
+    n_unreached: int
     #: held-out pairs: downstream positions no selection position maps to (they rank last)
     topk_unmatched: NotRequired[int]
     bands: list[float | None]
@@ -340,68 +387,38 @@ def _mean_over_grid(row: dict, family: str) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
-def _checks(rows: list[dict], held_rows: list[dict], grid: list[dict], sel) -> dict:
-    """The probe's self-checks: exact references, the full set equals the downstream patch, random
-    sets inside the downstream span and of their size, held-out profiles from selection pairs only."""
-    inst_of = {r["pair"]: r["instance"] for r in rows}
-    full_idx = [g for g, pt in enumerate(grid) if pt["kind"] == "fraction" and pt["value"] == 1.0]
-    return {
+def _checks(rows: list[dict], held_rows: list[dict], grid: list[dict], sel, fams: list[str]) -> dict:
+    """The probe's self-checks: exact references, the full set equals the downstream patch (where
+    both chains reached their markers); with the ``random`` family, random sets inside the downstream
+    span and of their size; with ``topk``, held-out profiles from selection pairs only."""
+    full = [g for g, pt in enumerate(grid) if pt["kind"] == "fraction" and pt["value"] == 1.0]
+    out = {
         "max_abs_none": K.worst(rows, "r_none"),
         "max_abs_field_downstream_minus_1": K.worst(rows, "r_field_downstream", 1.0),
         "max_abs_full_set_minus_downstream": max((abs(r["curves"][f][g] - r["r_downstream"]) for r in rows
-                                                  for f in r["curves"] if not f.startswith("field+") for g in full_idx),
-                                                 default=None),
-        "random_outside_downstream": sum(r["random_outside"] for r in rows),
-        "random_size_mismatch": sum(s != k for r in rows for k, ss in zip(r["k"], r["random_sizes"]) if ss for s in ss),
-        "heldout_profile_pairs_not_in_selection": sum(inst_of[p] not in sel for r in held_rows
-                                                      for p in r["topk_profile_pairs"]),
-    }
-
-
-def _cot_summaries(rows: list[dict], value, flipped, families: list[str], n_boot: int, seed: int) -> dict:
-    """:func:`kvnotes.harness.kit.summaries_by_family` over the chains that reached their marker, with
-    ``n_unreached`` (rows whose chain for this point missed it) per family and ``all``."""
-    got = summaries_by_family(rows, value, flipped, families, n_boot, seed)
-    for g, cell in got.items():
-        cell["n_unreached"] = sum(value(r) is None for r in rows if g == "all" or r["family"] == g)
-    return got
-
-
-def _cot_aggregates(rows: list[dict], grid: list[dict], bands: list[dict], fams: list[str], families: list[str],
-                    n_boot: int, seed: int) -> dict:
-    """The generated readout's aggregates: the coarse curves, references and bands over the chains
-    that reached their marker, and the exact checks where both chains did."""
-    curve_names = list(rows[0]["curves"]) if rows else []
-    curves = {c: [_cot_summaries(rows, lambda r, c=c, i=i: r["curves"][c][i],
-                                 lambda r, c=c, i=i: bool(r["curves_flipped"][c][i]), families, n_boot, seed)
-                  for i in range(len(grid))] for c in curve_names}
-    refs = {n: _cot_summaries(rows, lambda r, n=n: r[f"r_{n}"], lambda r, n=n: bool(r[f"flipped_{n}"]),
-                              families, n_boot, seed) for n in REFERENCES}
-    band_aggs = [_cot_summaries(rows, lambda r, i=i: r["bands"][i], lambda r, i=i: bool(r["bands_flipped"][i]),
-                                families, n_boot, seed) for i in range(len(bands))]
-    full = [i for i, pt in enumerate(grid) if pt["value"] == 1.0]
-    return {"cot_fractions": [pt["value"] for pt in grid], "cot_families": fams,
-            "curves": {"heldout": {}, "all": curves}, "references": refs, "bands": band_aggs,
-            "n_unreached": sum(r["n_unreached"] for r in rows), "direct_only": ["single", "topk", "random"],
-            "checks": {"max_abs_none": K.worst(rows, "r_none"),
-                       "max_abs_field_downstream_minus_1": K.worst(rows, "r_field_downstream", 1.0),
-                       "max_abs_full_set_minus_downstream": max(
-                           (abs(r["curves"][f][g] - r["r_downstream"]) for r in rows for f in fams for g in full
-                            if r["curves"][f][g] is not None and r["r_downstream"] is not None), default=None)}}
+                                                  for f in r["curves"] if not f.startswith("field+") for g in full
+                                                  if r["curves"][f][g] is not None and r["r_downstream"] is not None),
+                                                 default=None)}
+    if "random" in fams:
+        out |= {"random_outside_downstream": sum(r["random_outside"] for r in rows),
+                "random_size_mismatch": sum(s != k for r in rows for k, ss in zip(r["k"], r["random_sizes"]) if ss
+                                            for s in ss)}
+    if "topk" in fams:
+        inst_of = {r["pair"]: r["instance"] for r in rows}
+        out["heldout_profile_pairs_not_in_selection"] = sum(inst_of[p] not in sel for r in held_rows
+                                                            for p in r["topk_profile_pairs"])
+    return out
 
 
 def run(ctx) -> dict:
     """Suffix / prefix / top-k / random recovery curves, single-position map and layer bands of
-    every flipping pair under the direct readout, the coarse curves and bands under the generated
-    one (:func:`kvnotes.harness.protocol.pair_loop`); see the specification."""
-    cfg = ctx.cfg
-    generated = K.is_cot(ctx)
+    every flipping pair under the run's readout (:func:`kvnotes.harness.protocol.pair_loop`; under
+    the generated one its ``cot_`` grid, set families and single-position map,
+    :func:`kvnotes.harness.protocol.readout_config`: the coarse curves and bands); see the specification."""
+    cfg = readout_config(ctx)
     n_layers = ctx.bundle.model.config.get_text_config().num_hidden_layers
-    if generated:
-        grid = [{"kind": "fraction", "value": float(f)} for f in cfg.cot_fractions]
-        fams = [str(f) for f in cfg.cot_families]
-    else:
-        grid, fams = grid_points(list(cfg.grid.fractions), list(cfg.grid.counts)), list(SET_FAMILIES)
+    grid, fams = grid_points(list(cfg.grid.fractions), list(cfg.grid.counts)), list(cfg.families)
+    ranked = "topk" in fams                     # the held-out top-k curve: a selection / held-out split
     bands_spec = cfg.layer_bands
     bands = K.layer_bands(n_layers, bands_spec if isinstance(bands_spec, int) else [list(x) for x in bands_spec])
     anchor = cfg.topk_anchor
@@ -411,12 +428,12 @@ def run(ctx) -> dict:
     pr = pair_loop(ctx, "suffix_recovery", exclude=lambda p: NO_DOWNSTREAM if p.decision <= p.field[1] else None,
                    keep=True, keep_caches=cfg.keep_caches)
     rows, excluded = pr.rows, pr.excluded
-    sel, held = (set(), set()) if generated else split_instances(rows, cfg.selection_fraction, ctx.seed)
+    sel, held = split_instances(rows, cfg.selection_fraction, ctx.seed) if ranked else (set(), set())
     order = sorted(range(len(rows)), key=lambda i: rows[i]["instance"] not in sel)   # selection first, stable
     out_rows: list[dict | None] = [None] * len(rows)
     profiles = None
     for i in K.units(ctx, order, "suffix_recovery"):
-        row = rows[i] if generated else rows[i] | {"split": "selection" if rows[i]["instance"] in sel else "heldout"}
+        row = rows[i] | ({"split": "selection" if rows[i]["instance"] in sel else "heldout"} if ranked else {})
         topk_order = None
         if row.get("split") == "heldout":
             if profiles is None:       # every selection pair is done: build the ranking profiles once
@@ -431,46 +448,43 @@ def run(ctx) -> dict:
                 topk_order = rank_values(vals, down, anchor)
                 row["topk_unmatched"] = int(np.isnan(vals).sum())
         row |= evaluate_pair(pr.pairs[i], grid, bands, pair_rng(ctx.seed, row["pair"]), n_draws, topk_order,
-                             cfg.with_field, cfg.store_sets, fams, single=not generated)
+                             cfg.with_field, cfg.store_sets, fams, single=cfg.single)
         pr.pairs[i] = pr.pairs[i].released()                                     # free the caches
         out_rows[i] = row
     rows = [r for r in out_rows if r is not None]
     families = families_of(ctx, rows + excluded)
-    common = K.pair_counts(ctx, rows, excluded, families)
-    out = {"rows": rows, "exclusions": pr.exclusions, "excluded": excluded, "grid": grid, "layer_bands": bands,
-           "topk_anchor": anchor}
-    if generated:
-        with ctx.timer("statistics"):
-            aggregates = _cot_aggregates(rows, grid, bands, fams, families, n_boot, ctx.seed)
-            aggregates["suffix_fraction_for"] = suffix_fraction_for(aggregates["curves"]["all"], grid, families)
-        return out | {"aggregates": readout_aggregates(ctx, pr) | common | aggregates,
-                      "set_families": fams, "split": {}, "selection_pairs": [], "examples": {}, "warnings": []}
-    held_rows = [r for r in rows if r["split"] == "heldout" and "topk_sets" in r]
-    examples = {}
-    for r, sp in zip(rows, pr.pairs):
+    held_rows = [r for r in rows if r.get("split") == "heldout" and "topk_sets" in r]
+    examples: dict = {}
+    for r, sp in zip(rows, pr.pairs) if cfg.single else ():
         cur = examples.get(r["family"])
-        if cur is None or (cur["split"] != "heldout" and r["split"] == "heldout"):
+        if cur is None or (cur["split"] != "heldout" and r.get("split") == "heldout"):
             examples[r["family"]] = _example(ctx.bundle.tokenizer, sp.pair, r)
     with ctx.timer("statistics"):
-        aggregates = _aggregates(rows, held_rows, grid, bands, families, n_boot, ctx.seed, anchor)
+        aggregates = _aggregates(rows, held_rows, grid, bands, families, n_boot, ctx.seed, anchor, fams, cfg.single)
     aggregates["suffix_fraction_for"] = suffix_fraction_for(aggregates["curves"]["all"], grid, families)
-    aggregates["checks"] = _checks(rows, held_rows, grid, sel)
-    aggregates["verdicts"] = {"topk_positions": K.verdicts(
-        held_rows, lambda r: _mean_over_grid(r, "topk"), lambda r: _mean_over_grid(r, "random"), families,
-        f"top-k positions ranked on selection pairs ({anchor} positions) vs k random downstream positions, "
-        f"held-out recovery averaged over the grid", n_boot, ctx.seed)}
-    aggregates |= common | {"n_selection": sum(r["split"] == "selection" for r in rows), "n_heldout": len(held_rows),
-                            "n_heldout_without_profile": sum(r["split"] == "heldout" and "topk_sets" not in r
-                                                             for r in rows)}
-    warnings = split_warnings("suffix_recovery", rows, "held-out top-k curve", len(held_rows),
-                              "have no selection pairs of their scenario or family to rank positions by")
-    sel_rows = [r for r in rows if r["split"] == "selection"]
-    aggregates["profile_coverage"] = coverage(sel_rows, {r["pair"] for r in sel_rows}, ("scenario",))
-    warnings += coverage_warnings("suffix_recovery", aggregates["profile_coverage"], "position ranking")
-    return out | {"aggregates": aggregates, "set_families": list(SET_FAMILIES), "warnings": warnings,
-                  "split": {"selection_fraction": cfg.selection_fraction, "seed": ctx.seed,
-                            "selection": sorted(sel), "heldout": sorted(held)},
-                  "selection_pairs": [r["pair"] for r in rows if r["split"] == "selection"], "examples": examples}
+    aggregates["checks"] = _checks(rows, held_rows, grid, sel, fams)
+    aggregates |= {"n_unreached": sum(r["n_unreached"] for r in rows),
+                   "not_run": ([] if cfg.single else ["single"]) + [f for f in SET_FAMILIES if f not in fams]}
+    warnings: list[str] = []
+    split: dict = {}
+    if ranked:
+        aggregates["verdicts"] = {"topk_positions": K.verdicts(
+            held_rows, lambda r: _mean_over_grid(r, "topk"), lambda r: _mean_over_grid(r, "random"), families,
+            f"top-k positions ranked on selection pairs ({anchor} positions) vs k random downstream positions, "
+            f"held-out recovery averaged over the grid", n_boot, ctx.seed)}
+        aggregates |= {"n_selection": sum(r["split"] == "selection" for r in rows), "n_heldout": len(held_rows),
+                       "n_heldout_without_profile": sum(r["split"] == "heldout" and "topk_sets" not in r for r in rows)}
+        warnings = split_warnings("suffix_recovery", rows, "held-out top-k curve", len(held_rows),
+                                  "have no selection pairs of their scenario or family to rank positions by")
+        sel_rows = [r for r in rows if r["split"] == "selection"]
+        aggregates["profile_coverage"] = coverage(sel_rows, {r["pair"] for r in sel_rows}, ("scenario",))
+        warnings += coverage_warnings("suffix_recovery", aggregates["profile_coverage"], "position ranking")
+        split = {"selection_fraction": cfg.selection_fraction, "seed": ctx.seed, "selection": sorted(sel),
+                 "heldout": sorted(held)}
+    aggregates = readout_aggregates(ctx, pr) | K.pair_counts(ctx, rows, excluded, families) | aggregates
+    return {"rows": rows, "exclusions": pr.exclusions, "excluded": excluded, "grid": grid, "layer_bands": bands,
+            "topk_anchor": anchor, "aggregates": aggregates, "set_families": fams, "warnings": warnings, "split": split,
+            "selection_pairs": [r["pair"] for r in rows if r.get("split") == "selection"], "examples": examples}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,14 +492,15 @@ def run(ctx) -> dict:
 
 
 def _heldout(curve: str, kind: str, value: float):
-    """A held-out curve of a suffix_recovery record at one grid point (``-`` under the generated readout:
-    coarse curves only, no held-out top-k)."""
+    """A held-out curve of a suffix_recovery record at one grid point (``-`` for a record without it:
+    no top-k ranking, as under the generated readout's coarse curves, or no such grid point)."""
     def cell(rec: dict, fam: str) -> str:
         res = rec["result"]
-        if res["aggregates"].get("readout") == "generated":
+        points = [(g["kind"], g["value"]) for g in res["grid"]]
+        held = res["aggregates"]["curves"]["heldout"].get(curve)
+        if held is None or (kind, value) not in points:
             return "-"
-        i = [(g["kind"], g["value"]) for g in res["grid"]].index((kind, value))
-        return ci(res["aggregates"]["curves"]["heldout"][curve][i].get(fam))
+        return ci(held[points.index((kind, value))].get(fam))
     return cell
 
 

@@ -16,8 +16,10 @@ here, for both readouts:
   variants then decode their reasoning in one batch (:func:`kvnotes.kv.generate.generate`) and each
   decision is read after its chain's marker.
 
-Either way the probe sees a :class:`ScreenedPair` (the pair, its clean scores, and ``score(masks)``
-giving a :class:`Scored` under the run's readout) and its row (:func:`kvnotes.harness.pairs.pair_row`
+Either way the probe sees a :class:`kvnotes.harness.screened.ScreenedPair` (the pair, its clean
+scores, ``score(masks)`` giving a :class:`kvnotes.harness.screened.Scored` and
+``knockout(masks, groups)`` a :class:`kvnotes.harness.screened.Knocked` per clean run, under the
+run's readout) and its row (:func:`kvnotes.harness.pairs.pair_row`
 and the screen's columns). :func:`pair_loop` runs the loop for any measurement; :func:`run_patches`
 is the loop of a *patch probe*, one that names, per pair, position sets of the prefix ``[0, d)`` to
 patch (every layer) from the new run's K/V into the old run's (activation patching: the new run is
@@ -34,24 +36,19 @@ code path (``docs/adding_a_probe.md``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import nullcontext
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
 
+from kvnotes.errors import KvnotesError
 from kvnotes.harness import kit as K
 from kvnotes.harness.constraints import Count, NonNegative
-from kvnotes.harness.pairs import pair_row
-from kvnotes.harness.readout import PairRun, first_token_scores, variant_scores
-from kvnotes.kv import cache as kvcache
-from kvnotes.kv.decision import recovery
-from kvnotes.kv.masks import Masks, site_masks
-from kvnotes.kv.sites import Site, kv_site
-from kvnotes.kv import patch as kvpatch
+from kvnotes.harness.readout import first_token_scores
+from kvnotes.harness.screened import READOUTS, Readout, ScreenedPair, screen_generated
+from kvnotes.kv.sites import Site
 from kvnotes.kv import generate as kvgen
-from kvnotes.models.adapters import Adapter
 from kvnotes.ops import edit as kvedit
 
 #: ``pair -> {variant name: positions in [0, d)}`` (patched in every layer and KV head) or
@@ -60,9 +57,6 @@ Variants = Callable[[Any], Mapping[str, "Sequence[int] | Site"]]
 #: ``"flipping"``: measure the pairs that flip, exclude the rest; ``"all"``: measure every screened
 #: pair (rows keep ``flips`` / ``reason``), and also list the non-flipping ones as exclusions.
 Scope = Literal["flipping", "all"]
-#: The readouts a decision is read under (module docstring): ``scenario.variant=direct`` / ``cot``.
-Readout = Literal["direct", "generated"]
-READOUTS: tuple[Readout, ...] = ("direct", "generated")
 
 
 @dataclass(frozen=True)
@@ -88,15 +82,31 @@ class Measure:
     """Columns a probe adds to each measured row, under the readouts it is defined under.
 
     Attributes:
-        name: listed in :attr:`PairRows.measured` when it ran.
-        columns: ``(screened pair, row so far) -> columns``.
+        name: listed in :attr:`PairRows.measured` when it ran (:func:`pair_loop`'s ``measures``).
+        columns: ``(screened pair, *what the probe passes) -> columns``: :func:`run_patches` passes
+            the row with the variant columns; a probe that calls :meth:`of` itself passes what it
+            measured (e.g. its :class:`kvnotes.harness.screened.Knocked` runs).
         readouts: e.g. ``("direct",)`` for a measurement read at the decision position itself (the
-            exact field refresh), which a generated readout would not read.
+            exact field refresh), which a generated readout would not read; ``("generated",)`` for
+            one of what only a chain has.
     """
 
     name: str
-    columns: Callable[["ScreenedPair", dict], dict]
+    columns: Callable[..., dict]
     readouts: tuple[Readout, ...] = READOUTS
+
+    def of(self, unit, *args) -> dict:
+        """Its columns on ``unit`` (a :class:`kvnotes.harness.screened.ScreenedPair`, a
+        :class:`kvnotes.harness.reader.PromptReader`: anything with the run's ``readout``) when
+        that readout is one of :attr:`readouts`, else none."""
+        return self.columns(unit, *args) if unit.readout in self.readouts else {}
+
+
+def measured(ctx, measures: Sequence[Measure]) -> list[str]:
+    """The names of ``measures`` defined under the run's readout (what :attr:`PairRows.measured`
+    lists for a pair probe; a probe of other units asks here)."""
+    readout = readout_of(ctx)
+    return [m.name for m in measures if readout in m.readouts]
 
 
 #: The scenario prompt variant each readout reads (``scenario.variant``).
@@ -108,21 +118,47 @@ def readout_of(ctx) -> Readout:
     return "generated" if K.is_cot(ctx) else "direct"
 
 
-def readout_config(ctx):
-    """The probe's config as the run's readout reads it: under the generated readout a key
-    ``cot_<k>`` of the probe's ``Config`` stands in for ``<k>`` (a sweep of its own, a cap, an arm
-    left off: decoding a chain per variant costs more than reading one decision), but for
+def readout_of_variant(variant: str) -> Readout:
+    """The readout a scenario prompt variant is read under (:data:`PROMPT_VARIANT`; ``direct`` for
+    any variant that generates nothing)."""
+    return "generated" if variant == PROMPT_VARIANT["generated"] else "direct"
+
+
+def config_for(cfg, readout: Readout):
+    """A probe's config as ``readout`` reads it: under the generated readout a key ``cot_<k>`` of
+    the probe's ``Config`` stands in for ``<k>`` (a sweep of its own, a cap, an arm left off:
+    decoding a chain per variant costs more than reading one decision), but for
     :class:`GeneratedReadout`'s own keys; the direct readout reads the config as it is.
 
+    A key the ``Config`` lists in ``DIRECT_ONLY`` (key -> why: an arm only the direct readout
+    reads) is refused under the generated readout unless it keeps its default.
+
+    Args:
+        cfg: the typed probe config (a dataclass instance).
+
     Returns:
-        ``ctx.cfg``, or a copy of it (:func:`dataclasses.replace`) with the ``cot_`` values.
+        ``cfg``, or a copy of it (:func:`dataclasses.replace`) with the ``cot_`` values.
+
+    Raises:
+        KvnotesError: a ``DIRECT_ONLY`` key set under the generated readout (one line).
     """
-    cfg = ctx.cfg
-    if readout_of(ctx) == "direct":
+    if readout == "direct":
         return cfg
+    for f in fields(cfg):
+        why = getattr(cfg, "DIRECT_ONLY", {}).get(f.name)
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        if why is not None and getattr(cfg, f.name) != default:
+            value, back = (str(v).lower() if isinstance(v, bool) else v for v in (getattr(cfg, f.name), default))
+            raise KvnotesError(f"probe.{f.name}={value} is not run under scenario.variant=cot ({why}); "
+                               f"set probe.{f.name}={back}")
     own = {f.name for f in fields(GeneratedReadout)}
     keys = {f.name for f in fields(cfg)}
     return replace(cfg, **{k: getattr(cfg, f"cot_{k}") for k in keys if f"cot_{k}" in keys and f"cot_{k}" not in own})
+
+
+def readout_config(ctx):
+    """The probe's config as the run's readout reads it: :func:`config_for` of ``ctx.cfg``."""
+    return config_for(ctx.cfg, readout_of(ctx))
 
 
 @dataclass
@@ -136,180 +172,6 @@ class GeneratedReadout:
 
     cot_max_new_tokens: NonNegative = 40
     cot_max_pairs: Count | None = 12
-
-
-@dataclass
-class Scored:
-    """Patched variants of one pair scored under the run's readout (one entry per variant).
-
-    Attributes:
-        s: score ``log p(new) - log p(old)`` of the decision's first tokens (nats); None where a
-            chain missed its marker.
-        r: recovery ``(s - s_old) / (s_new - s_old)``, unclipped (docs/design.md §3); None with ``s``.
-        flipped: the patched run takes the new run's decision (direct: the score's sign equals the
-            new run's; generated: the owned top-1 after the marker is the new candidate).
-        side: the candidate the patched run decides for, ``"old"`` / ``"new"`` (direct: by the
-            score's sign; generated: the owned top-1 after the marker, None when neither).
-        reached: the chain reached its marker (always true under the direct readout).
-        chains: the generated chains (:class:`kvnotes.kv.generate.Chain`), None under direct.
-        unreached: per variant, the exclusion reason of a chain that missed its marker
-            (``<name>_no_marker``, ``<name>_truncated_in_think``: :func:`kvnotes.harness.kit.cot_unreached`,
-            named by the variant names given to :meth:`ScreenedPair.score`), else None; None under direct.
-    """
-
-    s: list[float | None]
-    r: list[float | None]
-    flipped: list[bool | None]
-    side: list[str | None]
-    reached: list[bool]
-    chains: list[kvgen.Chain] | None = None
-    unreached: list[str | None] | None = None
-
-
-class ScreenedPair:
-    """A pair that passed the screen, with its clean scores, under the direct readout.
-
-    Attributes:
-        run: its :class:`kvnotes.harness.readout.PairRun` (prefix caches over ``[0, d)``, or
-            released: :meth:`score` prefills them again).
-        readout: ``"direct"``.
-    """
-
-    readout = "direct"
-
-    def __init__(self, run: PairRun, model, mode: str = "first_token",
-                 budget_bytes: int = kvcache.DEFAULT_BUDGET_BYTES, timer: Callable[[str], Any] | None = None):
-        self.run, self.model, self.mode, self.budget_bytes = run, model, mode, budget_bytes
-        self.timer = timer or (lambda name: nullcontext())
-
-    @classmethod
-    def of(cls, ctx, run: PairRun) -> "ScreenedPair":
-        """The pair under the run's readout mode, memory budget and timer."""
-        return cls(run, ctx.bundle.model, ctx.readout, ctx.budget_bytes, ctx.timer)
-
-    @property
-    def pair(self):
-        return self.run.pair
-
-    @property
-    def s_old(self) -> float:
-        return self.run.s_old
-
-    @property
-    def s_new(self) -> float:
-        return self.run.s_new
-
-    def clean_side(self, run: str) -> str:
-        """The candidate a clean run (``"old"`` / ``"new"``) decides for: by its score's sign."""
-        return "new" if (self.s_new if run == "new" else self.s_old) > 0 else "old"
-
-    def chain_columns(self, sc: Scored, i: int, *, chain: str | None = None, length: str | None = None,
-                      reached: str | None = None, unreached: str | None = None,
-                      reproduces: tuple[str, str] | None = None) -> dict:
-        """The generated readout's columns of variant ``i`` of ``sc``, under the keys the probe
-        names: ``chain`` its chain record (:meth:`kvnotes.kv.generate.Chain.record`), ``length`` its
-        length, ``reached``, ``unreached`` its exclusion reason (None when it reached its marker),
-        ``reproduces`` ``(key, run)``: whether it decoded the clean ``run``'s chain token for token.
-        None under the direct readout, which reads no chain."""
-        return {}
-
-    def masks(self, sets: Sequence[Sequence[int] | Site]) -> Masks:
-        """Patch masks ``[V, n_layers, d]`` of position sets in ``[0, d)`` (every layer and KV head) or
-        of K/V :class:`kvnotes.kv.sites.Site` (positions in some layers and KV heads: a head patch,
-        :func:`kvnotes.kv.masks.site_masks`)."""
-        if any(isinstance(s, Site) for s in sets):
-            ad = Adapter.for_model(self.model)                     # heads as the cache holds them
-            return site_masks(ad.n_layers, self.pair.decision,
-                              [s if isinstance(s, Site) else kv_site(s) for s in sets], ad.cache_heads)
-        n_layers = self.model.config.get_text_config().num_hidden_layers
-        return kvpatch.position_masks(n_layers, self.pair.decision, [list(s) for s in sets])
-
-    @torch.no_grad()
-    def score(self, masks: Masks, names: Sequence[str] | None = None) -> Scored:
-        """Score ``masks`` (bool ``[V, n_layers, d]``: patch from the new run where true; or
-        :class:`kvnotes.kv.masks.FactoredMasks`) in one
-        batched call chunked to the memory budget (:func:`kvnotes.harness.readout.variant_scores`);
-        ``names`` (one per variant) label a generated chain's exclusion reason.
-
-        Raises:
-            ValueError: the readout mode is not one.
-        """
-        run = self.run.with_caches(self.model)
-        with self.timer("variants"):
-            s = variant_scores(self.model, run.pair, run.old_cache, run.new_cache, masks, self.mode, self.budget_bytes)
-        flipped = run.decision_flipped(s).tolist()
-        return Scored(s.tolist(), run.recovery(s).tolist(), flipped, ["new" if x > 0 else "old" for x in s.tolist()],
-                      [True] * len(flipped))
-
-    def released(self) -> "ScreenedPair":
-        """This pair without its prefix caches (:meth:`kvnotes.harness.readout.PairRun.released`)."""
-        return ScreenedPair(self.run.released(), self.model, self.mode, self.budget_bytes, self.timer)
-
-
-class GeneratedPair(ScreenedPair):
-    """A pair that passed the generated screen: its prefix caches and the clean chains' scores
-    (read after their markers); :meth:`score` decodes the variants' chains."""
-
-    readout = "generated"
-
-    def __init__(self, ctx, pair, old_cache, new_cache, screen: dict, max_new: int):
-        self.ctx, self._pair, self.old_cache, self.new_cache = ctx, pair, old_cache, new_cache
-        #: the clean chains' token ids, ``"old"`` / ``"new"``
-        self.chain_ids = {side: screen[f"chain_{side}"]["ids"] for side in ("old", "new")}
-        s_old, s_new = screen["s_old"], screen["s_new"]
-        self.model, self.timer = ctx.bundle.model, ctx.timer
-        self._s_old, self._s_new, self.max_new = s_old, s_new, max_new
-
-    @property
-    def pair(self):
-        return self._pair
-
-    @property
-    def s_old(self) -> float:
-        return self._s_old
-
-    @property
-    def s_new(self) -> float:
-        return self._s_new
-
-    def clean_side(self, run: str) -> str:
-        """The candidate a clean run decides for: its own (the generated screen measures a pair
-        when both clean chains reached their markers)."""
-        return run
-
-    def chain_columns(self, sc: Scored, i: int, *, chain: str | None = None, length: str | None = None,
-                      reached: str | None = None, unreached: str | None = None,
-                      reproduces: tuple[str, str] | None = None) -> dict:
-        """:meth:`ScreenedPair.chain_columns` of a generated chain."""
-        assert sc.chains is not None and sc.unreached is not None
-        c = sc.chains[i]
-        named = {chain: c.record(), length: c.length, reached: c.reached, unreached: sc.unreached[i]}
-        out = {key: value for key, value in named.items() if key is not None}
-        if reproduces is not None:
-            out[reproduces[0]] = c.ids == self.chain_ids[reproduces[1]]
-        return out
-
-    @torch.no_grad()
-    def score(self, masks: Masks, names: Sequence[str] | None = None) -> Scored:
-        """Decode every variant's chain in one batch and read each decision after its marker
-        (``names`` label the exclusion reason of a chain that missed it)."""
-        ctx, pair = self.ctx, self._pair
-        model, d = ctx.bundle.model, pair.decision
-        with ctx.timer("generate"):
-            gen = kvgen.generate(model, kvcache.build_variants(model.config, self.old_cache, self.new_cache, masks),
-                                 int(pair.old.ids[d]), d, self.max_new, K.cot_marker(ctx, pair),
-                                 K.stop_tokens(ctx.bundle.tokenizer))
-        reached = [c.reached for c in gen.chains]
-        side = [kvgen.owned_side(lp, pair) if ok else None for lp, ok in zip(gen.logprobs, reached)]
-        s = [float(first_token_scores(lp[None], pair)[0]) if ok else None for lp, ok in zip(gen.logprobs, reached)]
-        names = names or [str(i) for i in range(len(gen.chains))]
-        unreached = [None if c.reached else K.cot_unreached(ctx, names[i], c) for i, c in enumerate(gen.chains)]
-        return Scored(s, [recovery(x, self._s_old, self._s_new) for x in s],
-                      [x == "new" if ok else None for x, ok in zip(side, reached)], side, reached, gen.chains,
-                      unreached)
-
-    def released(self) -> "GeneratedPair":
-        return self
 
 
 @dataclass
@@ -457,26 +319,6 @@ def _screened(ctx, desc: str, pairs: list | None) -> Iterator[tuple[ScreenedPair
         yield screen_generated(ctx, pair, max_new)
 
 
-@torch.no_grad()
-def screen_generated(ctx, pair, max_new: int) -> tuple[GeneratedPair | None, dict]:
-    """Screen one pair under the generated readout: prefill both prefixes over ``[0, d)`` and
-    decode the clean chains (:func:`kvnotes.harness.kit.cot_screen`).
-
-    Returns:
-        (the :class:`GeneratedPair`, or None when a clean chain missed its marker; the row:
-        :func:`kvnotes.harness.pairs.pair_row` and the screen's columns, ``reason`` set).
-    """
-    d = pair.decision
-    with ctx.timer("prefill"):
-        old_c = kvcache.prefill(ctx.bundle.model, pair.old.ids[:d])
-        new_c = kvcache.prefill(ctx.bundle.model, pair.new.ids[:d])
-    screen, why = K.cot_screen(ctx, pair, old_c, new_c, max_new)
-    row = pair_row(pair) | screen
-    if why:
-        return None, row | {"reason": why}
-    return GeneratedPair(ctx, pair, old_c, new_c, screen, max_new), row
-
-
 def _exclusion(row: dict) -> dict:
     """A generated exclusion row: :data:`kvnotes.harness.kit.EXCLUSION_COLUMNS` and the clean chains."""
     return {k: row[k] for k in K.EXCLUSION_COLUMNS} | {c: row[c] for c in ("chain_old", "chain_new") if c in row}
@@ -484,7 +326,7 @@ def _exclusion(row: dict) -> dict:
 
 def pair_loop(ctx, desc: str, measure: Callable[[ScreenedPair, dict], dict] | None = None, *,
               scope: Scope = "flipping", exclude: Callable[[Any], str | None] | None = None,
-              keep: bool = False, keep_caches: bool = False) -> PairRows:
+              keep: bool = False, keep_caches: bool = False, measures: Sequence[Measure] = ()) -> PairRows:
     """The pair loop of a probe under the run's readout (module docstring).
 
     Exclusion rows come in this order: tokenisation; in suite order, the pairs the screen or the
@@ -514,7 +356,7 @@ def pair_loop(ctx, desc: str, measure: Callable[[ScreenedPair, dict], dict] | No
     if generated:
         limit = ctx.cfg.cot_max_pairs
         pairs, beyond = K.cot_selection(ctx, None if limit is None else int(limit))
-    out = PairRows(excluded=list(ctx.pairs.excluded), readout=readout, scope=scope)
+    out = PairRows(excluded=list(ctx.pairs.excluded), readout=readout, scope=scope, measured=measured(ctx, measures))
     late: list[dict] = []
 
     def excluded(row: dict) -> dict:
@@ -581,14 +423,14 @@ def run_patches(ctx, variants: Variants, desc: str, keep_caches: bool = False,
         :class:`PairRows`.
     """
     seen: list[str] = list(names)
-    extra = extra if extra is not None and readout_of(ctx) in extra.readouts else None
 
     def measure(sp: ScreenedPair, row: dict) -> dict:
         sets = variants(sp.pair)
         seen[:] = list(sets)
         out = patch_columns(sp, sets)
-        return out | (extra.columns(sp, row | out) if extra is not None else {})
+        return out | (extra.of(sp, row | out) if extra is not None else {})
 
-    pr = pair_loop(ctx, desc, measure, keep=keep_caches, keep_caches=keep_caches)
-    pr.variants, pr.measured = seen, [extra.name] if extra is not None else []
+    pr = pair_loop(ctx, desc, measure, keep=keep_caches, keep_caches=keep_caches,
+                   measures=() if extra is None else (extra,))
+    pr.variants = seen
     return pr

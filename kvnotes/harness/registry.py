@@ -307,7 +307,9 @@ def get(cfg_or_name) -> Callable[[ProbeContext], dict]:
 def check_run(probe_cfg, run_cfg) -> None:
     """The checks a probe declares against the run's settings, before any model loads: its
     ``Config.check_run`` (:meth:`kvnotes.harness.kit.ProbeConfig.check_run`), e.g. a probe whose
-    selection / held-out split needs ``scenario.n_instances >= 2``.
+    selection / held-out split needs ``scenario.n_instances >= 2``, called on the config as the
+    run's readout reads it (:func:`kvnotes.harness.protocol.config_for`: a ``cot_<k>`` key stands in
+    for ``<k>`` under ``scenario.variant=cot``).
 
     Args:
         probe_cfg: the typed probe config (:func:`typed_config`).
@@ -317,8 +319,11 @@ def check_run(probe_cfg, run_cfg) -> None:
         KvnotesError: a run setting the probe cannot work with (one line), or a run config of the
             wrong type (:func:`kvnotes.harness.runconfig.typed`).
     """
+    from kvnotes.harness.protocol import config_for, readout_of_variant     # the protocol imports the kit
+
     settings = run_cfg if isinstance(run_cfg, RunSettings) else typed(run_cfg)
-    check = getattr(typed_config(probe_cfg), "check_run", None)
+    cfg = config_for(typed_config(probe_cfg), readout_of_variant(settings.scenario.variant))
+    check = getattr(cfg, "check_run", None)
     if check is not None:
         check(settings)
 

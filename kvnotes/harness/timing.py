@@ -29,6 +29,13 @@ def elapsed_ms(fn: Callable[[], object]) -> float:
     return (clock() - t0) * 1e3
 
 
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """``(milliseconds, value)`` of one call of ``fn()`` (:func:`elapsed_ms`)."""
+    box: list = []
+    ms = elapsed_ms(lambda: box.append(fn()))
+    return ms, box[0]
+
+
 @dataclass
 class Timing:
     """Per-call wall times of one function (milliseconds) and their median and minimum."""

@@ -6,7 +6,7 @@ Specification: ``docs/probes/compose.md``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, ClassVar, Optional
 
 import torch
 from annotated_types import Len
@@ -14,16 +14,17 @@ from annotated_types import Len
 from kvnotes.errors import KvnotesError
 from kvnotes.harness import kit as K
 from kvnotes.harness.chunks import SINKS, chunked_pairs
-from kvnotes.probes.compose.arms import compose_prompts, cot_generate, edit_arms, image_arm, variant_name
+from kvnotes.probes.compose.arms import FULL_SEAM, edit_arms, image_arm, read_prompts, variant_name
 from kvnotes.probes.compose.controls import METRICS, WHERE, composition_controls
 from kvnotes.harness.constraints import Count, NonNegative, NonNegatives, one_of, require_field_placement
-from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, flipping_pairs, summaries_by_family, summary
-from kvnotes.harness.pairs import pair_row, transcript_turns
+from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, summaries_by_family, summary
+from kvnotes.harness.pairs import pair_row as pair_row_columns, transcript_turns
+from kvnotes.harness.protocol import Measure, measured, pair_loop, readout_aggregates, readout_config
+from kvnotes.harness.reader import prompt_reader
 from kvnotes.harness.stats import proportion
 from kvnotes.harness.registry import Conformance
 from kvnotes.kv.decision import recovery
 from kvnotes.kv.engine import make_engine
-from kvnotes.kv.generate import owned_side, stop_tokens
 from kvnotes.ops import compose as kvcompose
 from kvnotes.records.figures import Curves, Reshaped
 from kvnotes.records.presentation import Presentation
@@ -37,7 +38,9 @@ PLANTED_NOT_SCORED = "the construction is position-independent (rotary frequenci
 @dataclass
 class Config(ProbeConfig):
     """Keys of ``conf/probe/compose.yaml``
-    (the defaults are here; the YAML sets what differs; see the specification)."""
+    (the defaults are here; the YAML sets what differs; see the specification). Under
+    ``scenario.variant=cot`` ``cot_seams``, ``cot_edit_arm_seams`` and ``cot_controls`` stand in for
+    ``seams``, ``edit_arm_seams`` and ``controls`` (:func:`kvnotes.harness.protocol.readout_config`)."""
 
     #: chunk tokens recomputed against the real prefix (seam repair)
     seams: NonNegatives = field(default_factory=lambda: [0, 1, 2, 4, 8])
@@ -50,15 +53,22 @@ class Config(ProbeConfig):
     image_chunk: bool = False
     #: ``[t, h, w]`` patches of the synthetic image chunk
     image_grid: Annotated[list[Count], Len(min_length=3, max_length=3)] = field(default_factory=lambda: [1, 4, 4])
+    #: the composition controls per prompt and sink (attention mask, residual stream and norm inputs of the
+    #: composed run against the full one; :mod:`kvnotes.probes.compose.controls`)
+    controls: bool = True
     #: ``scenario.variant=cot``: most tokens generated per chain, chunked pairs screened, seams composed
     cot_max_new_tokens: NonNegative = 40
     #: chunked pairs screened, round-robin over scenarios (the rest: beyond_max_pairs); null: all
     cot_max_pairs: Optional[Count] = 12
     #: seams of the composed variants under cot (x rotate/no_rotate x sinks)
     cot_seams: NonNegatives = field(default_factory=lambda: [0, 4])
-    #: direct readout: the composition controls per prompt and sink (attention mask, residual stream
-    #: and norm inputs of the composed run against the full one; :mod:`kvnotes.probes.compose.controls`)
-    controls: bool = True
+    #: edit arms under cot: none (they read the decision position directly, no generated reasoning)
+    cot_edit_arm_seams: list[NonNegative] = field(default_factory=list)
+    #: composition controls under cot: off (they compare the prompt's forward, not a decision)
+    cot_controls: bool = False
+
+    #: Keys only the direct readout reads: refused under ``scenario.variant=cot`` (:func:`kvnotes.harness.protocol.config_for`).
+    DIRECT_ONLY: ClassVar[dict[str, str]] = {"image_chunk": "the image arm reads the decision position directly"}
 
     def check_run(self, run) -> None:
         """Compose lays out its chunks itself (rule, filler, context, request).
@@ -70,7 +80,7 @@ class Config(ProbeConfig):
 
 
 #: With ``scenario.variant=cot`` the full prefill and every composed variant generate their reasoning and
-#: the decision is read after the answer marker (:func:`kvnotes.probes.compose.arms.cot_generate`).
+#: the decision is read after the answer marker (:func:`kvnotes.probes.compose.arms.read_prompts`).
 SUPPORTS_COT = True
 
 
@@ -100,87 +110,103 @@ def image_summary(prompt_rows: list[dict], image: tuple, cpairs, families: list[
 
 
 # ---------------------------------------------------------------------------------------------------
-# chain of thought (scenario.variant=cot): the decision read after a generated chain
+# rows: a prompt's reads, a pair's
 
 
-def cot_prompt_row(ctx, cols: dict, res: dict, expected: int) -> dict:
-    """One prompt's row from its :func:`kvnotes.probes.compose.arms.cot_generate` result.
+def _score(reads, pair) -> float | None:
+    """The first-token score ``lp[new] - lp[old]`` (nats) of one read, None where its chain missed its marker."""
+    lp = reads.logprobs[0]
+    return float(lp[pair.cand_new[0]] - lp[pair.cand_old[0]]) if reads.reached(0) else None
+
+
+def prompt_row(reader, cols: dict, res: dict, expected: int) -> dict:
+    """One prompt's row from its :func:`kvnotes.probes.compose.arms.read_prompts` result.
 
     Args:
+        reader: the run's :class:`kvnotes.harness.reader.PromptReader`.
         cols: identifying columns (``prompt``, ``scenario``, ``family``, ``instance``, ``value``).
-        res: the prompt's ``{"full": ..., "variants": ...}``.
+        res: the prompt's ``{"full": Reads, "variants": {name: Reads}}``.
         expected: the expected candidate's first token id.
 
     Returns:
-        ``cols`` with ``expected_first_token``, ``full_chain`` (:meth:`kvnotes.kv.generate.Chain.record`),
-        ``full_text`` (the decoded chain, None without a tokenizer) and ``reason``: None, or
-        ``full_no_marker`` / ``full_truncated_in_think`` (:func:`kvnotes.harness.kit.cot_unreached`)
-        when the full chain missed its marker (no further columns: never scored). Else also
-        ``full_top1`` and ``owned`` (after the full chain's marker) and ``variants``: name ->
-        ``{chain, reached, top1, top1_agree, kl, same_chain, unreached_reason}`` (``top1`` /
-        ``top1_agree`` / ``kl`` = KL(full || composed) in nats are None when the composed chain
-        missed its marker).
+        ``cols`` with ``expected_first_token`` and what only the full chain has (``full_chain``,
+        :meth:`kvnotes.kv.generate.Chain.record`; ``full_text``, the decoded chain); when the full
+        chain missed its marker only ``reason`` (``full_no_marker`` / ``full_truncated_in_think``):
+        never scored. Else ``full_top1``, ``owned`` and ``variants``: name -> ``{top1, top1_agree,
+        kl}`` (KL(full || composed) in nats; None when the composed chain missed its marker), with
+        the logit cosine where the readout has raw logits (:data:`LOGITS`) and what only a chain has
+        (``chain``, ``reached``, ``same_chain``, ``unreached_reason``); the direct readout's check
+        ``max_abs_logit_diff_full_seam``.
     """
-    chain, lp = res["full"]
-    tok = ctx.bundle.tokenizer
-    row = cols | {"expected_first_token": expected, "full_chain": chain.record(),
-                  "full_text": None if tok is None else tok.decode(chain.ids, skip_special_tokens=True)}
-    if not chain.reached:
-        return row | {"reason": K.cot_unreached(ctx, "full", chain)}
-    top1 = int(lp.argmax())
-    row |= {"full_top1": top1, "owned": top1 == expected, "reason": None, "variants": {}}
-    for name, (c, clp) in res["variants"].items():
-        m = kvcompose.decision_metrics(lp[None], clp[None]) if c.reached else None
+    full = res["full"]
+    row = cols | {"expected_first_token": expected} | full.chain_columns(
+        0, chain="full_chain", text=("full_text", reader.tokenizer))
+    if not full.reached(0):
+        assert full.unreached is not None
+        return row | {"reason": full.unreached[0]}
+    top1 = int(full.logprobs[0].argmax())
+    row |= {"full_top1": top1, "owned": top1 == expected, "variants": {}}
+    if "max_abs_logit_diff_full_seam" in res:
+        row["max_abs_logit_diff_full_seam"] = res["max_abs_logit_diff_full_seam"]
+    for name, c in res["variants"].items():
+        m = kvcompose.decision_metrics(full.decision(0)[None], c.decision(0)[None]) if c.reached(0) else None
         row["variants"][name] = {
-            "chain": c.record(), "reached": c.reached, "top1": int(clp.argmax()) if c.reached else None,
+            "top1": int(c.logprobs[0].argmax()) if m is not None else None,
             "top1_agree": None if m is None else bool(m["top1_agree"][0]),
-            "kl": None if m is None else float(m["kl"][0]), "same_chain": c.ids == chain.ids,
-            "unreached_reason": None if c.reached else K.cot_unreached(ctx, "composed", c)}
+            "kl": None if m is None else float(m["kl"][0])} | LOGITS.of(reader, m) | CHAINS.of(reader, full, c)
     return row
 
 
-def cot_pair_row(pair, ro: dict, rn: dict, names: list[str]) -> dict:
-    """A pair's row from its prompts' :func:`kvnotes.probes.compose.arms.cot_generate` results (both
+#: The logit cosine of the paper reads raw logits at the decision position: the direct readout's.
+LOGITS = Measure("logit_cosine", lambda reader, m: {"logit_cosine": float(m["logit_cosine"][0])},
+                 readouts=("direct",))
+#: What only a composed variant's chain has: its record, whether it reached its marker (and why not),
+#: whether it is the full prefill's chain token for token.
+CHAINS = Measure("chains", lambda reader, full, c: c.chain_columns(
+    0, chain="chain", reached="reached", same=("same_chain", full.chain_ids(0)), unreached="unreached_reason"),
+    readouts=("generated",))
+
+
+def pair_row(pair, screen: dict, ro: dict, rn: dict, names: list[str]) -> dict:
+    """A pair's row from its prompts' :func:`kvnotes.probes.compose.arms.read_prompts` results (both
     full chains reached their markers).
 
+    Args:
+        screen: the pair's row from the protocol's screen (:func:`kvnotes.harness.protocol.pair_loop`:
+            its flip under the run's readout).
+
     Returns:
-        :func:`kvnotes.harness.pairs.pair_row` columns, the chunk spans, ``s_old`` / ``s_new`` /
-        ``s_full`` (first-token scores ``lp[new] - lp[old]`` after the full chains' markers),
-        ``full_side`` (:func:`kvnotes.kv.generate.owned_side` of each), ``flips`` (the generated flip:
-        old chain names the old candidate, new chain the new one), ``reason`` (None or
-        ``no_cot_flip``), and per variant ``{reached, side_new, takes_new, s_new, r}`` of the composed
-        new chain (None where it missed its marker; ``r`` = recovery against the full chains).
+        ``screen`` with the chunk spans, ``s_full`` (the full prefills' first-token scores),
+        ``full_side`` (the candidate each decides for) and per variant ``{s_old, s_new, r, side_new,
+        takes_new}`` of the composed runs (``r``: recovery against the full prefills; ``takes_new``:
+        the composed new run decides as the full new run does; None where a chain missed its marker),
+        with ``reached`` (the composed new chain reached its marker) where there are chains.
     """
-    co, cn = pair.cand_old[0], pair.cand_new[0]
-    lo, ln = ro["full"][1], rn["full"][1]
-    s_old, s_new = float(lo[cn] - lo[co]), float(ln[cn] - ln[co])
-    sides = [owned_side(lo, pair), owned_side(ln, pair)]
-    flips = sides == ["old", "new"]
-    row = pair_row(pair) | {"chunks": [list(c) for c in pair.chunks], "chunk_names": list(pair.chunk_names),
-                            "standalone": list(pair.standalone), "s_old": s_old, "s_new": s_new,
-                            "effect": s_new - s_old, "s_full": [s_old, s_new], "full_side": sides, "flips": flips,
-                            "reason": None if flips else "no_cot_flip", "variants": {}}
+    s_old, s_new = _score(ro["full"], pair), _score(rn["full"], pair)
+    full_side = [ro["full"].side(0, pair), rn["full"].side(0, pair)]
+    row = screen | {"chunks": [list(c) for c in pair.chunks], "chunk_names": list(pair.chunk_names),
+                    "standalone": list(pair.standalone), "s_full": [s_old, s_new], "full_side": full_side,
+                    "variants": {}}
     for name in names:
-        c, lp = rn["variants"][name]
-        s = float(lp[cn] - lp[co]) if c.reached else None
-        side = owned_side(lp, pair) if c.reached else None
-        row["variants"][name] = {"reached": c.reached, "side_new": side,
-                                 "takes_new": (side == "new") if c.reached else None, "s_new": s,
-                                 "r": recovery(s, s_old, s_new)}
+        co, cn = ro["variants"][name], rn["variants"][name]
+        sc_new, side = _score(cn, pair), cn.side(0, pair)
+        row["variants"][name] = {"s_old": _score(co, pair), "s_new": sc_new, "r": recovery(sc_new, s_old, s_new),
+                                 "side_new": side, "takes_new": None if side is None else side == full_side[1]
+                                 } | cn.chain_columns(0, reached="reached")
     return row
 
 
 def aggregate(prompt_rows: list[dict], pair_rows: list[dict], names: list[str], families: list[str], n_boot: int,
-              seed: int, generated: bool) -> dict:
-    """Per variant and group (``all`` and each family), over distinct prompts (generated readout: those
-    whose full chain reached its marker): ``decision_agreement`` (owned prompts whose composed run
-    names the full prefill's top-1; Wilson CI), ``top1_agreement`` (the same over every prompt),
-    ``kl`` (KL(full || composed), cluster bootstrap); a composed chain that missed its marker is
-    left out of these and counted (``n_unreached``). Direct readout: ``logit_cosine``, and
-    ``recovery`` over pairs that flip (the flag: the composed new run takes the new decision).
-    Generated readout: ``same_chain`` (the composed chain is the full chain token for token), and over
-    generated flips ``new_decision`` (Wilson CI) and ``recovery``
-    (:func:`kvnotes.harness.kit.summaries_by_family`)."""
+              seed: int, measured: list[str]) -> dict:
+    """Per variant and group (``all`` and each family), over distinct prompts whose full chain
+    reached its marker: ``decision_agreement`` (owned prompts whose composed run names the full
+    prefill's top-1; Wilson CI), ``top1_agreement`` (the same over every prompt), ``kl``
+    (KL(full || composed), cluster bootstrap); a composed chain that missed its marker is left out
+    of these and counted (``n_unreached``; 0 under the direct readout). Over pairs that flip:
+    ``new_decision`` (the composed new run decides as the full one does; Wilson CI) and ``recovery``
+    (:func:`kvnotes.harness.kit.summaries_by_family`). With the measures that ran (``measured``):
+    ``logit_cosine`` (:data:`LOGITS`), ``same_chain`` (:data:`CHAINS`: the composed chain is the
+    full chain token for token)."""
     out = {}
     groups = {g: prompt_rows if g == "all" else [r for r in prompt_rows if r["family"] == g] for g in ["all", *families]}
     flipping = [r for r in pair_rows if r["flips"]]
@@ -193,22 +219,17 @@ def aggregate(prompt_rows: list[dict], pair_rows: list[dict], names: list[str], 
         out[v] = {
             "decision_agreement": {g: share([r for r in rs if r["owned"]], "top1_agree") for g, rs in groups.items()},
             "top1_agreement": {g: share(rs, "top1_agree") for g, rs in groups.items()},
-            "kl": summaries_by_family(prompt_rows, lambda r, v=v: r["variants"][v]["kl"], None, families, n_boot, seed)}
-        if not generated:
-            out[v] |= {
-                "logit_cosine": summaries_by_family(prompt_rows, lambda r, v=v: r["variants"][v]["logit_cosine"], None,
-                                                    families, n_boot, seed),
-                "recovery": summaries_by_family(
-                    pair_rows, lambda r, v=v: r["variants"][v]["r"] if r["flips"] else None,
-                    lambda r, v=v: (r["variants"][v]["s_new"] > 0) == (r["s_full"][1] > 0), families, n_boot, seed)}
-            continue
-        out[v] |= {
-            "same_chain": {g: proportion(sum(r["variants"][v]["same_chain"] for r in rs), len(rs))
-                           for g, rs in groups.items()},
-            "n_unreached": {g: sum(not r["variants"][v]["reached"] for r in rs) for g, rs in groups.items()},
+            "kl": summaries_by_family(prompt_rows, lambda r, v=v: r["variants"][v]["kl"], None, families, n_boot, seed),
+            "n_unreached": {g: sum(not r["variants"][v].get("reached", True) for r in rs) for g, rs in groups.items()},
             "new_decision": {g: share(rs, "takes_new") for g, rs in fgroups.items()},
             "recovery": summaries_by_family(flipping, lambda r, v=v: r["variants"][v]["r"],
                                             lambda r, v=v: r["variants"][v]["takes_new"], families, n_boot, seed)}
+        if LOGITS.name in measured:
+            out[v]["logit_cosine"] = summaries_by_family(prompt_rows, lambda r, v=v: r["variants"][v]["logit_cosine"],
+                                                         None, families, n_boot, seed)
+        if CHAINS.name in measured:
+            out[v]["same_chain"] = {g: proportion(sum(r["variants"][v]["same_chain"] for r in rs), len(rs))
+                                    for g, rs in groups.items()}
     return out
 
 
@@ -233,35 +254,6 @@ def aggregate_arms(rows: list[dict], seams: list[int], families: list[str], n_bo
     return out
 
 
-#: ``aggregates.edit_arms_note`` of a cot record.
-EDIT_ARMS_COT_NOTE = ("edit arms not run under scenario.variant=cot: they read the decision position directly "
-                      "(no generated reasoning)")
-
-
-def _direct_prompt_row(cols: dict, res: dict, expected: int) -> dict:
-    """One prompt's row from its :func:`kvnotes.probes.compose.arms.compose_prompts` result (the direct readout)."""
-    top1 = int(res["full"].argmax())
-    return cols | {"expected_first_token": expected, "full_top1": top1, "owned": top1 == expected,
-                   "max_abs_logit_diff_full_seam": res["max_abs_logit_diff_full_seam"],
-                   "variants": {n: {k: x for k, x in d.items() if k != "logprobs"} for n, d in res["variants"].items()}}
-
-
-def _direct_pair_row(pair, ro: dict, rn: dict, names: list[str], flips: bool) -> dict:
-    """A pair's row from its prompts' :func:`kvnotes.probes.compose.arms.compose_prompts` results (the
-    direct readout): the full prefills' scores and per variant the composed runs' scores and
-    recovery."""
-    co, cn = pair.cand_old[0], pair.cand_new[0]
-    s_old, s_new = float(ro["full"][cn] - ro["full"][co]), float(rn["full"][cn] - rn["full"][co])
-    row = pair_row(pair) | {"chunks": [list(c) for c in pair.chunks], "chunk_names": list(pair.chunk_names),
-                            "standalone": list(pair.standalone), "flips": flips, "s_full": [s_old, s_new], "variants": {}}
-    for name in names:
-        lo, ln = ro["variants"][name]["logprobs"], rn["variants"][name]["logprobs"]
-        sc_old, sc_new = float(lo[cn] - lo[co]), float(ln[cn] - ln[co])
-        row["variants"][name] = {"s_old": sc_old, "s_new": sc_new,
-                                 "r": recovery(sc_new, s_old, s_new)}
-    return row
-
-
 def _prompts_to_read(pairs: list, at: int, memo: dict, batch_later: bool) -> dict:
     """``value -> (prompt, candidate)`` of the prompts of ``pairs[at]`` not read yet and, with
     ``batch_later``, of the later pairs of its instance that share its chunk spans and length (one
@@ -278,32 +270,38 @@ def _prompts_to_read(pairs: list, at: int, memo: dict, batch_later: bool) -> dic
     return todo
 
 
+def suite_order(suite: list, pr) -> tuple[list, list[dict]]:
+    """The screened pairs of ``pr`` (:class:`kvnotes.harness.protocol.PairRows`, ``keep=True``) and
+    their rows in suite order: an instance's pairs share prompts and are read together, one after
+    another (the generated screen takes them round-robin over scenarios)."""
+    index = {id(p): i for i, p in enumerate(suite)}
+    order = sorted(range(len(pr.pairs)), key=lambda i: index[id(pr.pairs[i].pair)])
+    return [pr.pairs[i].pair for i in order], [pr.rows[i] for i in order]
+
+
 def run(ctx) -> dict:
     """Composed vs full prefill for every chunked pair and variant under the run's readout; see the
     specification.
 
+    The chunked pairs are screened by the protocol (:func:`kvnotes.harness.protocol.pair_loop`: the
+    run's flip rule, or the clean chains; ``cot_max_pairs``), every screened pair is measured, and
+    an instance's prompts are read once, together (:func:`kvnotes.probes.compose.arms.read_prompts`).
+
     Returns:
-        ``rows`` (pairs; generated: those whose full chains both reached their markers), ``prompts``
-        (distinct prompts; generated: those whose full chain did), ``exclusions``, ``excluded``,
-        ``variant_names`` and ``aggregates`` (:func:`aggregate` under ``variants``; generated:
-        ``readout = "generated"``).
+        ``rows`` (screened pairs whose full prefills both reached their markers), ``prompts`` (their
+        distinct prompts whose full prefill did), ``exclusions``, ``excluded``, ``variant_names`` and
+        ``aggregates`` (:func:`aggregate` under ``variants``).
 
     Raises:
-        KvnotesError: no scenario config, no chunked token-aligned pairs, ``image_chunk: true``
-            under the generated readout.
+        KvnotesError: no scenario config, no chunked token-aligned pairs.
     """
-    cfg = ctx.cfg
-    generated = K.is_cot(ctx)
-    if generated and cfg.image_chunk:
-        raise KvnotesError("probe.image_chunk=true is not run under scenario.variant=cot (the image arm reads the "
-                           "decision position directly); set probe.image_chunk=false")
+    cfg = readout_config(ctx)               # under cot: cot_seams, cot_edit_arm_seams, cot_controls
     if ctx.scenario_cfg is None:
         raise KvnotesError("probe compose needs the scenario config (it renders its own chunked prompts)")
     model, tok = ctx.bundle.model, ctx.bundle.tokenizer
     n_boot = cfg.n_boot
     sinks = [str(s) for s in cfg.sinks]
-    seams = [int(s) for s in (cfg.cot_seams if generated else cfg.seams)]
-    arm_seams = [] if generated else [int(s) for s in cfg.edit_arm_seams]
+    seams, arm_seams = [int(s) for s in cfg.seams], [int(s) for s in cfg.edit_arm_seams]
     variants = [(rot, sink, seam) for rot in (True, False) for sink in sinks for seam in seams]
     names = [variant_name(*v) for v in variants]
     tk = dict(ctx.template_kwargs)          # the model's chat-template arguments, thinking switch applied
@@ -317,90 +315,80 @@ def run(ctx) -> dict:
     if not cpairs.pairs:
         raise KvnotesError(f"no chunked token-aligned pairs (excluded: {cpairs.exclusion_counts()})")
     cctx = replace(ctx, pairs=cpairs)
-    if generated:                           # the full chains are the screen: a prompt's is decoded once
-        limit = cfg.cot_max_pairs
-        chosen, beyond = K.cot_selection(cctx, None if limit is None else int(limit))
-        index = {id(p): i for i, p in enumerate(cpairs.pairs)}
-        pairs, flips = sorted(chosen, key=lambda p: index[id(p)]), set()   # suite order: an instance's pairs share prompts
-        max_new, stop = cfg.cot_max_new_tokens, stop_tokens(tok)
-    else:
-        fs = flipping_pairs(cctx, keep_caches=False)
-        pairs, beyond, flips = cpairs.pairs, 0, {r["pair"] for r in fs.rows}
-    engine = make_engine(model) if cfg.controls and not generated else None
+    pr = pair_loop(cctx, "compose screen", scope="all", keep=True)
+    pairs, screened = suite_order(cpairs.pairs, pr)
+    engine = make_engine(model) if cfg.controls else None
+    measures = measured(ctx, (LOGITS, CHAINS, FULL_SEAM))
     prompt_rows, rows, bad_prompts, bad_pairs, memo = [], [], [], [], {"chunks": {}}
     for at, pair in enumerate(K.units(ctx, pairs, "compose")):
         inst, sc = pair.spec.instance.id, pair.spec.instance.scenario
         if any(k[0] != inst for k in memo if isinstance(k, tuple)):
             memo = {"chunks": {}}                       # pairs of one instance are consecutive
-        todo = _prompts_to_read(pairs, at, memo, batch_later=not generated)
+        reader = prompt_reader(ctx, sc)
+        todo = _prompts_to_read(pairs, at, memo, batch_later=True)
         if todo:
-            with ctx.timer("generate" if generated else "variants"):
-                res = (cot_generate(model, torch.stack([p.ids for p, _ in todo.values()]), pair.chunks, variants,
-                                    max_new, K.cot_marker(ctx, pair), stop) if generated else
-                       compose_prompts(model, [p for p, _ in todo.values()], pair.chunks, variants, memo["chunks"]))
+            with ctx.timer("variants"):
+                res = read_prompts(model, reader, torch.stack([p.ids for p, _ in todo.values()]), pair.chunks,
+                                   variants, memo["chunks"])
             for (value, (prompt, cand)), r in zip(todo.items(), res):
                 memo[(inst, value)] = r
                 cols = {"prompt": f"{inst}:{value}", "scenario": sc.id, "family": sc.family, "instance": inst,
                         "value": value}
-                if generated:
-                    row = cot_prompt_row(ctx, cols, r, cand[0])
-                    (prompt_rows if row["reason"] is None else bad_prompts).append(row)
+                row = prompt_row(reader, cols, r, cand[0])
+                if "reason" in row:                     # its full chain missed its marker: never scored
+                    bad_prompts.append(row)
                     continue
-                prompt_rows.append(_direct_prompt_row(cols, r, cand[0]))
+                prompt_rows.append(row)
                 if engine is not None:
                     with ctx.timer("controls"):
-                        prompt_rows[-1]["controls"] = composition_controls(
+                        row["controls"] = composition_controls(
                             model, engine, prompt.ids, pair.chunks, sinks, memo["chunks"],
-                            {s: r["variants"].get(variant_name(True, s, 0), {}).get("logprobs") for s in sinks})
+                            {s: r["variants"][n].logprobs[0] if (n := variant_name(True, s, 0)) in r["variants"]
+                             else None for s in sinks})
                 if image is not None:
                     with ctx.timer("image_chunk"):
-                        prompt_rows[-1]["image_chunk"] = image_arm(model, prompt.ids, pair.chunks, sinks, image)
+                        row["image_chunk"] = image_arm(model, prompt.ids, pair.chunks, sinks, image)
         ro, rn = memo[(inst, pair.spec.old)], memo[(inst, pair.spec.new)]
-        if not generated:
-            rows.append(_direct_pair_row(pair, ro, rn, names, pair.spec.id in flips))
-            if arm_seams:
-                with ctx.timer("edit_arms"):
-                    rows[-1]["arms"] = edit_arms(model, tok, pair, arm_seams, tk, ctx.scenario.chat_template,
-                                                 memo.setdefault("arms", {}), rn["full"],
-                                                 transcript_turns(ctx.scenario_cfg))
+        missed = [(side, r["full"]) for side, r in (("old", ro), ("new", rn)) if not r["full"].reached(0)]
+        if missed:                                      # the screen's chain reached its marker, this one did not
+            bad_pairs.append({k: x for k, x in pair_row_columns(pair).items() if k in K.EXCLUSION_COLUMNS}
+                             | {"reason": reader.unreached_reason(missed[0][0], missed[0][1])})
             continue
-        missed = [(side, r["full"][0]) for side, r in (("old", ro), ("new", rn)) if not r["full"][0].reached]
-        if missed:
-            bad_pairs.append({k: x for k, x in pair_row(pair).items() if k in K.EXCLUSION_COLUMNS}
-                             | {"reason": K.cot_unreached(ctx, *missed[0])})
-        else:
-            rows.append(cot_pair_row(pair, ro, rn, names))
-    if generated:
-        excluded = [*cpairs.excluded, *bad_prompts, *bad_pairs,
-                    *({k: r[k] for k in K.EXCLUSION_COLUMNS} for r in rows if not r["flips"])]
-        exclusions = K.exclusion_counts(excluded) | ({"beyond_max_pairs": beyond} if beyond else {})
-    else:
-        excluded, exclusions = fs.excluded, fs.exclusions
+        rows.append(pair_row(pair, screened[at], ro, rn, names))
+        if arm_seams:
+            with ctx.timer("edit_arms"):
+                rows[-1]["arms"] = edit_arms(model, tok, pair, arm_seams, tk, ctx.scenario.chat_template,
+                                             memo.setdefault("arms", {}), rn["full"].logprobs[0],
+                                             transcript_turns(ctx.scenario_cfg))
+    excluded = [*pr.excluded, *bad_prompts, *bad_pairs]
+    exclusions = K.exclusion_counts(excluded) | {k: v for k, v in pr.exclusions.items() if k == "beyond_max_pairs"}
     families = families_of(cctx, rows + prompt_rows + bad_prompts)
     with ctx.timer("statistics"):
-        agg = aggregate(prompt_rows, rows, names, families, n_boot, ctx.seed, generated)
+        agg = aggregate(prompt_rows, rows, names, families, n_boot, ctx.seed, measures)
         arms = aggregate_arms(rows, arm_seams, families, n_boot, ctx.seed) if arm_seams else None
+    checks = {"pairs_with_chunks_tokenised_standalone": sum(all(r["standalone"]) for r in rows), "n_rows": len(rows)}
+    if FULL_SEAM.name in measures:
+        checks["max_abs_logit_diff_full_seam"] = max((r["max_abs_logit_diff_full_seam"] for r in prompt_rows),
+                                                     default=None)
     aggregates = {"n_pairs": len(cpairs.pairs) + len(cpairs.excluded), "n_aligned": len(cpairs.pairs),
                   "n_flip": sum(r["flips"] for r in rows), "n_prompts": len(prompt_rows),
                   "n_owned_prompts": sum(r["owned"] for r in prompt_rows), "families": families, "sinks": sinks,
                   "seams": seams, "variants": agg, "exclusions_by_family": exclusions_by_family(excluded, families),
-                  "edit_arm_seams": arm_seams}
-    if generated:
-        aggregates |= {"readout": "generated", "max_new_tokens": max_new, "n_screened": len(pairs),
-                       "n_pair_rows": len(rows), "n_prompts_screened": len(prompt_rows) + len(bad_prompts),
-                       "prompt_exclusions": K.exclusion_counts(bad_prompts),
-                       "n_unreached": {v: agg[v]["n_unreached"]["all"] for v in names}, "edit_arms": None,
-                       "edit_arms_note": EDIT_ARMS_COT_NOTE, "image_chunk": None}
-    else:
-        aggregates |= {"checks": {"max_abs_logit_diff_full_seam": max(r["max_abs_logit_diff_full_seam"] for r in prompt_rows),
-                                  "pairs_with_chunks_tokenised_standalone": sum(all(r["standalone"]) for r in rows),
-                                  "n_rows": len(rows)},
-                       "edit_arms": arms,
-                       "controls": control_summary(prompt_rows, sinks, n_boot, ctx.seed) if engine is not None else None,
-                       "image_chunk": None if image is None else image_summary(prompt_rows, image, cpairs, families,
-                                                                               n_boot, ctx.seed)}
+                  "edit_arm_seams": arm_seams, "checks": checks,
+                  "n_prompts_screened": len(prompt_rows) + len(bad_prompts),
+                  "prompt_exclusions": K.exclusion_counts(bad_prompts),
+                  "n_unreached": {v: agg[v]["n_unreached"]["all"] for v in names},
+                  "edit_arms": arms, "edit_arms_note": None if arm_seams else EDIT_ARMS_NOTE,
+                  "controls": control_summary(prompt_rows, sinks, n_boot, ctx.seed) if engine is not None else None,
+                  "image_chunk": None if image is None else image_summary(prompt_rows, image, cpairs, families,
+                                                                          n_boot, ctx.seed)}
     return {"rows": rows, "prompts": prompt_rows, "exclusions": exclusions, "excluded": excluded,
-            "variant_names": names, "aggregates": aggregates}
+            "variant_names": names, "aggregates": aggregates | readout_aggregates(cctx, pr)}
+
+
+#: ``aggregates.edit_arms_note`` of a record without edit arms.
+EDIT_ARMS_NOTE = ("edit arms not run: no edit_arm_seams (under scenario.variant=cot, cot_edit_arm_seams, [] by "
+                  "default: the arms read the decision position directly)")
 
 
 def control_summary(prompt_rows: list[dict], sinks: list[str], n_boot: int, seed: int) -> dict:

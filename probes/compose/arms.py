@@ -1,8 +1,8 @@
 """The ``compose`` probe's arms (paper §5; ``docs/probes/compose.md``): composed readouts of chunked
 prompts, the full prefill and every composed variant ``(rotate, sink, seam)`` of the prompts of one
-instance, batched in one :func:`kvnotes.ops.compose.compose`, read at the decision position (:func:`compose_prompts`) or after
-a generated chain (:func:`cot_generate`), the image-chunk arm (:func:`image_arm`), and the edit arms:
-editing inside a composition, judged against a full prefill of the edited text (:func:`edit_arms`).
+instance, batched in one :func:`kvnotes.ops.compose.compose` and read under the run's readout
+(:func:`read_prompts`), the image-chunk arm (:func:`image_arm`), and the edit arms: editing inside a
+composition, judged against a full prefill of the edited text (:func:`edit_arms`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from kvnotes.harness.chunks import CHUNKED_ORDER, FIELD_CHUNK_ORDER, layout_prompt, precompiled, prompt_parts, sink_ids
+from kvnotes.harness.protocol import Measure
+from kvnotes.harness.reader import PromptReader, Reads
 from kvnotes.kv import cache as kvcache
-from kvnotes.kv.generate import generate
 from kvnotes.ops import compose as kvcompose
 from kvnotes.ops import edit as kvedit
 
@@ -45,41 +46,67 @@ def compose_variants(model, ids: torch.Tensor, prefix: torch.Tensor, chunks: tup
 
 
 @torch.no_grad()
-def compose_prompts(model, prompts: list, chunks: tuple, variants: list[tuple[bool, str, int]],
-                    chunk_memo: dict | None = None) -> list[dict]:
-    """Full prefill and every composed variant of prompts that share their chunks (the prompts of
-    one instance), all variants of all prompts in one batched :func:`kvnotes.ops.compose.compose`.
+def read_prompts(model, reader: PromptReader, ids: torch.Tensor, chunks: tuple, variants: list[tuple[bool, str, int]],
+                 chunk_memo: dict | None = None) -> list[dict]:
+    """The full prefill and every composed variant of prompts that share their chunks (the prompts of
+    one instance), read under the run's readout (:class:`kvnotes.harness.reader.PromptReader`).
+
+    The full prefills read first, in one batch (:meth:`kvnotes.harness.reader.PromptReader.read_prompt`);
+    a prompt whose full chain misses its marker is not composed. The rest are composed over what
+    the readout feeds (:func:`compose_variants`: every variant of every prompt in one batched
+    :func:`kvnotes.ops.compose.compose`; the whole prompt, or all but its last token, which the
+    chains decode from) and read in one batch.
 
     Args:
-        prompts: :class:`kvnotes.harness.tokens.Prompt` objects of equal length, identical at the chunk spans.
-        chunks: token spans of the chunks.
-        chunk_memo: precompiled chunks by their tokens (:func:`kvnotes.harness.chunks.precompiled`), shared
-            with :func:`edit_arms`.
+        ids: ``[P, L]`` token ids of ``P`` prompts of equal length, identical at the chunk spans and
+            before the first chunk; every chunk ends before ``L - 1``.
+        chunks: token spans ``(a, b)`` of the chunks.
+        variants: ``(rotate, sink, seam)`` of each composed variant (names :func:`variant_name`).
+        chunk_memo: precompiled chunks by their tokens (:func:`kvnotes.harness.chunks.precompiled`),
+            shared with :func:`edit_arms`.
 
     Returns:
-        per prompt: ``full`` (fp32 log-softmax ``[vocab]`` of the full prefill at the decision
-        position), ``variants``: name -> ``{kl, top1_agree, logit_cosine, logprobs}`` (composed
-        log-softmax ``[vocab]``), and ``max_abs_logit_diff_full_seam`` (whole chunks recomputed vs
-        full prefill: a check).
+        per prompt ``{"full": Reads, "variants": {name: Reads}}`` (one row each;
+        :class:`kvnotes.harness.reader.Reads`); ``variants`` is empty when the full chain missed its
+        marker; with :data:`FULL_SEAM` (the direct readout) also ``max_abs_logit_diff_full_seam``.
+
+    Raises:
+        ValueError: a generated readout of ``max_new_tokens > 0`` without a marker test, or from
+            :func:`kvnotes.ops.compose.compose`.
+        KvnotesError: an unknown sink (:func:`kvnotes.harness.chunks.sink_ids`); from
+            :func:`kvnotes.ops.compose.compose` (a rope type without a delta rotation).
     """
-    ids = torch.stack([p.ids for p in prompts])
-    P = len(prompts)
-    full = kvcompose.full_logits(model, ids)
-    compiled, (_, logits) = compose_variants(model, ids, ids, chunks, variants, chunk_memo)
-    m = kvcompose.decision_metrics(full.repeat(len(variants), 1), logits)
-    lps = torch.log_softmax(logits, -1)
-    whole = max(b - a for a, b in chunks)
-    _, check = kvcompose.compose(model, prompt_parts(ids, chunks, compiled[variants[0][1]]), True, whole)
-    out = []
-    for j in range(P):
-        res = {"full": torch.log_softmax(full[j], -1), "variants": {},
-               "max_abs_logit_diff_full_seam": float((check[j] - full[j]).abs().max())}
-        for i, v in enumerate(variants):
-            r = i * P + j
-            res["variants"][variant_name(*v)] = {"kl": float(m["kl"][r]), "top1_agree": bool(m["top1_agree"][r]),
-                                                 "logit_cosine": float(m["logit_cosine"][r]), "logprobs": lps[r]}
-        out.append(res)
+    P = ids.shape[0]
+    full = reader.read_prompt(ids)
+    out: list[dict] = [{"full": full.take([j]), "variants": {}} for j in range(P)]
+    keep = [j for j in range(P) if full.reached(j)]
+    if not keep:
+        return out
+    sub, n = ids[keep], len(keep)
+    compiled, (cache, logits) = compose_variants(model, sub, reader.fed(sub), chunks, variants, chunk_memo,
+                                                 static=reader.static)
+    comp = reader.read(cache, None, sub.repeat(len(variants), 1), logits=logits, label="composed")
+    for i, v in enumerate(variants):
+        for jj, j in enumerate(keep):
+            out[j]["variants"][variant_name(*v)] = comp.take([i * n + jj])
+    for j, check in zip(keep, FULL_SEAM.of(reader, model, sub, chunks, compiled[variants[0][1]], full.take(keep))
+                        .get("max_abs_logit_diff_full_seam", [])):
+        out[j]["max_abs_logit_diff_full_seam"] = check
     return out
+
+
+def _full_seam(reader, model, ids: torch.Tensor, chunks: tuple, compiled: list, full: Reads) -> dict:
+    """A check of the composition: the prompts composed with every chunk token recomputed (a seam
+    of the longest chunk) against their full prefill, read at the decision position: per prompt the
+    largest |logit difference|."""
+    whole = max(b - a for a, b in chunks)
+    _, check = kvcompose.compose(model, prompt_parts(ids, chunks, compiled), True, whole)
+    assert full.logits is not None
+    return {"max_abs_logit_diff_full_seam": [float((check[j] - full.logits[j]).abs().max()) for j in range(len(ids))]}
+
+
+#: The whole-chunk seam's check reads raw logits at the decision position: the direct readout's.
+FULL_SEAM = Measure("full_seam", _full_seam, readouts=("direct",))
 
 
 @torch.no_grad()
@@ -119,58 +146,6 @@ def image_arm(model, prompt_ids: torch.Tensor, spans: tuple, sinks: list[str], i
                                               "logit_cosine": float(m["logit_cosine"][i])}
                  for i, (rot, sink) in enumerate(rows)}
     return {"full_top1": int(full.argmax()), "variants": res}
-
-
-@torch.no_grad()
-def cot_generate(model, ids: torch.Tensor, chunks: tuple, variants: list[tuple[bool, str, int]], max_new: int,
-                 marker, stop_ids) -> list[dict]:
-    """Generated readout of prompts that share their chunks (the prompts of one instance): the full
-    prefill and every composed variant of each prompt without its last token decode a chain from
-    that token (fed at ``L - 1``, greedy, :func:`kvnotes.kv.generate.generate`) and the decision is
-    read after each chain's answer marker.
-
-    The full chains decode first, in one batch (each prompt prefilled with
-    :func:`kvnotes.kv.cache.prefill`); a prompt whose full chain misses its marker is not composed.
-    The rest are composed as :func:`compose_prompts` composes them (:func:`compose_variants`) over
-    ``[0, L-1)``, ``static=False`` (a cache generation can grow), and decode in one batch.
-
-    Args:
-        ids: ``[P, L]`` token ids of ``P`` prompts of equal length, identical at the chunk spans and
-            before the first chunk; every chunk ends before ``L - 1``.
-        chunks: token spans ``(a, b)`` of the chunks.
-        variants: ``(rotate, sink, seam)`` of each composed variant (names :func:`variant_name`).
-        max_new: most tokens generated per chain; 0 reads the decision after the fed token (the
-            direct readout).
-        marker: the marker test (:func:`kvnotes.kv.generate.answer_marker`); None only with
-            ``max_new == 0``.
-        stop_ids: end tokens that stop a chain unreached.
-
-    Returns:
-        per prompt ``{"full": (Chain, logprobs), "variants": {name: (Chain, logprobs)}}``: the chains
-        (:class:`kvnotes.kv.generate.Chain`) and fp32 ``[vocab]`` log-probs after their markers (NaN
-        where a chain did not reach it); ``variants`` is empty when the full chain missed its marker.
-
-    Raises:
-        ValueError: ``max_new > 0`` without a marker test (:func:`kvnotes.kv.generate.generate`), or
-            from :func:`kvnotes.ops.compose.compose`.
-        KvnotesError: an unknown sink (:func:`kvnotes.harness.chunks.sink_ids`); from
-            :func:`kvnotes.ops.compose.compose` (a rope type without a delta rotation).
-    """
-    P, L = ids.shape
-    d = L - 1
-    full = generate(model, kvcache.prefill(model, ids[:, :d]), ids[:, d], d,
-                    max_new, marker, stop_ids)
-    out: list[dict] = [{"full": (full.chains[j], full.logprobs[j]), "variants": {}} for j in range(P)]
-    keep = [j for j in range(P) if full.chains[j].reached]
-    if not keep:
-        return out
-    sub, n = ids[keep], len(keep)
-    _, (cache, _) = compose_variants(model, sub, sub[:, :d], chunks, variants, static=False)
-    gen = generate(model, cache, sub[:, d].repeat(len(variants)), d, max_new, marker, stop_ids)
-    for i, v in enumerate(variants):
-        for jj, j in enumerate(keep):
-            out[j]["variants"][variant_name(*v)] = (gen.chains[i * n + jj], gen.logprobs[i * n + jj])
-    return out
 
 
 def _vs_oracle(oracle: torch.Tensor, lp: torch.Tensor, cand_new: int) -> dict:
@@ -220,7 +195,7 @@ def edit_arms(model, tok, pair, seams: list[int], template_kwargs: dict, chat_te
         memo: work shared by the pairs of one instance (precompiled chunks, the field-chunk oracle
             of a new value, the stale caches of an old value); a new dict per instance.
         new_full: fp32 log-softmax ``[vocab]`` of the full prefill of ``pair.new`` (the erratum's
-            oracle), when the caller has it (:func:`compose_prompts`' ``full``); else computed.
+            oracle), when the caller has it (:func:`read_prompts`' ``full`` log-probs); else computed.
 
     Returns:
         ``{arm: {oracle_top1, oracle_owned, <method>: {kl, top1_agree, correct}}}`` or

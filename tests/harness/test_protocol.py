@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kvnotes.harness import kit
-from kvnotes.harness.protocol import ScreenedPair, pair_loop, patch_columns, screen_generated
+from kvnotes.harness.protocol import pair_loop, patch_columns
+from kvnotes.harness.screened import ScreenedPair, screen_generated
 from kvnotes.harness.readout import run_pair
 from kvnotes.kv.sites import kv_site
 from tests.helpers import cot_tiny_ctx
@@ -47,6 +48,41 @@ def test_zero_new_tokens_scores_like_the_direct_readout(tiny, monkeypatch):
     # direct sides follow the score's sign; flipped = the new run's side
     assert want.side == ["new" if s > 0 else "old" for s in want.s]
     assert want.flipped == [(s > 0) == (direct.s_new > 0) for s in want.s]
+
+
+def test_zero_new_tokens_knocks_out_like_the_direct_readout(tiny, monkeypatch):
+    """The knockout executor (:meth:`ScreenedPair.knockout`) under both readouts: with nothing
+    generated, each run's knocked scores, log-probs and decision-query masses are the direct
+    readout's (the generated one adds the ``chain`` group, empty); variant 0 re-reads the clean run,
+    knocked keys get no mass, and the masses sum to 1."""
+    from kvnotes.harness.screened import mass_groups
+    from kvnotes.kv.knockout import GROUPS, key_groups, knockout_masks
+
+    monkeypatch.setattr(kit, "cot_marker", lambda ctx, pair: None)
+    ctx = cot_tiny_ctx(tiny, monkeypatch)
+    pair = synthetic_pair(*prompts())
+    L, d = tiny.config.num_hidden_layers, pair.decision
+    groups = key_groups(pair.field, d, 1)
+    knock = knockout_masks(L, d, groups, [([], [0, L]), (["field"], [0, L]), (["downstream", "sinks"], [1, L])])
+    direct = ScreenedPair(run_pair(tiny, pair), tiny)
+    gen, _ = screen_generated(ctx, pair, 0)
+    want, got = direct.knockout(knock, groups), gen.knockout(knock, groups)
+    assert list(want) == list(got) == ["old", "new"]
+    assert want["old"].groups == mass_groups("direct") == GROUPS and got["old"].groups == mass_groups("generated")
+    for run in ("old", "new"):
+        w, g = want[run], got[run]
+        assert w.s[0] == pytest.approx(getattr(direct, f"s_{run}"), abs=TOL, rel=REL)
+        assert g.s == pytest.approx(w.s, abs=TOL, rel=REL) and all(g.reached) and g.lengths == [0, 0, 0]
+        assert torch.allclose(g.logprobs, w.logprobs, atol=TOL)
+        assert w.masses.shape == (3, 1, L, len(GROUPS))
+        assert torch.allclose(g.masses[:, :1, :, : len(GROUPS)], w.masses, atol=TOL)
+        assert float(g.masses[..., -1].abs().max()) == 0.0                    # no chain to attend to
+        assert torch.allclose(w.masses.sum(-1), torch.ones(3, 1, L), atol=TOL)
+        assert float(w.masses[1, :, :, GROUPS.index("field")].max()) == 0.0
+        assert float(w.masses[2, :, 1:, [GROUPS.index("downstream"), GROUPS.index("sinks")]].max()) == 0.0
+        assert torch.equal(w.reading_masses(0), w.masses[0, 0]) and max(w.recon_err, g.recon_err) < TOL
+        assert direct.chain_columns(w, 1, chain="chain", side="side") == {}
+        assert set(gen.chain_columns(g, 1, chain="chain", side="side")) == {"chain", "side"}
 
 
 def test_head_sites_score_alike_under_both_readouts(tiny, monkeypatch):
@@ -136,8 +172,8 @@ def test_the_loop_partitions_pairs_by_the_rules(tiny, monkeypatch, scope):
     assert all(torch.is_tensor(sp.pair.old.ids) for sp in pr.pairs)
 
 
-#: The probes that still ask which readout runs (issue #51's remainder): the list may only shrink.
-STILL_BRANCHING = {"agent", "compose", "read_location", "suffix_recovery"}
+#: The probes that still ask which readout runs (issue #51): none; a new one fails the test.
+STILL_BRANCHING: set[str] = set()
 #: How a module asks: the scenario variant, a ``generated`` flag, a readout compared, chains tested.
 READOUT_BRANCH = re.compile(r"\bis_cot\(|\bgenerated\s*=|\bcot_on\b|[!=]=\s*['\"](?:generated|direct|cot)['\"]"
                             r"|chains is not None")

@@ -11,7 +11,9 @@ import transformers as T
 from omegaconf import OmegaConf
 
 from kvnotes import CONF_DIR
-from kvnotes.kv.generate import CotReadout, token_marker
+from kvnotes.harness import reader as reader_mod
+from kvnotes.harness.reader import PromptReader
+from kvnotes.kv.generate import token_marker
 from kvnotes.probes import ProbeContext
 from kvnotes.probes import agent as agent_mod
 from kvnotes.probes.agent import aggregate, run_trajectory, trajectory_values
@@ -216,13 +218,15 @@ def instance():
 
 
 def trajectory(model, tok, instance, cot, seam=0):
+    """``cot``: None (the direct readout) or ``(max_new_tokens, marker test)`` of the generated one."""
     values = trajectory_values(instance, TURNS, 0)
-    return run_trajectory(model, tok, instance, values, "cot", seam, "bos", True, {}, cot)
+    reader = PromptReader("direct", model, tok) if cot is None else PromptReader("generated", model, tok, *cot)
+    return run_trajectory(model, tok, instance, values, "cot", seam, "bos", True, {}, reader)
 
 
 def test_zero_new_tokens_is_the_direct_trajectory(model, tok, instance):
     direct, why_d = trajectory(model, tok, instance, None)
-    cot, why_c = trajectory(model, tok, instance, CotReadout(0, None))
+    cot, why_c = trajectory(model, tok, instance, (0, None))
     assert why_d is None and why_c is None and len(direct) == len(cot) == TURNS
     for d, c in zip(direct, cot):
         for key in ("agent_top1", "oracle_top1", "transcript_top1", "expected_first_token", "answer", "oracle_owned",
@@ -239,7 +243,7 @@ def test_zero_new_tokens_is_the_direct_trajectory(model, tok, instance):
 
 
 def test_agent_without_its_marker_ends_the_trajectory_at_turn_one(model, tok, instance):
-    rows, why = trajectory(model, tok, instance, CotReadout(3, never(tok)))
+    rows, why = trajectory(model, tok, instance, (3, never(tok)))
     assert rows == []
     assert why["reason"] == "agent_no_marker" and why["turn"] == 1
     assert why["agent_chain"]["length"] == 3 and not why["agent_chain"]["reached"]
@@ -250,7 +254,7 @@ def test_incremental_cache_decides_like_a_full_prefill_of_the_conversation(model
     """Whole chunks recomputed (seam >= chunk length): the agent's cache, composed at turn 1 and
     extended by only the new tokens later (the previous chain re-forwarded as conversation text),
     generates the transcript's chain and reads its distribution after the marker."""
-    rows, why = trajectory(model, tok, instance, CotReadout(3, after(3)), seam=10_000)
+    rows, why = trajectory(model, tok, instance, (3, after(3)), seam=10_000)
     assert why is None and [r["turn"] for r in rows] == list(range(1, TURNS + 1))
     for r in rows:
         assert r["agent_chain"]["ids"] == r["transcript_chain"]["ids"] and r["agent_chain"]["marker_at"] == 2
@@ -266,9 +270,9 @@ def test_incremental_cache_decides_like_a_full_prefill_of_the_conversation(model
 def test_unreached_sides_are_kept_unscored(model, tok, instance):
     """A marker only the agent's own chains reach (from a first run): the oracle's and transcript's
     chains that differ miss it; their comparisons are None and the aggregates leave them out."""
-    first, _ = trajectory(model, tok, instance, CotReadout(2, after(2)))
+    first, _ = trajectory(model, tok, instance, (2, after(2)))
     mine = {tuple(r["agent_chain"]["ids"]) for r in first}
-    rows, why = trajectory(model, tok, instance, CotReadout(2, lambda ids: tuple(ids) in mine))
+    rows, why = trajectory(model, tok, instance, (2, lambda ids: tuple(ids) in mine))
     assert why is None and len(rows) == TURNS
     for r in rows:
         assert r["agent_reached"] and r["agent_correct"] is not None
@@ -303,7 +307,7 @@ def llama_ctx(tok, tmp_path):
 def test_run_writes_a_generated_record(llama_ctx, monkeypatch, tmp_path):
     from kvnotes.records.tables import record_table
 
-    monkeypatch.setattr(agent_mod, "answer_marker", lambda tok, marker, thinking: after(2))
+    monkeypatch.setattr(reader_mod, "answer_marker", lambda tok, marker, thinking: after(2))
     res = agent_mod.run(llama_ctx)
     check_schema("agent", res)
     agg = res["aggregates"]
@@ -319,7 +323,7 @@ def test_run_writes_a_generated_record(llama_ctx, monkeypatch, tmp_path):
                                     "result": res}))
     assert "| recall | turn 1 |" in record_table(record)
     # the agent's chain never reaches its marker: nothing scored, the trajectory counted
-    monkeypatch.setattr(agent_mod, "answer_marker", lambda tok, marker, thinking: never(tok))
+    monkeypatch.setattr(reader_mod, "answer_marker", lambda tok, marker, thinking: never(tok))
     res = agent_mod.run(llama_ctx)
     check_schema("agent", res)
     assert res["rows"] == [] and res["exclusions"] == {"agent_no_marker": 1}

@@ -11,10 +11,12 @@ from kvnotes import CONF_DIR
 from kvnotes.probes import ProbeContext
 from tests.helpers import check_figures, probe_yaml
 from types import SimpleNamespace
+
 import torch
 from kvnotes.kv.generate import Chain, token_marker
-from kvnotes.probes.compose.arms import compose_prompts, cot_generate, variant_name
-from kvnotes.probes.compose import aggregate, cot_prompt_row
+from kvnotes.harness.reader import PromptReader, Reads
+from kvnotes.probes.compose.arms import read_prompts, variant_name
+from kvnotes.probes.compose import aggregate, prompt_row
 from tests.helpers import VOCAB, build_tiny
 
 # fp32 on CPU: recomputing whole chunks (seam >= chunk length) is the full prefill done in three
@@ -91,6 +93,7 @@ def test_embedded_compose_record(result, tmp_path):
     names = result["variant_names"]
     assert set(names) == {f"{r}/sink=bos/seam={s}" for r in ("rotate", "no_rotate") for s in (0, 4)}
     assert agg["n_prompts"] == len(result["prompts"]) == 3          # 3 field values, 1 instance
+    assert len({p["prompt"] for p in result["prompts"]}) == 3          # each distinct prompt read once
     for v in names:
         da = agg["variants"][v]["decision_agreement"]["all"]
         assert da["n"] == agg["n_owned_prompts"]
@@ -149,8 +152,8 @@ def test_edit_arms_shared_work_equals_each_pair_alone(smol, result):
 
 # -------------------- the generated readout (scenario.variant=cot)
 # ``compose`` under chain of thought (``scenario.variant=cot``): with zero new tokens the generated
-# readout of the full prefill and of every composed variant is the direct readout of
-# :func:`kvnotes.probes.compose.arms.compose_prompts`; a composed variant whose seam recomputes whole chunks
+# readout of the full prefill and of every composed variant is the direct readout
+# (:func:`kvnotes.probes.compose.arms.read_prompts` under either :class:`kvnotes.harness.reader.PromptReader`); a composed variant whose seam recomputes whole chunks
 # generates the full prefill's chain token for token; a chain without its marker is excluded (full
 # chain) or counted unreached (composed chain), never scored; ``run.py`` writes a generated-readout
 # record on the embedded model.
@@ -165,7 +168,6 @@ CHUNKS = ((3, 10), (11, 19))          # longer than the sliding window (8): wind
 FIELD = (21, 24)
 VARIANTS = [(rot, sink, seam) for rot in (True, False) for sink in ("none", "bos", "prefix") for seam in (0, 3)]
 WHOLE = [(True, "bos", 99), (False, "none", 99)]       # seam >= every chunk: whole chunks recomputed
-CTX = SimpleNamespace(bundle=SimpleNamespace(tokenizer=None), thinking=False)
 COLS = {"prompt": "i:v", "scenario": "s", "family": "f", "instance": "i", "value": "v"}
 
 
@@ -178,39 +180,46 @@ def _ids(seed: int = 5) -> torch.Tensor:
     return torch.stack([old, new])
 
 
+def _reader(model, readout: str = "direct", max_new: int = 0, marker=None) -> PromptReader:
+    return PromptReader(readout, model, None, max_new, marker)
+
+
 def test_zero_new_tokens_is_the_direct_readout(tiny):
     ids = _ids()
-    gen = cot_generate(tiny, ids, CHUNKS, VARIANTS, 0, None, [])
-    direct = compose_prompts(tiny, [SimpleNamespace(ids=x) for x in ids], CHUNKS, VARIANTS)
+    gen = read_prompts(tiny, _reader(tiny, "generated"), ids, CHUNKS, VARIANTS)
+    direct = read_prompts(tiny, _reader(tiny), ids, CHUNKS, VARIANTS)
     for res, ref in zip(gen, direct):
-        chain, lp = res["full"]
-        assert chain.reached and chain.length == 0
-        assert float((lp - ref["full"]).abs().max()) < TOL
-        row = cot_prompt_row(CTX, COLS, res, int(ref["full"].argmax()))
-        assert row["reason"] is None and row["owned"]
+        full = res["full"]
+        assert full.reached(0) and full.chains[0].length == 0 and ref["full"].chains is None
+        assert float((full.logprobs - ref["full"].logprobs).abs().max()) < TOL
+        expected = int(ref["full"].logprobs[0].argmax())
+        row, want = prompt_row(_reader(tiny, "generated"), COLS, res, expected), prompt_row(_reader(tiny), COLS, ref, expected)
+        assert "reason" not in row and row["owned"] and want["owned"]
+        assert "max_abs_logit_diff_full_seam" in want and "max_abs_logit_diff_full_seam" not in row
         for v in VARIANTS:
             name = variant_name(*v)
-            c, clp = res["variants"][name]
-            assert c.reached and c.length == 0
-            assert float((clp - ref["variants"][name]["logprobs"]).abs().max()) < TOL, name
-            got = row["variants"][name]
-            assert got["top1_agree"] == ref["variants"][name]["top1_agree"] and got["same_chain"]
-            assert got["kl"] == pytest.approx(ref["variants"][name]["kl"], abs=TOL)
+            c = res["variants"][name]
+            assert c.reached(0) and c.chains[0].length == 0
+            assert float((c.logprobs - ref["variants"][name].logprobs).abs().max()) < TOL, name
+            got, exp = row["variants"][name], want["variants"][name]
+            assert got["top1_agree"] == exp["top1_agree"] and got["top1"] == exp["top1"] and got["same_chain"]
+            assert got["kl"] == pytest.approx(exp["kl"], abs=TOL)
+            assert "logit_cosine" in exp and "logit_cosine" not in got and "chain" not in exp
 
 
 def test_whole_chunk_seam_generates_the_full_chain(tiny):
     ids = _ids(7)
     n = 6
-    gen = cot_generate(tiny, ids, CHUNKS, WHOLE + [(False, "none", 0)], 10, lambda t: len(t) >= n, [])
+    reader = _reader(tiny, "generated", 10, lambda t: len(t) >= n)
+    gen = read_prompts(tiny, reader, ids, CHUNKS, WHOLE + [(False, "none", 0)])
     for res in gen:
-        row = cot_prompt_row(CTX, COLS, res, 0)
+        row = prompt_row(reader, COLS, res, 0)
         assert row["full_chain"]["reached"] and row["full_chain"]["marker_at"] == n - 1
-        full_lp = res["full"][1]
         for v in WHOLE:
             name = variant_name(*v)
             assert row["variants"][name]["same_chain"], name
             assert row["variants"][name]["kl"] < TOL
-            assert float((res["variants"][name][1] - full_lp).abs().max()) < TOL
+            assert float((res["variants"][name].logprobs - res["full"].logprobs).abs().max()) < TOL
         ctrl = row["variants"]["no_rotate/sink=none/seam=0"]       # decoded and read like any other variant
         assert ctrl["reached"] and ctrl["chain"]["length"] == n and ctrl["kl"] is not None
 
@@ -218,37 +227,58 @@ def test_whole_chunk_seam_generates_the_full_chain(tiny):
 def test_a_chain_without_its_marker_is_never_scored():
     model = build_tiny("llama")
     ids = _ids()
-    never = token_marker([VOCAB + 5])
-    gen = cot_generate(model, ids, CHUNKS, VARIANTS[:2], 3, never, [])
-    for res in gen:
+    reader = _reader(model, "generated", 3, token_marker([VOCAB + 5]))          # never generated
+    for res in read_prompts(model, reader, ids, CHUNKS, VARIANTS[:2]):
         assert res["variants"] == {}                               # the prompt is not composed
-        row = cot_prompt_row(CTX, COLS, res, 0)
+        row = prompt_row(reader, COLS, res, 0)
         assert row["reason"] == "full_no_marker" and row["full_chain"]["length"] == 3
         assert "owned" not in row and "variants" not in row
     # a composed chain that misses its marker: counted per variant, out of that variant's metrics
-    lp = torch.log_softmax(torch.randn(VOCAB), -1)
-    full = Chain([1, 2], True, "marker")
-    res = {"full": (full, lp), "variants": {"a": (Chain([1, 2], True, "marker"), lp),
-                                            "b": (Chain([1, 3, 4], False, "max_new_tokens"), torch.full_like(lp, float("nan")))}}
-    row = cot_prompt_row(CTX, COLS, res, int(lp.argmax()))
+    lp = torch.log_softmax(torch.randn(VOCAB), -1)[None]
+    res = {"full": Reads(lp, [Chain([1, 2], True, "marker")]),
+           "variants": {"a": Reads(lp, [Chain([1, 2], True, "marker")], unreached=[None]),
+                        "b": Reads(torch.full_like(lp, float("nan")), [Chain([1, 3, 4], False, "max_new_tokens")],
+                                   unreached=["composed_no_marker"])}}
+    row = prompt_row(reader, COLS, res, int(lp.argmax()))
     b = row["variants"]["b"]
     assert not b["reached"] and b["kl"] is None and b["top1_agree"] is None and b["top1"] is None
     assert b["unreached_reason"] == "composed_no_marker" and not b["same_chain"]
-    agg = aggregate([row], [], ["a", "b"], ["f"], 50, 0, generated=True)
+    agg = aggregate([row], [], ["a", "b"], ["f"], 50, 0, measured=["chains"])
     assert agg["b"]["n_unreached"]["all"] == 1 and agg["b"]["decision_agreement"]["all"]["n"] == 0
     assert agg["b"]["kl"]["all"]["n"] == 0 and (agg["b"]["same_chain"]["all"]["k"], agg["b"]["same_chain"]["all"]["n"]) == (0, 1)
     assert agg["a"]["decision_agreement"]["all"]["k"] == 1 and agg["a"]["kl"]["all"]["mean"] == pytest.approx(0.0, abs=1e-6)
+    assert "logit_cosine" not in agg["a"]
 
 
-def test_image_chunk_is_refused_under_cot():
-    from omegaconf import OmegaConf
+@pytest.mark.parametrize("seed", range(3))
+def test_screened_pairs_are_read_in_suite_order(seed):
+    """The generated screen hands pairs over round-robin over scenarios; compose reads an instance's
+    prompts once, with its pairs one after another, so it puts them back in suite order (rows with them)."""
+    import random
 
+    from kvnotes.probes.compose import suite_order
+
+    suite = [SimpleNamespace(name=f"{inst}:{k}") for inst in "abc" for k in range(3)]
+    picked = random.Random(seed).sample(suite, 6)
+    pr = SimpleNamespace(pairs=[SimpleNamespace(pair=p) for p in picked], rows=[{"pair": p.name} for p in picked])
+    pairs, rows = suite_order(suite, pr)
+    assert [p.name for p in pairs] == [p.name for p in suite if p in picked] == [r["pair"] for r in rows]
+
+
+def test_image_chunk_is_refused_under_cot_before_the_model_loads():
+    """The image arm reads the decision position directly: ``image_chunk: true`` under
+    ``scenario.variant=cot`` is one line from the run's checks (``Config.DIRECT_ONLY``), and the
+    default is not refused."""
     from kvnotes.errors import KvnotesError
-    from kvnotes.probes.compose import run
+    from kvnotes.harness.registry import check_run, load_config
+    from kvnotes.harness.runconfig import RunSettings
 
-    ctx = SimpleNamespace(cfg=OmegaConf.create({"image_chunk": True}), scenario_cfg=OmegaConf.create({"variant": "cot"}))
-    with pytest.raises(KvnotesError, match="image_chunk=true is not run under scenario.variant=cot"):
-        run(ctx)
+    cot = RunSettings.model_validate({"out_root": "runs", "model": {"name": "m"}, "scenario": {"variant": "cot"}})
+    with pytest.raises(KvnotesError, match="probe.image_chunk=true is not run under scenario.variant=cot .*"
+                                           "set probe.image_chunk=false") as err:
+        check_run(load_config("compose", {"image_chunk": True}), cot)
+    assert "\n" not in str(err.value)
+    check_run(load_config("compose"), cot)
 
 
 @pytest.mark.embedded
@@ -269,10 +299,12 @@ def test_run_py_writes_a_generated_compose_record(gemma, tmp_path):
     assert agg["readout"] == "generated" and agg["edit_arms"] is None and agg["edit_arms_note"]
     assert names == ["rotate/sink=bos/seam=0", "no_rotate/sink=bos/seam=0"]
     assert agg["n_screened"] == 1 and ex.get("beyond_max_pairs", 0) == agg["n_aligned"] - 1
-    # the pair's two prompts: kept or excluded by their full chains; the pair kept only with both
-    assert agg["n_prompts_screened"] == 2 == agg["n_prompts"] + sum(agg["prompt_exclusions"].values())
-    assert agg["n_pair_rows"] + ex.get("old_no_marker", 0) + ex.get("new_no_marker", 0) == 1
-    assert (agg["n_pair_rows"] == 1) == (agg["n_prompts"] == 2)
+    # the pair: excluded by the screen's clean chains, or measured; then its two prompts read, each kept
+    # or excluded by its full chain, and the pair kept only with both
+    n_rows = agg["checks"]["n_rows"]
+    assert n_rows + ex.get("old_no_marker", 0) + ex.get("new_no_marker", 0) == 1
+    assert agg["n_prompts_screened"] == 2 * agg["n_reached"] == agg["n_prompts"] + sum(agg["prompt_exclusions"].values())
+    assert (n_rows == 1) == (agg["n_prompts"] == 2)
     assert res["prompts"] and res["rows"]              # the kept branch is exercised, not only exclusions
     for r in res["excluded"]:
         if r["reason"].startswith("full_"):
@@ -289,5 +321,5 @@ def test_run_py_writes_a_generated_compose_record(gemma, tmp_path):
         assert a["n_unreached"]["all"] == len(res["prompts"]) - len(done) == agg["n_unreached"][v]
         assert a["decision_agreement"]["all"]["n"] == sum(p["owned"] for p in done)
         assert a["same_chain"]["all"]["n"] == agg["n_prompts"]
-    assert agg["n_flip"] == sum(r["flips"] for r in res["rows"]) and ex.get("no_cot_flip", 0) == agg["n_pair_rows"] - agg["n_flip"]
+    assert agg["n_flip"] == sum(r["flips"] for r in res["rows"]) and ex.get("no_cot_flip", 0) == n_rows - agg["n_flip"]
     assert "generated" in record_table(rec) and plot_record(rec, tmp_path)     # table and figure from the record

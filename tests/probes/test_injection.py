@@ -21,7 +21,7 @@ from tests.helpers import check_figures, probe_yaml
 from tests.kv.test_cache import FIELD, T, full_logprobs, prompts, reference_patched
 from tests.harness.test_tokens import scenario
 from kvnotes.harness import kit
-from kvnotes.harness.protocol import screen_generated
+from kvnotes.harness.screened import screen_generated
 from kvnotes.kv.generate import token_marker
 from kvnotes.probes import injection
 from tests.helpers import job_record, VOCAB, cot_tiny_ctx

@@ -20,7 +20,7 @@ from tests.helpers import check_schema, recall_pairs, record_of, probe_yaml
 import torch
 from kvnotes.errors import KvnotesError
 from kvnotes.harness import kit
-from kvnotes.harness.protocol import ScreenedPair, screen_generated
+from kvnotes.harness.screened import ScreenedPair, screen_generated
 from kvnotes.harness.readout import PairRun
 from kvnotes.harness.tokens import Prompt, TokenizedPair
 from kvnotes.kv import cache as kvcache
@@ -331,18 +331,43 @@ def test_direct_only_sets_are_refused_in_one_line():
     with pytest.raises(KvnotesError, match="probe.cot_families.1: .*single-position map") as err:
         load_config("suffix_recovery", {"cot_families": ["suffix", "topk"]})
     assert "\n" not in str(err.value)
-    with pytest.raises(KvnotesError, match="probe.cot_fractions.0: Input should be greater than 0"):
-        load_config("suffix_recovery", {"cot_fractions": [0.0, 1.0]})
+    with pytest.raises(KvnotesError, match="probe.cot_grid.fractions.0: Input should be greater than 0"):
+        load_config("suffix_recovery", {"cot_grid": {"fractions": [0.0, 1.0]}})
+    with pytest.raises(KvnotesError, match="probe.families.0: must be one of"):
+        load_config("suffix_recovery", {"families": ["nosuch"]})
+
+
+def test_the_topk_family_needs_its_split_and_the_single_position_map():
+    """The run's checks read the config as its readout does: under the direct readout ``topk`` (the
+    default families) needs two instances and the single-position map; the generated readout's
+    coarse curves (``cot_families``) need neither; leaving ``topk`` out of ``families`` lifts both."""
+    from kvnotes.harness.registry import check_run, load_config
+    from kvnotes.harness.runconfig import RunSettings
+
+    def run(variant, n):
+        return RunSettings.model_validate({"out_root": "runs", "model": {"name": "m"},
+                                           "scenario": {"variant": variant, "n_instances": n}})
+
+    with pytest.raises(KvnotesError, match="n_instances"):
+        check_run(load_config("suffix_recovery"), run("direct", 1))
+    with pytest.raises(KvnotesError, match="probe.single=false: the topk set family"):
+        check_run(load_config("suffix_recovery", {"single": False}), run("direct", 2))
+    with pytest.raises(KvnotesError, match="judged against k-matched random sets"):
+        check_run(load_config("suffix_recovery", {"families": ["suffix", "topk"]}), run("direct", 2))
+    check_run(load_config("suffix_recovery"), run("cot", 1))
+    check_run(load_config("suffix_recovery", {"families": ["suffix", "random"], "single": False}), run("direct", 1))
 
 
 @pytest.mark.embedded
 def test_run_py_writes_a_generated_readout_record(smol, tmp_path):
     rec = job_record(smol, tmp_path, "probe=suffix_recovery", "scenario=small", "scenario.variant=cot", "scenario.n_instances=1",
-               "scenario.ids=[favourite_colour]", "probe.cot_max_pairs=2", "probe.cot_fractions=[0.5,1.0]",
+               "scenario.ids=[favourite_colour]", "probe.cot_max_pairs=2", "probe.cot_grid.fractions=[0.5,1.0]",
                "probe.layer_bands=2", "probe.n_boot=50", "plot=false")
     res = rec["result"]
     agg = res["aggregates"]
-    assert agg["readout"] == "generated" and agg["n_screened"] == 2 and agg["direct_only"] == ["single", "topk", "random"]
+    assert agg["readout"] == "generated" and agg["n_screened"] == 2 and agg["not_run"] == ["single", "topk", "random"]
+    assert res["set_families"] == ["suffix", "prefix"] and [g["value"] for g in res["grid"]] == [0.5, 1.0]
+    assert res["split"] == {} and "verdicts" not in agg and "single" not in agg
     screened_out = sum(v for k, v in res["exclusions"].items() if k.endswith("_no_marker") or k == "no_cot_flip")
     assert agg["n_flip"] + screened_out == 2 and all(r["flips"] for r in res["rows"])
     assert res["exclusions"]["beyond_max_pairs"] == rec["scenario"]["n_pairs_aligned"] - 2
