@@ -3,6 +3,7 @@ exclusion rows, and the worked example of docs/adding_a_probe.md run verbatim on
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -112,7 +113,8 @@ def test_the_documented_probe_is_its_module_config_and_page(tmp_path):
 def test_worked_example_runs_as_documented(smol, tmp_path, monkeypatch):
     """The module and config of docs/adding_a_probe.md, written out verbatim (the module under
     another importable name), are found from the config alone, reject a misspelt key, run on the
-    embedded model and return a result matching their own schema."""
+    embedded model and return a result matching their own schema, whose presentation (headline,
+    table, the figure specs drawn as PNGs) is found from a record."""
     code, yaml, _ = _doc_blocks()
     (tmp_path / "doc_field_only.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -136,6 +138,11 @@ def test_worked_example_runs_as_documented(smol, tmp_path, monkeypatch):
            "result": res}
     assert [f.id for f in presentation(rec).figures] == ["family-recovery", "family-flipped"]
     assert headline(rec)[0] == "recovery/all" and record_table(rec) == aggregates_table(rec)
+    from kvnotes.plots import plot_record                  # both renderers read the specs: the PNGs here
+    from kvnotes.records.store import to_jsonable
+    pngs = plot_record(json.loads(json.dumps(to_jsonable(rec | {"model": {"name": "smollm2-135m"},
+                                                                "scenario": {"name": "t"}}))), tmp_path)
+    assert len(pngs) == 2 and all(p.stat().st_size > 10_000 for p in pngs)
     # the same module under the generated readout: a parameter of the run, no second code path
     cot = kvnotes.probes.ProbeContext(bundle=smol, pairs=recall_pairs(smol, ["favourite_colour"], n_instances=1, variant="cot"),
                               cfg=OmegaConf.merge(cfg, {"cot_max_pairs": 2}),
