@@ -34,8 +34,9 @@ from kvnotes.kv import patch as kvpatch
 from kvnotes.errors import KvnotesError, ModelFitError
 from kvnotes.harness.constraints import Count, one_of
 from kvnotes.harness.pairs import pair_row
-from kvnotes.harness.readout import PairRun, first_token_scores, run_pair, variant_scores
-from kvnotes.kv.generate import answer_marker, generate, owned_side, stop_tokens, unreached_label
+from kvnotes.harness.readout import PairRun, run_pair, variant_scores
+from kvnotes.kv.generate import answer_marker, unreached_label
+from kvnotes.kv.generate import stop_tokens  # noqa: F401  (the screened pairs' end tokens, patched by tests)
 from kvnotes.harness.selection import round_robin
 from kvnotes.harness.selection import pair_rng, sample_pairs, split_instances, with_split  # noqa: F401  (re-exported)
 from kvnotes.harness.stats import INCONCLUSIVE, SUPPORTED, disagreeing, proportion, summarize, verdict_of
@@ -522,38 +523,6 @@ def cot_unreached(ctx, side: str, chain) -> str:
     """Exclusion reason of a chain that did not reach its marker: ``<side>_no_marker`` or
     ``<side>_truncated_in_think`` (:func:`kvnotes.kv.generate.unreached_reason`)."""
     return unreached_label(ctx.bundle.tokenizer, side, chain, ctx.thinking)
-
-
-@torch.no_grad()
-def cot_screen(ctx, pair, old_cache, new_cache, max_new: int) -> tuple[dict, str | None]:
-    """Screen a pair by generation: the clean old and new chains decode in one batch from their
-    prefix caches over ``[0, d)`` and each decision is read after its marker.
-
-    Returns:
-        (columns: ``s_old``/``s_new`` after the markers (None where unreached), ``effect``, ``flips``
-        (the old chain names the old candidate and the new chain the new one), ``reason`` (None,
-        ``no_cot_flip``), ``chain_old``/``chain_new`` (:meth:`kvnotes.kv.generate.Chain.record`);
-        the exclusion reason when a chain missed its marker (``old_no_marker``, ...), else None).
-    """
-    model, tok = ctx.bundle.model, ctx.bundle.tokenizer
-    d = pair.decision
-    n_layers = len(old_cache.layers)
-    both = kvcache.build_variants(model.config, old_cache, new_cache,
-                                  torch.stack([torch.zeros(n_layers, d, dtype=torch.bool),
-                                               torch.ones(n_layers, d, dtype=torch.bool)]))
-    with ctx.timer("cot_screen"):
-        gen = generate(model, both, int(pair.old.ids[d]), d, max_new, cot_marker(ctx, pair), stop_tokens(tok))
-    cols: dict = {"chain_old": gen.chains[0].record(), "chain_new": gen.chains[1].record()}
-    sides: list[str | None] = [owned_side(gen.logprobs[i], pair) if c.reached else None for i, c in enumerate(gen.chains)]
-    s_old, s_new = (float(first_token_scores(gen.logprobs[i: i + 1], pair)[0]) if c.reached else None
-                    for i, c in enumerate(gen.chains))
-    cols |= {"s_old": s_old, "s_new": s_new,
-             "effect": s_new - s_old if s_old is not None and s_new is not None else None}
-    for side, chain in zip(("old", "new"), gen.chains):
-        if not chain.reached:
-            return cols | {"flips": False}, cot_unreached(ctx, side, chain)
-    flips = sides == ["old", "new"]
-    return cols | {"flips": flips, "reason": None if flips else "no_cot_flip"}, None
 
 
 def scan_layers(n_layers: int, layers: Sequence[int] | None, n_scan: int | None, key: str = "probe.layers") -> list[int]:

@@ -8,9 +8,9 @@ here, for both readouts:
   progress, timing); patched variants are scored in one batched call chunked to the memory budget
   (:func:`kvnotes.harness.readout.variant_scores`, the run's ``readout`` mode).
 - **generated** (``scenario.variant=cot``): pairs are taken round-robin over scenarios up to the
-  probe's ``cot_max_pairs`` (the rest counted ``beyond_max_pairs``); per pair both prefixes are
-  prefilled and the clean chains decode greedily in one batch (:func:`kvnotes.harness.kit.cot_screen`,
-  at most ``cot_max_new_tokens`` tokens): the old chain must name the old candidate after the
+  probe's ``cot_max_pairs`` (the rest counted ``beyond_max_pairs``); per pair the clean chains
+  decode greedily from their prefix caches in one batch, each prompt's once per loop
+  (:func:`kvnotes.harness.screened.screen_generated`, at most ``cot_max_new_tokens`` tokens): the old chain must name the old candidate after the
   scenario's answer marker (after the think block on a thinking model) and the new chain the new
   one (exclusions: ``<side>_no_marker``, ``<side>_truncated_in_think``, ``no_cot_flip``). Patched
   variants then decode their reasoning in one batch (:func:`kvnotes.kv.generate.generate`) and each
@@ -314,9 +314,9 @@ def _screened(ctx, desc: str, pairs: list | None) -> Iterator[tuple[ScreenedPair
         for run, row in K.each_pair(ctx, desc=desc):
             yield ScreenedPair.of(ctx, run), row
         return
-    max_new = int(ctx.cfg.cot_max_new_tokens)
+    max_new, memo = int(ctx.cfg.cot_max_new_tokens), {}      # a prompt's clean chain decodes once
     for pair in tqdm(pairs, desc=f"{desc} cot", disable=not K.progress(ctx)):
-        yield screen_generated(ctx, pair, max_new)
+        yield screen_generated(ctx, pair, max_new, memo)
 
 
 def _exclusion(row: dict) -> dict:

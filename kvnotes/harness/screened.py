@@ -36,6 +36,8 @@ from kvnotes.models.adapters import Adapter
 #: The readouts a decision is read under (module docstring): ``scenario.variant=direct`` / ``cot``.
 Readout = Literal["direct", "generated"]
 READOUTS: tuple[Readout, ...] = ("direct", "generated")
+#: The two clean runs of a pair.
+SIDES = ("old", "new")
 
 
 @dataclass
@@ -333,23 +335,70 @@ class GeneratedPair(ScreenedPair):
         return self
 
 
+#: The pair loop's clean chains under the generated readout: a prompt's key (:func:`_chain_key`) ->
+#: its clean chain and the fp32 ``[vocab]`` log-probs after its marker (NaN where unreached).
+ChainMemo = dict[tuple, tuple[kvgen.Chain, torch.Tensor]]
+
+
+def _chain_key(pair, side: str) -> tuple:
+    """What a clean chain depends on: the scenario and prompt variant (its marker) and the side's
+    tokens through the decision position (the prefix ``[0, d)`` and the token fed at ``d``)."""
+    d = pair.decision
+    return pair.spec.instance.scenario.id, pair.spec.variant, tuple(getattr(pair, side).ids[: d + 1].tolist())
+
+
 @torch.no_grad()
-def screen_generated(ctx, pair, max_new: int) -> tuple[GeneratedPair | None, dict]:
-    """Screen one pair under the generated readout: prefill both prefixes over ``[0, d)`` and
-    decode the clean chains (:func:`kvnotes.harness.kit.cot_screen`).
+def screen_generated(ctx, pair, max_new: int, memo: ChainMemo | None = None) -> tuple[GeneratedPair | None, dict]:
+    """Screen one pair under the generated readout: the clean old and new chains decode greedily
+    from their prefix caches over ``[0, d)`` (in one batch) and each decision is read after its
+    marker (:func:`kvnotes.kv.generate.generate`).
+
+    A prompt's clean chain is the same in every pair that holds it (an instance's value is the old
+    run of some pairs and the new run of others): with ``memo`` (the pair loop's :data:`ChainMemo`)
+    each prompt's chain decodes once, and a prefix is prefilled only to decode its chain or to be
+    measured.
 
     Returns:
         (the :class:`GeneratedPair`, or None when a clean chain missed its marker; the row:
-        :func:`kvnotes.harness.pairs.pair_row` and the screen's columns, ``reason`` set).
+        :func:`kvnotes.harness.pairs.pair_row` and the screen's columns: ``s_old`` / ``s_new`` after
+        the markers (None where unreached), ``effect``, ``flips`` (the old chain names the old
+        candidate and the new chain the new one), ``reason`` (None, ``no_cot_flip``, or the
+        unreached reason ``old_no_marker``, ``new_truncated_in_think``, ...), ``chain_old`` /
+        ``chain_new`` (:meth:`kvnotes.kv.generate.Chain.record`)).
     """
-    d = pair.decision
-    with ctx.timer("prefill"):
-        old_c = kvcache.prefill(ctx.bundle.model, pair.old.ids[:d])
-        new_c = kvcache.prefill(ctx.bundle.model, pair.new.ids[:d])
-    screen, why = K.cot_screen(ctx, pair, old_c, new_c, max_new)
-    row = pair_row(pair) | screen
-    if why:
-        return None, row | {"reason": why}
-    return GeneratedPair(ctx, pair, old_c, new_c, screen, max_new), row
+    model, d = ctx.bundle.model, pair.decision
+    memo = {} if memo is None else memo
+    caches: dict = {}
 
+    def cache(side: str):
+        if side not in caches:
+            with ctx.timer("prefill"):
+                caches[side] = kvcache.prefill(model, getattr(pair, side).ids[:d])
+        return caches[side]
 
+    keys = {side: _chain_key(pair, side) for side in SIDES}
+    todo = [side for side in SIDES if keys[side] not in memo]
+    if todo:
+        start = cache(todo[0])                      # one chain alone; both in one batch of variants
+        if len(todo) == 2:
+            both = torch.stack([torch.zeros(len(start.layers), d, dtype=torch.bool),
+                                torch.ones(len(start.layers), d, dtype=torch.bool)])
+            start = kvcache.build_variants(model.config, start, cache("new"), both)
+        with ctx.timer("cot_screen"):
+            gen = kvgen.generate(model, start, torch.stack([getattr(pair, side).ids[d] for side in todo]), d, max_new,
+                                 K.cot_marker(ctx, pair), K.stop_tokens(ctx.bundle.tokenizer))
+        for i, side in enumerate(todo):
+            memo[keys[side]] = gen.chains[i], gen.logprobs[i]
+    chains = {side: memo[keys[side]] for side in SIDES}
+    cols: dict = {f"chain_{side}": chain.record() for side, (chain, _) in chains.items()}
+    scores = {side: float(first_token_scores(lp[None], pair)[0]) if chain.reached else None
+              for side, (chain, lp) in chains.items()}
+    s_old, s_new = scores["old"], scores["new"]
+    cols |= {"s_old": s_old, "s_new": s_new, "effect": s_new - s_old if s_old is not None and s_new is not None else None}
+    row = pair_row(pair) | cols
+    for side, (chain, _) in chains.items():
+        if not chain.reached:
+            return None, row | {"flips": False, "reason": K.cot_unreached(ctx, side, chain)}
+    flips = [kvgen.owned_side(lp, pair) for _, lp in chains.values()] == list(SIDES)
+    row |= {"flips": flips, "reason": None if flips else "no_cot_flip"}
+    return GeneratedPair(ctx, pair, cache("old"), cache("new"), row, max_new), row

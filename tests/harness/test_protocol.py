@@ -19,7 +19,7 @@ from kvnotes.harness.screened import ScreenedPair, screen_generated
 from kvnotes.harness.readout import run_pair
 from kvnotes.kv.sites import kv_site
 from tests.helpers import cot_tiny_ctx
-from tests.kv.test_cache import prompts
+from tests.kv.test_cache import FIELD, VOCAB, prompts
 from tests.probes.test_injection import synthetic_pair
 from tests.planted import BAR, EXACT, marker_positions, planted_context, planted_truth
 
@@ -83,6 +83,34 @@ def test_zero_new_tokens_knocks_out_like_the_direct_readout(tiny, monkeypatch):
         assert torch.equal(w.reading_masses(0), w.masses[0, 0]) and max(w.recon_err, g.recon_err) < TOL
         assert direct.chain_columns(w, 1, chain="chain", side="side") == {}
         assert set(gen.chain_columns(g, 1, chain="chain", side="side")) == {"chain", "side"}
+
+
+def test_each_prompts_clean_chain_decodes_once(tiny, monkeypatch):
+    """The generated screen's memo (the pair loop's): pairs that share a prompt (a value that is the
+    old run of one pair and the new run of another) decode its clean chain once, and screen as they
+    do alone: the same chains token for token, the same scores and flips."""
+    from kvnotes.kv import generate as kvgen
+
+    monkeypatch.setattr(kit, "cot_marker", lambda ctx, pair: lambda ids: len(ids) >= 2)
+    ctx = cot_tiny_ctx(tiny, monkeypatch)
+    a, b = prompts(1)
+    c = a.clone()                                                  # a third value of the field
+    c[FIELD[0]:FIELD[1]] = (b[FIELD[0]:FIELD[1]] + 1) % VOCAB
+    pairs = [synthetic_pair(a, b), synthetic_pair(b, a), synthetic_pair(a, c), synthetic_pair(c, b)]
+    decoded = []
+    real = kvgen.generate
+    monkeypatch.setattr(kvgen, "generate", lambda *args, **kw: decoded.append(len((g := real(*args, **kw)).chains)) or g)
+    alone = [screen_generated(ctx, p, 3)[1] for p in pairs]
+    assert sum(decoded) == 2 * len(pairs)
+    decoded.clear()
+    memo: dict = {}
+    shared = [screen_generated(ctx, p, 3, memo)[1] for p in pairs]
+    assert sum(decoded) == len(memo) == 3                          # a, b, c: one chain each
+    for want, got in zip(alone, shared):
+        assert got["chain_old"] == want["chain_old"] and got["chain_new"] == want["chain_new"]
+        assert got["chain_old"]["length"] == 2 and got["chain_old"]["reached"]
+        assert (got["s_old"], got["s_new"]) == pytest.approx((want["s_old"], want["s_new"]), abs=TOL, rel=REL)
+        assert (got["flips"], got["reason"]) == (want["flips"], want["reason"])
 
 
 def test_head_sites_score_alike_under_both_readouts(tiny, monkeypatch):
