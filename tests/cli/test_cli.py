@@ -46,13 +46,15 @@ def one_line_error(proc, *needles):
         assert n in lines[0], lines[0]
 
 
-def test_misspelt_model(tmp_path):
-    one_line_error(run("model=qwen3-9b", f"out_root={tmp_path}"), "unknown model 'qwen3-9b'", "qwen3-8b")
+def test_misspelt_model(tmp_path, monkeypatch, capsys):
+    one_line_error(run_main(monkeypatch, capsys, "model=qwen3-9b", f"out_root={tmp_path}"), "unknown model 'qwen3-9b'",
+                   "qwen3-8b")
     assert not any(tmp_path.iterdir())
 
 
-def test_unknown_probe(tmp_path):
-    one_line_error(run("probe=blastradius", f"out_root={tmp_path}"), "unknown probe 'blastradius'")
+def test_unknown_probe(tmp_path, monkeypatch, capsys):
+    one_line_error(run_main(monkeypatch, capsys, "probe=blastradius", f"out_root={tmp_path}"),
+                   "unknown probe 'blastradius'")
 
 
 def test_offline_hub_model_names_model_and_remedy(tmp_path):
@@ -143,18 +145,19 @@ def test_notebook_executes_on_sweep_records(sweep):
     assert "6 rows from 2 records" in text and f"{drawn} figures" in text and drawn >= len(records)
 
 
-def test_recurrent_architecture_is_refused_before_loading(tmp_path):
+def test_recurrent_architecture_is_refused_before_loading(tmp_path, monkeypatch, capsys):
     """A checkpoint whose layers keep a recurrent state (Qwen3-Next: linear attention) is refused in
     one line naming the layer type, before any weights are read (the directory holds only a config)."""
     import transformers as T
 
     ckpt = tmp_path / "qwen3-next"
     T.Qwen3NextConfig(num_hidden_layers=4).save_pretrained(ckpt)
-    one_line_error(run("model=qwen3-8b", f"model.path={ckpt}", "model.architecture=null", f"out_root={tmp_path / 'runs'}"),
+    one_line_error(run_main(monkeypatch, capsys, "model=qwen3-8b", f"model.path={ckpt}", "model.architecture=null",
+                            f"out_root={tmp_path / 'runs'}"),
                    "qwen3_next", "'linear_attention' layers (3 of 4 layers)")
     # under the entry's own architecture, the checkpoint's model_type is refused first: a record named
     # Qwen3-8B would hold another model
-    one_line_error(run("model=qwen3-8b", f"model.path={ckpt}", f"out_root={tmp_path / 'runs'}"),
+    one_line_error(run_main(monkeypatch, capsys, "model=qwen3-8b", f"model.path={ckpt}", f"out_root={tmp_path / 'runs'}"),
                    "holds a qwen3_next checkpoint, but model=qwen3-8b is qwen3")
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("record.json"))
 

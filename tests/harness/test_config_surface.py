@@ -10,6 +10,7 @@ the probes' own tests' subject.
 
 from __future__ import annotations
 
+import functools
 import string
 
 import yaml
@@ -21,11 +22,17 @@ from omegaconf import OmegaConf
 from tests.scenarios.test_contract import COMMON, check_main
 
 
-def _declared_keys() -> list[str]:
-    """Dotted leaf keys of the screen probe's composed run config (every config group's declared keys)."""
+@functools.cache
+def _screen_config():
+    """The screen probe's composed run config (composed once: the examples only read it)."""
     from tests.scenarios.test_contract import compose
 
-    tree = OmegaConf.to_container(compose(["probe=screen"]), resolve=False)
+    return compose(["probe=screen"])
+
+
+def _declared_keys() -> list[str]:
+    """Dotted leaf keys of the screen probe's composed run config (every config group's declared keys)."""
+    tree = OmegaConf.to_container(_screen_config(), resolve=False)
 
     def leaves(node, prefix=""):
         if isinstance(node, dict) and node:
@@ -60,9 +67,7 @@ def near_miss(draw) -> str:
 
 
 def _declared_value(key: str):
-    from tests.scenarios.test_contract import compose
-
-    return OmegaConf.select(compose(["probe=screen"]), key)
+    return OmegaConf.select(_screen_config(), key)
 
 
 @settings(max_examples=15, **COMMON)

@@ -115,13 +115,13 @@ def test_largest_zoo_model_offline_is_the_offline_error_and_shards(tmp_path):
     one_line_error(proc, "llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct", "hf download")
 
 
-def test_architecture_without_adapter_is_one_line(tmp_path):
+def test_architecture_without_adapter_is_one_line(tmp_path, monkeypatch, capsys):
     import transformers as T
 
     cfg = T.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
     T.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
-    proc = run(f"model.path={tmp_path / 'gpt2'}", "model=qwen3-0.6b", "model.architecture=null",
-               f"out_root={tmp_path / 'runs'}")
+    proc = run_main(monkeypatch, capsys, f"model.path={tmp_path / 'gpt2'}", "model=qwen3-0.6b", "model.architecture=null",
+                    f"out_root={tmp_path / 'runs'}")
     one_line_error(proc, "no architecture adapter", "gpt2")
 
 
