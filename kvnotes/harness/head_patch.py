@@ -83,7 +83,7 @@ def patched_scores(engine: Engine, run: PairRun, source: torch.Tensor, masks: to
     if mode not in HEAD_SITES:
         raise ValueError(f"mode must be one of {HEAD_SITES}")
     start = d if mode == "read" else b
-    positions = list(range(start, d))if mode == "write" else [d]
+    positions = list(range(start, d)) if mode == "write" else [d]
     ids = pair.old.ids[start: d + 1]
     P = len(positions)
     L = masks.shape[1]
