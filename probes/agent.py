@@ -20,7 +20,7 @@ from kvnotes.harness.edit_prompts import common_prefix_length, erratum_text, ren
 from kvnotes.harness.kit import ProbeConfig, by_family, exclusion_counts, per_prompt, summary, units
 from kvnotes.harness.pairs import transcript_turns
 from kvnotes.harness.selection import pair_rng
-from kvnotes.harness.protocol import Measure, measured, readout_of
+from kvnotes.harness.protocol import Measure, readout_of, summaries
 from kvnotes.harness.reader import PromptReader, Reads, prompt_reader
 from kvnotes.harness.timing import timed
 from kvnotes.harness.tokens import CANDIDATE_MERGES, Prompt, build_conversation, candidates_after
@@ -289,8 +289,19 @@ def _chain_columns(reader, sides: dict[str, Reading], first: dict, answer: str) 
     return out
 
 
+def _chain_summary(rows: list[dict], excluded: list[dict], max_new_tokens: int) -> dict:
+    """What only chains have, over the run: the chains' token cap, the chains that missed their
+    marker (agent: trajectories its chain ended, also in the exclusions; oracle / transcript: kept
+    turns) and the turns whose expected candidate merges with a side's chain."""
+    return {"cot_max_new_tokens": max_new_tokens,
+            "n_unreached": {"agent": sum(r["reason"] in AGENT_UNREACHED for r in excluded),
+                            **{k: sum(not r[f"{k}_reached"] for r in rows) for k in ("oracle", "transcript")}},
+            "n_candidate_merges": {k: sum(r[f"{k}_reached"] and r["expected_first_tokens"][k] is None for r in rows)
+                                   for k in SIDES}}
+
+
 #: What only a chain has, measured under the generated readout.
-CHAINS = Measure("chains", _chain_columns, readouts=("generated",))
+CHAINS = Measure("chains", _chain_columns, readouts=("generated",), summary=_chain_summary)
 
 
 def _turn_columns(reader, sides: dict[str, Reading], expected: str) -> dict:
@@ -396,14 +407,7 @@ def run(ctx) -> dict:
     aggregates = {"turns": turns, "seam": seam, "sink": sink, "n_trajectories": len({r["trajectory"] for r in rows}),
                   "n_excluded": len(excluded), "families": families, "by_family": agg,
                   "device": model.device.type, "readout": readout_of(ctx)}
-    if CHAINS.name in measured(ctx, (CHAINS,)):
-        aggregates |= {
-            "cot_max_new_tokens": cfg.cot_max_new_tokens,
-            # agent: trajectories its chain ended (also in the exclusions); oracle/transcript: kept turns
-            "n_unreached": {"agent": sum(r["reason"] in AGENT_UNREACHED for r in excluded),
-                            **{k: sum(not r[f"{k}_reached"] for r in rows) for k in ("oracle", "transcript")}},
-            "n_candidate_merges": {k: sum(r[f"{k}_reached"] and r["expected_first_tokens"][k] is None for r in rows)
-                                   for k in SIDES}}
+    aggregates |= summaries(readout_of(ctx), (CHAINS,), rows, excluded, cfg.cot_max_new_tokens)
     return {"rows": rows, "aggregates": aggregates, "exclusions": exclusion_counts(excluded), "excluded": excluded}
 
 

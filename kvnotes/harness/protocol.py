@@ -89,17 +89,31 @@ class Measure:
         readouts: e.g. ``("direct",)`` for a measurement read at the decision position itself (the
             exact field refresh), which a generated readout would not read; ``("generated",)`` for
             one of what only a chain has.
+        summary: ``(*what the probe passes) -> aggregates`` over the rows its columns filled, or
+            None (:func:`summaries` runs it under the same readouts).
     """
 
     name: str
     columns: Callable[..., dict]
     readouts: tuple[Readout, ...] = READOUTS
+    summary: Callable[..., dict] | None = None
 
     def of(self, unit, *args) -> dict:
         """Its columns on ``unit`` (a :class:`kvnotes.harness.screened.ScreenedPair`, a
         :class:`kvnotes.harness.reader.PromptReader`: anything with the run's ``readout``) when
         that readout is one of :attr:`readouts`, else none."""
         return self.columns(unit, *args) if unit.readout in self.readouts else {}
+
+
+def summaries(readout: Readout, measures: Sequence[Measure], *args) -> dict:
+    """The summaries of ``measures`` defined under ``readout`` (:attr:`Measure.summary` called on
+    ``args``, merged in order): a measure's aggregates exist where its columns do, and the probe
+    never asks which ran."""
+    out: dict = {}
+    for m in measures:
+        if m.summary is not None and readout in m.readouts:
+            out |= m.summary(*args)
+    return out
 
 
 def measured(ctx, measures: Sequence[Measure]) -> list[str]:

@@ -19,7 +19,8 @@ from kvnotes.probes.compose.controls import METRICS, WHERE, composition_controls
 from kvnotes.harness.constraints import Count, NonNegative, NonNegatives, one_of, require_field_placement
 from kvnotes.harness.kit import ProbeConfig, exclusions_by_family, families_of, summaries_by_family, summary
 from kvnotes.harness.pairs import pair_row as pair_row_columns, transcript_turns
-from kvnotes.harness.protocol import Measure, measured, pair_loop, readout_aggregates, readout_config
+from kvnotes.harness.protocol import (Measure, Readout, pair_loop, readout_aggregates, readout_config, readout_of,
+                                     summaries)
 from kvnotes.harness.reader import prompt_reader
 from kvnotes.harness.stats import proportion
 from kvnotes.harness.registry import Conformance
@@ -159,12 +160,16 @@ def prompt_row(reader, cols: dict, res: dict, expected: int) -> dict:
 
 #: The logit cosine of the paper reads raw logits at the decision position: the direct readout's.
 LOGITS = Measure("logit_cosine", lambda reader, m: {"logit_cosine": float(m["logit_cosine"][0])},
-                 readouts=("direct",))
+                 readouts=("direct",),
+                 summary=lambda rows, groups, v, families, n_boot, seed: {"logit_cosine": summaries_by_family(
+                     rows, lambda r: r["variants"][v]["logit_cosine"], None, families, n_boot, seed)})
 #: What only a composed variant's chain has: its record, whether it reached its marker (and why not),
-#: whether it is the full prefill's chain token for token.
+#: whether it is the full prefill's chain token for token (summary: the share that is, per group).
 CHAINS = Measure("chains", lambda reader, full, c: c.chain_columns(
     0, chain="chain", reached="reached", same=("same_chain", full.chain_ids(0)), unreached="unreached_reason"),
-    readouts=("generated",))
+    readouts=("generated",),
+    summary=lambda rows, groups, v, families, n_boot, seed: {"same_chain": {
+        g: proportion(sum(r["variants"][v]["same_chain"] for r in rs), len(rs)) for g, rs in groups.items()}})
 
 
 def pair_row(pair, screen: dict, ro: dict, rn: dict, names: list[str]) -> dict:
@@ -197,16 +202,16 @@ def pair_row(pair, screen: dict, ro: dict, rn: dict, names: list[str]) -> dict:
 
 
 def aggregate(prompt_rows: list[dict], pair_rows: list[dict], names: list[str], families: list[str], n_boot: int,
-              seed: int, measured: list[str]) -> dict:
+              seed: int, readout: Readout) -> dict:
     """Per variant and group (``all`` and each family), over distinct prompts whose full chain
     reached its marker: ``decision_agreement`` (owned prompts whose composed run names the full
     prefill's top-1; Wilson CI), ``top1_agreement`` (the same over every prompt), ``kl``
     (KL(full || composed), cluster bootstrap); a composed chain that missed its marker is left out
     of these and counted (``n_unreached``; 0 under the direct readout). Over pairs that flip:
     ``new_decision`` (the composed new run decides as the full one does; Wilson CI) and ``recovery``
-    (:func:`kvnotes.harness.kit.summaries_by_family`). With the measures that ran (``measured``):
-    ``logit_cosine`` (:data:`LOGITS`), ``same_chain`` (:data:`CHAINS`: the composed chain is the
-    full chain token for token)."""
+    (:func:`kvnotes.harness.kit.summaries_by_family`). With the measures of the run's ``readout``
+    (:func:`kvnotes.harness.protocol.summaries`): ``logit_cosine`` (:data:`LOGITS`), ``same_chain``
+    (:data:`CHAINS`: the composed chain is the full chain token for token)."""
     out = {}
     groups = {g: prompt_rows if g == "all" else [r for r in prompt_rows if r["family"] == g] for g in ["all", *families]}
     flipping = [r for r in pair_rows if r["flips"]]
@@ -224,12 +229,7 @@ def aggregate(prompt_rows: list[dict], pair_rows: list[dict], names: list[str], 
             "new_decision": {g: share(rs, "takes_new") for g, rs in fgroups.items()},
             "recovery": summaries_by_family(flipping, lambda r, v=v: r["variants"][v]["r"],
                                             lambda r, v=v: r["variants"][v]["takes_new"], families, n_boot, seed)}
-        if LOGITS.name in measured:
-            out[v]["logit_cosine"] = summaries_by_family(prompt_rows, lambda r, v=v: r["variants"][v]["logit_cosine"],
-                                                         None, families, n_boot, seed)
-        if CHAINS.name in measured:
-            out[v]["same_chain"] = {g: proportion(sum(r["variants"][v]["same_chain"] for r in rs), len(rs))
-                                    for g, rs in groups.items()}
+        out[v] |= summaries(readout, (LOGITS, CHAINS), prompt_rows, groups, v, families, n_boot, seed)
     return out
 
 
@@ -318,7 +318,7 @@ def run(ctx) -> dict:
     pr = pair_loop(cctx, "compose screen", scope="all", keep=True)
     pairs, screened = suite_order(cpairs.pairs, pr)
     engine = make_engine(model) if cfg.controls else None
-    measures = measured(ctx, (LOGITS, CHAINS, FULL_SEAM))
+    readout = readout_of(ctx)
     prompt_rows, rows, bad_prompts, bad_pairs, memo = [], [], [], [], {"chunks": {}}
     for at, pair in enumerate(K.units(ctx, pairs, "compose")):
         inst, sc = pair.spec.instance.id, pair.spec.instance.scenario
@@ -364,12 +364,10 @@ def run(ctx) -> dict:
     exclusions = K.exclusion_counts(excluded) | {k: v for k, v in pr.exclusions.items() if k == "beyond_max_pairs"}
     families = families_of(cctx, rows + prompt_rows + bad_prompts)
     with ctx.timer("statistics"):
-        agg = aggregate(prompt_rows, rows, names, families, n_boot, ctx.seed, measures)
+        agg = aggregate(prompt_rows, rows, names, families, n_boot, ctx.seed, readout)
         arms = aggregate_arms(rows, arm_seams, families, n_boot, ctx.seed) if arm_seams else None
     checks = {"pairs_with_chunks_tokenised_standalone": sum(all(r["standalone"]) for r in rows), "n_rows": len(rows)}
-    if FULL_SEAM.name in measures:
-        checks["max_abs_logit_diff_full_seam"] = max((r["max_abs_logit_diff_full_seam"] for r in prompt_rows),
-                                                     default=None)
+    checks |= summaries(readout, (FULL_SEAM,), prompt_rows)
     aggregates = {"n_pairs": len(cpairs.pairs) + len(cpairs.excluded), "n_aligned": len(cpairs.pairs),
                   "n_flip": sum(r["flips"] for r in rows), "n_prompts": len(prompt_rows),
                   "n_owned_prompts": sum(r["owned"] for r in prompt_rows), "families": families, "sinks": sinks,

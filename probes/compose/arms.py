@@ -105,8 +105,11 @@ def _full_seam(reader, model, ids: torch.Tensor, chunks: tuple, compiled: list, 
     return {"max_abs_logit_diff_full_seam": [float((check[j] - full.logits[j]).abs().max()) for j in range(len(ids))]}
 
 
-#: The whole-chunk seam's check reads raw logits at the decision position: the direct readout's.
-FULL_SEAM = Measure("full_seam", _full_seam, readouts=("direct",))
+#: The whole-chunk seam's check reads raw logits at the decision position: the direct readout's
+#: (summary: its largest difference over the prompts).
+FULL_SEAM = Measure("full_seam", _full_seam, readouts=("direct",),
+                    summary=lambda rows: {"max_abs_logit_diff_full_seam": max(
+                        (r["max_abs_logit_diff_full_seam"] for r in rows), default=None)})
 
 
 @torch.no_grad()

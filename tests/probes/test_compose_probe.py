@@ -243,7 +243,7 @@ def test_a_chain_without_its_marker_is_never_scored():
     b = row["variants"]["b"]
     assert not b["reached"] and b["kl"] is None and b["top1_agree"] is None and b["top1"] is None
     assert b["unreached_reason"] == "composed_no_marker" and not b["same_chain"]
-    agg = aggregate([row], [], ["a", "b"], ["f"], 50, 0, measured=["chains"])
+    agg = aggregate([row], [], ["a", "b"], ["f"], 50, 0, readout="generated")
     assert agg["b"]["n_unreached"]["all"] == 1 and agg["b"]["decision_agreement"]["all"]["n"] == 0
     assert agg["b"]["kl"]["all"]["n"] == 0 and (agg["b"]["same_chain"]["all"]["k"], agg["b"]["same_chain"]["all"]["n"]) == (0, 1)
     assert agg["a"]["decision_agreement"]["all"]["k"] == 1 and agg["a"]["kl"]["all"]["mean"] == pytest.approx(0.0, abs=1e-6)
