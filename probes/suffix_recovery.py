@@ -38,13 +38,6 @@ REFERENCES = ("none", "field", "downstream", "field_downstream")
 NO_DOWNSTREAM = "no_downstream"
 
 
-def _set_family(name: str) -> str:
-    """A set family (:data:`SET_FAMILIES`)."""
-    if name not in SET_FAMILIES:
-        raise ValueError(f"must be one of {', '.join(map(repr, SET_FAMILIES))}, got {name!r}")
-    return name
-
-
 def _cot_family(name: str) -> str:
     """A set family the cot curves run (:data:`COT_FAMILIES`)."""
     if name not in COT_FAMILIES:
@@ -74,7 +67,7 @@ class Config(ProbeConfig, GeneratedReadout):
     grid: Grid = field(default_factory=Grid)
     #: the set families: last-k / first-k downstream positions, the top-k positions ranked on
     #: selection pairs (held-out pairs), k-matched random sets
-    families: Annotated[list[Annotated[str, AfterValidator(_set_family)]], Len(min_length=1)] = field(
+    families: Annotated[list[Annotated[str, one_of(*SET_FAMILIES)]], Len(min_length=1)] = field(
         default_factory=lambda: list(SET_FAMILIES))
     #: the single-position map (every downstream position alone; the top-k ranking reads it)
     single: bool = True
